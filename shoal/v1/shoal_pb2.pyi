@@ -1,0 +1,460 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    REDUCE_SCATTER: _ClassVar[Phase]
+    ALL_GATHER: _ClassVar[Phase]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT8: DType
+FLOAT64: DType
+UINT8: DType
+PHASE_UNSPECIFIED: Phase
+REDUCE_SCATTER: Phase
+ALL_GATHER: Phase
+
+class JoinRequest(_message.Message):
+    __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s")
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    public_key: bytes
+    data_address: str
+    join_token: str
+    num_samples: int
+    version: str
+    up_bytes_per_s: float
+    down_bytes_per_s: float
+    def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    lease_seconds: float
+    heartbeat_interval_seconds: float
+    epoch: int
+    next_round: int
+    run_config_json: str
+    sync: SyncOrder
+    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("peer_id",)
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_seconds", "epoch", "round")
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    epoch: int
+    round: int
+    def __init__(self, lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("peer_id",)
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReadyRequest(_message.Message):
+    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    num_elements: int
+    dtype: DType
+    num_samples: int
+    state_digest: bytes
+    state_round: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ...) -> None: ...
+
+class ReadyResponse(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("peer_id",)
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
+
+class Participant(_message.Message):
+    __slots__ = ("peer_id", "address", "num_samples", "owner", "public_key")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    address: str
+    num_samples: int
+    owner: bool
+    public_key: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("round", "attempt", "epoch", "participants", "algorithm", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    SHARD_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_OWNER_FIELD_NUMBER: _ClassVar[int]
+    NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    attempt: int
+    epoch: int
+    participants: _containers.RepeatedCompositeFieldContainer[Participant]
+    algorithm: str
+    shard_bounds: _containers.RepeatedScalarFieldContainer[int]
+    shard_owner: _containers.RepeatedScalarFieldContainer[int]
+    num_elements: int
+    dtype: DType
+    deadline_seconds: float
+    chunk_timeout_seconds: float
+    chunk_bytes: int
+    ticket: bytes
+    aggregator: str
+    compression: str
+    predicted_seconds: float
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., algorithm: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ("round", "attempt", "result_digest", "state_digest", "epoch", "participants", "flagged")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    attempt: int
+    result_digest: bytes
+    state_digest: bytes
+    epoch: int
+    participants: _containers.RepeatedScalarFieldContainer[str]
+    flagged: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("round", "attempt", "reason", "excluded", "will_retry")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    WILL_RETRY_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    attempt: int
+    reason: str
+    excluded: _containers.RepeatedScalarFieldContainer[str]
+    will_retry: bool
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ..., excluded: _Optional[_Iterable[str]] = ..., will_retry: _Optional[bool] = ...) -> None: ...
+
+class SyncOrder(_message.Message):
+    __slots__ = ("round", "state_digest", "donors", "state_bytes")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DONORS_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    state_digest: bytes
+    donors: _containers.RepeatedCompositeFieldContainer[Participant]
+    state_bytes: int
+    def __init__(self, round: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., donors: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("rounds_committed", "reason")
+    ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    rounds_committed: int
+    reason: str
+    def __init__(self, rounds_committed: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RoundEvent(_message.Message):
+    __slots__ = ("plan", "commit", "abort", "sync", "finished")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    plan: Plan
+    commit: Commit
+    abort: Abort
+    sync: SyncOrder
+    finished: Finished
+    def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+
+class VoteRequest(_message.Message):
+    __slots__ = ("peer_id", "round", "attempt", "ok", "result_digest", "state_digest", "error", "suspects", "flagged", "train_loss", "bytes_sent", "collective_seconds")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    RESULT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    attempt: int
+    ok: bool
+    result_digest: bytes
+    state_digest: bytes
+    error: str
+    suspects: _containers.RepeatedScalarFieldContainer[str]
+    flagged: _containers.RepeatedScalarFieldContainer[str]
+    train_loss: float
+    bytes_sent: int
+    collective_seconds: float
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., error: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ..., train_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., collective_seconds: _Optional[float] = ...) -> None: ...
+
+class VoteResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LinkEstimate(_message.Message):
+    __slots__ = ("peer_id", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "samples")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    up_bytes_per_s: float
+    down_bytes_per_s: float
+    rtt_seconds: float
+    samples: int
+    def __init__(self, peer_id: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
+
+class LinkReport(_message.Message):
+    __slots__ = ("peer_id", "links", "up_bytes_per_s", "down_bytes_per_s")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    links: _containers.RepeatedCompositeFieldContainer[LinkEstimate]
+    up_bytes_per_s: float
+    down_bytes_per_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEstimate, _Mapping]]] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ...) -> None: ...
+
+class LinkReportResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("recent_rounds",)
+    RECENT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    recent_rounds: int
+    def __init__(self, recent_rounds: _Optional[int] = ...) -> None: ...
+
+class MemberInfo(_message.Message):
+    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    address: str
+    state: str
+    lease_remaining_seconds: float
+    num_samples: int
+    up_bytes_per_s: float
+    down_bytes_per_s: float
+    rtt_seconds: float
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ...) -> None: ...
+
+class RoundInfo(_message.Message):
+    __slots__ = ("round", "attempt", "status", "state_digest", "participants", "seconds", "reason", "train_loss", "algorithm")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    attempt: int
+    status: str
+    state_digest: bytes
+    participants: int
+    seconds: float
+    reason: str
+    train_loss: float
+    algorithm: str
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., status: _Optional[str] = ..., state_digest: _Optional[bytes] = ..., participants: _Optional[int] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ..., train_loss: _Optional[float] = ..., algorithm: _Optional[str] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("epoch", "round", "members", "rounds", "rounds_committed", "rounds_aborted", "run_config_json")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundInfo]
+    rounds_committed: int
+    rounds_aborted: int
+    run_config_json: str
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., rounds_committed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., run_config_json: _Optional[str] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("round", "attempt", "sender", "phase", "step", "shard", "offset", "dtype", "shape", "data", "ticket", "scale", "codec")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    attempt: int
+    sender: str
+    phase: Phase
+    step: int
+    shard: int
+    offset: int
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    ticket: bytes
+    scale: bytes
+    codec: int
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., sender: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., scale: _Optional[bytes] = ..., codec: _Optional[int] = ...) -> None: ...
+
+class PushAck(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    def __init__(self, chunks: _Optional[int] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("peer_id", "round", "offset", "length")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    offset: int
+    length: int
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("round", "offset", "total_bytes", "data", "state_digest")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    offset: int
+    total_bytes: int
+    data: bytes
+    state_digest: bytes
+    def __init__(self, round: _Optional[int] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ...) -> None: ...
+
+class ProbeRequest(_message.Message):
+    __slots__ = ("payload", "reply_bytes")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    reply_bytes: int
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+
+class ProbeResponse(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class RoundTicket(_message.Message):
+    __slots__ = ("round", "attempt", "participants", "plan_digest", "expires_unix")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    attempt: int
+    participants: _containers.RepeatedScalarFieldContainer[str]
+    plan_digest: bytes
+    expires_unix: float
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., plan_digest: _Optional[bytes] = ..., expires_unix: _Optional[float] = ...) -> None: ...
