@@ -52,7 +52,7 @@ class JoinRequest(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync")
+    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class JoinResponse(_message.Message):
     NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     lease_seconds: float
     heartbeat_interval_seconds: float
@@ -67,7 +68,8 @@ class JoinResponse(_message.Message):
     next_round: int
     run_config_json: str
     sync: SyncOrder
-    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ...) -> None: ...
+    coordinator_public_key: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., coordinator_public_key: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("peer_id",)
