@@ -3,16 +3,29 @@
 A peer's id is the hex BLAKE2b-128 digest of its raw 32-byte Ed25519 public key, so an id
 cannot be claimed without the matching private key. Keys are stored PEM-encoded (PKCS#8, no
 passphrase) with 0600 permissions.
+
+Control-plane requests are signed with that key (`sign_metadata`) and checked by the
+coordinator (`RequestVerifier`): the signature covers the method, a timestamp, a single-use
+nonce and the serialized request, so it can be neither replayed nor moved to another call, and
+the request's `peer_id` / `public_key` must name the signer. This module does not do transport
+security (see `shoal.certs`) nor admission (see `coordinator.admission`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 import pathlib
+import time
+from collections.abc import Sequence
 
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from google.protobuf.message import Message
+
+from peer.errors import ResourceExhausted, Unauthenticated
 
 PEER_ID_BYTES = 16
 
@@ -55,3 +68,189 @@ def load_or_create_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
     return key
+
+
+# ---------------------------------------------------------------- request signing
+#
+# A control-plane request is signed over a domain-separated message so a signature for one
+# method, moment or body cannot be replayed as another:
+#
+#   b"shoal.v1\x00" | u16be(len(method)) | method (UTF-8) | u64be(ts_ns) | nonce (16 bytes)
+#   | request.SerializeToString(deterministic=True)
+#
+# The fixed-width fields after the length-prefixed method make the encoding unambiguous.
+
+SIG_DOMAIN = b"shoal.v1\x00"
+MD_PUBKEY = "x-shoal-pubkey"
+MD_TS = "x-shoal-ts"
+MD_NONCE = "x-shoal-nonce"
+MD_SIG = "x-shoal-sig"
+NONCE_BYTES = 16
+_MD_KEYS = (MD_PUBKEY, MD_TS, MD_NONCE, MD_SIG)
+
+
+def _signed_message(method: str, ts_ns: int, nonce: bytes, body: bytes) -> bytes:
+    m = method.encode("utf-8")
+    if len(m) > 0xFFFF:
+        raise ValueError("method: longer than 65535 bytes")
+    return b"".join(
+        (SIG_DOMAIN, len(m).to_bytes(2, "big"), m, ts_ns.to_bytes(8, "big"), nonce, body)
+    )
+
+
+def sign_metadata(
+    key: Ed25519PrivateKey, method: str, request: Message, now: float | None = None
+) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata that signs `request` for `method` with `key`.
+
+    `method` is the full gRPC method path, e.g. "/shoal.v1.Coordinator/Join"; the server must
+    verify with the same string. `now` is unix seconds (default: `time.time()`).
+
+    Returns four (key, value) pairs, all lowercase keys and ASCII values:
+    `x-shoal-pubkey` (64 hex chars, raw public key), `x-shoal-ts` (decimal unix nanoseconds),
+    `x-shoal-nonce` (32 hex chars, 16 random bytes), `x-shoal-sig` (128 hex chars, Ed25519).
+    Pass them as `metadata=` on the call; each call needs fresh metadata (the nonce is single use).
+    """
+    ts_ns = time.time_ns() if now is None else int(round(now * 1e9))
+    nonce = os.urandom(NONCE_BYTES)
+    body = request.SerializeToString(deterministic=True)
+    sig = key.sign(_signed_message(method, ts_ns, nonce, body))
+    return (
+        (MD_PUBKEY, public_bytes(key).hex()),
+        (MD_TS, str(ts_ns)),
+        (MD_NONCE, nonce.hex()),
+        (MD_SIG, sig.hex()),
+    )
+
+
+def _hex_field(values: dict[str, str], name: str, nbytes: int) -> bytes:
+    raw = values[name]
+    if len(raw) != 2 * nbytes:
+        raise Unauthenticated(f"{name}: expected {2 * nbytes} hex chars, got {len(raw)}")
+    try:
+        return bytes.fromhex(raw)
+    except ValueError:
+        raise Unauthenticated(f"{name}: not hex") from None
+
+
+class RequestVerifier:
+    """Checks signed control-plane requests: signature, freshness, single use, identity.
+
+    A request is accepted when its timestamp is within `window_seconds` of the verifier's clock
+    (either side, so peer clocks may drift by up to the window), its nonce has not been seen
+    from the same key within the window, and the signature verifies. A nonce is remembered
+    until its timestamp is `window_seconds` old, after which the timestamp check alone refuses
+    a replay; at most `max_nonces` are held at a time.
+
+    The signature is bound to the caller's identity: when the request has a non-empty
+    `peer_id` field it must equal `peer_id_of(public key)`, and when it has a non-empty
+    `public_key` field it must equal the signing key.
+
+    Not thread-safe; use one instance per event loop (servicers on one grpc.aio server share it).
+    """
+
+    def __init__(self, window_seconds: float = 30.0, max_nonces: int = 100_000) -> None:
+        if window_seconds <= 0:
+            raise ValueError("window_seconds: must be > 0")
+        if max_nonces < 1:
+            raise ValueError("max_nonces: must be >= 1")
+        self.window_seconds = float(window_seconds)
+        self.max_nonces = int(max_nonces)
+        self._seen: set[bytes] = set()
+        self._expiry: list[tuple[int, bytes]] = []  # min-heap of (expiry ns, pubkey|nonce)
+
+    def __len__(self) -> int:
+        """Nonces currently remembered."""
+        return len(self._seen)
+
+    def verify(
+        self,
+        metadata: Sequence[tuple[str, str | bytes]],
+        method: str,
+        request: Message,
+        now: float | None = None,
+    ) -> bytes:
+        """Verify the signature metadata of `request` for `method`; return the raw public key.
+
+        `metadata` is the call's invocation metadata (`context.invocation_metadata()`), `method`
+        the full gRPC method path the client signed, `now` unix seconds (default: time.time()).
+        The nonce is recorded only when every check passes, so a refused request does not
+        burn the nonce of a genuine one.
+
+        Raises:
+            Unauthenticated: a signature field is missing, duplicated or malformed; the
+                timestamp is more than `window_seconds` from `now`; the nonce was already
+                used; the signature does not verify; or the request's `peer_id` /
+                `public_key` field names another identity. One-line message naming the field.
+            ResourceExhausted: `max_nonces` unexpired nonces are already held (the server
+                is being flooded); the caller should retry later.
+        """
+        now_ns = time.time_ns() if now is None else int(round(now * 1e9))
+        values: dict[str, str] = {}
+        for k, v in metadata:
+            k = k.lower()
+            if k not in _MD_KEYS:
+                continue
+            if k in values:
+                raise Unauthenticated(f"{k}: given more than once")
+            if isinstance(v, bytes):
+                try:
+                    v = v.decode("ascii")
+                except UnicodeDecodeError:
+                    raise Unauthenticated(f"{k}: not ASCII") from None
+            values[k] = v
+        for k in _MD_KEYS:
+            if k not in values:
+                raise Unauthenticated(f"{k}: missing request signature metadata")
+
+        pub = _hex_field(values, MD_PUBKEY, 32)
+        nonce = _hex_field(values, MD_NONCE, NONCE_BYTES)
+        sig = _hex_field(values, MD_SIG, 64)
+        ts_raw = values[MD_TS]
+        if not (ts_raw.isascii() and ts_raw.isdigit()) or len(ts_raw) > 20:
+            raise Unauthenticated(f"{MD_TS}: expected decimal unix nanoseconds")
+        ts_ns = int(ts_raw)
+        if ts_ns >= 1 << 64:
+            raise Unauthenticated(f"{MD_TS}: out of range")
+        window_ns = int(self.window_seconds * 1e9)
+        skew_s = (ts_ns - now_ns) / 1e9
+        if ts_ns < now_ns - window_ns:
+            raise Unauthenticated(f"{MD_TS}: stale by {-skew_s:.1f} s (window {self.window_seconds:g} s)")
+        if ts_ns > now_ns + window_ns:
+            raise Unauthenticated(f"{MD_TS}: {skew_s:.1f} s in the future (window {self.window_seconds:g} s)")
+
+        try:
+            verifier = Ed25519PublicKey.from_public_bytes(pub)
+            verifier.verify(
+                sig, _signed_message(method, ts_ns, nonce, request.SerializeToString(deterministic=True))
+            )
+        except (InvalidSignature, ValueError):
+            raise Unauthenticated(f"{MD_SIG}: signature does not verify for {method}") from None
+
+        fields = request.DESCRIPTOR.fields_by_name
+        if "peer_id" in fields:
+            claimed = getattr(request, "peer_id")
+            if claimed and claimed != peer_id_of(pub):
+                raise Unauthenticated("peer_id: does not match the signing key")
+        if "public_key" in fields:
+            claimed_key = getattr(request, "public_key")
+            if claimed_key and claimed_key != pub:
+                raise Unauthenticated("public_key: does not match the signing key")
+
+        self._prune(now_ns)
+        entry = pub + nonce
+        if entry in self._seen:
+            raise Unauthenticated(f"{MD_NONCE}: replayed")
+        if len(self._seen) >= self.max_nonces:
+            raise ResourceExhausted(
+                f"{MD_NONCE}: {self.max_nonces} requests already seen in the last "
+                f"{self.window_seconds:g} s; retry later"
+            )
+        self._seen.add(entry)
+        heapq.heappush(self._expiry, (ts_ns + window_ns, entry))
+        return pub
+
+    def _prune(self, now_ns: int) -> None:
+        while self._expiry and self._expiry[0][0] < now_ns:
+            _, entry = heapq.heappop(self._expiry)
+            self._seen.discard(entry)
