@@ -66,7 +66,9 @@ def _check_secret(secret: bytes) -> None:
         raise ValueError(f"secret: expected at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
 
 
-def create_token(secret: bytes, ttl_seconds: float, label: str = "", now: float | None = None) -> str:
+def create_token(
+    secret: bytes, ttl_seconds: float, label: str = "", now: float | None = None
+) -> str:
     """A join token valid for `ttl_seconds` from `now` (unix seconds, default time.time()).
 
     `label` names who the token is for (it shows up in the coordinator's logs on join).
@@ -115,7 +117,9 @@ def verify_token(secret: bytes, token: str, now: float | None = None) -> TokenCl
         doc = json.loads(payload.decode("utf-8"))
         if doc.get("v") != 1:
             raise ValueError("version")
-        claims = TokenClaims(label=str(doc["label"]), expires_unix=float(doc["exp"]), token_id=str(doc["id"]))
+        claims = TokenClaims(
+            label=str(doc["label"]), expires_unix=float(doc["exp"]), token_id=str(doc["id"])
+        )
     except (ValueError, KeyError, TypeError, AttributeError):
         raise Unauthenticated("join_token: unreadable payload") from None
     t = time.time() if now is None else now
@@ -218,7 +222,9 @@ class Admission:
         """True when no admission check is configured."""
         return self.secret is None and self.allow_list is None
 
-    def admit(self, public_key: bytes, join_token: str, now: float | None = None) -> TokenClaims | None:
+    def admit(
+        self, public_key: bytes, join_token: str, now: float | None = None
+    ) -> TokenClaims | None:
         """Admit the peer holding `public_key` (raw 32 bytes) presenting `join_token`.
 
         Returns the token's claims when a token was checked, else None. The token is checked
@@ -294,7 +300,9 @@ class RateLimiter:
             self._buckets[key] = (tokens, t)
             self._evict()
             wait = (1.0 - tokens) / self.rate_per_s
-            raise ResourceExhausted(f"rate limit: {key} over {self.rate_per_s:g}/s, retry in {wait:.2f} s")
+            raise ResourceExhausted(
+                f"rate limit: {key} over {self.rate_per_s:g}/s, retry in {wait:.2f} s"
+            )
         self._buckets[key] = (tokens - 1.0, t)
         self._evict()
 

@@ -87,6 +87,9 @@ MD_NONCE = "x-shoal-nonce"
 MD_SIG = "x-shoal-sig"
 NONCE_BYTES = 16
 _MD_KEYS = (MD_PUBKEY, MD_TS, MD_NONCE, MD_SIG)
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
+# Request fields that carry the caller's peer id and must therefore name the signer.
+_PEER_ID_FIELDS = ("peer_id", "sender")
 
 
 def _signed_message(method: str, ts_ns: int, nonce: bytes, body: bytes) -> bytes:
@@ -127,10 +130,10 @@ def _hex_field(values: dict[str, str], name: str, nbytes: int) -> bytes:
     raw = values[name]
     if len(raw) != 2 * nbytes:
         raise Unauthenticated(f"{name}: expected {2 * nbytes} hex chars, got {len(raw)}")
-    try:
-        return bytes.fromhex(raw)
-    except ValueError:
-        raise Unauthenticated(f"{name}: not hex") from None
+    # bytes.fromhex skips whitespace; insist on exactly 2*nbytes hex digits.
+    if not all(c in _HEX_DIGITS for c in raw):
+        raise Unauthenticated(f"{name}: not hex")
+    return bytes.fromhex(raw)
 
 
 class RequestVerifier:
@@ -143,8 +146,15 @@ class RequestVerifier:
     a replay; at most `max_nonces` are held at a time.
 
     The signature is bound to the caller's identity: when the request has a non-empty
-    `peer_id` field it must equal `peer_id_of(public key)`, and when it has a non-empty
-    `public_key` field it must equal the signing key.
+    `peer_id` or `sender` field it must equal `peer_id_of(public key)`, and when it has a
+    non-empty `public_key` field it must equal the signing key. For a client stream
+    (`Peer/PushChunks`) sign and verify the first message (the chunk carrying the ticket):
+    that authenticates `Chunk.sender`, and the receiver must then refuse any later chunk whose
+    sender, round or attempt differ from the first.
+
+    Put a per-host `RateLimiter` in front: anyone can make keys, so without one a flood of
+    validly signed requests fills the nonce memory and `verify` answers RESOURCE_EXHAUSTED
+    to everyone until the window passes.
 
     Not thread-safe; use one instance per event loop (servicers on one grpc.aio server share it).
     """
@@ -215,23 +225,28 @@ class RequestVerifier:
         window_ns = int(self.window_seconds * 1e9)
         skew_s = (ts_ns - now_ns) / 1e9
         if ts_ns < now_ns - window_ns:
-            raise Unauthenticated(f"{MD_TS}: stale by {-skew_s:.1f} s (window {self.window_seconds:g} s)")
+            raise Unauthenticated(
+                f"{MD_TS}: stale by {-skew_s:.1f} s (window {self.window_seconds:g} s)"
+            )
         if ts_ns > now_ns + window_ns:
-            raise Unauthenticated(f"{MD_TS}: {skew_s:.1f} s in the future (window {self.window_seconds:g} s)")
+            raise Unauthenticated(
+                f"{MD_TS}: {skew_s:.1f} s in the future (window {self.window_seconds:g} s)"
+            )
 
         try:
-            verifier = Ed25519PublicKey.from_public_bytes(pub)
-            verifier.verify(
-                sig, _signed_message(method, ts_ns, nonce, request.SerializeToString(deterministic=True))
+            body = request.SerializeToString(deterministic=True)
+            Ed25519PublicKey.from_public_bytes(pub).verify(
+                sig, _signed_message(method, ts_ns, nonce, body)
             )
         except (InvalidSignature, ValueError):
             raise Unauthenticated(f"{MD_SIG}: signature does not verify for {method}") from None
 
         fields = request.DESCRIPTOR.fields_by_name
-        if "peer_id" in fields:
-            claimed = getattr(request, "peer_id")
-            if claimed and claimed != peer_id_of(pub):
-                raise Unauthenticated("peer_id: does not match the signing key")
+        for name in _PEER_ID_FIELDS:
+            if name in fields:
+                claimed = getattr(request, name)
+                if claimed and claimed != peer_id_of(pub):
+                    raise Unauthenticated(f"{name}: does not match the signing key")
         if "public_key" in fields:
             claimed_key = getattr(request, "public_key")
             if claimed_key and claimed_key != pub:

@@ -47,7 +47,8 @@ def plan_digest(plan: shoal_pb2.Plan) -> bytes:
     copy = shoal_pb2.Plan()
     copy.CopyFrom(plan)
     copy.ClearField("ticket")
-    return hashlib.blake2b(copy.SerializeToString(deterministic=True), digest_size=PLAN_DIGEST_BYTES).digest()
+    body = copy.SerializeToString(deterministic=True)
+    return hashlib.blake2b(body, digest_size=PLAN_DIGEST_BYTES).digest()
 
 
 def issue_ticket(
@@ -116,7 +117,9 @@ def verify_ticket(
             configuration error, not the sender's fault).
     """
     if len(coordinator_public_key) != 32:
-        raise ValueError(f"coordinator_public_key: expected 32 bytes, got {len(coordinator_public_key)}")
+        raise ValueError(
+            f"coordinator_public_key: expected 32 bytes, got {len(coordinator_public_key)}"
+        )
     coordinator = Ed25519PublicKey.from_public_bytes(coordinator_public_key)
     if not ticket:
         raise InvalidArgument("ticket: missing")
@@ -137,7 +140,9 @@ def verify_ticket(
     try:
         coordinator.verify(sig, TICKET_DOMAIN + body)
     except InvalidSignature:
-        raise PermissionDenied("ticket: signature does not verify with the coordinator key") from None
+        raise PermissionDenied(
+            "ticket: signature does not verify with the coordinator key"
+        ) from None
 
     if decoded.round != round or decoded.attempt != attempt:
         raise PermissionDenied(

@@ -173,7 +173,9 @@ def init_certs(
             ),
             critical=True,
         )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
+        )
         .sign(ca_key, hashes.SHA256())
     )
     coord_key, coord_cert = _leaf(
@@ -199,7 +201,7 @@ def _read(tls_dir: pathlib.Path, name: str) -> bytes:
     try:
         return p.read_bytes()
     except FileNotFoundError:
-        raise FileNotFoundError(f"{p}: missing TLS file (run init_certs / `shoal init-certs`)") from None
+        raise FileNotFoundError(f"{p}: missing TLS file (create it with init_certs)") from None
 
 
 def server_credentials(
@@ -245,5 +247,7 @@ def channel_credentials(
     if not client_cert:
         return grpc.ssl_channel_credentials(root_certificates=root)
     return grpc.ssl_channel_credentials(
-        root_certificates=root, private_key=_read(d, "peer.key"), certificate_chain=_read(d, "peer.pem")
+        root_certificates=root,
+        private_key=_read(d, "peer.key"),
+        certificate_chain=_read(d, "peer.pem"),
     )

@@ -188,7 +188,11 @@ def test_rate_limiter_rejects_bad_arguments():
 
 @pytest.mark.parametrize(
     "peer,host",
-    [("ipv4:127.0.0.1:5555", "127.0.0.1"), ("ipv6:[::1]:5555", "::1"), ("unix:/tmp/s", "unix:/tmp/s")],
+    [
+        ("ipv4:127.0.0.1:5555", "127.0.0.1"),
+        ("ipv6:[::1]:5555", "::1"),
+        ("unix:/tmp/s", "unix:/tmp/s"),
+    ],
 )
 def test_host_of(peer, host):
     assert host_of(peer) == host

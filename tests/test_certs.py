@@ -3,7 +3,6 @@ refusals) against the standard health service."""
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 from collections.abc import AsyncIterator
 
@@ -56,7 +55,9 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError):
         init_certs(tmp_path, hosts=())
     with pytest.raises(ValueError):
-        server_credentials(tmp_path, role="operator", require_client_auth=False)  # type: ignore[arg-type]
+        server_credentials(
+            tmp_path, role="operator", require_client_auth=False  # type: ignore[arg-type]
+        )
     with pytest.raises(FileNotFoundError, match="ca.pem"):
         channel_credentials(tmp_path, client_cert=False)
 
@@ -85,9 +86,11 @@ async def check(channel: grpc.aio.Channel) -> health_pb2.HealthCheckResponse:
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
 async def test_tls_coordinator_answers_client_without_cert(tls, host):
-    server, port = await serve(server_credentials(tls.dir, role="coordinator", require_client_auth=False))
+    creds = server_credentials(tls.dir, role="coordinator", require_client_auth=False)
+    server, port = await serve(creds)
+    client = channel_credentials(tls.dir, client_cert=False)
     try:
-        async with grpc.aio.secure_channel(f"{host}:{port}", channel_credentials(tls.dir, client_cert=False)) as ch:
+        async with grpc.aio.secure_channel(f"{host}:{port}", client) as ch:
             resp = await check(ch)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
     finally:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 
-from peer.errors import ResourceExhausted, Unauthenticated
+from peer.errors import ResourceExhausted, Unauthenticated, grpc_errors
 from peer.identity import (
     MD_NONCE,
     MD_PUBKEY,
@@ -50,7 +52,8 @@ def test_signed_request_verifies_and_returns_key(key):
 def test_default_clock_and_bytes_metadata_values(key):
     req = heartbeat(key)
     md = tuple((k, v.encode()) for k, v in sign_metadata(key, HEARTBEAT, req))
-    assert RequestVerifier().verify(md + (("user-agent", "x"),), HEARTBEAT, req) == public_bytes(key)
+    md += (("user-agent", "x"),)
+    assert RequestVerifier().verify(md, HEARTBEAT, req) == public_bytes(key)
 
 
 def test_forged_peer_id_is_refused(key):
@@ -188,3 +191,69 @@ def test_key_file_is_0600_and_reloads(tmp_path):
     key = load_or_create_key(path)
     assert path.stat().st_mode & 0o777 == 0o600
     assert public_bytes(load_or_create_key(path)) == public_bytes(key)
+
+
+def test_hex_with_whitespace_is_refused(key):
+    req = heartbeat(key)
+    md = sign_metadata(key, HEARTBEAT, req, now=T0)
+    nonce = dict(md)[MD_NONCE]
+    with pytest.raises(Unauthenticated, match=f"{MD_NONCE}: not hex"):
+        RequestVerifier().verify(replace(md, MD_NONCE, nonce[:-2] + " a"), HEARTBEAT, req, now=T0)
+
+
+def test_first_chunk_binds_sender(key):
+    push = "/shoal.v1.Peer/PushChunks"
+    mine = shoal_pb2.Chunk(round=1, sender=peer_id_of(public_bytes(key)), ticket=b"t")
+    assert RequestVerifier().verify(sign_metadata(key, push, mine, now=T0), push, mine, now=T0)
+    spoofed = shoal_pb2.Chunk(round=1, sender="f" * 32, ticket=b"t")
+    with pytest.raises(Unauthenticated, match="sender"):
+        RequestVerifier().verify(sign_metadata(key, push, spoofed, now=T0), push, spoofed, now=T0)
+
+
+class VerifyingHealth(health.aio.HealthServicer):
+    """Health servicer that demands a signed request, as the coordinator's servicers will."""
+
+    METHOD = "/grpc.health.v1.Health/Check"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.verifier = RequestVerifier()
+        self.callers: list[bytes] = []
+
+    async def Check(self, request, context):
+        async with grpc_errors(context):
+            md = context.invocation_metadata()
+            self.callers.append(self.verifier.verify(md, self.METHOD, request))
+        return await super().Check(request, context)
+
+
+@pytest.mark.timeout(30)
+async def test_signed_call_over_grpc(key):
+    servicer = VerifyingHealth()
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            req = health_pb2.HealthCheckRequest()
+            md = sign_metadata(key, VerifyingHealth.METHOD, req)
+            resp = await stub.Check(req, metadata=md, timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            assert servicer.callers == [public_bytes(key)]
+            for metadata in (md, ()):  # replay, then unsigned
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Check(req, metadata=metadata, timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "replayed" in (await _details(stub, req, md))
+    finally:
+        await server.stop(grace=None)
+
+
+async def _details(stub, req, md) -> str:
+    try:
+        await stub.Check(req, metadata=md, timeout=5)
+    except grpc.aio.AioRpcError as err:
+        return err.details() or ""
+    return ""

@@ -84,7 +84,8 @@ def test_ticket_for_another_round_or_attempt_is_refused(coord, round, attempt):
 
 def test_non_participant_sender_is_refused(coord):
     with pytest.raises(PermissionDenied, match="sender"):
-        verify_ticket(public_bytes(coord), ticket_for(coord), round=7, attempt=1, sender=EVE, now=T0)
+        verify_ticket(public_bytes(coord), ticket_for(coord), round=7, attempt=1, sender=EVE,
+                      now=T0)
 
 
 def test_expired_ticket_is_refused(coord):
