@@ -1,0 +1,257 @@
+"""The collective planner: LP optimality against brute force, closed forms, edge cases."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from coordinator.planner import (
+    CollectivePlan,
+    LinkSpec,
+    allreduce_lower_bound,
+    best_ring_order,
+    butterfly_fractions,
+    plan_collective,
+    predict_butterfly,
+    predict_ring,
+    predict_tree,
+    shard_bounds_from_fractions,
+    simple_floor,
+)
+
+MBIT = 1e6 / 8  # bytes/s
+
+
+def _simplex_grid(p: int, steps: int) -> np.ndarray:
+    """All fraction vectors with entries in multiples of 1/steps summing to 1."""
+    out = []
+    for c in itertools.product(range(steps + 1), repeat=p - 1):
+        if sum(c) <= steps:
+            out.append((*c, steps - sum(c)))
+    return np.array(out, dtype=np.float64) / steps
+
+
+def _random_links(rng: np.random.Generator, p: int) -> tuple[np.ndarray, np.ndarray]:
+    return rng.uniform(1, 100, p) * MBIT, rng.uniform(1, 100, p) * MBIT
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("p,steps", [(2, 40), (3, 30), (4, 20), (5, 12)])
+def test_butterfly_lp_beats_every_grid_point(p: int, steps: int, overlap: bool) -> None:
+    rng = np.random.default_rng(p * 10 + overlap)
+    grid = _simplex_grid(p, steps)
+    for _ in range(4):
+        u, d = _random_links(rng, p)
+        n = 1e8
+        w = butterfly_fractions(u, d, overlap=overlap)
+        assert w.shape == (p,) and np.all(w >= 0) and math.isclose(w.sum(), 1.0)
+        t_lp = predict_butterfly(u, d, n, w, overlap=overlap)
+        t_grid = min(predict_butterfly(u, d, n, g, overlap=overlap) for g in grid)
+        assert t_lp <= t_grid * (1 + 1e-7)
+        assert t_lp >= allreduce_lower_bound(u, d, n) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("p", [3, 4, 5])
+def test_ring_order_is_optimal_over_all_permutations(p: int) -> None:
+    rng = np.random.default_rng(p)
+    n = 4e7
+    for _ in range(5):
+        u, d = _random_links(rng, p)
+        rtt = rng.uniform(0, 0.2, p)
+        pairwise = rng.uniform(1, 120, (p, p)) * MBIT
+        order = best_ring_order(u, d, rtt=rtt, segment_bytes=n / p, pairwise=pairwise)
+        assert sorted(order) == list(range(p))
+        got = predict_ring(u, d, n, order, rtt, pairwise=pairwise)
+        brute = min(predict_ring(u, d, n, perm, rtt, pairwise=pairwise) for perm in itertools.permutations(range(p)))
+        assert got == pytest.approx(brute, rel=1e-12)
+
+
+def test_ring_order_heuristic_beyond_exact_limit() -> None:
+    rng = np.random.default_rng(7)
+    p = 7
+    u, d = _random_links(rng, p)
+    pairwise = rng.uniform(1, 120, (p, p)) * MBIT
+    exact = best_ring_order(u, d, pairwise=pairwise)
+    heur = best_ring_order(u, d, pairwise=pairwise, exact_limit=3)
+    assert sorted(heur) == list(range(p))
+    t_exact = predict_ring(u, d, 1e6, exact, pairwise=pairwise)
+    t_heur = predict_ring(u, d, 1e6, heur, pairwise=pairwise)
+    assert t_exact <= t_heur
+    assert t_heur <= predict_ring(u, d, 1e6, range(p), pairwise=pairwise)
+    # 40 peers: bounded time, a valid permutation.
+    big_u, big_d = _random_links(rng, 40)
+    assert sorted(best_ring_order(big_u, big_d, pairwise=rng.uniform(1, 9, (40, 40)))) == list(range(40))
+
+
+def test_per_peer_ring_bottleneck_does_not_depend_on_order() -> None:
+    u = np.array([10.0, 50, 30, 80]) * MBIT
+    d = np.array([70.0, 20, 90, 40]) * MBIT
+    times = {predict_ring(u, d, 1e6, perm) for perm in itertools.permutations(range(4))}
+    expected = 2 * 3 * (1e6 / 4) / (10 * MBIT)
+    assert all(t == pytest.approx(expected) for t in times)
+
+
+def test_closed_forms() -> None:
+    u = np.array([4.0, 2.0, 8.0])
+    d = np.array([6.0, 3.0, 1.0])
+    rtt = np.array([0.2, 0.4, 0.0])
+    n = 12.0
+    # ring 0→1→2→0: links min(4,3)=3, min(2,1)=1, min(8,6)=6; alphas (0.1+0.2)/2, (0.2+0)/2, (0+0.1)/2
+    assert predict_ring(u, d, n, (0, 1, 2), rtt) == pytest.approx(2 * 2 * max(0.15 + 4 / 3, 0.1 + 4 / 1, 0.05 + 4 / 6))
+    w = np.array([0.5, 0.25, 0.25])
+    t_rs = max(max(n * (1 - w) / u), max(n * 2 * w / d))
+    t_ag = max(max(n * 2 * w / u), max(n * (1 - w) / d))
+    lat = 2 * 2 * 0.15  # 2(p-1) · max pairwise one-way latency
+    assert predict_butterfly(u, d, n, w, rtt, overlap=False) == pytest.approx(t_rs + t_ag + lat)
+    t_pipe = max(n * (1 + w) / np.minimum(u, d))
+    assert predict_butterfly(u, d, n, w, rtt, overlap=True) == pytest.approx(t_pipe + lat)
+    # tree p=3: fold 2→0, exchange 0↔1, unfold 0→2
+    bw = np.minimum(u[:, None], d[None, :])
+    a = (rtt[:, None] / 2 + rtt[None, :] / 2) / 2
+    expected = (a[2, 0] + n / bw[2, 0]) + max(a[0, 1] + n / bw[0, 1], a[1, 0] + n / bw[1, 0]) + (a[0, 2] + n / bw[0, 2])
+    assert predict_tree(u, d, n, (0, 1, 2), rtt) == pytest.approx(expected)
+    # tree p=4, uniform B: two steps of n/B
+    assert predict_tree([5.0] * 4, [5.0] * 4, 10.0) == pytest.approx(2 * 10 / 5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("p", [2, 3, 4, 7])
+def test_uniform_links_equal_shards_ring_equals_butterfly(p: int, overlap: bool) -> None:
+    b = 50 * MBIT
+    n = 1e8
+    w = butterfly_fractions([b] * p, [b] * p, overlap=overlap)
+    np.testing.assert_allclose(w, np.full(p, 1 / p), rtol=1e-9)
+    ring = predict_ring([b] * p, [b] * p, n)
+    bfly = predict_butterfly([b] * p, [b] * p, n, w, overlap=overlap)
+    optimal = 2 * (p - 1) / p * n / b
+    assert ring == pytest.approx(optimal) and bfly == pytest.approx(optimal)
+    assert allreduce_lower_bound([b] * p, [b] * p, n) == pytest.approx(optimal)  # tight
+    plan = plan_collective([LinkSpec(f"p{i}", b, b) for i in range(p)], 1000 * p, overlap=overlap)
+    assert np.all(np.diff(plan.shard_bounds) == 1000)
+    assert plan.predicted_seconds == pytest.approx(optimal * 1000 * p * 4 / n)
+
+
+def test_one_slow_peer_pipelined_gets_no_shard_and_beats_uniform() -> None:
+    rates = [100 * MBIT, 100 * MBIT, 100 * MBIT, 10 * MBIT]
+    n = 1e8
+    w = butterfly_fractions(rates, rates, overlap=True)
+    assert w[3] < 0.25 and w[3] == 0.0
+    np.testing.assert_allclose(w[:3], 1 / 3)
+    t_opt = predict_butterfly(rates, rates, n, w, overlap=True)
+    t_uniform = predict_butterfly(rates, rates, n, None, overlap=True)
+    assert t_opt < t_uniform
+    assert t_opt == pytest.approx(n / (10 * MBIT))  # reaches DESIGN.md's floor exactly
+    assert t_opt == pytest.approx(simple_floor(rates, rates, n))
+    plan = plan_collective([LinkSpec(f"p{i}", r, r) for i, r in enumerate(rates)], 25_000_000)
+    assert plan.algorithm == "butterfly" and plan.demoted == (3,)
+    assert plan.shard_owner == (0, 1, 2) and len(plan.shard_bounds) == 4
+    assert plan.predicted_seconds == pytest.approx(plan.bound_seconds)
+    assert plan.predicted_seconds < predict_ring(rates, rates, n)
+
+
+def test_one_slow_peer_phased_model() -> None:
+    rates = [100 * MBIT, 100 * MBIT, 100 * MBIT, 10 * MBIT]
+    n = 1e8
+    # Symmetric slow peer: its reduce-scatter and all-gather loads balance at w = 1/p exactly,
+    # so in the phased model the uniform split is optimal (a smaller shard would be slower).
+    w = butterfly_fractions(rates, rates, overlap=False)
+    np.testing.assert_allclose(w, 0.25)
+    smaller = np.array([0.3, 0.3, 0.3, 0.1])
+    assert predict_butterfly(rates, rates, n, smaller, overlap=False) > predict_butterfly(rates, rates, n, w, overlap=False)
+    # A slow *uploader* does get a smaller shard, and it beats the uniform split.
+    up = [100 * MBIT, 100 * MBIT, 100 * MBIT, 10 * MBIT]
+    down = [100 * MBIT] * 4
+    w = butterfly_fractions(up, down, overlap=False)
+    assert w[3] < 0.25
+    assert predict_butterfly(up, down, n, w, overlap=False) < predict_butterfly(up, down, n, None, overlap=False)
+
+
+def test_num_elements_smaller_than_participants() -> None:
+    links = [LinkSpec(f"p{i}", (i + 1) * MBIT, (i + 1) * MBIT) for i in range(5)]
+    for algorithm in ("ring", "butterfly", "tree"):
+        plan = plan_collective(links, 3, algorithm=algorithm)
+        b = plan.shard_bounds
+        assert b[0] == 0 and b[-1] == 3 and all(x <= y for x, y in zip(b, b[1:]))
+        assert len(b) == len(plan.shard_owner) + 1
+        assert sorted(plan.order) == list(range(5))
+    plan = plan_collective(links, 0)
+    assert plan.shard_bounds[-1] == 0 and plan.predicted_seconds == 0.0
+
+
+def test_single_participant() -> None:
+    plan = plan_collective([LinkSpec("solo", MBIT, MBIT, 0.1)], 1000)
+    assert plan.order == (0,) and plan.shard_bounds == (0, 1000) and plan.shard_owner == (0,)
+    assert plan.predicted_seconds == 0.0 and plan.bound_seconds == 0.0 and plan.demoted == ()
+    assert plan_collective([LinkSpec("solo", MBIT, MBIT)], 10, algorithm="ring").algorithm == "ring"
+
+
+def test_bound_below_every_prediction() -> None:
+    rng = np.random.default_rng(0)
+    for p in range(2, 9):
+        u, d = _random_links(rng, p)
+        n = 1e7
+        lb = allreduce_lower_bound(u, d, n)
+        assert lb >= simple_floor(u, d, n) * (1 - 1e-12)
+        for overlap in (False, True):
+            assert predict_butterfly(u, d, n, butterfly_fractions(u, d, overlap=overlap), overlap=overlap) >= lb * (1 - 1e-9)
+        assert predict_ring(u, d, n) >= lb * (1 - 1e-9)
+        assert predict_tree(u, d, n) >= lb * (1 - 1e-9)
+
+
+def test_algorithm_choice() -> None:
+    far = [LinkSpec(f"p{i}", 100 * MBIT, 100 * MBIT, rtt_seconds=0.1) for i in range(8)]
+    small = plan_collective(far, 64)  # 256 bytes: latency dominates
+    assert small.algorithm == "tree" and small.shard_bounds == (0, 64)
+    big = plan_collective(far, 10_000_000)
+    assert big.algorithm == "butterfly"
+    preds = {
+        a: plan_collective(far, 64, algorithm=a).predicted_seconds for a in ("ring", "butterfly", "tree")
+    }
+    assert small.predicted_seconds == min(preds.values())
+    # Tree is only considered below the threshold.
+    assert plan_collective(far, 64, latency_threshold_bytes=0).algorithm != "tree"
+    with pytest.raises(ValueError):
+        plan_collective(far, 64, algorithm="mesh")
+    with pytest.raises(ValueError):
+        plan_collective([LinkSpec("a", 0.0, 1.0), LinkSpec("b", 1.0, 1.0)], 10)
+    with pytest.raises(ValueError):
+        plan_collective([], 10)
+
+
+def test_ring_plan_shapes_and_owner_positions() -> None:
+    links = [LinkSpec(f"p{i}", r * MBIT, r * MBIT, 0.01 * i) for i, r in enumerate([10, 20, 30, 40, 50])]
+    plan = plan_collective(links, 1003, algorithm="ring")
+    assert isinstance(plan, CollectivePlan)
+    assert plan.shard_owner == plan.order
+    assert plan.owner_positions() == tuple(range(5))
+    assert np.diff(plan.shard_bounds).tolist() in ([201, 201, 201, 200, 200],)
+    bfly = plan_collective(links, 1003, algorithm="butterfly")
+    assert bfly.owner_positions() == bfly.shard_owner  # identity order
+
+
+def test_shard_bounds_from_fractions() -> None:
+    assert shard_bounds_from_fractions([0.5, 0.5], 3) == (0, 2, 3)
+    assert shard_bounds_from_fractions([0.0, 1.0, 0.0], 5) == (0, 0, 5, 5)
+    assert shard_bounds_from_fractions([1 / 3] * 3, 2) == (0, 1, 2, 2)
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        w = rng.dirichlet(np.ones(6))
+        n = int(rng.integers(0, 1000))
+        b = shard_bounds_from_fractions(w, n)
+        counts = np.diff(b)
+        assert b[0] == 0 and b[-1] == n and np.all(counts >= 0)
+        assert np.all(np.abs(counts - w * n) < 1.0 + 1e-9)
+
+
+def test_pairwise_caps_butterfly() -> None:
+    u = d = np.full(3, 100 * MBIT)
+    pairwise = np.full((3, 3), np.nan)
+    pairwise[0, 1] = 1 * MBIT  # one congested path
+    for overlap in (False, True):
+        w = butterfly_fractions(u, d, overlap=overlap, pairwise=pairwise)
+        t = predict_butterfly(u, d, 1e7, w, overlap=overlap, pairwise=pairwise)
+        t_uniform = predict_butterfly(u, d, 1e7, None, overlap=overlap, pairwise=pairwise)
+        assert t < t_uniform
