@@ -1,0 +1,471 @@
+"""The round state machine: membership, leases, readiness, plans, votes, commit and abort.
+
+This module is pure: `RoundEngine` holds the coordinator's in-memory state and every method takes
+the current time explicitly and returns the `Action`s the server must carry out (persist a
+commit, send an event to some peers). It never touches sockets, clocks or files, so the whole
+protocol of DESIGN.md §3 is tested without a network (tests/test_rounds.py).
+
+It is not responsible for moving tensors (peers do that), for admission (coordinator.admission)
+or for durability (the server persists `PersistCommit`/`PersistAbort` before it sends events).
+
+Protocol summary:
+- A joiner is *pending*; it becomes a *member* only when a round opens (the epoch changes only
+  at round boundaries).
+- A peer says *ready* for round r with the digest of the committed state it holds. A peer whose
+  state is not the last committed one gets a `SyncOrder` instead of a place in the round.
+- Round r opens when at least `min_peers` peers are ready and either every live member is ready
+  or the ready deadline (`ready_timeout`, started by the first ready) has passed. Stragglers are
+  left out and keep their lease.
+- The round commits when every participant voted ok with the same result and state digests.
+  Any failed vote, a digest disagreement or the collective deadline aborts the attempt; the
+  blamed peers are excluded and the survivors retry (same inputs) after a backoff, up to
+  `max_attempts` attempts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Timing and quorum settings (seconds). See docs/fault-tolerance.md for how they relate.
+
+    lease_seconds: a peer that has not heartbeated for this long is dropped.
+    ready_timeout: after the first ready of a round, wait at most this long for the other
+        members (the straggler timeout) before opening the round with those ready.
+    collective_timeout: hard deadline of one collective attempt, from plan to the last vote.
+    max_attempts: attempts of one round (first try + retries) before it is given up.
+    retry_backoff: delay before retry k is planned is retry_backoff * 2**(k-1).
+    total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
+    """
+
+    min_peers: int = 2
+    initial_peers: int = 0  # round 0 waits for this many ready peers (0 = min_peers)
+    lease_seconds: float = 10.0
+    ready_timeout: float = 5.0
+    collective_timeout: float = 30.0
+    chunk_timeout: float = 5.0
+    max_attempts: int = 5
+    retry_backoff: float = 0.05
+    total_rounds: int = 0
+    chunk_bytes: int = 1 << 20
+    algorithm: str = "ring"
+    aggregator: str = "mean"
+    compression: str = "none"
+
+
+@dataclass
+class Member:
+    peer_id: str
+    public_key: bytes
+    address: str
+    num_samples: int
+    lease_expiry: float
+    state: str = "pending"  # "pending" | "syncing" | "member"
+    up_bytes_per_s: float = 0.0
+    down_bytes_per_s: float = 0.0
+    rtt_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ReadyInfo:
+    num_elements: int
+    dtype: int
+    num_samples: int
+    state_digest: bytes
+    state_round: int
+    at: float
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """A round attempt's plan, before it is rendered to the wire (shoal.v1.Plan)."""
+
+    round: int
+    attempt: int
+    epoch: int
+    participants: tuple[str, ...]  # collective order
+    algorithm: str
+    shard_bounds: tuple[int, ...]
+    shard_owner: tuple[int, ...]
+    num_elements: int
+    dtype: int
+    deadline_seconds: float
+    chunk_timeout_seconds: float
+    chunk_bytes: int
+    aggregator: str
+    compression: str
+    predicted_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    round: int
+    attempt: int
+    result_digest: bytes
+    state_digest: bytes
+    participants: tuple[str, ...]
+    train_loss: float
+    seconds: float
+    flagged: tuple[str, ...] = ()
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class AbortRecord:
+    round: int
+    attempt: int
+    reason: str
+    excluded: tuple[str, ...]
+    will_retry: bool
+    at: float = 0.0
+
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    plan: PlanSpec
+
+
+@dataclass(frozen=True)
+class SendCommit:
+    record: CommitRecord
+    epoch: int
+
+
+@dataclass(frozen=True)
+class SendAbort:
+    record: AbortRecord
+    to: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SendSync:
+    peer_id: str
+    round: int
+    state_digest: bytes
+    donors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SendFinished:
+    rounds_committed: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PersistMember:
+    member: Member
+
+
+@dataclass(frozen=True)
+class ForgetMember:
+    peer_id: str
+
+
+@dataclass(frozen=True)
+class PersistEpoch:
+    epoch: int
+
+
+Action = SendPlan | SendCommit | SendAbort | SendSync | SendFinished | PersistMember | ForgetMember | PersistEpoch
+
+
+class RoundError(Exception):
+    """A request that the engine refuses; `kind` picks the gRPC status (see coordinator.server)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind  # "not_found" | "invalid" | "precondition"
+
+
+@dataclass
+class _Running:
+    plan: PlanSpec
+    started: float
+    votes: dict[str, tuple[bool, bytes, bytes, float, tuple[str, ...], tuple[str, ...], str]] = field(default_factory=dict)
+
+
+class RoundEngine:
+    """The coordinator's state and the protocol's rules; see the module docstring.
+
+    `committed_rounds` is the number of committed rounds, i.e. the index of the round being
+    played. `last_state_digest` is the digest every up-to-date peer's state has.
+    """
+
+    def __init__(self, config: EngineConfig, *, committed: list[CommitRecord] | None = None,
+                 members: list[Member] | None = None, epoch: int = 0, aborted: int = 0, now: float = 0.0):
+        self.config = config
+        self.members: dict[str, Member] = {}
+        for m in members or []:
+            # A restarted coordinator gives every known member a fresh lease to reconnect.
+            self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds)
+        self.epoch = epoch
+        self.commits: list[CommitRecord] = list(committed or [])
+        self.aborts: list[AbortRecord] = []
+        self.rounds_aborted = aborted
+        self.rounds_retried = 0
+        self.ready: dict[str, ReadyInfo] = {}
+        self.first_ready_at: float | None = None
+        self.attempt = 0
+        self.excluded: set[str] = set()
+        self.running: _Running | None = None
+        self.not_before = 0.0
+        self.finished = False
+
+    # ------------------------------------------------------------ queries
+
+    @property
+    def committed_rounds(self) -> int:
+        return len(self.commits)
+
+    @property
+    def last_state_digest(self) -> bytes:
+        return self.commits[-1].state_digest if self.commits else b""
+
+    def live(self, now: float) -> list[Member]:
+        return [m for m in self.members.values() if m.lease_expiry > now]
+
+    def donors(self, now: float, exclude: str = "") -> tuple[str, ...]:
+        """Live peers that took part in the last commit (they hold the committed state)."""
+        if not self.commits:
+            return ()
+        last = set(self.commits[-1].participants)
+        return tuple(sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now))
+
+    # ------------------------------------------------------------ membership
+
+    def join(self, peer_id: str, public_key: bytes, address: str, num_samples: int, now: float,
+             up: float = 0.0, down: float = 0.0) -> list[Action]:
+        """Admit (or re-admit, same identity) a peer with a fresh lease; pending until a boundary."""
+        old = self.members.get(peer_id)
+        state = "syncing" if self.commits else "pending"
+        if old is not None and old.state == "member" and old.address == address:
+            state = "member"
+        m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down)
+        self.members[peer_id] = m
+        # A restarted peer's previous stream/participation is void.
+        self.ready.pop(peer_id, None)
+        actions: list[Action] = [PersistMember(m)]
+        if self.running is not None and peer_id in self.running.plan.participants and old is not None and old.address != address:
+            actions += self._abort(now, f"participant {peer_id[:8]} restarted", (peer_id,))
+        return actions
+
+    def heartbeat(self, peer_id: str, now: float) -> Member:
+        m = self.members.get(peer_id)
+        if m is None or m.lease_expiry <= now:
+            self.members.pop(peer_id, None)
+            raise RoundError("not_found", f"peer_id: no live lease for {peer_id[:8]}; join again")
+        m.lease_expiry = now + self.config.lease_seconds
+        return m
+
+    def leave(self, peer_id: str, now: float) -> list[Action]:
+        if peer_id not in self.members:
+            return []
+        self.members[peer_id].lease_expiry = now
+        return self._expire(now)
+
+    def report_links(self, peer_id: str, up: float, down: float, rtt: float) -> None:
+        m = self.members.get(peer_id)
+        if m is None:
+            raise RoundError("not_found", f"peer_id: unknown peer {peer_id[:8]}")
+        m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds = up, down, rtt
+
+    # ------------------------------------------------------------ rounds
+
+    def ready_(self, peer_id: str, round_: int, info: ReadyInfo, now: float) -> list[Action]:
+        """Record that `peer_id` is ready for `round_` holding the state `info.state_digest`.
+
+        Returns a SendSync when the peer's state is not the last committed one (it must
+        download it first). Raises RoundError("not_found") without a lease, ("invalid") when the
+        tensor size disagrees with the round's.
+        """
+        if self.finished:
+            return [SendFinished(self.committed_rounds, "run complete")]
+        m = self.members.get(peer_id)
+        if m is None or m.lease_expiry <= now:
+            raise RoundError("not_found", f"peer_id: no live lease for {peer_id[:8]}; join again")
+        m.lease_expiry = now + self.config.lease_seconds
+        m.num_samples = info.num_samples
+        up_to_date = info.state_round == self.committed_rounds and (
+            not self.commits or info.state_digest == self.last_state_digest
+        )
+        if not up_to_date:
+            donors = self.donors(now, exclude=peer_id)
+            if not donors:
+                raise RoundError("precondition", "state_round: no up-to-date donor is live; retry later")
+            if m.state != "syncing":
+                m.state = "syncing"  # not waited on until it is up to date
+            return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
+        if round_ != self.committed_rounds:
+            raise RoundError("invalid", f"round: expected {self.committed_rounds}, got {round_}")
+        others = [r for p, r in self.ready.items() if p != peer_id]
+        if others and (others[0].num_elements != info.num_elements or others[0].dtype != info.dtype):
+            raise RoundError(
+                "invalid",
+                f"num_elements: {info.num_elements} (dtype {info.dtype}) disagrees with the round's "
+                f"{others[0].num_elements} (dtype {others[0].dtype})",
+            )
+        self.ready[peer_id] = info
+        if self.first_ready_at is None:
+            self.first_ready_at = now
+        return self._maybe_open(now)
+
+    def vote(self, peer_id: str, round_: int, attempt: int, ok: bool, result_digest: bytes,
+             state_digest: bytes, now: float, *, loss: float = 0.0, suspects: tuple[str, ...] = (),
+             flagged: tuple[str, ...] = (), error: str = "") -> list[Action]:
+        """Record a participant's vote; commit when all agree, abort on any failure."""
+        run = self.running
+        if run is None or run.plan.round != round_ or run.plan.attempt != attempt:
+            return []  # a late vote for an attempt already decided
+        if peer_id not in run.plan.participants:
+            raise RoundError("precondition", f"peer_id: {peer_id[:8]} is not a participant of round {round_}.{attempt}")
+        run.votes[peer_id] = (ok, result_digest, state_digest, loss, suspects, flagged, error)
+        if not ok:
+            blamed = tuple(s for s in suspects if s in run.plan.participants) or (peer_id,)
+            return self._abort(now, f"{peer_id[:8]} failed: {error or 'collective error'}", blamed)
+        if len(run.votes) < len(run.plan.participants):
+            return []
+        digests = Counter((v[1], v[2]) for v in run.votes.values())
+        if len(digests) > 1:
+            majority, _ = digests.most_common(1)[0]
+            dissent = tuple(p for p, v in run.votes.items() if (v[1], v[2]) != majority)
+            return self._abort(now, "digest mismatch", dissent)
+        return self._commit(now)
+
+    def tick(self, now: float) -> list[Action]:
+        """Apply deadlines: lease expiry, the ready deadline, the collective deadline, retries."""
+        actions = self._expire(now)
+        run = self.running
+        if run is not None and now - run.started > run.plan.deadline_seconds:
+            silent = tuple(p for p in run.plan.participants if p not in run.votes)
+            actions += self._abort(now, "collective deadline passed", silent)
+        actions += self._maybe_open(now)
+        return actions
+
+    # ------------------------------------------------------------ internals
+
+    def _expire(self, now: float) -> list[Action]:
+        gone = [p for p, m in self.members.items() if m.lease_expiry <= now]
+        actions: list[Action] = []
+        for p in gone:
+            del self.members[p]
+            self.ready.pop(p, None)
+            actions.append(ForgetMember(p))
+        if gone and self.running is not None:
+            hit = tuple(p for p in gone if p in self.running.plan.participants)
+            if hit:
+                actions += self._abort(now, "lease expired", hit)
+        return actions
+
+    def _maybe_open(self, now: float) -> list[Action]:
+        if self.running is not None or self.finished or now < self.not_before:
+            return []
+        if self.config.total_rounds and self.committed_rounds >= self.config.total_rounds:
+            self.finished = True
+            return [SendFinished(self.committed_rounds, "run complete")]
+        live = {m.peer_id for m in self.live(now)}
+        candidates = sorted(p for p in self.ready if p in live and p not in self.excluded)
+        quorum = max(1, self.config.min_peers)
+        if not self.commits and self.attempt == 0:
+            quorum = max(quorum, self.config.initial_peers)
+        if len(candidates) < quorum:
+            return []
+        waiting_on = {p for p in live if self.members[p].state != "syncing" and p not in self.excluded} - set(candidates)
+        deadline_passed = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
+        if waiting_on and not deadline_passed and self.attempt == 0:
+            return []
+        return self._open(now, tuple(candidates))
+
+    def _open(self, now: float, participants: tuple[str, ...]) -> list[Action]:
+        actions: list[Action] = []
+        # Round boundary: apply membership changes.
+        changed = False
+        for p in participants:
+            m = self.members[p]
+            if m.state != "member":
+                m.state = "member"
+                changed = True
+                actions.append(PersistMember(m))
+        if changed:
+            self.epoch += 1
+            actions.append(PersistEpoch(self.epoch))
+        info = self.ready[participants[0]]
+        n = info.num_elements
+        p = len(participants)
+        bounds = tuple(n * i // p for i in range(p + 1))
+        plan = PlanSpec(
+            round=self.committed_rounds,
+            attempt=self.attempt,
+            epoch=self.epoch,
+            participants=participants,
+            algorithm=self.config.algorithm,
+            shard_bounds=bounds,
+            shard_owner=tuple(range(p)),
+            num_elements=n,
+            dtype=info.dtype,
+            deadline_seconds=self.config.collective_timeout,
+            chunk_timeout_seconds=self.config.chunk_timeout,
+            chunk_bytes=self.config.chunk_bytes,
+            aggregator=self.config.aggregator,
+            compression=self.config.compression,
+        )
+        self.running = _Running(plan, now)
+        actions.append(SendPlan(plan))
+        return actions
+
+    def _commit(self, now: float) -> list[Action]:
+        run = self.running
+        assert run is not None
+        votes = run.votes
+        any_vote = next(iter(votes.values()))
+        losses = [v[3] for v in votes.values()]
+        flagged = tuple(sorted({f for v in votes.values() for f in v[5]}))
+        rec = CommitRecord(
+            round=run.plan.round,
+            attempt=run.plan.attempt,
+            result_digest=any_vote[1],
+            state_digest=any_vote[2],
+            participants=run.plan.participants,
+            train_loss=float(sum(losses) / len(losses)),
+            seconds=now - run.started,
+            flagged=flagged,
+            at=now,
+        )
+        self.commits.append(rec)
+        self._reset_round()
+        return [SendCommit(rec, self.epoch)]
+
+    def _abort(self, now: float, reason: str, excluded: tuple[str, ...]) -> list[Action]:
+        run = self.running
+        if run is None:
+            return []
+        self.excluded.update(excluded)
+        self.running = None
+        self.rounds_aborted += 1
+        survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.ready]
+        will_retry = self.attempt + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
+        rec = AbortRecord(run.plan.round, run.plan.attempt, reason, tuple(sorted(excluded)), will_retry, now)
+        self.aborts.append(rec)
+        to = tuple(sorted(set(run.plan.participants) | set(self.ready)))
+        if will_retry:
+            self.attempt += 1
+            self.rounds_retried += 1
+            self.not_before = now + self.config.retry_backoff * 2 ** (self.attempt - 1)
+        else:
+            # Give the round up: everyone (the excluded included) starts it over by saying ready.
+            self._reset_round()
+            self.not_before = now + self.config.retry_backoff
+        return [SendAbort(rec, to)]
+
+    def _reset_round(self) -> None:
+        self.running = None
+        self.ready = {}
+        self.first_ready_at = None
+        self.attempt = 0
+        self.excluded = set()

@@ -1,0 +1,338 @@
+"""The coordinator's gRPC server: translates between shoal.v1.Coordinator and `RoundEngine`.
+
+Thin by design: every decision is made by the pure `coordinator.rounds.RoundEngine`; this module
+validates requests, carries out the engine's actions (durable writes first, then events to the
+peers' WatchRounds streams) and runs one ticker task that applies deadlines.
+
+Durability: a commit is written to the store (SQLite WAL, synchronous=FULL) before any peer is
+told about it, so a committed round is never lost by a coordinator crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import pathlib
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from coordinator.rounds import (
+    Action,
+    EngineConfig,
+    ForgetMember,
+    PersistEpoch,
+    PersistMember,
+    PlanSpec,
+    ReadyInfo,
+    RoundEngine,
+    RoundError,
+    SendAbort,
+    SendCommit,
+    SendFinished,
+    SendPlan,
+    SendSync,
+)
+from coordinator.store import SQLiteStore, Store
+from peer.errors import FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
+from peer.identity import load_or_create_key, peer_id_of, public_bytes
+from shoal.v1 import shoal_pb2 as pb
+from shoal.v1 import shoal_pb2_grpc as pb_grpc
+
+log = logging.getLogger("shoal.coordinator")
+
+MAX_MESSAGE_BYTES = 4 << 20
+TICK_SECONDS = 0.05
+_ERROR_KINDS = {"not_found": NotFound, "invalid": InvalidArgument, "precondition": FailedPrecondition}
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    """Settings of `shoal coordinator` (see docs/configuration.md)."""
+
+    listen: str = "127.0.0.1:7070"
+    state_path: str = "shoal-coordinator.db"
+    engine: EngineConfig = EngineConfig()
+    run_config: dict = dataclasses.field(default_factory=dict)
+    ready_file: str | None = None
+    key_path: str | None = None
+
+
+def _raise(exc: RoundError) -> ShoalError:
+    return _ERROR_KINDS.get(exc.kind, FailedPrecondition)(str(exc))
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    """shoal.v1.Coordinator over a `RoundEngine` and a `Store`."""
+
+    def __init__(self, engine: RoundEngine, store: Store, run_config_json: str, signing_key, *, clock=time.time):
+        self.engine = engine
+        self.store = store
+        self.run_config_json = run_config_json
+        self.key = signing_key
+        self.clock = clock
+        self.watchers: dict[str, asyncio.Queue[pb.RoundEvent]] = {}
+        self.finished_event: pb.RoundEvent | None = None
+        self.round_started: dict[tuple[int, int], float] = {}
+
+    # ------------------------------------------------------------ actions
+
+    def _send(self, peer_id: str, event: pb.RoundEvent) -> None:
+        q = self.watchers.get(peer_id)
+        if q is not None:
+            q.put_nowait(event)
+
+    def _render_plan(self, plan: PlanSpec) -> pb.Plan:
+        parts = []
+        for i, p in enumerate(plan.participants):
+            m = self.engine.members.get(p)
+            parts.append(pb.Participant(
+                peer_id=p, address=m.address if m else "", num_samples=self.engine.ready[p].num_samples
+                if p in self.engine.ready else 0, owner=i in plan.shard_owner, public_key=m.public_key if m else b"",
+            ))
+        return pb.Plan(
+            round=plan.round, attempt=plan.attempt, epoch=plan.epoch, participants=parts,
+            algorithm=plan.algorithm, shard_bounds=plan.shard_bounds, shard_owner=plan.shard_owner,
+            num_elements=plan.num_elements, dtype=plan.dtype, deadline_seconds=plan.deadline_seconds,
+            chunk_timeout_seconds=plan.chunk_timeout_seconds, chunk_bytes=plan.chunk_bytes,
+            aggregator=plan.aggregator, compression=plan.compression, predicted_seconds=plan.predicted_seconds,
+        )
+
+    def apply(self, actions: list[Action]) -> None:
+        """Carry out engine actions: persist first, then notify."""
+        for a in actions:
+            if isinstance(a, PersistMember):
+                self.store.save_member(a.member)
+            elif isinstance(a, ForgetMember):
+                self.store.forget_member(a.peer_id)
+                log.info("member %s dropped (lease expired or left)", a.peer_id[:8])
+            elif isinstance(a, PersistEpoch):
+                self.store.save_epoch(a.epoch)
+            elif isinstance(a, SendPlan):
+                plan = self._render_plan(a.plan)
+                log.info("round %d.%d planned: %d participants, %s", plan.round, plan.attempt,
+                         len(plan.participants), plan.algorithm)
+                ev = pb.RoundEvent(plan=plan)
+                for p in a.plan.participants:
+                    self._send(p, ev)
+            elif isinstance(a, SendCommit):
+                r = a.record
+                self.store.save_commit(r)
+                log.info("round %d committed (attempt %d, %d participants, %.3fs, loss %.4f)",
+                         r.round, r.attempt, len(r.participants), r.seconds, r.train_loss)
+                ev = pb.RoundEvent(commit=pb.Commit(
+                    round=r.round, attempt=r.attempt, result_digest=r.result_digest, state_digest=r.state_digest,
+                    epoch=a.epoch, participants=r.participants, flagged=r.flagged))
+                for p in list(self.watchers):
+                    self._send(p, ev)
+            elif isinstance(a, SendAbort):
+                r = a.record
+                self.store.save_abort(r)
+                log.warning("round %d.%d aborted: %s; excluded %s; retry=%s", r.round, r.attempt, r.reason,
+                            [p[:8] for p in r.excluded], r.will_retry)
+                ev = pb.RoundEvent(abort=pb.Abort(round=r.round, attempt=r.attempt, reason=r.reason,
+                                                  excluded=r.excluded, will_retry=r.will_retry))
+                for p in list(self.watchers):
+                    self._send(p, ev)
+            elif isinstance(a, SendSync):
+                self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a.round, a.state_digest, a.donors)))
+            elif isinstance(a, SendFinished):
+                log.info("run finished after %d committed rounds", a.rounds_committed)
+                self.finished_event = pb.RoundEvent(finished=pb.Finished(rounds_committed=a.rounds_committed,
+                                                                           reason=a.reason))
+                for p in list(self.watchers):
+                    self._send(p, self.finished_event)
+
+    def _sync_order(self, round_: int, digest: bytes, donors: tuple[str, ...]) -> pb.SyncOrder:
+        return pb.SyncOrder(round=round_, state_digest=digest, donors=[
+            pb.Participant(peer_id=d, address=self.engine.members[d].address,
+                           public_key=self.engine.members[d].public_key)
+            for d in donors if d in self.engine.members
+        ])
+
+    async def ticker(self) -> None:
+        """Apply deadlines every TICK_SECONDS until cancelled."""
+        while True:
+            self.apply(self.engine.tick(self.clock()))
+            await asyncio.sleep(TICK_SECONDS)
+
+    # ------------------------------------------------------------ RPCs
+
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinResponse:
+        async with grpc_errors(context):
+            require(len(request.public_key) == 32, "public_key", "must be a raw 32-byte Ed25519 key")
+            require(":" in request.data_address, "data_address", "must be HOST:PORT")
+            peer_id = peer_id_of(request.public_key)
+            now = self.clock()
+            self.apply(self.engine.join(peer_id, request.public_key, request.data_address, request.num_samples, now,
+                                        request.up_bytes_per_s, request.down_bytes_per_s))
+            log.info("peer %s joined from %s", peer_id[:8], request.data_address)
+            resp = pb.JoinResponse(
+                peer_id=peer_id, lease_seconds=self.engine.config.lease_seconds,
+                heartbeat_interval_seconds=self.engine.config.lease_seconds / 4, epoch=self.engine.epoch,
+                next_round=self.engine.committed_rounds, run_config_json=self.run_config_json,
+                coordinator_public_key=public_bytes(self.key),
+            )
+            if self.engine.commits:
+                resp.sync.CopyFrom(self._sync_order(self.engine.committed_rounds, self.engine.last_state_digest,
+                                                    self.engine.donors(now, exclude=peer_id)))
+            return resp
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        async with grpc_errors(context):
+            try:
+                m = self.engine.heartbeat(request.peer_id, self.clock())
+            except RoundError as exc:
+                raise _raise(exc) from None
+            return pb.HeartbeatResponse(lease_seconds=self.engine.config.lease_seconds, epoch=self.engine.epoch,
+                                        round=self.engine.committed_rounds)
+
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
+        async with grpc_errors(context):
+            self.apply(self.engine.leave(request.peer_id, self.clock()))
+            return pb.LeaveResponse()
+
+    async def Ready(self, request: pb.ReadyRequest, context) -> pb.ReadyResponse:
+        async with grpc_errors(context):
+            require(request.num_elements > 0, "num_elements", "must be positive")
+            require(request.dtype != pb.DTYPE_UNSPECIFIED, "dtype", "must be set")
+            info = ReadyInfo(request.num_elements, request.dtype, request.num_samples, request.state_digest,
+                             request.state_round, self.clock())
+            try:
+                self.apply(self.engine.ready_(request.peer_id, request.round, info, self.clock()))
+            except RoundError as exc:
+                raise _raise(exc) from None
+            return pb.ReadyResponse(round=self.engine.committed_rounds)
+
+    async def WatchRounds(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.RoundEvent]:
+        if request.peer_id not in self.engine.members:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"peer_id: unknown peer {request.peer_id[:8]}; join first")
+        q: asyncio.Queue[pb.RoundEvent] = asyncio.Queue()
+        self.watchers[request.peer_id] = q
+        try:
+            if self.finished_event is not None:
+                yield self.finished_event
+                return
+            run = self.engine.running
+            if run is not None and request.peer_id in run.plan.participants:
+                yield pb.RoundEvent(plan=self._render_plan(run.plan))
+            while True:
+                ev = await q.get()
+                yield ev
+                if ev.HasField("finished"):
+                    return
+        finally:
+            if self.watchers.get(request.peer_id) is q:
+                del self.watchers[request.peer_id]
+
+    async def Vote(self, request: pb.VoteRequest, context) -> pb.VoteResponse:
+        async with grpc_errors(context):
+            try:
+                self.apply(self.engine.vote(
+                    request.peer_id, request.round, request.attempt, request.ok, request.result_digest,
+                    request.state_digest, self.clock(), loss=request.train_loss, suspects=tuple(request.suspects),
+                    flagged=tuple(request.flagged), error=request.error))
+            except RoundError as exc:
+                raise _raise(exc) from None
+            return pb.VoteResponse()
+
+    async def ReportLinks(self, request: pb.LinkReport, context) -> pb.LinkReportResponse:
+        async with grpc_errors(context):
+            rtts = [l.rtt_seconds for l in request.links if l.rtt_seconds > 0]
+            try:
+                self.engine.report_links(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
+                                         sum(rtts) / len(rtts) if rtts else 0.0)
+            except RoundError as exc:
+                raise _raise(exc) from None
+            return pb.LinkReportResponse()
+
+    async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
+        now = self.clock()
+        e = self.engine
+        members = [
+            pb.MemberInfo(peer_id=m.peer_id, address=m.address, state=m.state,
+                          lease_remaining_seconds=max(0.0, m.lease_expiry - now), num_samples=m.num_samples,
+                          up_bytes_per_s=m.up_bytes_per_s, down_bytes_per_s=m.down_bytes_per_s,
+                          rtt_seconds=m.rtt_seconds)
+            for m in sorted(e.members.values(), key=lambda m: m.peer_id)
+        ]
+        k = request.recent_rounds or 10
+        rounds = [
+            pb.RoundInfo(round=c.round, attempt=c.attempt, status="committed", state_digest=c.state_digest,
+                         participants=len(c.participants), seconds=c.seconds, train_loss=c.train_loss)
+            for c in e.commits[-k:]
+        ]
+        rounds += [
+            pb.RoundInfo(round=a.round, attempt=a.attempt, status="aborted", reason=a.reason)
+            for a in e.aborts[-k:]
+        ]
+        if e.running is not None:
+            rounds.append(pb.RoundInfo(round=e.running.plan.round, attempt=e.running.plan.attempt, status="running",
+                                       participants=len(e.running.plan.participants)))
+        rounds.sort(key=lambda r: (r.round, r.attempt, r.status != "aborted"))
+        return pb.StatusResponse(epoch=e.epoch, round=e.committed_rounds, members=members, rounds=rounds[-k:],
+                                 rounds_committed=e.committed_rounds, rounds_aborted=e.rounds_aborted,
+                                 run_config_json=self.run_config_json)
+
+
+def grpc_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Store, str]:
+    """Open (or create) the durable state and rebuild the engine from it.
+
+    The run configuration stored on first start wins over the one passed on a restart, so a
+    restarted coordinator resumes the same run.
+    """
+    store = SQLiteStore(config.state_path)
+    stored = store.get_meta("run_config")
+    if stored is None:
+        stored = json.dumps(config.run_config, sort_keys=True)
+        store.set_meta("run_config", stored)
+    elif json.loads(stored) != config.run_config and config.run_config:
+        log.warning("state file holds a run configuration that differs from the flags; keeping the stored one")
+    commits = store.load_commits()
+    engine = RoundEngine(config.engine, committed=commits, members=store.load_members(),
+                         epoch=store.load_epoch(), aborted=store.count_aborts(), now=now)
+    if commits:
+        log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path, len(commits),
+                 len(engine.members), engine.epoch)
+    return engine, store, stored
+
+
+async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Run the coordinator until `stop` is set (or the task is cancelled); shuts down in order."""
+    engine, store, run_config_json = open_state(config, time.time())
+    key_path = config.key_path or str(pathlib.Path(config.state_path).with_suffix(".key"))
+    service = CoordinatorService(engine, store, run_config_json, load_or_create_key(key_path))
+    server = grpc.aio.server(options=grpc_options())
+    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"listen: cannot bind {config.listen}")
+    host = config.listen.rsplit(":", 1)[0]
+    await server.start()
+    address = f"{host}:{port}"
+    log.info("coordinator listening on %s (state %s)", address, config.state_path)
+    if config.ready_file:
+        tmp = pathlib.Path(config.ready_file + ".tmp")
+        tmp.write_text(address)
+        tmp.rename(config.ready_file)
+    stop = stop or asyncio.Event()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            ticker = tg.create_task(service.ticker())
+            await stop.wait()
+            ticker.cancel()
+    finally:
+        await server.stop(grace=1.0)
+        store.close()

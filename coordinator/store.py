@@ -1,0 +1,177 @@
+"""Durable coordinator state behind a small interface: members, epoch, commits, aborts, run config.
+
+Two backends share one contract (tests/test_store.py runs the same tests on both):
+`MemoryStore` (tests, ephemeral runs) and `SQLiteStore` (WAL mode, synchronous=FULL, one
+transaction per write; a write returns only once it is durable, so the server may acknowledge
+what it has written). Model state never lives here: peers hold it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from typing import Protocol
+
+from coordinator.rounds import AbortRecord, CommitRecord, Member
+
+
+class Store(Protocol):
+    def load_members(self) -> list[Member]: ...
+    def save_member(self, m: Member) -> None: ...
+    def forget_member(self, peer_id: str) -> None: ...
+    def load_epoch(self) -> int: ...
+    def save_epoch(self, epoch: int) -> None: ...
+    def load_commits(self) -> list[CommitRecord]: ...
+    def save_commit(self, rec: CommitRecord) -> None: ...
+    def count_aborts(self) -> int: ...
+    def save_abort(self, rec: AbortRecord) -> None: ...
+    def get_meta(self, key: str) -> str | None: ...
+    def set_meta(self, key: str, value: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class MemoryStore:
+    """In-memory `Store` (no durability)."""
+
+    def __init__(self) -> None:
+        self.members: dict[str, Member] = {}
+        self.epoch = 0
+        self.commits: list[CommitRecord] = []
+        self.aborts: list[AbortRecord] = []
+        self.meta: dict[str, str] = {}
+
+    def load_members(self) -> list[Member]:
+        return list(self.members.values())
+
+    def save_member(self, m: Member) -> None:
+        self.members[m.peer_id] = m
+
+    def forget_member(self, peer_id: str) -> None:
+        self.members.pop(peer_id, None)
+
+    def load_epoch(self) -> int:
+        return self.epoch
+
+    def save_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def load_commits(self) -> list[CommitRecord]:
+        return list(self.commits)
+
+    def save_commit(self, rec: CommitRecord) -> None:
+        if any(c.round == rec.round for c in self.commits):
+            raise ValueError(f"round {rec.round} already committed")
+        self.commits.append(rec)
+
+    def count_aborts(self) -> int:
+        return len(self.aborts)
+
+    def save_abort(self, rec: AbortRecord) -> None:
+        self.aborts.append(rec)
+
+    def get_meta(self, key: str) -> str | None:
+        return self.meta.get(key)
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.meta[key] = value
+
+    def close(self) -> None:
+        pass
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS members (
+    peer_id TEXT PRIMARY KEY, public_key BLOB NOT NULL, address TEXT NOT NULL,
+    num_samples INTEGER NOT NULL, state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS commits (
+    round INTEGER PRIMARY KEY, attempt INTEGER NOT NULL, result_digest BLOB NOT NULL,
+    state_digest BLOB NOT NULL, participants TEXT NOT NULL, train_loss REAL NOT NULL,
+    seconds REAL NOT NULL, flagged TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS aborts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, round INTEGER NOT NULL, attempt INTEGER NOT NULL,
+    reason TEXT NOT NULL, excluded TEXT NOT NULL, will_retry INTEGER NOT NULL, at REAL NOT NULL);
+"""
+
+
+class SQLiteStore:
+    """`Store` on a SQLite file in WAL mode; each write is one durable transaction.
+
+    Raises:
+        sqlite3.DatabaseError: the file is not a SQLite database.
+    """
+
+    def __init__(self, path: str):
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def _write(self, sql: str, args: tuple) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(sql, args)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def load_members(self) -> list[Member]:
+        rows = self._db.execute("SELECT peer_id, public_key, address, num_samples, state FROM members").fetchall()
+        return [Member(p, bytes(k), a, n, 0.0, s) for p, k, a, n, s in rows]
+
+    def save_member(self, m: Member) -> None:
+        self._write(
+            "INSERT OR REPLACE INTO members VALUES (?, ?, ?, ?, ?)",
+            (m.peer_id, m.public_key, m.address, m.num_samples, m.state),
+        )
+
+    def forget_member(self, peer_id: str) -> None:
+        self._write("DELETE FROM members WHERE peer_id = ?", (peer_id,))
+
+    def load_epoch(self) -> int:
+        v = self.get_meta("epoch")
+        return int(v) if v is not None else 0
+
+    def save_epoch(self, epoch: int) -> None:
+        self.set_meta("epoch", str(epoch))
+
+    def load_commits(self) -> list[CommitRecord]:
+        rows = self._db.execute("SELECT * FROM commits ORDER BY round").fetchall()
+        return [
+            CommitRecord(r, a, bytes(rd), bytes(sd), tuple(json.loads(ps)), loss, sec, tuple(json.loads(fl)), at)
+            for r, a, rd, sd, ps, loss, sec, fl, at in rows
+        ]
+
+    def save_commit(self, rec: CommitRecord) -> None:
+        try:
+            self._write(
+                "INSERT INTO commits VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (rec.round, rec.attempt, rec.result_digest, rec.state_digest, json.dumps(list(rec.participants)),
+                 rec.train_loss, rec.seconds, json.dumps(list(rec.flagged)), rec.at),
+            )
+        except sqlite3.IntegrityError as exc:
+            raise ValueError(f"round {rec.round} already committed") from exc
+
+    def count_aborts(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM aborts").fetchone()[0])
+
+    def save_abort(self, rec: AbortRecord) -> None:
+        self._write(
+            "INSERT INTO aborts (round, attempt, reason, excluded, will_retry, at) VALUES (?, ?, ?, ?, ?, ?)",
+            (rec.round, rec.attempt, rec.reason, json.dumps(list(rec.excluded)), int(rec.will_retry), rec.at),
+        )
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._write("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

@@ -1,0 +1,387 @@
+"""The peer agent: joins a swarm, keeps its lease, plays rounds, syncs state, trains.
+
+`PeerAgent.run()` owns every task it starts (data-plane server, heartbeat, the round-event
+watch) in one TaskGroup and returns when the coordinator says the run is finished (or raises
+if the peer cannot continue). Failure semantics:
+- The coordinator is unreachable or restarted: calls are retried with exponential backoff and
+  jitter; the watch stream reconnects; an expired lease is re-acquired by joining again with the
+  same identity. A round in flight at that moment is treated as aborted and played again.
+- A collective fails: the peer votes "failed" naming the suspects; its committed state is
+  untouched (the collective never mutates inputs) and it plays the retry if not excluded.
+- Its state is stale (excluded from a committed round, restarted, joined late, digest
+  disagrees): it downloads the committed state from donors and verifies its digest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from peer.collectives import CollectiveError, CollectivePlan, all_reduce
+from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options
+from peer.identity import load_or_create_key, public_bytes
+from peer.state_sync import SyncError, download_state
+from peer.tensors import digest, dtype_code
+from peer.training import CommittedState, DigitsWorkload, RunConfig
+from shoal.v1 import shoal_pb2 as pb
+from shoal.v1 import shoal_pb2_grpc as pb_grpc
+
+log = logging.getLogger("shoal.peer")
+T = TypeVar("T")
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """Settings of `shoal peer` (see docs/configuration.md).
+
+    rpc_timeout: per control-plane call, seconds. backoff_initial / backoff_max: reconnect
+    backoff bounds, seconds (exponential with full jitter). round_silence: if no round event
+    arrives for this long while waiting, the peer re-announces itself (covers a coordinator that
+    restarted and forgot the ready set). sync_donors: donors used in parallel for state sync.
+    """
+
+    coordinator: str = "127.0.0.1:7070"
+    listen: str = "127.0.0.1:0"
+    key_path: str = "shoal-peer.key"
+    shard: int = 0
+    events_path: str | None = None
+    ready_file: str | None = None
+    rpc_timeout: float = 5.0
+    backoff_initial: float = 0.05
+    backoff_max: float = 2.0
+    round_silence: float = 15.0
+    sync_donors: int = 3
+    connect_timeout: float = 120.0
+
+
+class _Reconnected:
+    """Marker event: the watch stream was re-established (the coordinator may have restarted)."""
+
+
+class PeerAgent(StateSource):
+    """One peer of a swarm; see the module docstring."""
+
+    def __init__(self, config: PeerConfig):
+        self.config = config
+        self.key = load_or_create_key(config.key_path)
+        self.public_key = public_bytes(self.key)
+        self.peer_id = ""
+        self.inbox = Inbox()
+        self.transport = Transport()
+        self.events: asyncio.Queue[pb.RoundEvent | _Reconnected] = asyncio.Queue()
+        self.workload: DigitsWorkload | None = None
+        self.address = ""
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: pb_grpc.CoordinatorStub | None = None
+        self.lease_seconds = 10.0
+        self.heartbeat_interval = 2.5
+        self.pending_sync: pb.SyncOrder | None = None
+        self.tentative: dict[tuple[int, int], CommittedState] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.state_syncs = 0
+        self.finished = False
+        self._blob_cache: tuple[int, bytes, bytes] | None = None
+        self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
+
+    # ------------------------------------------------------------ state source (donor side)
+
+    def committed_state(self) -> tuple[int, bytes, bytes]:
+        assert self.workload is not None
+        st = self.workload.state
+        if self._blob_cache is None or self._blob_cache[0] != st.rounds:
+            blob = st.to_bytes()
+            self._blob_cache = (st.rounds, blob, digest(blob))
+        return self._blob_cache
+
+    # ------------------------------------------------------------ helpers
+
+    def _emit(self, event: str, **fields) -> None:
+        if self._events_file is not None:
+            rec = {"event": event, "peer": self.peer_id, "t": time.time(), **fields}
+            self._events_file.write(json.dumps(rec) + "\n")
+
+    async def _call(self, fn: Callable[[], Awaitable[T]], what: str, *, deadline: float | None = None) -> T:
+        """Retry a control-plane call on transient errors with exponential backoff and jitter."""
+        delay = self.config.backoff_initial
+        end = time.monotonic() + (deadline if deadline is not None else self.config.connect_timeout)
+        while True:
+            try:
+                return await fn()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or time.monotonic() > end:
+                    raise
+                log.debug("%s: %s; retrying in %.2fs", what, exc.code().name, delay)
+            await asyncio.sleep(random.uniform(0, delay))
+            delay = min(self.config.backoff_max, delay * 2)
+
+    # ------------------------------------------------------------ membership
+
+    async def _join(self) -> pb.JoinResponse:
+        assert self.stub is not None
+        samples = len(self.workload.data) if self.workload else 0
+        req = pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
+                             version="0.1.0")
+        resp = await self._call(lambda: self.stub.Join(req, timeout=self.config.rpc_timeout), "join")
+        self.peer_id = resp.peer_id
+        self.lease_seconds = resp.lease_seconds
+        self.heartbeat_interval = resp.heartbeat_interval_seconds
+        if resp.HasField("sync") and resp.sync.donors:
+            self.pending_sync = resp.sync
+        return resp
+
+    async def _heartbeat_loop(self) -> None:
+        assert self.stub is not None
+        while not self.finished:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                await self.stub.Heartbeat(pb.HeartbeatRequest(peer_id=self.peer_id), timeout=self.config.rpc_timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("lease lost; joining again")
+                    try:
+                        await self._join()
+                    except grpc.aio.AioRpcError:
+                        pass
+                else:
+                    log.debug("heartbeat failed: %s", exc.code().name)
+
+    async def _watch_loop(self) -> None:
+        assert self.stub is not None
+        delay = self.config.backoff_initial
+        first = True
+        while not self.finished:
+            try:
+                call = self.stub.WatchRounds(pb.WatchRequest(peer_id=self.peer_id))
+                if not first:
+                    await self.events.put(_Reconnected())
+                async for ev in call:
+                    delay = self.config.backoff_initial
+                    if first:
+                        first = False
+                    await self.events.put(ev)
+                    if ev.HasField("finished"):
+                        return
+                first = False
+            except grpc.aio.AioRpcError as exc:
+                first = False
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    try:
+                        await self._join()
+                    except grpc.aio.AioRpcError:
+                        pass
+                log.debug("watch stream broke: %s; reconnecting", exc.code().name)
+            await asyncio.sleep(random.uniform(0, delay))
+            delay = min(self.config.backoff_max, delay * 2)
+
+    # ------------------------------------------------------------ rounds
+
+    async def _ready(self, round_: int, n: int) -> None:
+        assert self.stub is not None and self.workload is not None
+        st = self.workload.state
+        req = pb.ReadyRequest(peer_id=self.peer_id, round=round_, num_elements=n, dtype=pb.FLOAT32,
+                              num_samples=len(self.workload.data), state_digest=self.committed_state()[2],
+                              state_round=st.rounds)
+
+        async def call() -> pb.ReadyResponse:
+            try:
+                return await self.stub.Ready(req, timeout=self.config.rpc_timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    await self._join()
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, exc.initial_metadata(),
+                                               exc.trailing_metadata(), "rejoined") from None
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, exc.initial_metadata(),
+                                               exc.trailing_metadata(), exc.details()) from None
+                raise
+
+        await self._call(call, "ready")
+
+    async def _vote(self, req: pb.VoteRequest) -> None:
+        assert self.stub is not None
+        try:
+            await self._call(lambda: self.stub.Vote(req, timeout=self.config.rpc_timeout), "vote", deadline=10.0)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("vote for round %d.%d not delivered: %s", req.round, req.attempt, exc.code().name)
+
+    async def _sync(self, order: pb.SyncOrder) -> None:
+        """Adopt the committed state named by `order`: from a matching tentative state, or by download."""
+        assert self.workload is not None
+        for key, st in list(self.tentative.items()):
+            if st.rounds == order.round and st.digest() == order.state_digest:
+                self.workload.apply(st)
+                self.tentative.clear()
+                log.info("state for round %d adopted from the local tentative copy", order.round)
+                return
+        t0 = time.monotonic()
+        res = await download_state(order, me=self.peer_id, transport=self.transport, k=self.config.sync_donors)
+        st = CommittedState.from_bytes(res.blob, self.workload.cfg)
+        self.workload.apply(st)
+        self.tentative.clear()
+        self.state_syncs += 1
+        self.bytes_received += len(res.blob)
+        log.info("state synced: round %d, %d bytes from %d donors in %.2fs (failed donors: %d)", st.rounds,
+                 len(res.blob), len(res.donors_used), res.seconds, len(res.donors_failed))
+        self._emit("state_sync", round=st.rounds, bytes=len(res.blob), seconds=time.monotonic() - t0,
+                   donors=list(res.donors_used), donors_failed=list(res.donors_failed))
+
+    async def _play_round(self, update_grad: np.ndarray, loss: float) -> str:
+        """Play the current round until it commits; returns "committed", "stale", "synced" or "finished"."""
+        wl = self.workload
+        assert wl is not None
+        r = wl.state.rounds
+        await self._ready(r, update_grad.size)
+        while True:
+            try:
+                ev = await asyncio.wait_for(self.events.get(), timeout=self.config.round_silence)
+            except TimeoutError:
+                log.info("no round event for %.0fs; announcing readiness again", self.config.round_silence)
+                await self._ready(r, update_grad.size)
+                continue
+            if isinstance(ev, _Reconnected):
+                await self._ready(r, update_grad.size)
+                continue
+            kind = ev.WhichOneof("event")
+            if kind == "finished":
+                self.finished = True
+                return "finished"
+            if kind == "sync":
+                await self._sync(ev.sync)
+                return "synced"
+            if kind == "plan" and ev.plan.round == r:
+                await self._run_collective(ev.plan, update_grad, loss)
+            elif kind == "commit" and ev.commit.round == r:
+                st = self.tentative.get((r, ev.commit.attempt))
+                self.tentative.clear()
+                if self.peer_id in ev.commit.participants and st is not None and st.digest() == ev.commit.state_digest:
+                    wl.apply(st)
+                    acc = wl.evaluate()
+                    self._emit("commit", round=r, attempt=ev.commit.attempt, loss=loss, test_accuracy=acc,
+                               state_digest=ev.commit.state_digest.hex(), participants=len(ev.commit.participants),
+                               bytes_sent=self.bytes_sent)
+                    return "committed"
+                # Committed without this peer (excluded, late, or a digest disagreement): its state
+                # is stale. Announce it at once; the coordinator answers with a sync order.
+                log.info("round %d committed without this peer; asking for state sync", r)
+                await self._ready(r + 1, update_grad.size)
+            elif kind == "abort" and ev.abort.round == r:
+                self.tentative.pop((r, ev.abort.attempt), None)
+                self._emit("abort", round=r, attempt=ev.abort.attempt, reason=ev.abort.reason,
+                           excluded=list(ev.abort.excluded), will_retry=ev.abort.will_retry)
+                if self.peer_id in ev.abort.excluded or not ev.abort.will_retry:
+                    await self._ready(r, update_grad.size)
+
+    async def _run_collective(self, plan: pb.Plan, update_grad: np.ndarray, loss: float) -> None:
+        wl = self.workload
+        assert wl is not None
+        cp = CollectivePlan.from_proto(plan)
+        if self.peer_id not in cp.participants:
+            return
+        self.inbox.start(Session(plan.round, plan.attempt, frozenset(cp.participants), plan.dtype))
+        total = sum(p.num_samples for p in plan.participants) or len(plan.participants)
+        mine = next(p.num_samples for p in plan.participants if p.peer_id == self.peer_id)
+        weight = np.float32((mine or 1) / total)
+        contribution = (update_grad * weight).astype(np.float32)
+        vote = pb.VoteRequest(peer_id=self.peer_id, round=plan.round, attempt=plan.attempt, train_loss=loss)
+        try:
+            res = await all_reduce(contribution, cp, me=self.peer_id, transport=self.transport, inbox=self.inbox)
+            st = wl.tentative(res.values)
+            self.tentative[(plan.round, plan.attempt)] = st
+            self.bytes_sent += res.bytes_sent
+            vote.ok = True
+            vote.result_digest = res.digest
+            vote.state_digest = st.digest()
+            vote.bytes_sent = res.bytes_sent
+            vote.collective_seconds = res.seconds
+            vote.flagged.extend(res.flagged)
+        except CollectiveError as exc:
+            log.warning("round %d.%d collective failed: %s", plan.round, plan.attempt, exc)
+            vote.ok = False
+            vote.error = str(exc)[:500]
+            vote.suspects.extend(exc.suspects)
+        finally:
+            self.inbox.finish(plan.round, plan.attempt)
+        await self._vote(vote)
+
+    # ------------------------------------------------------------ main
+
+    async def run(self) -> dict:
+        """Join, train until the coordinator finishes the run, leave. Returns a summary dict."""
+        server = grpc.aio.server(options=channel_options())
+        service = PeerService(self.inbox, self, on_bytes=self._count_received)
+        pb_grpc.add_PeerServicer_to_server(service, server)
+        port = server.add_insecure_port(self.config.listen)
+        if port == 0:
+            raise OSError(f"listen: cannot bind {self.config.listen}")
+        self.address = f"{self.config.listen.rsplit(':', 1)[0]}:{port}"
+        await server.start()
+        self.channel = grpc.aio.insecure_channel(self.config.coordinator, options=channel_options())
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        try:
+            resp = await self._join()
+            cfg = RunConfig.from_json(resp.run_config_json)
+            self.workload = DigitsWorkload(cfg, self.config.shard)
+            log.info("joined as %s (data %s, %d samples, %d params)", self.peer_id[:8], self.address,
+                     len(self.workload.data), self.workload.num_params)
+            if self.config.ready_file:
+                pathlib.Path(self.config.ready_file).write_text(self.address)
+            async with asyncio.TaskGroup() as tg:
+                hb = tg.create_task(self._heartbeat_loop())
+                watch = tg.create_task(self._watch_loop())
+                try:
+                    await self._main_loop()
+                finally:
+                    self.finished = True
+                    hb.cancel()
+                    watch.cancel()
+            acc = self.workload.evaluate()
+            summary = {"peer": self.peer_id, "rounds": self.workload.state.rounds, "test_accuracy": acc,
+                       "state_digest": self.committed_state()[2].hex(), "bytes_sent": self.bytes_sent,
+                       "bytes_received": self.bytes_received, "state_syncs": self.state_syncs}
+            self._emit("finished", **{k: v for k, v in summary.items() if k != "peer"})
+            try:
+                await self.stub.Leave(pb.LeaveRequest(peer_id=self.peer_id), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                pass
+            return summary
+        finally:
+            await self.transport.close()
+            await self.channel.close()
+            await server.stop(grace=0.5)
+
+    def _count_received(self, n: int) -> None:
+        self.bytes_received += n
+
+    async def _main_loop(self) -> None:
+        wl = self.workload
+        assert wl is not None
+        while not self.finished:
+            if self.pending_sync is not None:
+                order, self.pending_sync = self.pending_sync, None
+                try:
+                    await self._sync(order)
+                except SyncError as exc:
+                    log.warning("state sync failed: %s; asking again", exc)
+            update = await asyncio.to_thread(wl.local_update)
+            await self._play_round(update.pseudo_grad, update.loss)
+
+
+async def run_peer(config: PeerConfig) -> dict:
+    """Run one peer to completion (see PeerAgent)."""
+    return await PeerAgent(config).run()

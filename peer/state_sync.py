@@ -1,0 +1,131 @@
+"""State sync: a joiner (or a peer whose state disagrees) downloads the committed state.
+
+The blob (see `peer.training.CommittedState.to_bytes`) is fetched in byte ranges from up to `k`
+donors in parallel; each donor worker takes the next range from a shared queue, so a fast donor
+serves more. A donor that fails mid-transfer is dropped and its range goes back to the queue for
+the others. The assembled blob must hash to the digest the coordinator committed, or nothing is
+applied.
+
+Failure semantics: `download_state` either returns a verified blob or raises `SyncError`; the
+caller's state is never touched by a partial download.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from peer.dataplane import Transport
+from peer.tensors import digest
+from shoal.v1 import shoal_pb2 as pb
+
+log = logging.getLogger("shoal.peer.state_sync")
+
+RANGE_BYTES = 256 << 10
+
+
+class SyncError(Exception):
+    """No verified copy of the committed state could be assembled from the donors."""
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    blob: bytes
+    seconds: float
+    donors_used: tuple[str, ...]
+    donors_failed: tuple[str, ...]
+
+
+async def _fetch(transport: Transport, donor: pb.Participant, me: str, round_: int, offset: int, length: int,
+                 timeout: float) -> tuple[bytes, int, bytes]:
+    stub = transport.stub(donor.address)
+    parts: list[bytes] = []
+    total, dig = 0, b""
+    async for c in stub.FetchState(pb.StateRequest(peer_id=me, round=round_, offset=offset, length=length),
+                                   timeout=timeout):
+        if c.offset != offset + sum(len(p) for p in parts):
+            raise SyncError(f"donor {donor.peer_id[:8]} sent offset {c.offset} out of order")
+        parts.append(c.data)
+        total, dig = c.total_bytes, c.state_digest
+    return b"".join(parts), total, dig
+
+
+async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, k: int = 3,
+                         range_bytes: int = RANGE_BYTES, timeout: float = 10.0) -> SyncResult:
+    """Download and verify the state named by `order` from up to `k` of its donors in parallel.
+
+    Donors are tried in an order rotated by the requester's id, so simultaneous joiners spread
+    over donors. Raises SyncError when no donor can complete it or the digest does not match.
+    """
+    t0 = time.monotonic()
+    donors = [d for d in order.donors if d.peer_id != me]
+    if not donors:
+        raise SyncError("no donors")
+    shift = int(me[:8], 16) % len(donors) if me else 0
+    donors = donors[shift:] + donors[:shift]
+    failed: list[str] = []
+    # Learn the size from the first donor that answers.
+    first_blob = b""
+    total = -1
+    for d in list(donors):
+        try:
+            first_blob, total, dig = await _fetch(transport, d, me, order.round, 0, range_bytes, timeout)
+            if order.state_digest and dig and dig != order.state_digest:
+                raise SyncError(f"donor {d.peer_id[:8]} holds digest {dig.hex()[:12]}, not the committed one")
+            break
+        except (grpc.aio.AioRpcError, SyncError, asyncio.TimeoutError) as exc:
+            log.warning("state sync: donor %s failed: %s", d.peer_id[:8], _why(exc))
+            failed.append(d.peer_id)
+            donors.remove(d)
+    if total < 0:
+        raise SyncError(f"every donor failed ({len(failed)})")
+    ranges: asyncio.Queue[int] = asyncio.Queue()
+    for off in range(len(first_blob), total, range_bytes):
+        ranges.put_nowait(off)
+    pieces: dict[int, bytes] = {0: first_blob}
+    used: set[str] = set()
+    alive = list(donors[:k])
+
+    async def worker(d: pb.Participant) -> None:
+        while True:
+            try:
+                off = ranges.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            try:
+                data, _, _ = await _fetch(transport, d, me, order.round, off, range_bytes, timeout)
+            except (grpc.aio.AioRpcError, SyncError, asyncio.TimeoutError) as exc:
+                log.warning("state sync: donor %s failed mid-transfer: %s; switching donor", d.peer_id[:8], _why(exc))
+                failed.append(d.peer_id)
+                alive.remove(d)
+                ranges.put_nowait(off)
+                return
+            pieces[off] = data
+            used.add(d.peer_id)
+
+    while not ranges.empty():
+        if not alive:
+            spare = [d for d in donors if d.peer_id not in failed]
+            if not spare:
+                raise SyncError(f"every donor failed ({len(failed)}) with {ranges.qsize()} ranges left")
+            alive.append(spare[0])
+        async with asyncio.TaskGroup() as tg:
+            for d in list(alive):
+                tg.create_task(worker(d))
+    blob = b"".join(pieces[o] for o in sorted(pieces))
+    if len(blob) != total:
+        raise SyncError(f"assembled {len(blob)} bytes, expected {total}")
+    if order.state_digest and digest(blob) != order.state_digest:
+        raise SyncError("assembled state does not match the committed digest")
+    return SyncResult(blob, time.monotonic() - t0, tuple(sorted(used)), tuple(failed))
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name} {exc.details()}"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,194 @@
+"""The training side of a peer: run configuration, local (inner) training, the committed state.
+
+One round of DiLoCo (Douillard et al. 2023) or FedAvg (McMahan et al. 2017), seen from a peer:
+1. `local_update()` runs `inner_steps` optimizer steps on the peer's own data from the committed
+   parameters and returns the pseudo-gradient `delta = params - params_local`, (n,) float32.
+2. The swarm all-reduces the sample-weighted deltas (weights n_i / sum n).
+3. `tentative(aggregate)` applies the outer optimizer (DiLoCo: Nesterov momentum; FedAvg: SGD
+   with lr 1, i.e. the weighted average of the local models) to copies and returns the new state
+   and its digest, without changing the committed state.
+4. `apply(tentative)` makes it the committed state, only after the coordinator committed it.
+
+The committed state (parameters, outer optimizer state, committed round count) serializes to a
+deterministic byte string; its BLAKE2b-256 digest is what peers vote on and joiners verify.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from peer.data import NUM_CLASSES, NUM_FEATURES, Dataset, load_digits_split, partition
+from peer.errors import InvalidArgument
+from peer.model import Adam, MLPShape, init_params, loss_and_grad, predict
+from peer.outer import OuterOptimizer, fedprox_grad, make_outer
+from peer.tensors import digest
+
+_MAGIC = b"SHOALST1"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run's training configuration, set on the coordinator and given to every peer at join.
+
+    algorithm: "diloco" or "fedavg". inner_steps: local optimizer steps per round (H).
+    lr: inner Adam learning rate. outer / outer_params: outer optimizer (default by algorithm:
+    diloco -> Nesterov lr 0.7 momentum 0.9; fedavg -> sgd lr 1.0). num_shards: how many parts
+    the training data is cut into (a peer picks its part with --shard).
+    """
+
+    algorithm: str = "diloco"
+    seed: int = 0
+    inner_steps: int = 50
+    batch_size: int = 32
+    lr: float = 3e-3
+    hidden: int = 64
+    outer: str = ""
+    outer_params: dict = field(default_factory=dict)
+    num_shards: int = 4
+    non_iid: bool = False
+    fedprox_mu: float = 0.0
+    aggregator: str = "mean"
+    aggregator_params: dict = field(default_factory=dict)
+    compression: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("diloco", "fedavg"):
+            raise InvalidArgument(f"algorithm: {self.algorithm!r} is not diloco or fedavg")
+        if self.inner_steps < 1:
+            raise InvalidArgument("inner_steps: must be >= 1")
+
+    @property
+    def outer_name(self) -> str:
+        return self.outer or ("diloco" if self.algorithm == "diloco" else "sgd")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "RunConfig":
+        raw = json.loads(text) if text else {}
+        known = {f.name for f in dataclasses.fields(RunConfig)}
+        return RunConfig(**{k: v for k, v in raw.items() if k in known})
+
+
+def make_outer_for(cfg: RunConfig) -> OuterOptimizer:
+    return make_outer(cfg.outer_name, **cfg.outer_params)
+
+
+@dataclass
+class CommittedState:
+    """params (n,) float32, the outer optimizer, and the number of committed rounds it reflects."""
+
+    params: np.ndarray
+    outer: OuterOptimizer
+    rounds: int
+
+    def to_bytes(self) -> bytes:
+        """Deterministic serialization: magic | u32 header length | JSON header | raw arrays."""
+        arrays = {"params": self.params, **{f"outer.{k}": v for k, v in sorted(self.outer.state().items())}}
+        header = {"rounds": self.rounds, "outer": self.outer.name,
+                  "arrays": [[k, str(v.dtype), list(v.shape)] for k, v in arrays.items()]}
+        h = json.dumps(header, sort_keys=True).encode()
+        return b"".join([_MAGIC, struct.pack("<I", len(h)), h] + [np.ascontiguousarray(v).tobytes() for v in arrays.values()])
+
+    def digest(self) -> bytes:
+        return digest(self.to_bytes())
+
+    @staticmethod
+    def from_bytes(blob: bytes, cfg: RunConfig) -> "CommittedState":
+        """Inverse of `to_bytes`. Raises InvalidArgument on a malformed blob."""
+        if blob[:8] != _MAGIC or len(blob) < 12:
+            raise InvalidArgument("state: bad magic")
+        (hl,) = struct.unpack("<I", blob[8:12])
+        try:
+            header = json.loads(blob[12:12 + hl])
+        except ValueError:
+            raise InvalidArgument("state: bad header") from None
+        off = 12 + hl
+        arrays: dict[str, np.ndarray] = {}
+        for name, dt, shape in header["arrays"]:
+            count = int(np.prod(shape)) if shape else 1
+            nbytes = count * np.dtype(dt).itemsize
+            if off + nbytes > len(blob):
+                raise InvalidArgument(f"state: truncated at {name}")
+            arrays[name] = np.frombuffer(blob[off:off + nbytes], dtype=dt).reshape(shape).copy()
+            off += nbytes
+        outer = make_outer_for(cfg)
+        outer.load_state({k[6:]: v for k, v in arrays.items() if k.startswith("outer.")})
+        return CommittedState(arrays["params"], outer, int(header["rounds"]))
+
+
+@dataclass(frozen=True)
+class LocalUpdate:
+    pseudo_grad: np.ndarray  # (n,) float32
+    loss: float  # mean training loss over the inner steps
+    num_samples: int
+
+
+class DigitsWorkload:
+    """The default workload: an MLP on one part of the UCI digits training set."""
+
+    def __init__(self, cfg: RunConfig, shard: int):
+        self.cfg = cfg
+        self.shape = MLPShape((NUM_FEATURES, cfg.hidden, NUM_CLASSES))
+        train, self.test = load_digits_split(cfg.seed)
+        self.data: Dataset = partition(train, cfg.num_shards, shard % cfg.num_shards, non_iid=cfg.non_iid, seed=cfg.seed)
+        self.state = CommittedState(init_params(self.shape, cfg.seed), make_outer_for(cfg), 0)
+        self.inner = Adam(self.shape.num_params, lr=cfg.lr)
+        self.rng = np.random.default_rng(cfg.seed * 1000 + 17 + shard)
+
+    @property
+    def num_params(self) -> int:
+        return self.shape.num_params
+
+    def local_update(self) -> LocalUpdate:
+        """Run `inner_steps` local steps from the committed parameters; returns the pseudo-gradient."""
+        start = self.state.params
+        w = start.copy()
+        losses = []
+        for _ in range(self.cfg.inner_steps):
+            b = self.rng.integers(0, len(self.data), self.cfg.batch_size)
+            loss, g = loss_and_grad(self.shape, w, self.data.x[b], self.data.y[b])
+            if self.cfg.fedprox_mu > 0:
+                g = g + fedprox_grad(w, start, self.cfg.fedprox_mu)
+            self.inner.step(w, g)
+            losses.append(loss)
+        return LocalUpdate((start - w).astype(np.float32), float(np.mean(losses)), len(self.data))
+
+    def tentative(self, aggregate: np.ndarray) -> CommittedState:
+        """The state after applying `aggregate` (n,) float32; the committed state is untouched."""
+        outer = copy.deepcopy(self.state.outer)
+        params = outer.step(self.state.params, aggregate.astype(np.float32, copy=False))
+        return CommittedState(params, outer, self.state.rounds + 1)
+
+    def apply(self, state: CommittedState) -> None:
+        self.state = state
+
+    def evaluate(self) -> float:
+        """Held-out accuracy of the committed parameters, in [0, 1]."""
+        return float((predict(self.shape, self.state.params, self.test.x) == self.test.y).mean())
+
+    def test_loss(self) -> float:
+        loss, _ = loss_and_grad(self.shape, self.state.params, self.test.x, self.test.y)
+        return loss
+
+
+def baseline_accuracy(cfg: RunConfig, total_steps: int) -> float:
+    """Single-process baseline: the same MLP and inner optimizer on the whole training set for
+    `total_steps` steps (the swarm's total optimizer steps)."""
+    shape = MLPShape((NUM_FEATURES, cfg.hidden, NUM_CLASSES))
+    train, test = load_digits_split(cfg.seed)
+    w = init_params(shape, cfg.seed)
+    opt = Adam(shape.num_params, lr=cfg.lr)
+    rng = np.random.default_rng(cfg.seed + 99)
+    for _ in range(total_steps):
+        b = rng.integers(0, len(train), cfg.batch_size)
+        _, g = loss_and_grad(shape, w, train.x[b], train.y[b])
+        opt.step(w, g)
+    return float((predict(shape, w, test.x) == test.y).mean())

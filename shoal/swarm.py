@@ -1,0 +1,275 @@
+"""`shoal swarm`: a whole local swarm — a coordinator and N peers as OS processes on 127.0.0.1.
+
+It trains the default workload, shows a progress bar over committed rounds, compares the final
+held-out accuracy with a single-process baseline given the same total number of optimizer steps,
+writes a JSON summary, and stops every process it started: on success, on failure of any of
+them, and on Ctrl-C (processes run in their own process groups and are killed as groups).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("shoal.swarm")
+
+
+@dataclass(frozen=True)
+class SwarmOptions:
+    peers: int = 4
+    rounds: int = 20
+    algorithm: str = "diloco"
+    seed: int = 0
+    inner_steps: int = 50
+    lr: float = 3e-3
+    non_iid: bool = False
+    summary_path: str | None = None
+    workdir: str | None = None
+    progress: bool = True
+    straggler_timeout: float = 5.0
+    min_peers: int = 2
+    timeout: float = 600.0
+    extra_coordinator_args: tuple[str, ...] = ()
+    extra_peer_args: tuple[str, ...] = ()
+
+
+@dataclass
+class _Proc:
+    name: str
+    argv: list[str]
+    log_path: pathlib.Path
+    popen: subprocess.Popen | None = None
+    starts: int = 0
+
+    def start(self) -> None:
+        out = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True)
+        out.close()
+        self.starts += 1
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+
+    def stop(self, grace: float = 3.0) -> None:
+        if self.popen is None:
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.popen.wait(timeout=10)
+
+    def tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Swarm:
+    """The processes of a local swarm and their files; every method is bounded in time."""
+
+    opts: SwarmOptions
+    workdir: pathlib.Path
+    coordinator: _Proc | None = None
+    peers: list[_Proc] = field(default_factory=list)
+    address: str = ""
+
+    def coordinator_argv(self) -> list[str]:
+        o = self.opts
+        return [sys.executable, "-m", "shoal.cli", "coordinator", "--listen", "127.0.0.1:0",
+                "--state", str(self.workdir / "coordinator.db"), "--ready-file", str(self.workdir / "coordinator.addr"),
+                "--rounds", str(o.rounds), "--min-peers", str(min(o.min_peers, o.peers)),
+                "--initial-peers", str(o.peers), "--num-shards", str(o.peers),
+                "--straggler-timeout", str(o.straggler_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
+                "--inner-steps", str(o.inner_steps), "--lr", str(o.lr),
+                *(["--non-iid"] if o.non_iid else []), *o.extra_coordinator_args]
+
+    def start_coordinator(self, timeout: float = 30.0) -> str:
+        ready = self.workdir / "coordinator.addr"
+        if self.coordinator is None:
+            self.coordinator = _Proc("coordinator", self.coordinator_argv(), self.workdir / "coordinator.log")
+        if self.address:
+            # A restart must come back on the same address: the peers know only that one.
+            argv = self.coordinator.argv
+            argv[argv.index("--listen") + 1] = self.address
+        ready.unlink(missing_ok=True)
+        self.coordinator.start()
+        end = time.monotonic() + timeout
+        while not ready.exists():
+            if not self.coordinator.alive():
+                raise RuntimeError(f"coordinator exited:\n{self.coordinator.tail()}")
+            if time.monotonic() > end:
+                raise TimeoutError("coordinator did not start in time")
+            time.sleep(0.05)
+        self.address = ready.read_text().strip()
+        return self.address
+
+    def peer_argv(self, i: int) -> list[str]:
+        return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", "127.0.0.1:0",
+                "--key", str(self.workdir / f"peer-{i}.key"), "--shard", str(i),
+                "--events", str(self.workdir / f"peer-{i}.jsonl"), *self.opts.extra_peer_args]
+
+    def start_peer(self, i: int) -> None:
+        while len(self.peers) <= i:
+            n = len(self.peers)
+            self.peers.append(_Proc(f"peer-{n}", self.peer_argv(n), self.workdir / f"peer-{n}.log"))
+        self.peers[i].start()
+
+    def stop_all(self) -> None:
+        for p in self.peers:
+            p.stop()
+        if self.coordinator is not None:
+            self.coordinator.stop()
+
+    def events(self, i: int) -> list[dict]:
+        path = self.workdir / f"peer-{i}.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+    def all_events(self) -> list[dict]:
+        return [e for i in range(len(self.peers)) for e in self.events(i)]
+
+    def durable_counts(self) -> tuple[int, int]:
+        """(rounds committed, attempts aborted) read from the coordinator's SQLite state file."""
+        db = sqlite3.connect(self.workdir / "coordinator.db")
+        try:
+            c = db.execute("SELECT COUNT(*) FROM commits").fetchone()[0]
+            a = db.execute("SELECT COUNT(*) FROM aborts").fetchone()[0]
+            return int(c), int(a)
+        finally:
+            db.close()
+
+
+def summarize(swarm: Swarm, wall: float, baseline: float) -> dict:
+    """The run summary (see docs/quickstart.md for the fields)."""
+    events = swarm.all_events()
+    finals = [e for e in events if e["event"] == "finished"]
+    commits = [e for e in events if e["event"] == "commit"]
+    by_round: dict[int, set[str]] = {}
+    for e in commits:
+        by_round.setdefault(e["round"], set()).add(e["state_digest"])
+    mismatches = sum(1 for d in by_round.values() if len(d) > 1)
+    final_digests = {e["state_digest"] for e in finals}
+    if len(final_digests) > 1:
+        mismatches += 1
+    committed, aborted = swarm.durable_counts()
+    acc = max((e["test_accuracy"] for e in finals), default=0.0)
+    return {
+        "test_accuracy": acc,
+        "baseline_accuracy": baseline,
+        "rounds_committed": committed,
+        "rounds_aborted": aborted,
+        "rounds_retried": sum(1 for e in events if e["event"] == "abort" and e.get("will_retry")) // max(1, swarm.opts.peers),
+        "digest_mismatches": mismatches,
+        "peers": swarm.opts.peers,
+        "peers_finished": len(finals),
+        "wall_seconds": round(wall, 3),
+        "bytes_sent_total": sum(e.get("bytes_sent", 0) for e in finals),
+        "state_syncs": sum(1 for e in events if e["event"] == "state_sync"),
+        "algorithm": swarm.opts.algorithm,
+        "seed": swarm.opts.seed,
+    }
+
+
+def _progress(opts: SwarmOptions):
+    if not opts.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=opts.rounds, desc="rounds", unit="round", file=sys.stderr, dynamic_ncols=True)
+
+
+def run_swarm(opts: SwarmOptions) -> dict:
+    """Run a local swarm to completion; returns the summary (with "ok") and writes it if asked."""
+    from peer.training import RunConfig, baseline_accuracy
+
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if opts.workdir:
+            wd = pathlib.Path(opts.workdir)
+            wd.mkdir(parents=True, exist_ok=True)
+        else:
+            wd = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shoal-swarm-")))
+        swarm = Swarm(opts, wd)
+        stack.callback(swarm.stop_all)
+        bar = _progress(opts)
+        if bar is not None:
+            stack.callback(bar.close)
+        ok, why = True, ""
+        try:
+            swarm.start_coordinator()
+            for i in range(opts.peers):
+                swarm.start_peer(i)
+            shown = 0
+            last_t = time.monotonic()
+            while True:
+                if time.monotonic() - t0 > opts.timeout:
+                    raise TimeoutError(f"swarm did not finish within {opts.timeout:.0f}s")
+                if not swarm.coordinator.alive():
+                    raise RuntimeError(f"coordinator exited early:\n{swarm.coordinator.tail()}")
+                failed = [p for p in swarm.peers if p.popen is not None and p.popen.poll() not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"{failed[0].name} failed (exit {failed[0].popen.returncode}):\n{failed[0].tail()}")
+                commits = [e for e in swarm.events(0) if e["event"] == "commit"] or \
+                          [e for e in swarm.all_events() if e["event"] == "commit"]
+                top = max((e["round"] + 1 for e in commits), default=0)
+                if bar is not None and top > shown:
+                    last = max((e for e in commits if e["round"] == top - 1), key=lambda e: e["t"])
+                    now = time.monotonic()
+                    bar.set_postfix(members=last["participants"], loss=f"{last['loss']:.3f}",
+                                    acc=f"{last['test_accuracy']:.3f}", sec=f"{(now - last_t) / (top - shown):.2f}")
+                    bar.update(top - shown)
+                    shown, last_t = top, now
+                if all(p.popen is not None and p.popen.poll() == 0 for p in swarm.peers):
+                    break
+                time.sleep(0.1)
+        except KeyboardInterrupt:
+            ok, why = False, "interrupted"
+            raise
+        except (RuntimeError, TimeoutError) as exc:
+            ok, why = False, str(exc)
+            log.error("swarm failed: %s", exc)
+        finally:
+            swarm.stop_all()
+        wall = time.monotonic() - t0
+        cfg = RunConfig(algorithm=opts.algorithm, seed=opts.seed, inner_steps=opts.inner_steps, lr=opts.lr,
+                        num_shards=opts.peers, non_iid=opts.non_iid)
+        baseline = baseline_accuracy(cfg, opts.peers * opts.rounds * opts.inner_steps)
+        summary = summarize(swarm, wall, baseline)
+        summary["ok"] = ok and summary["peers_finished"] == opts.peers
+        if why:
+            summary["error"] = why.splitlines()[0]
+    if bar is not None:
+        bar.close()
+    print(f"test accuracy {summary['test_accuracy']:.4f} (baseline, single process, same total steps: "
+          f"{summary['baseline_accuracy']:.4f}); rounds committed {summary['rounds_committed']}, "
+          f"aborted {summary['rounds_aborted']}; digest mismatches {summary['digest_mismatches']}; "
+          f"{summary['wall_seconds']:.1f}s", file=sys.stderr)
+    if opts.summary_path:
+        pathlib.Path(opts.summary_path).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
