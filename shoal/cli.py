@@ -63,6 +63,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--collective-timeout", type=float, default=30.0)
     g.add_argument("--chunk-timeout", type=float, default=5.0)
     g.add_argument("--max-attempts", type=int, default=5)
+    g.add_argument("--algorithm-collective", default="ring", choices=["ring", "butterfly", "auto"],
+                   help="all-reduce algorithm (auto: chosen by the planner from measured links)")
 
 
 def _engine_config(a: argparse.Namespace):
@@ -70,7 +72,8 @@ def _engine_config(a: argparse.Namespace):
 
     return EngineConfig(min_peers=a.min_peers, initial_peers=a.initial_peers, lease_seconds=a.lease_seconds, ready_timeout=a.straggler_timeout,
                         collective_timeout=a.collective_timeout, chunk_timeout=a.chunk_timeout,
-                        max_attempts=a.max_attempts, total_rounds=a.rounds)
+                        max_attempts=a.max_attempts, total_rounds=a.rounds,
+                        algorithm=a.algorithm_collective)
 
 
 def _run_config(a: argparse.Namespace, num_shards: int):
