@@ -299,8 +299,7 @@ class RoundEngine:
             donors = self.donors(now, exclude=peer_id)
             if not donors:
                 raise RoundError("precondition", "state_round: no up-to-date donor is live; retry later")
-            if m.state != "syncing":
-                m.state = "syncing"  # not waited on until it is up to date
+            m.state = "syncing"
             return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
         if round_ != self.committed_rounds:
             raise RoundError("invalid", f"round: expected {self.committed_rounds}, got {round_}")
@@ -376,7 +375,9 @@ class RoundEngine:
             quorum = max(quorum, self.config.initial_peers)
         if len(candidates) < quorum:
             return []
-        waiting_on = {p for p in live if self.members[p].state != "syncing" and p not in self.excluded} - set(candidates)
+        # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
+        # joiner forever); the ready timeout bounds the wait for a straggler.
+        waiting_on = {p for p in live if p not in self.excluded} - set(candidates)
         deadline_passed = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
         if waiting_on and not deadline_passed and self.attempt == 0:
             return []
