@@ -61,7 +61,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--straggler-timeout", type=float, default=5.0,
                    help="after the first ready, wait at most this long for the other members")
     g.add_argument("--collective-timeout", type=float, default=30.0)
-    g.add_argument("--chunk-timeout", type=float, default=5.0)
+    g.add_argument("--chunk-timeout", type=float, default=2.0,
+                   help="floor of the per-chunk deadline, seconds (see docs/fault-tolerance.md)")
     g.add_argument("--max-attempts", type=int, default=5)
     g.add_argument("--algorithm-collective", default="ring", choices=["ring", "butterfly", "auto"],
                    help="all-reduce algorithm (auto: chosen by the planner from measured links)")
@@ -98,7 +99,8 @@ def cmd_peer(a: argparse.Namespace) -> int:
     from peer.agent import PeerConfig, run_peer
 
     cfg = PeerConfig(coordinator=a.coordinator, listen=a.listen, key_path=a.key, shard=a.shard,
-                     events_path=a.events, ready_file=a.ready_file)
+                     events_path=a.events, ready_file=a.ready_file, sync_donors=a.sync_donors,
+                     sync_range_bytes=a.sync_range_bytes)
     result: dict = {}
 
     async def main() -> None:
@@ -141,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=int, default=0, help="which part of the training data this peer holds")
     p.add_argument("--events", help="append JSON-lines round events here")
     p.add_argument("--ready-file", help="write the data-plane address here once joined")
+    p.add_argument("--sync-donors", type=int, default=3, help="donors used in parallel for state sync")
+    p.add_argument("--sync-range-bytes", type=int, default=256 << 10, help="byte range fetched per state-sync request")
     _add_common(p)
     p.set_defaults(fn=cmd_peer)
 
