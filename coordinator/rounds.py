@@ -55,7 +55,7 @@ class EngineConfig:
     retry_backoff: float = 0.05
     total_rounds: int = 0
     chunk_bytes: int = 1 << 20
-    algorithm: str = "ring"
+    algorithm: str = "auto"  # "auto" (planner), "ring" or "butterfly"; see plan_layout
     aggregator: str = "mean"
     compression: str = "none"
 
@@ -103,6 +103,8 @@ class PlanSpec:
     aggregator: str
     compression: str
     predicted_seconds: float = 0.0
+    bound_seconds: float = 0.0  # lower bound for these links (0 when links are unknown)
+    demoted: tuple[str, ...] = ()  # participants that own no shard (too slow to own one)
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,76 @@ def chunk_deadline(members: list[Member], config: EngineConfig) -> float:
     if not rates:
         return config.chunk_timeout
     return max(config.chunk_timeout, config.chunk_safety * config.chunk_bytes / min(rates) + 2 * rtt)
+
+
+# Bytes per element of each shoal.v1.DType code (FLOAT32, FLOAT16, BFLOAT16, INT8, FLOAT64, UINT8).
+_ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 1, 5: 8, 6: 1}
+# What the data plane (peer.collectives) implements; the planner's tree is not among them yet.
+DATA_PLANE_ALGORITHMS = ("butterfly", "ring")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one collective is laid out: participant order, algorithm, shards and their owners
+    (positions in `participants`), and the planner's prediction (0 when links are unknown)."""
+
+    participants: tuple[str, ...]
+    algorithm: str
+    shard_bounds: tuple[int, ...]
+    shard_owner: tuple[int, ...]
+    predicted_seconds: float = 0.0
+    bound_seconds: float = 0.0
+    demoted: tuple[str, ...] = ()
+
+
+def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsize: int = 4, *,
+                owner_reduces: bool = False) -> Layout:
+    """Lay out a collective over `members` (in the engine's participant order). Pure.
+
+    With no measured link among them (up and down both > 0), the layout is the static one: the
+    given order, equal shards ``n·i//p``, participant i owns shard i, and "auto" means butterfly.
+    Otherwise the links go to `coordinator.planner.plan_collective` (a member without a
+    measurement is assumed to have the median of the measured ones): "auto" picks the algorithm
+    with the smallest predicted time among those the data plane runs, "ring"/"butterfly" keep the
+    algorithm and plan its order and shard sizes; peers below the floor are demoted to
+    non-owners. `owner_reduces` (an aggregator other than the plain mean runs at the shard
+    owners) limits "auto" to butterfly, the only algorithm with owner-side reduction. Never raises
+    for bad measurements: it falls back to the static layout.
+    """
+    from coordinator.planner import LinkSpec, plan_collective
+
+    ids = tuple(m.peer_id for m in members)
+    p = len(ids)
+    static = Layout(ids, "butterfly" if algorithm == "auto" else algorithm,
+                    tuple(num_elements * i // p for i in range(p + 1)), tuple(range(p)))
+    known = [m for m in members if m.up_bytes_per_s > 0 and m.down_bytes_per_s > 0]
+    measured = {m.peer_id for m in known}
+    if p < 2 or not known:
+        return static
+    med_up = sorted(m.up_bytes_per_s for m in known)[len(known) // 2]
+    med_down = sorted(m.down_bytes_per_s for m in known)[len(known) // 2]
+    rtts = sorted(m.rtt_seconds for m in known if m.rtt_seconds > 0)
+    med_rtt = rtts[len(rtts) // 2] if rtts else 0.0
+    links = [
+        LinkSpec(m.peer_id, m.up_bytes_per_s if m.peer_id in measured else med_up,
+                 m.down_bytes_per_s if m.peer_id in measured else med_down,
+                 m.rtt_seconds if m.rtt_seconds > 0 else med_rtt)
+        for m in members
+    ]
+    try:
+        plan = plan_collective(links, num_elements, itemsize, algorithm=None if algorithm == "auto" else algorithm,
+                               algorithms=("butterfly",) if owner_reduces else DATA_PLANE_ALGORITHMS)
+    except (ValueError, RuntimeError):
+        return static
+    return Layout(
+        participants=tuple(ids[i] for i in plan.order),
+        algorithm=plan.algorithm,
+        shard_bounds=plan.shard_bounds,
+        shard_owner=plan.owner_positions(),
+        predicted_seconds=plan.predicted_seconds,
+        bound_seconds=plan.bound_seconds,
+        demoted=tuple(ids[i] for i in plan.demoted),
+    )
 
 
 class RoundEngine:
@@ -439,16 +511,16 @@ class RoundEngine:
             actions.append(PersistEpoch(self.epoch))
         info = self.ready[participants[0]]
         n = info.num_elements
-        p = len(participants)
-        bounds = tuple(n * i // p for i in range(p + 1))
+        layout = plan_layout(self.config.algorithm, [self.members[p] for p in participants], n,
+                             _ITEMSIZE.get(info.dtype, 4), owner_reduces=self.config.aggregator != "mean")
         plan = PlanSpec(
             round=self.committed_rounds,
             attempt=self.attempt,
             epoch=self.epoch,
-            participants=participants,
-            algorithm=self.config.algorithm,
-            shard_bounds=bounds,
-            shard_owner=tuple(range(p)),
+            participants=layout.participants,
+            algorithm=layout.algorithm,
+            shard_bounds=layout.shard_bounds,
+            shard_owner=layout.shard_owner,
             num_elements=n,
             dtype=info.dtype,
             deadline_seconds=self.config.collective_timeout,
@@ -456,6 +528,9 @@ class RoundEngine:
             chunk_bytes=self.config.chunk_bytes,
             aggregator=self.config.aggregator,
             compression=self.config.compression,
+            predicted_seconds=layout.predicted_seconds,
+            bound_seconds=layout.bound_seconds,
+            demoted=layout.demoted,
         )
         self.running = _Running(plan, now)
         actions.append(SendPlan(plan))

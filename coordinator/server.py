@@ -114,8 +114,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.store.save_epoch(a.epoch)
             elif isinstance(a, SendPlan):
                 plan = self._render_plan(a.plan)
-                log.info("round %d.%d planned: %d participants, %s", plan.round, plan.attempt,
-                         len(plan.participants), plan.algorithm)
+                log.info("round %d.%d planned: %d participants, %s, predicted %.3fs (bound %.3fs)%s", plan.round,
+                         plan.attempt, len(plan.participants), plan.algorithm, a.plan.predicted_seconds,
+                         a.plan.bound_seconds,
+                         f", non-owners {[d[:8] for d in a.plan.demoted]}" if a.plan.demoted else "")
                 ev = pb.RoundEvent(plan=plan)
                 for p in a.plan.participants:
                     self._send(p, ev)
@@ -252,6 +254,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                          sum(rtts) / len(rtts) if rtts else 0.0)
             except RoundError as exc:
                 raise _raise(exc) from None
+            log.info("links of %s: up %.2f Mbit/s, down %.2f Mbit/s, rtt %.2f ms (%d remote peers)",
+                     request.peer_id[:8], request.up_bytes_per_s * 8e-6, request.down_bytes_per_s * 8e-6,
+                     1e3 * (sum(rtts) / len(rtts) if rtts else 0.0), len(request.links))
             return pb.LinkReportResponse()
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusResponse:

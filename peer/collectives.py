@@ -29,7 +29,7 @@ import numpy as np
 
 from peer import faults
 from peer.dataplane import Inbox, SenderGone, Transport
-from peer.tensors import digest, dtype_code
+from peer.tensors import ChunkOut, digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
@@ -94,24 +94,30 @@ ShardReducer = Callable[[np.ndarray, int], tuple[np.ndarray, tuple[int, ...]]]
 class _Stream:
     """One outgoing PushChunks stream, fed through a bounded queue by the collective."""
 
-    def __init__(self, transport: Transport, address: str, peer_id: str, plan: CollectivePlan, timeout: float):
+    def __init__(self, transport: Transport, address: str, peer_id: str, plan: CollectivePlan, timeout: float,
+                 links=None):
         self.transport, self.address, self.peer_id = transport, address, peer_id
         self.plan, self.timeout = plan, timeout
-        self.queue: asyncio.Queue[pb.Chunk | None] = asyncio.Queue(SEND_QUEUE_CHUNKS)
+        self.queue: asyncio.Queue[ChunkOut | None] = asyncio.Queue(SEND_QUEUE_CHUNKS)
         self.bytes_sent = 0
+        self.links = links
 
     async def run(self) -> None:
         first = True
+        t0 = 0.0
         try:
-            call = self.transport.stub(self.address).PushChunks(timeout=self.timeout)
+            call = self.transport.push_chunks(self.address, timeout=self.timeout)
             while (msg := await self.queue.get()) is not None:
                 if first:
-                    msg.ticket = self.plan.ticket
+                    msg.meta.ticket = self.plan.ticket
                     first = False
+                    t0 = time.perf_counter()
                 await call.write(msg)
-                self.bytes_sent += len(msg.data)
+                self.bytes_sent += msg.nbytes
             await call.done_writing()
             await call
+            if self.links is not None and not first:
+                self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0)
         except grpc.aio.AioRpcError as exc:
             await self.transport.forget(self.address)
             raise CollectiveError(f"stream to {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
@@ -125,11 +131,13 @@ def _chunk_offsets(size: int, chunk_elems: int) -> range:
 
 
 async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport: Transport, inbox: Inbox,
-                     reducer: ShardReducer | None = None) -> CollectiveResult:
+                     reducer: ShardReducer | None = None, links=None) -> CollectiveResult:
     """Sum `x` (1-D, float32 or float16) across the plan's participants; see the module docstring.
 
     `reducer` (butterfly only) replaces the plain sum at the shard owner, e.g. a robust
-    aggregator. Returns the result and its digest. Raises CollectiveError on any failure.
+    aggregator. `links` (a peer.links.LinkMeter) receives the passive throughput of every
+    outgoing stream and of the whole collective. Returns the result and its digest. Raises
+    CollectiveError on any failure.
     """
     t0 = time.monotonic()
     if x.ndim != 1:
@@ -145,11 +153,11 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
     try:
         async with asyncio.timeout(plan.deadline_seconds):
             if plan.algorithm == "butterfly":
-                out, sent, flagged = await _butterfly(x, plan, me, transport, inbox, reducer)
+                out, sent, flagged = await _butterfly(x, plan, me, transport, inbox, reducer, links)
             else:
                 if reducer is not None:
                     raise CollectiveError("ring all-reduce supports only the sum; use butterfly for aggregators")
-                out, sent = await _ring(x, plan, me, transport, inbox)
+                out, sent = await _ring(x, plan, me, transport, inbox, links)
                 flagged = ()
     except TimeoutError:
         raise CollectiveError(f"collective deadline of {plan.deadline_seconds:.1f}s passed", []) from None
@@ -157,7 +165,20 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
         if any(isinstance(e, CollectiveError) for e in _flatten(group)):
             raise _first(group) from None
         raise
-    return CollectiveResult(out, digest(out), sent, time.monotonic() - t0, flagged)
+    seconds = time.monotonic() - t0
+    if links is not None:
+        received = sent if plan.algorithm != "butterfly" else _butterfly_received(plan, me, x.itemsize)
+        links.observe_collective(sent, received, seconds)
+    return CollectiveResult(out, digest(out), sent, seconds, flagged)
+
+
+def _butterfly_received(plan: CollectivePlan, me: str, itemsize: int) -> int:
+    """Bytes a butterfly participant receives: the others' parts of its shards, the others' shards."""
+    i = plan.participants.index(me)
+    p = len(plan.participants)
+    b = plan.shard_bounds
+    mine = sum(b[k + 1] - b[k] for k, o in enumerate(plan.shard_owner) if o == i)
+    return itemsize * ((p - 1) * mine + (b[-1] - mine))
 
 
 def _first(group: BaseExceptionGroup) -> CollectiveError:
@@ -174,9 +195,11 @@ def _flatten(e: BaseException):
         yield e
 
 
-def _message(plan: CollectivePlan, me: str, phase: int, step: int, shard: int, off: int, values: np.ndarray) -> pb.Chunk:
-    return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=me, phase=phase, step=step, shard=shard,
-                    offset=off, dtype=dtype_code(values.dtype), shape=[values.size], data=values.tobytes())
+def _message(plan: CollectivePlan, me: str, phase: int, step: int, shard: int, off: int, values: np.ndarray) -> ChunkOut:
+    """A chunk of `values` (a view: its bytes are copied when the stream writes it; the
+    collectives never change a region after queueing it, see their comments)."""
+    return ChunkOut(pb.Chunk(round=plan.round, attempt=plan.attempt, sender=me, phase=phase, step=step, shard=shard,
+                             offset=off, dtype=dtype_code(values.dtype), shape=[values.size]), values)
 
 
 async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int, int, str]) -> np.ndarray:
@@ -191,7 +214,11 @@ async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int,
         raise CollectiveError(str(exc), [sender]) from None
 
 
-async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox) -> tuple[np.ndarray, int]:
+async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
+                links=None) -> tuple[np.ndarray, int]:
+    # Chunks are queued as views of `buf`. A region sent in reduce-scatter step s is next written
+    # in all-gather step s+1, whose data causally follows the receipt of that send; regions sent in
+    # the all-gather are final. So no queued view changes before it is written to its stream.
     p = len(plan.participants)
     i = plan.participants.index(me)
     nxt, prv = (i + 1) % p, (i - 1) % p
@@ -199,7 +226,7 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
     buf = x.copy()
     b = plan.shard_bounds
     ce = max(1, plan.chunk_bytes // x.itemsize)
-    out = _Stream(transport, plan.addresses[nxt], plan.participants[nxt], plan, plan.deadline_seconds)
+    out = _Stream(transport, plan.addresses[nxt], plan.participants[nxt], plan, plan.deadline_seconds, links)
 
     async def schedule() -> None:
         async def send(phase: int, step: int, shard: int, off: int) -> None:
@@ -243,20 +270,26 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
 
 
 async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                     reducer: ShardReducer | None) -> tuple[np.ndarray, int, tuple[str, ...]]:
-    """Direct reduce-scatter to shard owners, owner-side reduction, direct all-gather."""
+                     reducer: ShardReducer | None, links=None) -> tuple[np.ndarray, int, tuple[str, ...]]:
+    """Direct reduce-scatter to shard owners, owner-side reduction, direct all-gather.
+
+    One stream per remote participant, all concurrent. Each peer sends its parts starting with
+    the owner after itself (i+1, i+2, …), so owners are not all hit by everyone at once. Queued
+    chunks are views of `x` (never changed) or of this peer's own reduced shards (final).
+    """
     p = len(plan.participants)
     i = plan.participants.index(me)
     b = plan.shard_bounds
     ce = max(1, plan.chunk_bytes // x.itemsize)
-    buf = x.copy()
-    streams = {j: _Stream(transport, plan.addresses[j], plan.participants[j], plan, plan.deadline_seconds)
+    buf = np.empty_like(x)  # own shards are reduced into it, the others' arrive into it
+    streams = {j: _Stream(transport, plan.addresses[j], plan.participants[j], plan, plan.deadline_seconds, links)
                for j in range(p) if j != i}
     my_shards = [k for k, o in enumerate(plan.shard_owner) if o == i]
     flagged: set[str] = set()
 
     async def scatter() -> None:
-        for k, owner in enumerate(plan.shard_owner):
+        for k in sorted(range(len(plan.shard_owner)), key=lambda k: ((plan.shard_owner[k] - i) % p, k)):
+            owner = plan.shard_owner[k]
             if owner == i:
                 continue
             for off in _chunk_offsets(b[k + 1] - b[k], ce):
@@ -269,6 +302,9 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                 lo = b[k] + off
                 hi = min(b[k + 1], lo + ce)
                 rows = []
+                acc = buf[lo:hi]
+                if reducer is None:  # plain sum: accumulate in place as contributions arrive
+                    np.copyto(acc, x[lo:hi])
                 for j in range(p):
                     if j == i:
                         rows.append(x[lo:hi])
@@ -278,14 +314,14 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                     if v.size != hi - lo:
                         raise CollectiveError(f"chunk from {plan.participants[j][:8]} has {v.size} elements",
                                               [plan.participants[j]])
-                    rows.append(v)
-                stacked = np.stack(rows)
-                if reducer is None:
-                    red = stacked.sum(axis=0, dtype=x.dtype)
-                else:
-                    red, rejected = reducer(stacked, k)
+                    if reducer is None:
+                        acc += v
+                    else:
+                        rows.append(v)
+                if reducer is not None:
+                    red, rejected = reducer(np.stack(rows), k)
                     flagged.update(plan.participants[r] for r in rejected)
-                buf[lo:hi] = red.astype(x.dtype, copy=False)
+                    buf[lo:hi] = red.astype(x.dtype, copy=False)
                 for j, st in streams.items():
                     await st.queue.put(_message(plan, me, AG, 0, k, off, buf[lo:hi]))
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from peer import faults
 from peer.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, grpc_errors, require
-from peer.tensors import decode_chunk
+from peer.tensors import decode_chunk, parse_chunk, serialize_chunk
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
@@ -132,10 +132,12 @@ class StateSource:
 class PeerService(pb_grpc.PeerServicer):
     """shoal.v1.Peer: receives chunks, serves committed state, answers probes."""
 
-    def __init__(self, inbox: Inbox, state: StateSource | None = None, *, on_bytes: Callable[[int], None] | None = None):
+    def __init__(self, inbox: Inbox, state: StateSource | None = None, *, on_bytes: Callable[[int], None] | None = None,
+                 links=None):
         self.inbox = inbox
         self.state = state
         self.on_bytes = on_bytes or (lambda n: None)
+        self.links = links  # peer.links.LinkMeter: passive download samples, one per stream
         self.chunks_received = 0
 
     async def PushChunks(self, request_iterator: AsyncIterator[pb.Chunk], context) -> pb.PushAck:
@@ -147,6 +149,8 @@ class PeerService(pb_grpc.PeerServicer):
         """
         n = 0
         origin: tuple[int, int, str] | None = None
+        t_first = t_last = 0.0
+        first_bytes = total_bytes = 0
         try:
             async with grpc_errors(context):
                 s = self.inbox.session
@@ -167,7 +171,12 @@ class PeerService(pb_grpc.PeerServicer):
                     require(len(c.shape) == 1, "shape", "chunks are 1-D")
                     values = decode_chunk(c.data, c.dtype, int(c.shape[0]))
                     self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
-                    self.on_bytes(len(c.data))
+                    nb = len(c.data)
+                    self.on_bytes(nb)
+                    t_last = time.perf_counter()
+                    if n == 0:
+                        t_first, first_bytes = t_last, nb
+                    total_bytes += nb
                     n += 1
         except BaseException as exc:
             if origin is not None:
@@ -175,6 +184,9 @@ class PeerService(pb_grpc.PeerServicer):
             raise
         finally:
             self.chunks_received += n
+        if self.links is not None and origin is not None:
+            # The first chunk's own transfer time is unknown: count the bytes after it.
+            self.links.observe_receive(origin[2], total_bytes - first_bytes, t_last - t_first)
         return pb.PushAck(chunks=n)
 
     async def FetchState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.StateChunk]:
@@ -212,6 +224,24 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
+def add_peer_service(service: pb_grpc.PeerServicer, server: grpc.aio.Server) -> None:
+    """Register a shoal.v1.Peer servicer like `add_PeerServicer_to_server`, except that incoming
+    chunks are parsed without copying their payload (`peer.tensors.parse_chunk`: the servicer
+    gets `ChunkView`s, which read like shoal.v1.Chunk)."""
+    handlers = {
+        "PushChunks": grpc.stream_unary_rpc_method_handler(
+            service.PushChunks, request_deserializer=parse_chunk, response_serializer=pb.PushAck.SerializeToString),
+        "FetchState": grpc.unary_stream_rpc_method_handler(
+            service.FetchState, request_deserializer=pb.StateRequest.FromString,
+            response_serializer=pb.StateChunk.SerializeToString),
+        "Probe": grpc.unary_unary_rpc_method_handler(
+            service.Probe, request_deserializer=pb.ProbeRequest.FromString,
+            response_serializer=pb.ProbeResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("shoal.v1.Peer", handlers),))
+    server.add_registered_method_handlers("shoal.v1.Peer", handlers)
+
+
 class Transport:
     """Outgoing data-plane channels, one per remote address, reused across rounds."""
 
@@ -221,7 +251,7 @@ class Transport:
         self.bytes_sent = 0
         self.created = time.monotonic()
 
-    def stub(self, address: str) -> pb_grpc.PeerStub:
+    def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
             if self.credentials is not None:
@@ -229,7 +259,18 @@ class Transport:
             else:
                 ch = grpc.aio.insecure_channel(address, options=channel_options())
             self._channels[address] = ch
-        return pb_grpc.PeerStub(ch)
+        return ch
+
+    def stub(self, address: str) -> pb_grpc.PeerStub:
+        return pb_grpc.PeerStub(self.channel(address))
+
+    def push_chunks(self, address: str, timeout: float | None = None):
+        """Open a PushChunks stream that accepts `ChunkOut` (payload copied once, at write) as
+        well as shoal.v1.Chunk messages; same wire format as `stub(address).PushChunks`."""
+        call = self.channel(address).stream_unary(
+            "/shoal.v1.Peer/PushChunks", request_serializer=serialize_chunk,
+            response_deserializer=pb.PushAck.FromString)
+        return call(timeout=timeout)
 
     async def forget(self, address: str) -> None:
         """Close the channel to `address` (after a failure, so the next use reconnects fresh)."""

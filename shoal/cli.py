@@ -64,8 +64,10 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-timeout", type=float, default=2.0,
                    help="floor of the per-chunk deadline, seconds (see docs/fault-tolerance.md)")
     g.add_argument("--max-attempts", type=int, default=5)
-    g.add_argument("--algorithm-collective", default="ring", choices=["ring", "butterfly", "auto"],
-                   help="all-reduce algorithm (auto: chosen by the planner from measured links)")
+    g.add_argument("--algorithm-collective", default="auto", choices=["ring", "butterfly", "auto"],
+                   help="all-reduce algorithm (auto: chosen by the planner from the peers' measured links; "
+                        "butterfly with equal shards until links are known)")
+    g.add_argument("--chunk-bytes", type=int, default=4 << 20, help="data-plane chunk size (bytes)")
 
 
 def _engine_config(a: argparse.Namespace):
@@ -74,7 +76,7 @@ def _engine_config(a: argparse.Namespace):
     return EngineConfig(min_peers=a.min_peers, initial_peers=a.initial_peers, lease_seconds=a.lease_seconds, ready_timeout=a.straggler_timeout,
                         collective_timeout=a.collective_timeout, chunk_timeout=a.chunk_timeout,
                         max_attempts=a.max_attempts, total_rounds=a.rounds,
-                        algorithm=a.algorithm_collective)
+                        algorithm=a.algorithm_collective, chunk_bytes=a.chunk_bytes)
 
 
 def _run_config(a: argparse.Namespace, num_shards: int):
@@ -159,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_config(p)
     _add_common(p)
     p.set_defaults(fn=cmd_swarm)
+
+    from shoal.bench import add_bench_parser, cmd_bench
+
+    add_bench_parser(sub)
+    sub.choices["bench"].set_defaults(fn=cmd_bench)
     return parser
 
 

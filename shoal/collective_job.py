@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options
+from peer.dataplane import Inbox, PeerService, Session, Transport, add_peer_service, channel_options
 from peer.identity import load_or_create_key, public_bytes
 from peer.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
@@ -33,6 +33,15 @@ def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.n
     return rng.standard_normal(size).astype(dtype)
 
 
+def _fractions(cp: CollectivePlan) -> list[float]:
+    """Share of the tensor each participant (in collective order) owns."""
+    n = cp.shard_bounds[-1] or 1
+    out = [0.0] * len(cp.participants)
+    for k, owner in enumerate(cp.shard_owner):
+        out[owner] += (cp.shard_bounds[k + 1] - cp.shard_bounds[k]) / n
+    return out
+
+
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
                   listen: str = "127.0.0.1:0", timeout: float = 120.0) -> dict:
     """Play rounds until the coordinator finishes the run; returns a report dict."""
@@ -41,7 +50,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     transport = Transport()
     server = grpc.aio.server(options=channel_options())
     service = PeerService(inbox)
-    pb_grpc.add_PeerServicer_to_server(service, server)
+    add_peer_service(service, server)
     port = server.add_insecure_port(listen)
     address = f"{listen.rsplit(':', 1)[0]}:{port}"
     await server.start()
@@ -75,7 +84,9 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                         vote.bytes_sent, vote.collective_seconds = res.bytes_sent, res.seconds
                         report["rounds"].append({"round": ev.plan.round, "attempt": ev.plan.attempt,
                                                  "seconds": res.seconds, "bytes_sent": res.bytes_sent,
-                                                 "algorithm": cp.algorithm, "participants": len(cp.participants)})
+                                                 "algorithm": cp.algorithm, "participants": len(cp.participants),
+                                                 "predicted_seconds": ev.plan.predicted_seconds,
+                                                 "shard_fractions": _fractions(cp)})
                     except CollectiveError as exc:
                         vote.ok, vote.error = False, str(exc)
                         vote.suspects.extend(exc.suspects)
@@ -114,6 +125,7 @@ def main() -> None:
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--out", required=True, help="JSON report path; the last result goes to PATH.npy")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--no-save", action="store_true", help="do not write the last result (.npy)")
     a = ap.parse_args()
     t0 = time.time()
     try:
@@ -123,7 +135,7 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         report = asyncio.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout))
     result = report.pop("last_result", None)
-    if result is not None:
+    if result is not None and not a.no_save:
         np.save(a.out + ".npy", result)
     report["wall_seconds"] = time.time() - t0
     with open(a.out, "w") as f:
