@@ -56,6 +56,8 @@ class EngineConfig:
     total_rounds: int = 0
     chunk_bytes: int = 1 << 20
     algorithm: str = "auto"  # "auto" (planner), "ring" or "butterfly"; see plan_layout
+    link_cap_bytes_per_s: float = 100e6  # measured rates above this count as this (plan_layout)
+    plan_min_gain: float = 0.1  # uneven shards only when predicted this much faster (plan_layout)
     aggregator: str = "mean"
     compression: str = "none"
 
@@ -232,7 +234,7 @@ class Layout:
 
 
 def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsize: int = 4, *,
-                owner_reduces: bool = False) -> Layout:
+                owner_reduces: bool = False, link_cap: float = 100e6, min_gain: float = 0.1) -> Layout:
     """Lay out a collective over `members` (in the engine's participant order). Pure.
 
     With no measured link among them (up and down both > 0), the layout is the static one: the
@@ -241,11 +243,18 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
     measurement is assumed to have the median of the measured ones): "auto" picks the algorithm
     with the smallest predicted time among those the data plane runs, "ring"/"butterfly" keep the
     algorithm and plan its order and shard sizes; peers below the floor are demoted to
-    non-owners. `owner_reduces` (an aggregator other than the plain mean runs at the shard
+    non-owners.
+
+    Measurements are noisy, so two guards keep noise from skewing the shards: rates above
+    `link_cap` bytes/s (faster than the data plane itself moves bytes, e.g. loopback or a fast
+    LAN) count as `link_cap`; and uneven butterfly shards are used only when the model predicts
+    them at least `min_gain` (a fraction) faster than equal shards on the same links.
+
+    `owner_reduces` (an aggregator other than the plain mean runs at the shard
     owners) limits "auto" to butterfly, the only algorithm with owner-side reduction. Never raises
     for bad measurements: it falls back to the static layout.
     """
-    from coordinator.planner import LinkSpec, plan_collective
+    from coordinator.planner import LinkSpec, plan_collective, predict_butterfly
 
     ids = tuple(m.peer_id for m in members)
     p = len(ids)
@@ -260,14 +269,22 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
     rtts = sorted(m.rtt_seconds for m in known if m.rtt_seconds > 0)
     med_rtt = rtts[len(rtts) // 2] if rtts else 0.0
     links = [
-        LinkSpec(m.peer_id, m.up_bytes_per_s if m.peer_id in measured else med_up,
-                 m.down_bytes_per_s if m.peer_id in measured else med_down,
+        LinkSpec(m.peer_id, min(link_cap, m.up_bytes_per_s if m.peer_id in measured else med_up),
+                 min(link_cap, m.down_bytes_per_s if m.peer_id in measured else med_down),
                  m.rtt_seconds if m.rtt_seconds > 0 else med_rtt)
         for m in members
     ]
     try:
         plan = plan_collective(links, num_elements, itemsize, algorithm=None if algorithm == "auto" else algorithm,
                                algorithms=("butterfly",) if owner_reduces else DATA_PLANE_ALGORITHMS)
+        if plan.algorithm == "butterfly" and plan.shard_bounds != static.shard_bounds:
+            up = [l.up_bytes_per_s for l in links]
+            down = [l.down_bytes_per_s for l in links]
+            rtt = [l.rtt_seconds for l in links]
+            equal = predict_butterfly(up, down, float(num_elements) * itemsize, None, rtt)
+            if plan.predicted_seconds > (1 - min_gain) * equal:
+                return dataclasses.replace(static, algorithm="butterfly", predicted_seconds=equal,
+                                           bound_seconds=plan.bound_seconds)
     except (ValueError, RuntimeError):
         return static
     return Layout(
@@ -512,7 +529,8 @@ class RoundEngine:
         info = self.ready[participants[0]]
         n = info.num_elements
         layout = plan_layout(self.config.algorithm, [self.members[p] for p in participants], n,
-                             _ITEMSIZE.get(info.dtype, 4), owner_reduces=self.config.aggregator != "mean")
+                             _ITEMSIZE.get(info.dtype, 4), owner_reduces=self.config.aggregator != "mean",
+                             link_cap=self.config.link_cap_bytes_per_s, min_gain=self.config.plan_min_gain)
         plan = PlanSpec(
             round=self.committed_rounds,
             attempt=self.attempt,

@@ -32,8 +32,9 @@ import numpy as np
 
 from peer import faults
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options
+from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, add_peer_service, channel_options
 from peer.identity import load_or_create_key, public_bytes
+from peer.links import LinkMeter, probe_missing
 from peer.state_sync import SyncError, download_state
 from peer.tensors import digest, dtype_code
 from peer.training import CommittedState, DigitsWorkload, RunConfig
@@ -43,6 +44,7 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 log = logging.getLogger("shoal.peer")
 T = TypeVar("T")
 
+LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
@@ -86,6 +88,8 @@ class PeerAgent(StateSource):
         self.peer_id = ""
         self.inbox = Inbox()
         self.transport = Transport()
+        self.links = LinkMeter()  # passive from the collectives' streams, probes when no history
+        self._last_plan: CollectivePlan | None = None
         self.events: asyncio.Queue[pb.RoundEvent | _Reconnected] = asyncio.Queue()
         self.workload: DigitsWorkload | None = None
         self.address = ""
@@ -326,7 +330,7 @@ class PeerAgent(StateSource):
     async def _run_collective(self, plan: pb.Plan, update_grad: np.ndarray, loss: float) -> None:
         wl = self.workload
         assert wl is not None
-        cp = CollectivePlan.from_proto(plan)
+        cp = self._last_plan = CollectivePlan.from_proto(plan)
         if self.peer_id not in cp.participants:
             return
         self.inbox.start(Session(plan.round, plan.attempt, frozenset(cp.participants), plan.dtype))
@@ -336,7 +340,8 @@ class PeerAgent(StateSource):
         contribution = (update_grad * weight).astype(np.float32)
         vote = pb.VoteRequest(peer_id=self.peer_id, round=plan.round, attempt=plan.attempt, train_loss=loss)
         try:
-            res = await all_reduce(contribution, cp, me=self.peer_id, transport=self.transport, inbox=self.inbox)
+            res = await all_reduce(contribution, cp, me=self.peer_id, transport=self.transport, inbox=self.inbox,
+                                   links=self.links)
             st = wl.tentative(res.values)
             self.tentative[(plan.round, plan.attempt)] = st
             self.bytes_sent += res.bytes_sent
@@ -360,8 +365,8 @@ class PeerAgent(StateSource):
     async def run(self) -> dict:
         """Join, train until the coordinator finishes the run, leave. Returns a summary dict."""
         server = grpc.aio.server(options=channel_options())
-        service = PeerService(self.inbox, self, on_bytes=self._count_received)
-        pb_grpc.add_PeerServicer_to_server(service, server)
+        service = PeerService(self.inbox, self, on_bytes=self._count_received, links=self.links)
+        add_peer_service(service, server)
         port = server.add_insecure_port(self.config.listen)
         if port == 0:
             raise OSError(f"listen: cannot bind {self.config.listen}")
@@ -415,8 +420,26 @@ class PeerAgent(StateSource):
                 except SyncError as exc:
                     log.warning("state sync failed: %s; asking again", exc)
             faults.hit("train", wl.state.rounds)
-            update = await asyncio.to_thread(wl.local_update)
+            async with asyncio.TaskGroup() as tg:  # links are probed while the model trains
+                tg.create_task(self._measure_links())
+                update = await asyncio.to_thread(wl.local_update)
             await self._play_round(update.pseudo_grad, update.loss)
+
+    async def _measure_links(self) -> None:
+        """Probe the last round's participants without link history, report to the coordinator.
+
+        Never raises: a failed probe or report only leaves the coordinator with older estimates
+        (bounded by LINK_MEASURE_SECONDS in all).
+        """
+        plan = self._last_plan
+        if plan is None or self.stub is None:
+            return
+        try:
+            async with asyncio.timeout(LINK_MEASURE_SECONDS):
+                await probe_missing(self.links, self.transport, zip(plan.participants, plan.addresses), self.peer_id)
+                await self.stub.ReportLinks(self.links.report(self.peer_id), timeout=self.config.rpc_timeout)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            log.debug("link report not delivered: %s", exc)
 
 
 async def run_peer(config: PeerConfig) -> dict:

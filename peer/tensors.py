@@ -44,7 +44,8 @@ def digest(*arrays: np.ndarray | bytes) -> bytes:
     """BLAKE2b-256 over the bytes of the given arrays (C order) or byte strings, in order."""
     h = hashlib.blake2b(digest_size=32)
     for a in arrays:
-        h.update(a if isinstance(a, bytes | bytearray | memoryview) else np.ascontiguousarray(a).tobytes())
+        # A memoryview of the array's buffer: hashed in place, no copy of a possibly large tensor.
+        h.update(a if isinstance(a, bytes | bytearray | memoryview) else memoryview(np.ascontiguousarray(a)).cast("B"))
     return h.digest()
 
 

@@ -54,7 +54,7 @@ class BenchOptions:
     baseline: str | None = None
     repeat: int = 3
     algorithm: str = "auto"
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = 1 << 20
     timeout: float = 600.0
     workdir: str | None = None
 
@@ -176,6 +176,8 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     predicted = [rd.get("predicted_seconds", 0.0) for rd in last]
     result["predicted_seconds"] = max(predicted) if predicted else 0.0
     result["shard_fractions"] = last[0].get("shard_fractions")
+    # CPU seconds (all threads) the participants spent per timed round, summed over them.
+    result["cpu_seconds_median"] = statistics.median(sum(rd.get("cpu_seconds", 0.0) for rd in rounds[r]) for r in timed)
     result["links_reported"] = [rep.get("links") for rep in reports]
     return result
 
@@ -321,7 +323,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--baseline", choices=["gloo"], help="also run torch.distributed gloo all_reduce")
     b.add_argument("--repeat", type=int, default=3, help="timed rounds (after one warm-up round)")
     b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly"])
-    b.add_argument("--chunk-bytes", type=int, default=4 << 20)
+    b.add_argument("--chunk-bytes", type=int, default=1 << 20)
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     b.add_argument("--workdir", help="keep logs and reports here")
     b.add_argument("--json", action="store_true", help="print one JSON object (the default output)")

@@ -67,7 +67,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--algorithm-collective", default="auto", choices=["ring", "butterfly", "auto"],
                    help="all-reduce algorithm (auto: chosen by the planner from the peers' measured links; "
                         "butterfly with equal shards until links are known)")
-    g.add_argument("--chunk-bytes", type=int, default=4 << 20, help="data-plane chunk size (bytes)")
+    g.add_argument("--chunk-bytes", type=int, default=1 << 20, help="data-plane chunk size (bytes)")
 
 
 def _engine_config(a: argparse.Namespace):

@@ -22,6 +22,7 @@ import numpy as np
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
 from peer.dataplane import Inbox, PeerService, Session, Transport, add_peer_service, channel_options
 from peer.identity import load_or_create_key, public_bytes
+from peer.links import LinkMeter, probe_missing
 from peer.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -30,7 +31,7 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.ndarray:
     """The tensor rank `rank` contributes in round `round_`: (size,) of `dtype`, values ~ N(0, 1)."""
     rng = np.random.default_rng([seed, rank, round_])
-    return rng.standard_normal(size).astype(dtype)
+    return rng.standard_normal(size, dtype=np.float32).astype(dtype, copy=False)
 
 
 def _fractions(cp: CollectivePlan) -> list[float]:
@@ -43,13 +44,19 @@ def _fractions(cp: CollectivePlan) -> list[float]:
 
 
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
-                  listen: str = "127.0.0.1:0", timeout: float = 120.0) -> dict:
-    """Play rounds until the coordinator finishes the run; returns a report dict."""
+                  listen: str = "127.0.0.1:0", timeout: float = 120.0, measure_links: bool = True) -> dict:
+    """Play rounds until the coordinator finishes the run; returns a report dict.
+
+    With `measure_links`, streams feed a LinkMeter, and after each commit the process probes
+    the round's participants it has no history for and reports its links to the coordinator
+    (before saying ready, so the next plan can use them).
+    """
     key = load_or_create_key(key_path)
     inbox = Inbox()
     transport = Transport()
+    meter = LinkMeter() if measure_links else None
     server = grpc.aio.server(options=channel_options())
-    service = PeerService(inbox)
+    service = PeerService(inbox, links=meter)
     add_peer_service(service, server)
     port = server.add_insecure_port(listen)
     address = f"{listen.rsplit(':', 1)[0]}:{port}"
@@ -69,16 +76,19 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
             x = make_input(seed, rank, 0, size, dtype)
             await stub.Ready(pb.ReadyRequest(peer_id=me, round=0, num_elements=size, dtype=code, num_samples=1))
             tentative: dict[tuple[int, int], tuple[bytes, np.ndarray]] = {}
+            last_plan: CollectivePlan | None = None
             async for ev in watch:
                 kind = ev.WhichOneof("event")
                 if kind == "finished":
                     break
                 if kind == "plan" and ev.plan.round == state_round:
-                    cp = CollectivePlan.from_proto(ev.plan)
+                    cp = last_plan = CollectivePlan.from_proto(ev.plan)
                     inbox.start(Session(ev.plan.round, ev.plan.attempt, frozenset(cp.participants), code))
                     vote = pb.VoteRequest(peer_id=me, round=ev.plan.round, attempt=ev.plan.attempt)
                     try:
-                        res = await all_reduce(x, cp, me=me, transport=transport, inbox=inbox)
+                        cpu0 = time.process_time()
+                        res = await all_reduce(x, cp, me=me, transport=transport, inbox=inbox, links=meter)
+                        cpu = time.process_time() - cpu0
                         tentative[(ev.plan.round, ev.plan.attempt)] = (res.digest, res.values)
                         vote.ok, vote.result_digest, vote.state_digest = True, res.digest, res.digest
                         vote.bytes_sent, vote.collective_seconds = res.bytes_sent, res.seconds
@@ -86,6 +96,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                                                  "seconds": res.seconds, "bytes_sent": res.bytes_sent,
                                                  "algorithm": cp.algorithm, "participants": len(cp.participants),
                                                  "predicted_seconds": ev.plan.predicted_seconds,
+                                                 "cpu_seconds": cpu,
                                                  "shard_fractions": _fractions(cp)})
                     except CollectiveError as exc:
                         vote.ok, vote.error = False, str(exc)
@@ -101,6 +112,11 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     report["last_digest"] = d.hex()
                     report["last_result"] = values
                     x = make_input(seed, rank, state_round, size, dtype)
+                    if meter is not None and last_plan is not None:
+                        await probe_missing(meter, transport, zip(last_plan.participants, last_plan.addresses), me)
+                        await stub.ReportLinks(meter.report(me))
+                        up, down, rtt = meter.aggregate()
+                        report["links"] = {"up_bytes_per_s": up, "down_bytes_per_s": down, "rtt_seconds": rtt}
                     await stub.Ready(pb.ReadyRequest(peer_id=me, round=state_round, num_elements=size, dtype=code,
                                                      num_samples=1, state_digest=state_digest, state_round=state_round))
                 elif kind == "abort" and ev.abort.round == state_round and (
