@@ -57,7 +57,7 @@ class EngineConfig:
     chunk_bytes: int = 1 << 20
     algorithm: str = "auto"  # "auto" (planner), "ring" or "butterfly"; see plan_layout
     link_cap_bytes_per_s: float = 100e6  # measured rates above this count as this (plan_layout)
-    plan_min_gain: float = 0.1  # uneven shards only when predicted this much faster (plan_layout)
+    plan_min_gain: float = 0.25  # uneven shards only when predicted this much faster (plan_layout)
     aggregator: str = "mean"
     compression: str = "none"
 
@@ -234,16 +234,17 @@ class Layout:
 
 
 def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsize: int = 4, *,
-                owner_reduces: bool = False, link_cap: float = 100e6, min_gain: float = 0.1) -> Layout:
+                owner_reduces: bool = False, link_cap: float = 100e6, min_gain: float = 0.25) -> Layout:
     """Lay out a collective over `members` (in the engine's participant order). Pure.
 
     With no measured link among them (up and down both > 0), the layout is the static one: the
     given order, equal shards ``n·i//p``, participant i owns shard i, and "auto" means butterfly.
     Otherwise the links go to `coordinator.planner.plan_collective` (a member without a
-    measurement is assumed to have the median of the measured ones): "auto" picks the algorithm
-    with the smallest predicted time among those the data plane runs, "ring"/"butterfly" keep the
-    algorithm and plan its order and shard sizes; peers below the floor are demoted to
-    non-owners.
+    measurement is assumed to have the median of the measured ones): "ring"/"butterfly" keep the
+    algorithm and plan its order and shard sizes; "auto" takes the butterfly with LP shards when
+    it is predicted `min_gain` faster than the ring ordered for the bottleneck, else that ring
+    (or, when every link is at `link_cap`, the butterfly with equal shards); peers below the
+    floor are demoted to non-owners.
 
     Measurements are noisy, so two guards keep noise from skewing the shards: rates above
     `link_cap` bytes/s (faster than the data plane itself moves bytes, e.g. loopback or a fast
@@ -254,7 +255,7 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
     owners) limits "auto" to butterfly, the only algorithm with owner-side reduction. Never raises
     for bad measurements: it falls back to the static layout.
     """
-    from coordinator.planner import LinkSpec, plan_collective, predict_butterfly
+    from coordinator.planner import LinkSpec, allreduce_lower_bound, plan_collective, predict_butterfly
 
     ids = tuple(m.peer_id for m in members)
     p = len(ids)
@@ -274,17 +275,31 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
                  m.rtt_seconds if m.rtt_seconds > 0 else med_rtt)
         for m in members
     ]
+    n_bytes = float(num_elements) * itemsize
     try:
-        plan = plan_collective(links, num_elements, itemsize, algorithm=None if algorithm == "auto" else algorithm,
-                               algorithms=("butterfly",) if owner_reduces else DATA_PLANE_ALGORITHMS)
-        if plan.algorithm == "butterfly" and plan.shard_bounds != static.shard_bounds:
-            up = [l.up_bytes_per_s for l in links]
-            down = [l.down_bytes_per_s for l in links]
-            rtt = [l.rtt_seconds for l in links]
-            equal = predict_butterfly(up, down, float(num_elements) * itemsize, None, rtt)
-            if plan.predicted_seconds > (1 - min_gain) * equal:
-                return dataclasses.replace(static, algorithm="butterfly", predicted_seconds=equal,
-                                           bound_seconds=plan.bound_seconds)
+        if algorithm in ("ring", "butterfly"):
+            plan = plan_collective(links, num_elements, itemsize, algorithm=algorithm)
+        else:
+            plan = plan_collective(links, num_elements, itemsize, algorithm="butterfly")
+        if plan.algorithm == "butterfly":
+            equal = predict_butterfly([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links], n_bytes,
+                                      None, [l.rtt_seconds for l in links])
+            if plan.shard_bounds != static.shard_bounds and plan.predicted_seconds > (1 - min_gain) * equal:
+                plan = None  # not worth uneven shards: equal ones
+        if algorithm == "auto" and not owner_reduces:
+            # On (nearly) even links the ring moves the same bytes with one flow per direction
+            # per peer, which shaped links carry better than the butterfly's p-1 concurrent flows
+            # (measured in docs/performance.md). Where every link is at the cap, the data plane's
+            # CPU is the limit and the butterfly's parallel streams win.
+            all_fast = all(l.up_bytes_per_s >= link_cap and l.down_bytes_per_s >= link_cap for l in links)
+            ring = plan_collective(links, num_elements, itemsize, algorithm="ring")
+            best = plan.predicted_seconds if plan is not None else equal
+            if not all_fast and ring.predicted_seconds * (1 - min_gain) <= best:
+                plan = ring
+        if plan is None:
+            bound = allreduce_lower_bound([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links],
+                                          n_bytes)
+            return dataclasses.replace(static, algorithm="butterfly", predicted_seconds=equal, bound_seconds=bound)
     except (ValueError, RuntimeError):
         return static
     return Layout(

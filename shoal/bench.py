@@ -200,7 +200,7 @@ def _run_gloo(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: flo
         procs.wait(name, proc, deadline)
     per_rank = [json.loads(out.read_text())["seconds"] for _, _, out in jobs]
     times = [max(ts) for ts in zip(*per_rank)]
-    return {"algorithm": "gloo", **_summary(times, n * 4, p, bound)}
+    return {"peers": p, "size_bytes": n * 4, "algorithm": "gloo", **_summary(times, n * 4, p, bound)}
 
 
 def run_bench(opts: BenchOptions) -> dict:

@@ -58,10 +58,11 @@ def test_explicit_algorithm_without_links_is_kept():
 def test_uniform_links_equal_shards_and_prediction_matches_model():
     links = {p: (100 * MBIT, 100 * MBIT, 0.0) for p in "abcd"}
     plan = open_round(engine(), links, n=4_000_000)
-    assert plan.algorithm == "butterfly"
+    # Even links: the ring (one flow per direction per peer) is preferred to an equally fast butterfly.
+    assert plan.algorithm == "ring"
     assert all(math.isclose(f, 0.25) for f in fractions(plan).values())
     n_bytes = 16e6
-    # Pipelined butterfly with equal shards: n(1 + (p-2)/p) / B; here also the bound 2(p-1)n/(pB).
+    # Ring: 2(p-1) steps of n/p bytes, which here is also the bound 2(p-1)n/(pB).
     assert plan.predicted_seconds == pytest.approx(n_bytes * 1.5 / (100 * MBIT))
     assert plan.bound_seconds == pytest.approx(plan.predicted_seconds)
 
@@ -109,15 +110,18 @@ def test_unmeasured_member_gets_the_median_and_noise_keeps_equal_shards():
     members = [Member(p, KEY, "x:1", 1, 10.0, "member", u, u, 0.0) for p, u in
                [("a", 100e6), ("b", 0.0), ("c", 110e6), ("d", 95e6)]]
     lay = plan_layout("auto", members, 1000)
+    assert lay.algorithm == "ring" and lay.shard_bounds == (0, 250, 500, 750, 1000)
+    lay = plan_layout("butterfly", members, 1000)
     assert lay.algorithm == "butterfly" and lay.shard_bounds == (0, 250, 500, 750, 1000)
     assert lay.predicted_seconds > 0
 
 
 def test_fast_links_above_the_cap_count_as_equal():
+    # Loopback-like: every link faster than the data plane; equal butterfly shards (CPU-bound).
     members = [Member(p, KEY, "x:1", 1, 10.0, "member", u, u, 0.0) for p, u in
                [("a", 200e6), ("b", 330e6), ("c", 210e6)]]
     lay = plan_layout("auto", members, 999, link_cap=100e6)
-    assert lay.shard_bounds == (0, 333, 666, 999) and lay.demoted == ()
+    assert lay.algorithm == "butterfly" and lay.shard_bounds == (0, 333, 666, 999) and lay.demoted == ()
 
 
 def test_owner_side_aggregator_keeps_butterfly():
