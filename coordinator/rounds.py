@@ -231,6 +231,13 @@ class Layout:
     predicted_seconds: float = 0.0
     bound_seconds: float = 0.0
     demoted: tuple[str, ...] = ()
+    chunk_bytes: int = 0  # 0 = the configured size
+
+
+# A chunk should cross the slowest link in about this long: the pipeline fills and drains one
+# chunk per hop, so big chunks on a slow link leave the other links idle at the start and end.
+CHUNK_SECONDS = 0.15
+MIN_CHUNK_BYTES = 64 * 1024
 
 
 def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsize: int = 4, *,
@@ -302,6 +309,7 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
             return dataclasses.replace(static, algorithm="butterfly", predicted_seconds=equal, bound_seconds=bound)
     except (ValueError, RuntimeError):
         return static
+    slowest = min(min(l.up_bytes_per_s, l.down_bytes_per_s) for l in links)
     return Layout(
         participants=tuple(ids[i] for i in plan.order),
         algorithm=plan.algorithm,
@@ -310,6 +318,7 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
         predicted_seconds=plan.predicted_seconds,
         bound_seconds=plan.bound_seconds,
         demoted=tuple(ids[i] for i in plan.demoted),
+        chunk_bytes=max(MIN_CHUNK_BYTES, int(slowest * CHUNK_SECONDS)),
     )
 
 
@@ -558,7 +567,7 @@ class RoundEngine:
             dtype=info.dtype,
             deadline_seconds=self.config.collective_timeout,
             chunk_timeout_seconds=chunk_deadline([self.members[p] for p in participants], self.config),
-            chunk_bytes=self.config.chunk_bytes,
+            chunk_bytes=min(self.config.chunk_bytes, layout.chunk_bytes or self.config.chunk_bytes),
             aggregator=self.config.aggregator,
             compression=self.config.compression,
             predicted_seconds=layout.predicted_seconds,

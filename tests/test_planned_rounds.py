@@ -79,6 +79,8 @@ def test_slow_peer_is_demoted_to_non_owner():
     # The slow peer still sends its whole input and receives the whole result: the floor n / 10 Mbit.
     assert plan.predicted_seconds == pytest.approx(16e6 / (10 * MBIT), rel=1e-6)
     assert plan.bound_seconds == pytest.approx(16e6 / (10 * MBIT), rel=1e-6)
+    # Chunks sized to cross the slowest link in ~0.15 s (a short pipeline fill and drain).
+    assert plan.chunk_bytes == int(10 * MBIT * 0.15) < EngineConfig().chunk_bytes
 
 
 def test_engine_layout_equals_planner_with_owner_positions():
