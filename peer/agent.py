@@ -30,8 +30,9 @@ import grpc
 import numpy as np
 
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options
+from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options, serve_data_plane
 from peer.identity import load_or_create_key, public_bytes
+from peer.security import Security, open_channel, signing_interceptors
 from peer.state_sync import SyncError, download_state
 from peer.tensors import digest, dtype_code
 from peer.training import CommittedState, DigitsWorkload, RunConfig
@@ -42,7 +43,7 @@ log = logging.getLogger("shoal.peer")
 T = TypeVar("T")
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class PeerConfig:
     round_silence: float = 15.0
     sync_donors: int = 3
     connect_timeout: float = 120.0
+    security: Security = Security(insecure=True)
+    join_token: str = ""
 
 
 class _Reconnected:
@@ -82,7 +85,8 @@ class PeerAgent(StateSource):
         self.public_key = public_bytes(self.key)
         self.peer_id = ""
         self.inbox = Inbox()
-        self.transport = Transport()
+        self.transport = Transport(config.security, self.key)
+        self.coordinator_public_key = b""
         self.events: asyncio.Queue[pb.RoundEvent | _Reconnected] = asyncio.Queue()
         self.workload: DigitsWorkload | None = None
         self.address = ""
@@ -96,6 +100,7 @@ class PeerAgent(StateSource):
         self.bytes_received = 0
         self.state_syncs = 0
         self.finished = False
+        self.service: PeerService | None = None
         self._blob_cache: tuple[int, bytes, bytes] | None = None
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
 
@@ -136,9 +141,12 @@ class PeerAgent(StateSource):
         assert self.stub is not None
         samples = len(self.workload.data) if self.workload else 0
         req = pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
-                             version="0.1.0")
+                             version="0.1.0", join_token=self.config.join_token)
         resp = await self._call(lambda: self.stub.Join(req, timeout=self.config.rpc_timeout), "join")
         self.peer_id = resp.peer_id
+        self.coordinator_public_key = resp.coordinator_public_key
+        if self.service is not None:
+            self.service.coordinator_public_key = resp.coordinator_public_key
         self.lease_seconds = resp.lease_seconds
         self.heartbeat_interval = resp.heartbeat_interval_seconds
         if resp.HasField("sync") and resp.sync.donors:
@@ -293,7 +301,7 @@ class PeerAgent(StateSource):
         cp = CollectivePlan.from_proto(plan)
         if self.peer_id not in cp.participants:
             return
-        self.inbox.start(Session(plan.round, plan.attempt, frozenset(cp.participants), plan.dtype))
+        self.inbox.start(Session.from_plan(plan, self.coordinator_public_key))
         total = sum(p.num_samples for p in plan.participants) or len(plan.participants)
         mine = next(p.num_samples for p in plan.participants if p.peer_id == self.peer_id)
         weight = np.float32((mine or 1) / total)
@@ -323,15 +331,10 @@ class PeerAgent(StateSource):
 
     async def run(self) -> dict:
         """Join, train until the coordinator finishes the run, leave. Returns a summary dict."""
-        server = grpc.aio.server(options=channel_options())
-        service = PeerService(self.inbox, self, on_bytes=self._count_received)
-        pb_grpc.add_PeerServicer_to_server(service, server)
-        port = server.add_insecure_port(self.config.listen)
-        if port == 0:
-            raise OSError(f"listen: cannot bind {self.config.listen}")
-        self.address = f"{self.config.listen.rsplit(':', 1)[0]}:{port}"
-        await server.start()
-        self.channel = grpc.aio.insecure_channel(self.config.coordinator, options=channel_options())
+        self.service = PeerService(self.inbox, self, on_bytes=self._count_received)
+        server, self.address = await serve_data_plane(self.service, self.config.listen, self.config.security)
+        self.channel = open_channel(self.config.coordinator, self.config.security, channel_options(),
+                                    signing_interceptors(self.key))
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         try:
             resp = await self._join()

@@ -100,17 +100,18 @@ class _Stream:
         self.bytes_sent = 0
 
     async def run(self) -> None:
-        first = True
+        call = None
         try:
-            call = self.transport.stub(self.address).PushChunks(timeout=self.timeout)
             while (msg := await self.queue.get()) is not None:
-                if first:
+                if call is None:  # the stream opens with the ticket, signed with the first chunk
                     msg.ticket = self.plan.ticket
-                    first = False
+                    call = self.transport.stub(self.address).PushChunks(
+                        timeout=self.timeout, metadata=self.transport.push_metadata(msg))
                 await call.write(msg)
                 self.bytes_sent += len(msg.data)
-            await call.done_writing()
-            await call
+            if call is not None:
+                await call.done_writing()
+                await call
         except grpc.aio.AioRpcError as exc:
             await self.transport.forget(self.address)
             raise CollectiveError(f"stream to {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",

@@ -5,6 +5,14 @@
 `PeerService` is the gRPC servicer: it validates each chunk against the running collective and
 hands it to the inbox; it serves committed state to joiners and answers link probes.
 `Transport` owns the outgoing channels, one per remote address, reused across rounds.
+
+Who may push (docs/security.md): a PushChunks stream is accepted only when its first chunk is
+signed by the sender's key (metadata over the chunk, `peer.security.push_metadata`) and carries a
+coordinator-signed round ticket naming the sender, this round attempt and the plan this peer
+holds; every chunk must then match the plan (dtype, 1-D shape within the shard bounds, chunk
+size) and the first chunk's sender/round/attempt. Anything else is refused before a single value
+reaches the inbox. FetchState needs a signed request and a ticket or sync permit naming the
+requester (proof of membership); Probe a signed request.
 """
 
 from __future__ import annotations
@@ -17,29 +25,89 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from peer.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, grpc_errors, require
-from peer.tensors import decode_chunk
+from peer.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
+                         ResourceExhausted, grpc_errors, require)
+from peer.identity import RequestVerifier
+from peer.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
+from peer.security import (FETCH_STATE, MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
+                           push_metadata, signing_interceptors)
+from peer.tensors import decode_chunk, to_numpy_dtype
+from peer.tickets import plan_digest, verify_membership, verify_ticket
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("shoal.peer.dataplane")
 
-MAX_MESSAGE_BYTES = 8 << 20
+MAX_MESSAGE_BYTES = DATA_MAX_MESSAGE_BYTES
 STATE_CHUNK_BYTES = 1 << 20
+# A stream whose first chunk arrives before the local plan waits this long for it (seconds).
+SESSION_WAIT_SECONDS = 10.0
+MAX_WAITING_STREAMS = 64
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
 
 
 @dataclass(frozen=True)
 class Session:
-    """What the receiving side knows of the running collective: who may send, what sizes."""
+    """What the receiving side knows of the running collective: who may send, what sizes.
+
+    `ticket_check(ticket, sender)` raises PermissionDenied/InvalidArgument unless the ticket
+    admits `sender` to this attempt; a session without one accepts no stream. shard_bounds
+    (element offsets, len shards+1), chunk_elems (largest chunk, elements) and deadline_seconds
+    (longest life of one stream) come from the plan; empty/0 disables the matching check.
+    """
 
     round: int
     attempt: int
     participants: frozenset[str]
     dtype: int
     ticket_check: Callable[[bytes, str], None] | None = None
+    shard_bounds: tuple[int, ...] = ()
+    chunk_elems: int = 0
+    deadline_seconds: float = 0.0
+
+    @classmethod
+    def from_plan(cls, plan: pb.Plan, coordinator_public_key: bytes) -> Session:
+        """The session of `plan`: only its participants, holding its ticket, may push, and only
+        chunks that fit its dtype and shard bounds."""
+        digest = plan_digest(plan)
+
+        def ticket_check(ticket: bytes, sender: str) -> None:
+            if not ticket:
+                raise PermissionDenied("ticket: missing; a stream must open with the round ticket")
+            verify_ticket(coordinator_public_key, ticket, round=plan.round, attempt=plan.attempt, sender=sender,
+                          expected_plan_digest=digest)
+
+        itemsize = to_numpy_dtype(plan.dtype).itemsize if plan.dtype else 1
+        return cls(plan.round, plan.attempt, frozenset(p.peer_id for p in plan.participants), plan.dtype,
+                   ticket_check, tuple(plan.shard_bounds), max(1, (plan.chunk_bytes or (1 << 20)) // itemsize),
+                   plan.deadline_seconds)
+
+    def check_chunk(self, c: pb.Chunk) -> int:
+        """Check `c` against the plan; returns its element count.
+
+        Raises:
+            PermissionDenied: the sender is not a participant.
+            InvalidArgument: dtype, shape, phase, step, shard or offset do not fit the plan.
+        """
+        if c.sender not in self.participants:
+            raise PermissionDenied(f"sender: {c.sender[:8]} is not a participant of round {c.round}")
+        require(c.dtype == self.dtype, "dtype", f"{c.dtype} differs from the plan's {self.dtype}")
+        require(len(c.shape) == 1, "shape", "chunks are 1-D")
+        count = int(c.shape[0])
+        require(c.phase in (pb.REDUCE_SCATTER, pb.ALL_GATHER), "phase", f"unknown phase {c.phase}")
+        require(c.step < max(1, len(self.participants) - 1), "step", f"{c.step} past the plan's steps")
+        if self.chunk_elems:
+            require(0 < count <= self.chunk_elems, "shape", f"[{count}] outside 1..{self.chunk_elems} elements")
+        if self.shard_bounds:
+            shards = len(self.shard_bounds) - 1
+            require(c.shard < shards, "shard", f"{c.shard} past the plan's {shards} shards")
+            size = self.shard_bounds[c.shard + 1] - self.shard_bounds[c.shard]
+            require(c.offset + count <= size, "shape",
+                    f"[{count}] at offset {c.offset} exceeds shard {c.shard} of {size} elements")
+        return count
 
 
 class Inbox:
@@ -55,6 +123,12 @@ class Inbox:
         self._bytes = 0
         self.session: Session | None = None
         self.floor: tuple[int, int] = (0, 0)
+        self._changed = asyncio.Event()
+        self._waiting = 0
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def start(self, session: Session) -> None:
         """Open a collective session; drops everything buffered for older attempts."""
@@ -62,6 +136,32 @@ class Inbox:
         self.floor = (session.round, session.attempt)
         for k in [k for k in self._futures if (k[0], k[1]) < self.floor]:
             self._drop(k)
+        self._wake()
+
+    async def wait_session(self, round_: int, attempt: int, timeout: float) -> Session:
+        """The session of `round_`/`attempt`, waiting up to `timeout` s for the local plan.
+
+        Raises:
+            FailedPrecondition: the attempt is older than the running one, or no such session
+                started in time.
+            ResourceExhausted: too many streams are already waiting.
+        """
+        if self._waiting >= MAX_WAITING_STREAMS:
+            raise ResourceExhausted(f"round: {self._waiting} streams already wait for a plan")
+        self._waiting += 1
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    s = self.session
+                    if s is not None and (s.round, s.attempt) == (round_, attempt):
+                        return s
+                    if (round_, attempt) < self.floor:
+                        raise FailedPrecondition(f"round: {round_}.{attempt} is older than the running {self.floor}")
+                    await self._changed.wait()
+        except TimeoutError:
+            raise FailedPrecondition(f"round: no plan for {round_}.{attempt} here within {timeout:.0f}s") from None
+        finally:
+            self._waiting -= 1
 
     def finish(self, round_: int, attempt: int) -> None:
         for k in [k for k in self._futures if (k[0], k[1]) == (round_, attempt)]:
@@ -69,6 +169,7 @@ class Inbox:
         if self.session is not None and (self.session.round, self.session.attempt) == (round_, attempt):
             self.session = None
             self.floor = (round_, attempt + 1)
+        self._wake()
 
     def _drop(self, k: ChunkKey) -> None:
         f = self._futures.pop(k)
@@ -111,44 +212,81 @@ class StateSource:
 
 
 class PeerService(pb_grpc.PeerServicer):
-    """shoal.v1.Peer: receives chunks, serves committed state, answers probes."""
+    """shoal.v1.Peer: receives chunks, serves committed state, answers probes (see the module
+    docstring for who may call what). `coordinator_public_key` is set once the peer has joined;
+    until then every stream and state request is refused (FAILED_PRECONDITION)."""
 
-    def __init__(self, inbox: Inbox, state: StateSource | None = None, *, on_bytes: Callable[[int], None] | None = None):
+    def __init__(self, inbox: Inbox, state: StateSource | None = None, *, on_bytes: Callable[[int], None] | None = None,
+                 verifier: RequestVerifier | None = None, coordinator_public_key: bytes = b"",
+                 session_wait: float = SESSION_WAIT_SECONDS):
         self.inbox = inbox
         self.state = state
         self.on_bytes = on_bytes or (lambda n: None)
         self.chunks_received = 0
+        self.verifier = verifier or RequestVerifier()
+        self.coordinator_public_key = coordinator_public_key
+        self.session_wait = session_wait
+
+    def _coordinator_key(self) -> bytes:
+        if len(self.coordinator_public_key) != 32:
+            raise FailedPrecondition("round: this peer has not joined a swarm yet")
+        return self.coordinator_public_key
 
     async def PushChunks(self, request_iterator: AsyncIterator[pb.Chunk], context) -> pb.PushAck:
         n = 0
         async with grpc_errors(context):
-            first = True
-            async for c in request_iterator:
-                s = self.inbox.session
-                if first and s is not None and s.ticket_check is not None and (c.round, c.attempt) == (s.round, s.attempt):
-                    s.ticket_check(c.ticket, c.sender)
-                first = False
-                if s is not None and (c.round, c.attempt) == (s.round, s.attempt):
-                    if c.sender not in s.participants:
-                        raise PermissionDenied(f"sender: {c.sender[:8]} is not a participant of round {c.round}")
-                    require(c.dtype == s.dtype, "dtype", f"{c.dtype} differs from the plan's {s.dtype}")
-                require(len(c.shape) == 1, "shape", "chunks are 1-D")
-                values = decode_chunk(c.data, c.dtype, int(c.shape[0]))
-                self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
-                self.on_bytes(len(c.data))
-                n += 1
+            it = aiter(request_iterator)
+            try:
+                first = await anext(it)
+            except StopAsyncIteration:
+                return pb.PushAck(chunks=0)
+            require(bool(first.sender), "sender", "missing")
+            # Who: the signature binds the stream to the sender's key (peer id = hash of it).
+            self.verifier.verify(context.invocation_metadata() or (), PUSH_CHUNKS, first)
+            # May they: a coordinator-signed ticket naming them for this attempt, checked before
+            # any waiting so a stranger holds no buffer and no waiting slot.
+            key = self._coordinator_key()
+            if not first.ticket:
+                raise PermissionDenied("ticket: missing; a stream must open with the round ticket")
+            verify_ticket(key, first.ticket, round=first.round, attempt=first.attempt, sender=first.sender)
+            s = await self.inbox.wait_session(first.round, first.attempt, self.session_wait)
+            if s.ticket_check is None:
+                raise FailedPrecondition("round: the running session accepts no streams (no ticket check)")
+            s.ticket_check(first.ticket, first.sender)
+            try:
+                async with asyncio.timeout(s.deadline_seconds or None):
+                    c = first
+                    while True:
+                        if c is not first and (c.sender, c.round, c.attempt) != (first.sender, first.round,
+                                                                                   first.attempt):
+                            raise PermissionDenied("sender: round, attempt and sender must not change mid-stream")
+                        count = s.check_chunk(c)
+                        values = decode_chunk(c.data, c.dtype, count)
+                        self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
+                        self.on_bytes(len(c.data))
+                        n += 1
+                        try:
+                            c = await anext(it)
+                        except StopAsyncIteration:
+                            break
+            except TimeoutError:
+                raise DeadlineExceeded(f"round: stream outlived the plan's {s.deadline_seconds:.0f}s deadline") from None
         self.chunks_received += n
         return pb.PushAck(chunks=n)
 
     async def FetchState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.StateChunk]:
-        if self.state is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "round: this peer serves no state")
-        rounds, blob, dig = self.state.committed_state()
-        if request.round != rounds:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"round: this peer holds state of round {rounds}, not {request.round}")
-        if request.offset > len(blob):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"offset: {request.offset} past {len(blob)} bytes")
+        async with grpc_errors(context):
+            require(bool(request.peer_id), "peer_id", "missing")
+            permit = next((v for k, v in (context.invocation_metadata() or ()) if k == MD_TICKET), b"")
+            if not permit:
+                raise PermissionDenied(f"{MD_TICKET}: missing; FetchState needs a round ticket or sync permit")
+            verify_membership(self._coordinator_key(), permit, peer_id=request.peer_id)
+            if self.state is None:
+                raise FailedPrecondition("round: this peer serves no state")
+            rounds, blob, dig = self.state.committed_state()
+            if request.round != rounds:
+                raise FailedPrecondition(f"round: this peer holds state of round {rounds}, not {request.round}")
+            require(request.offset <= len(blob), "offset", f"{request.offset} past {len(blob)} bytes")
         end = len(blob) if request.length == 0 else min(len(blob), request.offset + request.length)
         for off in range(request.offset, end, STATE_CHUNK_BYTES):
             piece = blob[off:min(end, off + STATE_CHUNK_BYTES)]
@@ -159,6 +297,21 @@ class PeerService(pb_grpc.PeerServicer):
         async with grpc_errors(context):
             require(request.reply_bytes <= MAX_MESSAGE_BYTES // 2, "reply_bytes", f"at most {MAX_MESSAGE_BYTES // 2}")
             return pb.ProbeResponse(payload=bytes(request.reply_bytes))
+
+
+async def serve_data_plane(service: PeerService, listen: str, security: Security, *,
+                           rate_per_s: float = 2000.0, burst: int = 4000) -> tuple[grpc.aio.Server, str]:
+    """Start the data-plane server for `service` on `listen` (TLS per `security`); returns the
+    started server and its HOST:PORT. Calls are rate limited per host and FetchState/Probe must
+    be signed (PushChunks is checked by the handler). Raises OSError when `listen` cannot be bound."""
+    interceptors = [DecodeErrors(), SignedCalls("/shoal.v1.Peer/", service.verifier,
+                                                default_limit=RateLimiter(rate_per_s, burst))]
+    server = grpc.aio.server(options=channel_options(), interceptors=interceptors,
+                             maximum_concurrent_rpcs=PEER_MAX_CONCURRENT_RPCS)
+    pb_grpc.add_PeerServicer_to_server(service, server)
+    port = add_port(server, listen, security, "peer")
+    await server.start()
+    return server, f"{listen.rsplit(':', 1)[0]}:{port}"
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -175,21 +328,28 @@ def channel_options() -> list[tuple[str, int]]:
 
 
 class Transport:
-    """Outgoing data-plane channels, one per remote address, reused across rounds."""
+    """Outgoing data-plane channels, one per remote address, reused across rounds.
 
-    def __init__(self, credentials: grpc.ChannelCredentials | None = None):
-        self.credentials = credentials
+    With a `key`, unary and server-streaming calls are signed with it (PushChunks streams are
+    signed by their first chunk, `push_metadata`); `security` picks TLS or plaintext.
+    """
+
+    def __init__(self, security: Security | None = None, key: Ed25519PrivateKey | None = None):
+        self.security = security or Security(insecure=True)
+        self.key = key
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.bytes_sent = 0
         self.created = time.monotonic()
 
+    def push_metadata(self, first_chunk: pb.Chunk) -> tuple[tuple[str, str], ...] | None:
+        """Signature metadata for a PushChunks stream opening with `first_chunk`."""
+        return None if self.key is None else push_metadata(self.key, first_chunk)
+
     def stub(self, address: str) -> pb_grpc.PeerStub:
         ch = self._channels.get(address)
         if ch is None:
-            if self.credentials is not None:
-                ch = grpc.aio.secure_channel(address, self.credentials, options=channel_options())
-            else:
-                ch = grpc.aio.insecure_channel(address, options=channel_options())
+            interceptors = signing_interceptors(self.key) if self.key is not None else None
+            ch = open_channel(address, self.security, channel_options(), interceptors)
             self._channels[address] = ch
         return pb_grpc.PeerStub(ch)
 

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -67,6 +68,33 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="all-reduce algorithm (auto: chosen by the planner from measured links)")
 
 
+def _add_security(p: argparse.ArgumentParser, role: str) -> None:
+    g = p.add_argument_group("security (docs/security.md)")
+    g.add_argument("--tls-dir", help="TLS directory made by `shoal certs init` (ca.pem, coordinator.*, peer.*)")
+    g.add_argument("--mtls", action="store_true",
+                   help="mutual TLS: demand a client certificate signed by ca.pem"
+                        + (" on the data plane" if role == "peer" else ""))
+    g.add_argument("--insecure", action="store_true", help="plaintext gRPC (logs a warning); only for local tests")
+    if role == "coordinator":
+        g.add_argument("--join-token-secret", metavar="PATH",
+                       help="admit only peers with a join token made from this secret (`shoal token create`)")
+        g.add_argument("--allow-list", metavar="PATH", help="admit only these Ed25519 public keys (hex, one a line)")
+        g.add_argument("--join-rate", type=float, default=5.0, help="joins per second per host (burst --join-burst)")
+        g.add_argument("--join-burst", type=int, default=50)
+        g.add_argument("--rate-limit", type=float, default=500.0, help="calls per second per host (burst 2x)")
+    else:
+        g.add_argument("--join-token", default=os.environ.get("SHOAL_JOIN_TOKEN", ""),
+                       help="join token from the operator (default: $SHOAL_JOIN_TOKEN)")
+
+
+def _security(a: argparse.Namespace, who: str):
+    from peer.security import Security
+
+    sec = Security(tls_dir=a.tls_dir, mtls=a.mtls, insecure=a.insecure)
+    sec.check(who)
+    return sec
+
+
 def _engine_config(a: argparse.Namespace):
     from coordinator.rounds import EngineConfig
 
@@ -88,8 +116,16 @@ def cmd_coordinator(a: argparse.Namespace) -> int:
 
     from coordinator.server import CoordinatorConfig, serve
 
+    try:
+        security = _security(a, "coordinator")
+    except ValueError as exc:
+        logging.getLogger("shoal.coordinator").error("%s", exc)
+        return EXIT_USAGE
     cfg = CoordinatorConfig(listen=a.listen, state_path=a.state, engine=_engine_config(a),
-                            run_config=dataclasses.asdict(_run_config(a, a.num_shards)), ready_file=a.ready_file)
+                            run_config=dataclasses.asdict(_run_config(a, a.num_shards)), ready_file=a.ready_file,
+                            security=security, join_token_secret=a.join_token_secret, allow_list=a.allow_list,
+                            join_rate=a.join_rate, join_burst=a.join_burst, request_rate=a.rate_limit,
+                            request_burst=max(1, int(2 * a.rate_limit)))
     _run(serve(cfg))
     return EXIT_OK
 
@@ -97,8 +133,13 @@ def cmd_coordinator(a: argparse.Namespace) -> int:
 def cmd_peer(a: argparse.Namespace) -> int:
     from peer.agent import PeerConfig, run_peer
 
+    try:
+        security = _security(a, "peer")
+    except ValueError as exc:
+        logging.getLogger("shoal.peer").error("%s", exc)
+        return EXIT_USAGE
     cfg = PeerConfig(coordinator=a.coordinator, listen=a.listen, key_path=a.key, shard=a.shard,
-                     events_path=a.events, ready_file=a.ready_file)
+                     events_path=a.events, ready_file=a.ready_file, security=security, join_token=a.join_token)
     result: dict = {}
 
     async def main() -> None:
@@ -115,7 +156,7 @@ def cmd_swarm(a: argparse.Namespace) -> int:
     opts = SwarmOptions(peers=a.peers, rounds=a.rounds, algorithm=a.algorithm, seed=a.seed,
                         inner_steps=a.inner_steps, lr=a.lr, non_iid=a.non_iid, summary_path=a.summary,
                         workdir=a.workdir, progress=not a.no_progress, straggler_timeout=a.straggler_timeout,
-                        min_peers=a.min_peers)
+                        min_peers=a.min_peers, tls=a.tls)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 
@@ -132,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine(p)
     _add_run_config(p)
     _add_common(p)
+    _add_security(p, "coordinator")
     p.set_defaults(fn=cmd_coordinator)
 
     p = sub.add_parser("peer", help="run a peer (agent on a volunteer machine)")
@@ -142,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--events", help="append JSON-lines round events here")
     p.add_argument("--ready-file", help="write the data-plane address here once joined")
     _add_common(p)
+    _add_security(p, "peer")
     p.set_defaults(fn=cmd_peer)
 
     p = sub.add_parser("swarm", help="run a whole local swarm: coordinator + N peers on 127.0.0.1")
@@ -152,10 +195,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--min-peers", type=int, default=2)
     p.add_argument("--straggler-timeout", type=float, default=5.0)
+    p.add_argument("--tls", action="store_true",
+                   help="secure swarm: mutual TLS on both planes (certificates made in the workdir) and "
+                        "admission by join token; without it the swarm runs plaintext (--insecure)")
     _add_run_config(p)
     _add_common(p)
     p.set_defaults(fn=cmd_swarm)
+
+    p = sub.add_parser("certs", help="TLS certificates for both planes")
+    csub = p.add_subparsers(dest="certs_command", required=True)
+    c = csub.add_parser("init", help="create a CA, a coordinator and a peer certificate in a directory")
+    c.add_argument("--out", required=True, help="directory to write (ca.pem, ca.key, coordinator.*, peer.*)")
+    c.add_argument("--host", action="append", default=None,
+                   help="hostname or IP the certificates are valid for (repeat; default 127.0.0.1 and localhost)")
+    c.add_argument("--days", type=int, default=365)
+    c.add_argument("--force", action="store_true", help="overwrite existing material (invalidates old certificates)")
+    _add_common(c)
+    c.set_defaults(fn=cmd_certs_init)
+
+    p = sub.add_parser("token", help="join tokens for admission")
+    tsub = p.add_subparsers(dest="token_command", required=True)
+    t = tsub.add_parser("create", help="print a join token (creates the secret, mode 0600, if absent)")
+    t.add_argument("--secret", required=True, help="the coordinator's --join-token-secret file")
+    t.add_argument("--ttl", type=float, default=86400.0, help="seconds the token is valid (default one day)")
+    t.add_argument("--label", default="", help="who the token is for (shows in the coordinator's log)")
+    _add_common(t)
+    t.set_defaults(fn=cmd_token_create)
     return parser
+
+
+def cmd_certs_init(a: argparse.Namespace) -> int:
+    from shoal.certs import init_certs
+
+    try:
+        paths = init_certs(a.out, hosts=a.host or ("127.0.0.1", "localhost"), days=a.days, overwrite=a.force)
+    except (FileExistsError, ValueError) as exc:
+        print(f"shoal certs init: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {paths.dir}: ca.pem ca.key coordinator.pem coordinator.key peer.pem peer.key "
+          f"(keys 0600; keep ca.key offline)")
+    return EXIT_OK
+
+
+def cmd_token_create(a: argparse.Namespace) -> int:
+    import pathlib
+
+    from coordinator.admission import create_secret, create_token, load_secret
+
+    try:
+        secret = load_secret(a.secret) if pathlib.Path(a.secret).exists() else create_secret(a.secret)
+        print(create_token(secret, a.ttl, a.label))
+    except ValueError as exc:
+        print(f"shoal token create: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@ elements drawn from a seeded generator (seed = base seed + rank + round), runs t
 collective, votes with the result digest, and on commit records the digest and the time. The
 result of the last round is saved as .npy next to the JSON report.
 
-    python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH
+    python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH \
+        (--insecure | --tls-dir DIR) [--join-token T]
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import grpc
 import numpy as np
 
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options
+from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
 from peer.identity import load_or_create_key, public_bytes
+from peer.security import Security, open_channel, signing_interceptors
 from peer.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -33,26 +35,37 @@ def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.n
     return rng.standard_normal(size).astype(dtype)
 
 
+async def _join(stub: pb_grpc.CoordinatorStub, req: pb.JoinRequest) -> pb.JoinResponse:
+    delay = 0.1
+    while True:  # a rate-limited join (RESOURCE_EXHAUSTED) is retried; the caller's timeout bounds it
+        try:
+            return await stub.Join(req, wait_for_ready=True, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(2.0, delay * 2)
+
+
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
-                  listen: str = "127.0.0.1:0", timeout: float = 120.0) -> dict:
+                  listen: str = "127.0.0.1:0", timeout: float = 120.0, security: Security | None = None,
+                  join_token: str = "") -> dict:
     """Play rounds until the coordinator finishes the run; returns a report dict."""
+    security = security or Security(insecure=True)
     key = load_or_create_key(key_path)
     inbox = Inbox()
-    transport = Transport()
-    server = grpc.aio.server(options=channel_options())
+    transport = Transport(security, key)
     service = PeerService(inbox)
-    pb_grpc.add_PeerServicer_to_server(service, server)
-    port = server.add_insecure_port(listen)
-    address = f"{listen.rsplit(':', 1)[0]}:{port}"
-    await server.start()
-    channel = grpc.aio.insecure_channel(coordinator, options=channel_options())
+    server, address = await serve_data_plane(service, listen, security)
+    channel = open_channel(coordinator, security, channel_options(), signing_interceptors(key))
     stub = pb_grpc.CoordinatorStub(channel)
     report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype}
     try:
         async with asyncio.timeout(timeout):
-            resp = await stub.Join(pb.JoinRequest(public_key=public_bytes(key), data_address=address, num_samples=1),
-                                   wait_for_ready=True)
+            resp = await _join(stub, pb.JoinRequest(public_key=public_bytes(key), data_address=address,
+                                                    num_samples=1, join_token=join_token))
             me = resp.peer_id
+            service.coordinator_public_key = resp.coordinator_public_key
             report["peer_id"] = me
             state_digest, state_round = b"", 0
             code = dtype_code(np.dtype(dtype))
@@ -66,7 +79,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     break
                 if kind == "plan" and ev.plan.round == state_round:
                     cp = CollectivePlan.from_proto(ev.plan)
-                    inbox.start(Session(ev.plan.round, ev.plan.attempt, frozenset(cp.participants), code))
+                    inbox.start(Session.from_plan(ev.plan, resp.coordinator_public_key))
                     vote = pb.VoteRequest(peer_id=me, round=ev.plan.round, attempt=ev.plan.attempt)
                     try:
                         res = await all_reduce(x, cp, me=me, transport=transport, inbox=inbox)
@@ -114,14 +127,20 @@ def main() -> None:
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--out", required=True, help="JSON report path; the last result goes to PATH.npy")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--tls-dir", help="TLS directory from `shoal certs init`")
+    ap.add_argument("--insecure", action="store_true", help="plaintext gRPC")
+    ap.add_argument("--join-token", default="")
     a = ap.parse_args()
+    security = Security(tls_dir=a.tls_dir, insecure=a.insecure or not a.tls_dir)
     t0 = time.time()
     try:
         import uvloop
 
-        report = uvloop.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout))
+        run = uvloop.run
     except ImportError:  # pragma: no cover
-        report = asyncio.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout))
+        run = asyncio.run
+    report = run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout, security,
+                         a.join_token))
     result = report.pop("last_result", None)
     if result is not None:
         np.save(a.out + ".npy", result)

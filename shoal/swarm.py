@@ -39,6 +39,7 @@ class SwarmOptions:
     straggler_timeout: float = 5.0
     min_peers: int = 2
     timeout: float = 600.0
+    tls: bool = False  # mutual TLS on both planes + join-token admission (material in the workdir)
     extra_coordinator_args: tuple[str, ...] = ()
     extra_peer_args: tuple[str, ...] = ()
 
@@ -93,6 +94,30 @@ class Swarm:
     coordinator: _Proc | None = None
     peers: list[_Proc] = field(default_factory=list)
     address: str = ""
+    join_token: str = ""
+
+    def secure(self) -> None:
+        """With `opts.tls`: create the CA and certificates, the join-token secret and one token
+        (valid for the swarm's timeout) in the workdir; no-op otherwise."""
+        if not self.opts.tls or self.join_token:
+            return
+        from coordinator.admission import create_secret, create_token, load_secret
+        from shoal.certs import init_certs
+
+        tls = self.workdir / "tls"
+        if not (tls / "ca.key").exists():
+            init_certs(tls)
+        secret_path = self.workdir / "join-token.secret"
+        secret = load_secret(secret_path) if secret_path.exists() else create_secret(secret_path)
+        self.join_token = create_token(secret, self.opts.timeout + 60.0, label="shoal-swarm")
+
+    def security_args(self, role: str) -> list[str]:
+        if not self.opts.tls:
+            return ["--insecure"]
+        args = ["--tls-dir", str(self.workdir / "tls"), "--mtls"]
+        if role == "coordinator":
+            return args + ["--join-token-secret", str(self.workdir / "join-token.secret")]
+        return args + ["--join-token", self.join_token]
 
     def coordinator_argv(self) -> list[str]:
         o = self.opts
@@ -102,10 +127,11 @@ class Swarm:
                 "--initial-peers", str(o.peers), "--num-shards", str(o.peers),
                 "--straggler-timeout", str(o.straggler_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
                 "--inner-steps", str(o.inner_steps), "--lr", str(o.lr),
-                *(["--non-iid"] if o.non_iid else []), *o.extra_coordinator_args]
+                *(["--non-iid"] if o.non_iid else []), *self.security_args("coordinator"), *o.extra_coordinator_args]
 
     def start_coordinator(self, timeout: float = 30.0) -> str:
         ready = self.workdir / "coordinator.addr"
+        self.secure()
         if self.coordinator is None:
             self.coordinator = _Proc("coordinator", self.coordinator_argv(), self.workdir / "coordinator.log")
         if self.address:
@@ -127,7 +153,8 @@ class Swarm:
     def peer_argv(self, i: int) -> list[str]:
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", "127.0.0.1:0",
                 "--key", str(self.workdir / f"peer-{i}.key"), "--shard", str(i),
-                "--events", str(self.workdir / f"peer-{i}.jsonl"), *self.opts.extra_peer_args]
+                "--events", str(self.workdir / f"peer-{i}.jsonl"), *self.security_args("peer"),
+                *self.opts.extra_peer_args]
 
     def start_peer(self, i: int) -> None:
         while len(self.peers) <= i:
