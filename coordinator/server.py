@@ -385,7 +385,9 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
     host = config.listen.rsplit(":", 1)[0]
     await server.start()
     address = f"{host}:{port}"
-    log.info("coordinator listening on %s (state %s)", address, config.state_path)
+    sec = config.security
+    log.info("coordinator listening on %s (%s; state %s)", address,
+             ("mutual TLS" if sec.mtls else "TLS") if sec.tls_dir else "PLAINTEXT", config.state_path)
     if config.ready_file:
         tmp = pathlib.Path(config.ready_file + ".tmp")
         tmp.write_text(address)
