@@ -114,7 +114,8 @@ def cmd_peer(a: argparse.Namespace) -> int:
 def cmd_swarm(a: argparse.Namespace) -> int:
     from shoal.swarm import SwarmOptions, run_swarm
 
-    opts = SwarmOptions(peers=a.peers, rounds=a.rounds, algorithm=a.algorithm, seed=a.seed,
+    rounds = a.rounds if a.rounds is not None else (60 if a.chaos else 20)
+    opts = SwarmOptions(peers=a.peers, rounds=rounds, chaos=a.chaos, chaos_interval=a.chaos_interval, algorithm=a.algorithm, seed=a.seed,
                         inner_steps=a.inner_steps, lr=a.lr, non_iid=a.non_iid, summary_path=a.summary,
                         workdir=a.workdir, progress=not a.no_progress, straggler_timeout=a.straggler_timeout,
                         min_peers=a.min_peers)
@@ -153,8 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", help="write the run summary JSON here")
     p.add_argument("--workdir", help="keep keys, state and logs here (default: a temporary directory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=None, help="committed rounds to run (default 20; 60 with --chaos)")
     p.add_argument("--min-peers", type=int, default=2)
+    p.add_argument("--chaos", action="store_true",
+                   help="kill -9 and restart random peers, SIGSTOP one, kill -9 and restart the coordinator")
+    p.add_argument("--chaos-interval", type=float, default=3.0, help="seconds between chaos actions")
     p.add_argument("--straggler-timeout", type=float, default=5.0)
     _add_run_config(p)
     _add_common(p)
