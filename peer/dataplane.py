@@ -27,8 +27,9 @@ import grpc
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from peer import faults
 from peer.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
-                         ResourceExhausted, grpc_errors, require)
+                         ResourceExhausted, ShoalError, grpc_errors, require)
 from peer.identity import RequestVerifier
 from peer.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
 from peer.security import (FETCH_STATE, MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
@@ -110,6 +111,10 @@ class Session:
         return count
 
 
+class SenderGone(Exception):
+    """The stream from a sender broke before it delivered the awaited chunk."""
+
+
 class Inbox:
     """Chunks keyed by (round, attempt, phase, step, shard, offset, sender), awaited by the collective.
 
@@ -125,6 +130,7 @@ class Inbox:
         self.floor: tuple[int, int] = (0, 0)
         self._changed = asyncio.Event()
         self._waiting = 0
+        self._broken: dict[tuple[int, int, str], str] = {}
 
     def _wake(self) -> None:
         self._changed.set()
@@ -136,6 +142,7 @@ class Inbox:
         self.floor = (session.round, session.attempt)
         for k in [k for k in self._futures if (k[0], k[1]) < self.floor]:
             self._drop(k)
+        self._broken = {k: v for k, v in self._broken.items() if (k[0], k[1]) >= self.floor}
         self._wake()
 
     async def wait_session(self, round_: int, attempt: int, timeout: float) -> Session:
@@ -178,6 +185,15 @@ class Inbox:
         elif not f.done():
             f.cancel()
 
+    def fail_sender(self, round_: int, attempt: int, sender: str, reason: str) -> None:
+        """The stream from `sender` broke: every pending and future wait on it fails at once."""
+        if (round_, attempt) < self.floor:
+            return
+        self._broken[(round_, attempt, sender)] = reason
+        for k, f in self._futures.items():
+            if (k[0], k[1], k[6]) == (round_, attempt, sender) and not f.done():
+                f.set_exception(SenderGone(reason))
+
     def deliver(self, key: ChunkKey, values: np.ndarray) -> None:
         """Store an arrived chunk. Raises FailedPrecondition (stale), ResourceExhausted (full)."""
         if (key[0], key[1]) < self.floor:
@@ -197,6 +213,9 @@ class Inbox:
         f = self._futures.get(key)
         if f is None:
             f = self._futures[key] = asyncio.get_running_loop().create_future()
+        broken = self._broken.get((key[0], key[1], key[6]))
+        if broken is not None and not f.done():
+            raise SenderGone(broken)
         async with asyncio.timeout(timeout):
             values = await asyncio.shield(f)
         self._futures.pop(key, None)
@@ -233,45 +252,69 @@ class PeerService(pb_grpc.PeerServicer):
         return self.coordinator_public_key
 
     async def PushChunks(self, request_iterator: AsyncIterator[pb.Chunk], context) -> pb.PushAck:
+        """Receive one sender's chunks for one round attempt into the inbox.
+
+        If the stream breaks before the sender closes it (the sender crashed, its connection
+        reset), every wait on that sender fails at once (`Inbox.fail_sender`), so a dead peer is
+        detected in milliseconds rather than at the chunk deadline.
+        """
         n = 0
-        async with grpc_errors(context):
-            it = aiter(request_iterator)
-            try:
-                first = await anext(it)
-            except StopAsyncIteration:
-                return pb.PushAck(chunks=0)
-            require(bool(first.sender), "sender", "missing")
-            # Who: the signature binds the stream to the sender's key (peer id = hash of it).
-            self.verifier.verify(context.invocation_metadata() or (), PUSH_CHUNKS, first)
-            # May they: a coordinator-signed ticket naming them for this attempt, checked before
-            # any waiting so a stranger holds no buffer and no waiting slot.
-            key = self._coordinator_key()
-            if not first.ticket:
-                raise PermissionDenied("ticket: missing; a stream must open with the round ticket")
-            verify_ticket(key, first.ticket, round=first.round, attempt=first.attempt, sender=first.sender)
-            s = await self.inbox.wait_session(first.round, first.attempt, self.session_wait)
-            if s.ticket_check is None:
-                raise FailedPrecondition("round: the running session accepts no streams (no ticket check)")
-            s.ticket_check(first.ticket, first.sender)
-            try:
-                async with asyncio.timeout(s.deadline_seconds or None):
-                    c = first
-                    while True:
-                        if c is not first and (c.sender, c.round, c.attempt) != (first.sender, first.round,
-                                                                                   first.attempt):
-                            raise PermissionDenied("sender: round, attempt and sender must not change mid-stream")
-                        count = s.check_chunk(c)
-                        values = decode_chunk(c.data, c.dtype, count)
-                        self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
-                        self.on_bytes(len(c.data))
-                        n += 1
-                        try:
-                            c = await anext(it)
-                        except StopAsyncIteration:
-                            break
-            except TimeoutError:
-                raise DeadlineExceeded(f"round: stream outlived the plan's {s.deadline_seconds:.0f}s deadline") from None
-        self.chunks_received += n
+        # `origin` is set only once the stream is authenticated (signature + ticket), so a stranger
+        # naming a participant cannot make its waits fail. A refused chunk (wrong shape, dtype...)
+        # delivers nothing and does not count as a broken stream: the sender is alive, and if it
+        # never sends valid chunks the chunk deadline blames it.
+        origin: tuple[int, int, str] | None = None
+        refused = False
+        try:
+            async with grpc_errors(context):
+                it = aiter(request_iterator)
+                try:
+                    first = await anext(it)
+                except StopAsyncIteration:
+                    return pb.PushAck(chunks=0)
+                require(bool(first.sender), "sender", "missing")
+                # Who: the signature binds the stream to the sender's key (peer id = hash of it).
+                self.verifier.verify(context.invocation_metadata() or (), PUSH_CHUNKS, first)
+                # May they: a coordinator-signed ticket naming them for this attempt, checked before
+                # any waiting so a stranger holds no buffer and no waiting slot.
+                key = self._coordinator_key()
+                if not first.ticket:
+                    raise PermissionDenied("ticket: missing; a stream must open with the round ticket")
+                verify_ticket(key, first.ticket, round=first.round, attempt=first.attempt, sender=first.sender)
+                s = await self.inbox.wait_session(first.round, first.attempt, self.session_wait)
+                if s.ticket_check is None:
+                    raise FailedPrecondition("round: the running session accepts no streams (no ticket check)")
+                s.ticket_check(first.ticket, first.sender)
+                origin = (first.round, first.attempt, first.sender)
+                try:
+                    async with asyncio.timeout(s.deadline_seconds or None):
+                        c = first
+                        while True:
+                            if c is not first and (c.round, c.attempt, c.sender) != origin:
+                                raise InvalidArgument(
+                                    "sender: one stream carries one sender's chunks of one round attempt")
+                            count = s.check_chunk(c)
+                            values = decode_chunk(c.data, c.dtype, count)
+                            self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender),
+                                               values)
+                            self.on_bytes(len(c.data))
+                            n += 1
+                            try:
+                                c = await anext(it)
+                            except StopAsyncIteration:
+                                break
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        f"round: stream outlived the plan's {s.deadline_seconds:.0f}s deadline") from None
+                except ShoalError:
+                    refused = True
+                    raise
+        except BaseException as exc:
+            if origin is not None and not refused:
+                self.inbox.fail_sender(*origin, f"stream from {origin[2][:8]} broke: {type(exc).__name__}")
+            raise
+        finally:
+            self.chunks_received += n
         return pb.PushAck(chunks=n)
 
     async def FetchState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.StateChunk]:
@@ -290,7 +333,8 @@ class PeerService(pb_grpc.PeerServicer):
         end = len(blob) if request.length == 0 else min(len(blob), request.offset + request.length)
         for off in range(request.offset, end, STATE_CHUNK_BYTES):
             piece = blob[off:min(end, off + STATE_CHUNK_BYTES)]
-            self.on_bytes(0)
+            if request.offset > 0:
+                faults.hit("serve-state")
             yield pb.StateChunk(round=rounds, offset=off, total_bytes=len(blob), data=piece, state_digest=dig)
 
     async def Probe(self, request: pb.ProbeRequest, context) -> pb.ProbeResponse:

@@ -62,7 +62,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--straggler-timeout", type=float, default=5.0,
                    help="after the first ready, wait at most this long for the other members")
     g.add_argument("--collective-timeout", type=float, default=30.0)
-    g.add_argument("--chunk-timeout", type=float, default=5.0)
+    g.add_argument("--chunk-timeout", type=float, default=2.0,
+                   help="floor of the per-chunk deadline, seconds (see docs/fault-tolerance.md)")
     g.add_argument("--max-attempts", type=int, default=5)
     g.add_argument("--algorithm-collective", default="ring", choices=["ring", "butterfly", "auto"],
                    help="all-reduce algorithm (auto: chosen by the planner from measured links)")
@@ -139,7 +140,8 @@ def cmd_peer(a: argparse.Namespace) -> int:
         logging.getLogger("shoal.peer").error("%s", exc)
         return EXIT_USAGE
     cfg = PeerConfig(coordinator=a.coordinator, listen=a.listen, key_path=a.key, shard=a.shard,
-                     events_path=a.events, ready_file=a.ready_file, security=security, join_token=a.join_token)
+                     events_path=a.events, ready_file=a.ready_file, sync_donors=a.sync_donors,
+                     sync_range_bytes=a.sync_range_bytes, security=security, join_token=a.join_token)
     result: dict = {}
 
     async def main() -> None:
@@ -153,7 +155,8 @@ def cmd_peer(a: argparse.Namespace) -> int:
 def cmd_swarm(a: argparse.Namespace) -> int:
     from shoal.swarm import SwarmOptions, run_swarm
 
-    opts = SwarmOptions(peers=a.peers, rounds=a.rounds, algorithm=a.algorithm, seed=a.seed,
+    rounds = a.rounds if a.rounds is not None else (60 if a.chaos else 20)
+    opts = SwarmOptions(peers=a.peers, rounds=rounds, chaos=a.chaos, chaos_interval=a.chaos_interval, algorithm=a.algorithm, seed=a.seed,
                         inner_steps=a.inner_steps, lr=a.lr, non_iid=a.non_iid, summary_path=a.summary,
                         workdir=a.workdir, progress=not a.no_progress, straggler_timeout=a.straggler_timeout,
                         min_peers=a.min_peers, tls=a.tls)
@@ -183,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=int, default=0, help="which part of the training data this peer holds")
     p.add_argument("--events", help="append JSON-lines round events here")
     p.add_argument("--ready-file", help="write the data-plane address here once joined")
+    p.add_argument("--sync-donors", type=int, default=3, help="donors used in parallel for state sync")
+    p.add_argument("--sync-range-bytes", type=int, default=256 << 10, help="byte range fetched per state-sync request")
     _add_common(p)
     _add_security(p, "peer")
     p.set_defaults(fn=cmd_peer)
@@ -192,8 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", help="write the run summary JSON here")
     p.add_argument("--workdir", help="keep keys, state and logs here (default: a temporary directory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=None, help="committed rounds to run (default 20; 60 with --chaos)")
     p.add_argument("--min-peers", type=int, default=2)
+    p.add_argument("--chaos", action="store_true",
+                   help="kill -9 and restart random peers, SIGSTOP one, kill -9 and restart the coordinator")
+    p.add_argument("--chaos-interval", type=float, default=3.0, help="seconds between chaos actions")
     p.add_argument("--straggler-timeout", type=float, default=5.0)
     p.add_argument("--tls", action="store_true",
                    help="secure swarm: mutual TLS on both planes (certificates made in the workdir) and "
