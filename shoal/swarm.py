@@ -199,13 +199,19 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
     up_to_date = [e for e in finals if e["rounds"] == committed]
     mismatches += sum(1 for e in up_to_date if e["state_digest"] != last)
     acc = max((e["test_accuracy"] for e in up_to_date), default=0.0)
-    retried = {(e["round"], e["attempt"]) for e in events if e["event"] == "abort" and e.get("will_retry")}
+    aborts = {(e["round"], e["attempt"]): e for e in events if e["event"] == "abort"}
+    retried = {k for k, e in aborts.items() if e.get("will_retry")}
+    reasons: dict[str, int] = {}
+    for e in aborts.values():
+        kind = e["reason"].split(":")[0] if "failed:" not in e["reason"] else e["reason"].split("failed: ")[1].split(" ")[0]
+        reasons[kind] = reasons.get(kind, 0) + 1
     summary = {
         "test_accuracy": acc,
         "baseline_accuracy": baseline,
         "rounds_committed": committed,
         "rounds_aborted": aborted,
         "rounds_retried": len(retried),
+        "abort_reasons": reasons,
         "digest_mismatches": mismatches,
         "peers": swarm.opts.peers,
         "peers_finished": len(finals),
