@@ -64,7 +64,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--collective-timeout", type=float, default=30.0)
     g.add_argument("--chunk-timeout", type=float, default=2.0,
                    help="floor of the per-chunk deadline, seconds (see docs/fault-tolerance.md)")
-    g.add_argument("--max-attempts", type=int, default=5)
+    g.add_argument("--max-attempts", type=int, default=5, help="attempts of one round (first try + retries)")
+    g.add_argument("--retry-backoff", type=float, default=0.05,
+                   help="delay before retry k of a round is retry_backoff * 2**(k-1) seconds")
     g.add_argument("--algorithm-collective", default="ring", choices=["ring", "butterfly", "auto"],
                    help="all-reduce algorithm (auto: chosen by the planner from measured links)")
 
@@ -101,7 +103,7 @@ def _engine_config(a: argparse.Namespace):
 
     return EngineConfig(min_peers=a.min_peers, initial_peers=a.initial_peers, lease_seconds=a.lease_seconds, ready_timeout=a.straggler_timeout,
                         collective_timeout=a.collective_timeout, chunk_timeout=a.chunk_timeout,
-                        max_attempts=a.max_attempts, total_rounds=a.rounds,
+                        max_attempts=a.max_attempts, retry_backoff=a.retry_backoff, total_rounds=a.rounds,
                         algorithm=a.algorithm_collective)
 
 
