@@ -116,7 +116,8 @@ class CollectivePlan:
     "butterfly"). ``shard_bounds``: element offsets ``[0, ..., num_elements]``, one shard per
     owner, possibly empty when ``num_elements`` is smaller than the number of owners.
     ``shard_owner[k]``: participant owning ``[shard_bounds[k], shard_bounds[k+1])``. For "ring",
-    shard k is owned by ``order[k]``; for "tree" there is one shard, owned by ``order[0]`` (every
+    shard k is owned by ``order[k-1 mod p]`` (ring position i ends the reduce-scatter holding
+    shard i+1, as `peer.collectives` runs it); for "tree" there is one shard, owned by ``order[0]`` (every
     peer computes the same sum; the owner matters only for aggregators other than a sum).
     ``predicted_seconds``: model time of the chosen algorithm. ``bound_seconds``: the lower bound
     of `allreduce_lower_bound` (no algorithm can beat it); ``floor_seconds``: DESIGN.md's simple
@@ -371,7 +372,8 @@ def predict_butterfly(
     """Butterfly all-reduce time for shard ``fractions`` (default: equal), see the module doc.
 
     Phased: ``T_rs + T_ag + 2(p-1)α_max``; pipelined (``overlap``):
-    ``max_i n(1+(p-2)w_i)/min(u_i,d_i) + 2(p-1)α_max``. With a ``pairwise`` matrix each flow i→j must also fit its link.
+    ``max_i n(1+(p-2)w_i)/min(u_i,d_i) + 2(p-1)α_max``. With a ``pairwise`` matrix each flow
+    i→j must also fit its link.
     """
     u, d = _as_rates(up, down)
     p = u.size
@@ -600,13 +602,15 @@ def plan_collective(
     latency_threshold_bytes: int = 256 * 1024,
     overlap: bool = True,
     pairwise: np.ndarray | None = None,
+    algorithms: Sequence[str] = ALGORITHMS,
 ) -> CollectivePlan:
     """Choose and shape the all-reduce for these participants.
 
     ``algorithm=None`` picks the smallest predicted time among butterfly and ring, and also tree
     when the payload ``num_elements * itemsize`` is at most ``latency_threshold_bytes``; ties go to
-    butterfly, then ring, then tree (owners make robust aggregators possible). A given
-    ``algorithm`` is planned as asked. ``overlap`` selects the butterfly cost model (see the
+    butterfly, then ring, then tree (owners make robust aggregators possible). ``algorithms``
+    limits the automatic choice to what the data plane implements (pass ``("butterfly", "ring")``
+    while it has no tree). A given ``algorithm`` is planned as asked. ``overlap`` selects the butterfly cost model (see the
     module doc) and must match the data plane. ``pairwise`` (p×p bytes/s, i→j; NaN or ≤ 0 =
     unknown) refines the link rates. Raises ValueError for an empty participant list, invalid
     rates, negative sizes or an unknown algorithm; never returns a partial plan.
@@ -637,9 +641,12 @@ def plan_collective(
             overlap=overlap,
         )
 
-    candidates = [algorithm] if algorithm else ["butterfly", "ring"] + (
-        ["tree"] if n_bytes <= latency_threshold_bytes else []
-    )
+    allowed = tuple(algorithms)
+    if not allowed or any(a not in ALGORITHMS for a in allowed):
+        raise ValueError(f"algorithms must be a non-empty subset of {ALGORITHMS}, got {allowed}")
+    candidates = [algorithm] if algorithm else [
+        a for a in ALGORITHMS if a in allowed and (a != "tree" or n_bytes <= latency_threshold_bytes)
+    ] or [a for a in ALGORITHMS if a in allowed]
     plans: list[CollectivePlan] = []
     for alg in candidates:
         if alg == "butterfly":
@@ -670,7 +677,10 @@ def plan_collective(
             order = best_ring_order(u, d, rtt=rtt, segment_bytes=n_bytes / p, pairwise=pairwise)
             t = predict_ring(u, d, n_bytes, order, rtt, pairwise=pairwise)
             bounds = shard_bounds_from_fractions(np.full(p, 1.0 / p), num_elements)
-            plans.append(CollectivePlan("ring", order, bounds, order, t, bound, (), floor, overlap))
+            # Position k finishes the reduce-scatter holding shard k+1 (peer.collectives' ring
+            # sends its own shard first), so shard k belongs to position k-1.
+            owners = tuple(order[(k - 1) % p] for k in range(p))
+            plans.append(CollectivePlan("ring", order, bounds, owners, t, bound, (), floor, overlap))
         else:
             # Fastest peers take the power-of-two core; the slowest are folded in.
             order = tuple(sorted(range(p), key=lambda i: (-min(u[i], d[i]), i)))

@@ -37,6 +37,8 @@ class EngineConfig:
     ready_timeout: after the first ready of a round, wait at most this long for the other
         members (the straggler timeout) before opening the round with those ready.
     collective_timeout: hard deadline of one collective attempt, from plan to the last vote.
+    chunk_timeout: floor of the per-chunk deadline; the plan's deadline is
+        max(chunk_timeout, chunk_safety * chunk_bytes / slowest measured link + 2 * max RTT).
     max_attempts: attempts of one round (first try + retries) before it is given up.
     retry_backoff: delay before retry k is planned is retry_backoff * 2**(k-1).
     total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
@@ -47,7 +49,8 @@ class EngineConfig:
     lease_seconds: float = 10.0
     ready_timeout: float = 5.0
     collective_timeout: float = 30.0
-    chunk_timeout: float = 5.0
+    chunk_timeout: float = 2.0
+    chunk_safety: float = 4.0
     max_attempts: int = 5
     retry_backoff: float = 0.05
     total_rounds: int = 0
@@ -68,6 +71,7 @@ class Member:
     up_bytes_per_s: float = 0.0
     down_bytes_per_s: float = 0.0
     rtt_seconds: float = 0.0
+    connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,20 @@ class _Running:
     votes: dict[str, tuple[bool, bytes, bytes, float, tuple[str, ...], tuple[str, ...], str]] = field(default_factory=dict)
 
 
+def chunk_deadline(members: list[Member], config: EngineConfig) -> float:
+    """Per-chunk deadline (seconds) from the slowest measured link of the participants.
+
+    A chunk of `chunk_bytes` must arrive within chunk_safety times its transfer time at the
+    slowest measured rate, plus two round trips; never less than the `chunk_timeout` floor (also
+    the value when no link has been measured yet).
+    """
+    rates = [r for m in members for r in (m.up_bytes_per_s, m.down_bytes_per_s) if r > 0]
+    rtt = max((m.rtt_seconds for m in members), default=0.0)
+    if not rates:
+        return config.chunk_timeout
+    return max(config.chunk_timeout, config.chunk_safety * config.chunk_bytes / min(rates) + 2 * rtt)
+
+
 class RoundEngine:
     """The coordinator's state and the protocol's rules; see the module docstring.
 
@@ -204,7 +222,8 @@ class RoundEngine:
         self.members: dict[str, Member] = {}
         for m in members or []:
             # A restarted coordinator gives every known member a fresh lease to reconnect.
-            self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds)
+            self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds,
+                                                          connected=False)
         self.epoch = epoch
         self.commits: list[CommitRecord] = list(committed or [])
         self.aborts: list[AbortRecord] = []
@@ -276,6 +295,28 @@ class RoundEngine:
             raise RoundError("not_found", f"peer_id: unknown peer {peer_id[:8]}")
         m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds = up, down, rtt
 
+    def connected(self, peer_id: str, now: float) -> list[Action]:
+        """The peer opened its round-event stream."""
+        m = self.members.get(peer_id)
+        if m is not None:
+            m.connected = True
+        return []
+
+    def disconnected(self, peer_id: str, now: float) -> list[Action]:
+        """The peer's round-event stream broke: the fastest sign that its process died.
+
+        It keeps its lease (it may reconnect), but no round waits for it, and a round it is
+        playing is aborted at once without it.
+        """
+        m = self.members.get(peer_id)
+        if m is None:
+            return []
+        m.connected = False
+        self.ready.pop(peer_id, None)
+        if self.running is not None and peer_id in self.running.plan.participants and peer_id not in self.running.votes:
+            return self._abort(now, f"participant {peer_id[:8]} disconnected", (peer_id,))
+        return self._maybe_open(now)
+
     # ------------------------------------------------------------ rounds
 
     def ready_(self, peer_id: str, round_: int, info: ReadyInfo, now: float) -> list[Action]:
@@ -299,8 +340,7 @@ class RoundEngine:
             donors = self.donors(now, exclude=peer_id)
             if not donors:
                 raise RoundError("precondition", "state_round: no up-to-date donor is live; retry later")
-            if m.state != "syncing":
-                m.state = "syncing"  # not waited on until it is up to date
+            m.state = "syncing"
             return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
         if round_ != self.committed_rounds:
             raise RoundError("invalid", f"round: expected {self.committed_rounds}, got {round_}")
@@ -376,7 +416,9 @@ class RoundEngine:
             quorum = max(quorum, self.config.initial_peers)
         if len(candidates) < quorum:
             return []
-        waiting_on = {p for p in live if self.members[p].state != "syncing" and p not in self.excluded} - set(candidates)
+        # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
+        # joiner forever); the ready timeout bounds the wait for a straggler.
+        waiting_on = {p for p in live if p not in self.excluded and self.members[p].connected} - set(candidates)
         deadline_passed = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
         if waiting_on and not deadline_passed and self.attempt == 0:
             return []
@@ -410,7 +452,7 @@ class RoundEngine:
             num_elements=n,
             dtype=info.dtype,
             deadline_seconds=self.config.collective_timeout,
-            chunk_timeout_seconds=self.config.chunk_timeout,
+            chunk_timeout_seconds=chunk_deadline([self.members[p] for p in participants], self.config),
             chunk_bytes=self.config.chunk_bytes,
             aggregator=self.config.aggregator,
             compression=self.config.compression,

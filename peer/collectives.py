@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from peer.dataplane import Inbox, Transport
+from peer import faults
+from peer.dataplane import Inbox, SenderGone, Transport
 from peer.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
 
@@ -186,6 +187,8 @@ async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int,
         raise CollectiveError(
             f"no chunk from {sender[:8]} within {plan.chunk_timeout_seconds:.1f}s "
             f"(phase {phase}, step {step}, shard {shard}, offset {off})", [sender]) from None
+    except SenderGone as exc:
+        raise CollectiveError(str(exc), [sender]) from None
 
 
 async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox) -> tuple[np.ndarray, int]:
@@ -211,6 +214,7 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
             shard = (i - s - 1) % p
             for off in _chunk_offsets(b[shard + 1] - b[shard], ce):
                 v = await _receive(inbox, plan, (RS, s, shard, off, prv_id))
+                faults.hit("rs", plan.round)
                 lo = b[shard] + off
                 if v.size != min(b[shard + 1], lo + ce) - lo:
                     raise CollectiveError(f"chunk from {prv_id[:8]} has {v.size} elements", [prv_id])
@@ -223,6 +227,7 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
             shard = (i - s) % p
             for off in _chunk_offsets(b[shard + 1] - b[shard], ce):
                 v = await _receive(inbox, plan, (AG, s, shard, off, prv_id))
+                faults.hit("ag", plan.round)
                 lo = b[shard] + off
                 if v.size != min(b[shard + 1], lo + ce) - lo:
                     raise CollectiveError(f"chunk from {prv_id[:8]} has {v.size} elements", [prv_id])
@@ -269,6 +274,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                         rows.append(x[lo:hi])
                         continue
                     v = await _receive(inbox, plan, (RS, 0, k, off, plan.participants[j]))
+                    faults.hit("rs", plan.round)
                     if v.size != hi - lo:
                         raise CollectiveError(f"chunk from {plan.participants[j][:8]} has {v.size} elements",
                                               [plan.participants[j]])
@@ -291,6 +297,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                 lo = b[k] + off
                 hi = min(b[k + 1], lo + ce)
                 v = await _receive(inbox, plan, (AG, 0, k, off, plan.participants[owner]))
+                faults.hit("ag", plan.round)
                 if v.size != hi - lo:
                     raise CollectiveError(f"chunk from {plan.participants[owner][:8]} has {v.size} elements",
                                           [plan.participants[owner]])

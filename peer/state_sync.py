@@ -56,7 +56,7 @@ async def _fetch(transport: Transport, donor: pb.Participant, me: str, round_: i
 
 
 async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, k: int = 3,
-                         range_bytes: int = RANGE_BYTES, timeout: float = 10.0) -> SyncResult:
+                         range_bytes: int = RANGE_BYTES, timeout: float = 3.0) -> SyncResult:
     """Download and verify the state named by `order` from up to `k` of its donors in parallel.
 
     Donors are tried in an order rotated by the requester's id, so simultaneous joiners spread

@@ -102,6 +102,7 @@ def cmd_peer(cfg: ShoalConfig) -> int:
     peer_cfg = PeerConfig(coordinator=p.coordinator, listen=p.listen, key_path=p.key, shard=p.shard,
                           events_path=p.events, ready_file=p.ready_file, rpc_timeout=p.rpc_timeout,
                           round_silence=p.round_silence, sync_donors=p.sync_donors,
+                          sync_range_bytes=p.sync_range_bytes,
                           connect_timeout=p.connect_timeout, advertise=p.advertise, metrics_port=p.metrics_port,
                           metrics_host=p.metrics_host)
     result: dict = {}

@@ -84,7 +84,12 @@ class RoundsSection:
     straggler_timeout: float = setting(5.0, "after the first ready of a round, wait at most this long for the "
                                             "other members, then open the round with those ready")
     collective_timeout: float = setting(30.0, "hard deadline of one collective attempt, plan to last vote")
-    chunk_timeout: float = setting(5.0, "a single tensor chunk must arrive within this (detects a silent peer)")
+    chunk_timeout: float = setting(2.0, "floor of the per-chunk deadline: max(this, chunk_safety * chunk_bytes / "
+                                        "slowest measured link + 2 * max RTT) (detects a silent peer)")
+    chunk_safety: float = setting(4.0, "safety factor of the per-chunk deadline over the measured transfer time")
+    chunk_bytes: int = setting(1 << 20, "bytes of one tensor chunk on the data plane")
+    algorithm_collective: str = setting("ring", "all-reduce algorithm (auto: chosen by the planner from measured links)",
+                                        choices=("ring", "butterfly", "auto"))
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
 
@@ -94,8 +99,9 @@ class RoundsSection:
         return EngineConfig(min_peers=self.min_peers, initial_peers=self.initial_peers,
                             lease_seconds=self.lease_seconds, ready_timeout=self.straggler_timeout,
                             collective_timeout=self.collective_timeout, chunk_timeout=self.chunk_timeout,
+                            chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
-                            total_rounds=self.rounds)
+                            total_rounds=self.rounds, algorithm=self.algorithm_collective)
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,7 @@ class PeerSection:
     connect_timeout: float = setting(120.0, "give up when the coordinator stays unreachable this long")
     round_silence: float = setting(15.0, "no round event for this long: announce readiness again")
     sync_donors: int = setting(3, "donors a state sync downloads from in parallel")
+    sync_range_bytes: int = setting(256 << 10, "byte range fetched per state-sync request")
 
 
 @dataclass(frozen=True)

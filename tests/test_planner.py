@@ -211,8 +211,10 @@ def test_algorithm_choice() -> None:
         a: plan_collective(far, 64, algorithm=a).predicted_seconds for a in ("ring", "butterfly", "tree")
     }
     assert small.predicted_seconds == min(preds.values())
-    # Tree is only considered below the threshold.
+    # Tree is only considered below the threshold, and only if the data plane has it.
     assert plan_collective(far, 64, latency_threshold_bytes=0).algorithm != "tree"
+    assert plan_collective(far, 64, algorithms=("butterfly", "ring")).algorithm != "tree"
+    assert plan_collective(far, 10_000_000, algorithms=("ring",)).algorithm == "ring"
     with pytest.raises(ValueError):
         plan_collective(far, 64, algorithm="mesh")
     with pytest.raises(ValueError):
@@ -225,8 +227,8 @@ def test_ring_plan_shapes_and_owner_positions() -> None:
     links = [LinkSpec(f"p{i}", r * MBIT, r * MBIT, 0.01 * i) for i, r in enumerate([10, 20, 30, 40, 50])]
     plan = plan_collective(links, 1003, algorithm="ring")
     assert isinstance(plan, CollectivePlan)
-    assert plan.shard_owner == plan.order
-    assert plan.owner_positions() == tuple(range(5))
+    assert plan.shard_owner == plan.order[-1:] + plan.order[:-1]
+    assert plan.owner_positions() == (4, 0, 1, 2, 3)
     assert np.diff(plan.shard_bounds).tolist() in ([201, 201, 201, 200, 200],)
     bfly = plan_collective(links, 1003, algorithm="butterfly")
     assert bfly.owner_positions() == bfly.shard_owner  # identity order

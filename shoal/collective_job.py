@@ -1,0 +1,134 @@
+"""A process that all-reduces synthetic tensors through a coordinator: no training, just rounds.
+
+Used by the tests (all-reduce correctness across real processes) and by `shoal bench`. Each
+process joins the coordinator, and for every round: says ready with a tensor of `--size`
+elements drawn from a seeded generator (seed = base seed + rank + round), runs the planned
+collective, votes with the result digest, and on commit records the digest and the time. The
+result of the last round is saved as .npy next to the JSON report.
+
+    python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import grpc
+import numpy as np
+
+from peer.collectives import CollectiveError, CollectivePlan, all_reduce
+from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options
+from peer.identity import load_or_create_key, public_bytes
+from peer.tensors import digest, dtype_code
+from shoal.v1 import shoal_pb2 as pb
+from shoal.v1 import shoal_pb2_grpc as pb_grpc
+
+
+def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.ndarray:
+    """The tensor rank `rank` contributes in round `round_`: (size,) of `dtype`, values ~ N(0, 1)."""
+    rng = np.random.default_rng([seed, rank, round_])
+    return rng.standard_normal(size).astype(dtype)
+
+
+async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
+                  listen: str = "127.0.0.1:0", timeout: float = 120.0) -> dict:
+    """Play rounds until the coordinator finishes the run; returns a report dict."""
+    key = load_or_create_key(key_path)
+    inbox = Inbox()
+    transport = Transport()
+    server = grpc.aio.server(options=channel_options())
+    service = PeerService(inbox)
+    pb_grpc.add_PeerServicer_to_server(service, server)
+    port = server.add_insecure_port(listen)
+    address = f"{listen.rsplit(':', 1)[0]}:{port}"
+    await server.start()
+    channel = grpc.aio.insecure_channel(coordinator, options=channel_options())
+    stub = pb_grpc.CoordinatorStub(channel)
+    report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype}
+    try:
+        async with asyncio.timeout(timeout):
+            resp = await stub.Join(pb.JoinRequest(public_key=public_bytes(key), data_address=address, num_samples=1),
+                                   wait_for_ready=True)
+            me = resp.peer_id
+            report["peer_id"] = me
+            state_digest, state_round = b"", 0
+            code = dtype_code(np.dtype(dtype))
+            watch = stub.WatchRounds(pb.WatchRequest(peer_id=me))
+            x = make_input(seed, rank, 0, size, dtype)
+            await stub.Ready(pb.ReadyRequest(peer_id=me, round=0, num_elements=size, dtype=code, num_samples=1))
+            tentative: dict[tuple[int, int], tuple[bytes, np.ndarray]] = {}
+            async for ev in watch:
+                kind = ev.WhichOneof("event")
+                if kind == "finished":
+                    break
+                if kind == "plan" and ev.plan.round == state_round:
+                    cp = CollectivePlan.from_proto(ev.plan)
+                    inbox.start(Session(ev.plan.round, ev.plan.attempt, frozenset(cp.participants), code))
+                    vote = pb.VoteRequest(peer_id=me, round=ev.plan.round, attempt=ev.plan.attempt)
+                    try:
+                        res = await all_reduce(x, cp, me=me, transport=transport, inbox=inbox)
+                        tentative[(ev.plan.round, ev.plan.attempt)] = (res.digest, res.values)
+                        vote.ok, vote.result_digest, vote.state_digest = True, res.digest, res.digest
+                        vote.bytes_sent, vote.collective_seconds = res.bytes_sent, res.seconds
+                        report["rounds"].append({"round": ev.plan.round, "attempt": ev.plan.attempt,
+                                                 "seconds": res.seconds, "bytes_sent": res.bytes_sent,
+                                                 "algorithm": cp.algorithm, "participants": len(cp.participants)})
+                    except CollectiveError as exc:
+                        vote.ok, vote.error = False, str(exc)
+                        vote.suspects.extend(exc.suspects)
+                    finally:
+                        inbox.finish(ev.plan.round, ev.plan.attempt)
+                    await stub.Vote(vote)
+                elif kind == "commit" and ev.commit.round == state_round:
+                    d, values = tentative.pop((ev.commit.round, ev.commit.attempt), (b"", None))
+                    if d != ev.commit.state_digest or values is None:
+                        raise RuntimeError(f"round {state_round} committed a digest this process does not hold")
+                    state_digest, state_round = d, state_round + 1
+                    report["last_digest"] = d.hex()
+                    report["last_result"] = values
+                    x = make_input(seed, rank, state_round, size, dtype)
+                    await stub.Ready(pb.ReadyRequest(peer_id=me, round=state_round, num_elements=size, dtype=code,
+                                                     num_samples=1, state_digest=state_digest, state_round=state_round))
+                elif kind == "abort" and ev.abort.round == state_round and (
+                        me in ev.abort.excluded or not ev.abort.will_retry):
+                    raise RuntimeError(f"excluded from round {state_round}: {ev.abort.reason}")
+            report["committed"] = state_round
+            return report
+    finally:
+        await transport.close()
+        await channel.close()
+        await server.stop(grace=0.2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--size", type=int, required=True, help="elements per tensor")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--key", required=True)
+    ap.add_argument("--listen", default="127.0.0.1:0")
+    ap.add_argument("--out", required=True, help="JSON report path; the last result goes to PATH.npy")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    a = ap.parse_args()
+    t0 = time.time()
+    try:
+        import uvloop
+
+        report = uvloop.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout))
+    except ImportError:  # pragma: no cover
+        report = asyncio.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout))
+    result = report.pop("last_result", None)
+    if result is not None:
+        np.save(a.out + ".npy", result)
+    report["wall_seconds"] = time.time() - t0
+    with open(a.out, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()

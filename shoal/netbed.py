@@ -1,0 +1,334 @@
+"""A network test bed of Linux network namespaces with kernel-shaped links (DESIGN.md §8).
+
+`NetBed` builds, in the root namespace, one Linux bridge and, per host, a network namespace joined
+to the bridge by a veth pair. Host *i* gets ``10.<x>.0.<i+1>/24`` on its ``eth0`` (``x`` is picked
+among 10.200–10.254 so it does not clash with a subnet already routed here); the root namespace gets
+``10.<x>.0.254`` on the bridge, so a coordinator can run unconfined while peers run "elsewhere".
+Each host's upload is shaped by a token-bucket filter (``tc qdisc tbf``) on its own ``eth0`` and
+its download by one on the bridge-side veth, so every byte a host sends or receives, to another
+host or to the root namespace, crosses both the sender's upload and the receiver's download
+shaper, like home links meeting in the internet core. Latency, loss and stalls are not modelled
+here (``netem`` is missing on this machine): put a `shoal.netproxy.DelayProxy` in the path.
+
+The bed owns everything it creates: leaving the ``with`` block (normally or by an exception) kills
+the processes started with `NetBed.popen` and deletes the namespaces, veths and the bridge. Names
+carry the creating process id (namespaces ``<prefix>-<pid>-<tag>-<i>``, links carry the alias
+``shoal-netbed:<prefix>:<pid>``), so `cleanup_stale` can remove what a killed run left behind
+without touching a live bed. Needs root and iproute2; `NetBed.available` says why not otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from typing import Any, Sequence
+
+__all__ = ["NetBed", "NetBedError", "cleanup_stale", "tbf_params"]
+
+log = logging.getLogger(__name__)
+
+_ALIAS = "shoal-netbed"
+_CMD_TIMEOUT_S = 10.0  # one ip/tc invocation; they take milliseconds
+_KILL_GRACE_S = 2.0  # SIGTERM → SIGKILL for processes started in the bed
+
+
+class NetBedError(RuntimeError):
+    """An ip/tc command failed while building the bed (the message holds its stderr)."""
+
+
+def _run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+    if check and proc.returncode != 0:
+        raise NetBedError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tbf_params(rate_mbit: float) -> dict[str, int]:
+    """Token-bucket settings for an accurate long-run rate of ``rate_mbit`` (10^6 bit/s).
+
+    ``burst`` is 10 ms of traffic but at least 64 KiB + one frame: veth hands tbf GSO super-packets
+    of up to 64 KiB, and a bucket smaller than a packet would make tbf split every one of them.
+    ``limit`` (the queue) holds 100 ms of traffic but at least two buckets: TCP then loses few
+    packets at the shaper and keeps the link full, instead of losing throughput to backoff.
+    """
+    if not rate_mbit > 0:
+        raise ValueError(f"rate must be > 0 Mbit/s, got {rate_mbit}")
+    rate_bps = rate_mbit * 1e6 / 8
+    burst = max(int(rate_bps * 0.010), 64 * 1024 + 1514)
+    limit = max(int(rate_bps * 0.100), 2 * burst)
+    return {"rate_bit": int(rate_mbit * 1e6), "burst": burst, "limit": limit}
+
+
+class NetBed:
+    """Hosts in network namespaces behind shaped links; a context manager.
+
+    ``up_mbit[i]`` / ``down_mbit[i]``: host i's upload / download in Mbit/s (10^6 bit/s), ``None``
+    for unshaped. ``prefix`` (≤ 5 characters) starts every name this bed creates.
+
+    Failure semantics: `__enter__` either returns a complete bed or, after deleting whatever it
+    had built, raises `NetBedError` (or `OSError` when a tool is missing). `__exit__` never
+    raises; it logs what it could not delete (use `cleanup_stale` afterwards).
+    """
+
+    def __init__(
+        self,
+        n_hosts: int,
+        up_mbit: Sequence[float | None] | None = None,
+        down_mbit: Sequence[float | None] | None = None,
+        prefix: str = "shl",
+        *,
+        subnet_octet: int | None = None,
+    ) -> None:
+        if n_hosts < 1 or n_hosts > 250:
+            raise ValueError("n_hosts must be in 1..250")
+        if not prefix or len(prefix) > 5 or not prefix.isalnum():
+            raise ValueError("prefix must be 1-5 alphanumeric characters (interface names ≤ 15)")
+        self.n_hosts = n_hosts
+        self.up_mbit = list(up_mbit) if up_mbit is not None else [None] * n_hosts
+        self.down_mbit = list(down_mbit) if down_mbit is not None else [None] * n_hosts
+        if len(self.up_mbit) != n_hosts or len(self.down_mbit) != n_hosts:
+            raise ValueError("up_mbit and down_mbit need one entry per host")
+        self.prefix = prefix
+        self._subnet_octet = subnet_octet
+        self._tag = secrets.token_hex(2)
+        self._pid = os.getpid()
+        self._alias = f"{_ALIAS}:{prefix}:{self._pid}"
+        self.bridge = f"{prefix}{self._tag}br"
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._namespaces: list[str] = []
+        self._bridge_made = False
+        self.octet: int | None = None
+
+    # --- names and addresses -----------------------------------------------------------------
+
+    def netns(self, i: int) -> str:
+        """The name of host i's network namespace (for ``ip netns exec``)."""
+        self._check_host(i)
+        return f"{self.prefix}-{self._pid}-{self._tag}-{i}"
+
+    def veth_bridge_side(self, i: int) -> str:
+        """Host i's veth end in the root namespace (its download shaper sits here)."""
+        return f"{self.prefix}{self._tag}b{i}"
+
+    def host_ip(self, i: int) -> str:
+        """Host i's address, ``10.<x>.0.<i+1>``."""
+        self._check_host(i)
+        return f"10.{self._octet()}.0.{i + 1}"
+
+    @property
+    def root_ip(self) -> str:
+        """The root namespace's address on the bridge, ``10.<x>.0.254``."""
+        return f"10.{self._octet()}.0.254"
+
+    def _octet(self) -> int:
+        if self.octet is None:
+            raise RuntimeError("the bed is not started")
+        return self.octet
+
+    def _check_host(self, i: int) -> None:
+        if not 0 <= i < self.n_hosts:
+            raise IndexError(f"host {i} not in 0..{self.n_hosts - 1}")
+
+    # --- availability ------------------------------------------------------------------------
+
+    @staticmethod
+    def available() -> tuple[bool, str]:
+        """Whether this process can build a bed, and if not, why (for ``pytest.skip``).
+
+        Checks root, ``ip``/``tc`` on PATH, and actually creates and deletes a probe namespace.
+        """
+        if os.geteuid() != 0:
+            return False, "NetBed needs root (network namespaces, veth, tc)"
+        for tool in ("ip", "tc"):
+            if shutil.which(tool) is None:
+                return False, f"NetBed needs iproute2: {tool!r} not on PATH"
+        probe = f"shlprobe-{os.getpid()}-{secrets.token_hex(2)}"
+        try:
+            made = _run(["ip", "netns", "add", probe], check=False)
+            if made.returncode != 0:
+                return False, f"ip netns unsupported here: {made.stderr.strip()}"
+        finally:
+            _run(["ip", "netns", "del", probe], check=False)
+        return True, "ok"
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> NetBed:
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _pick_octet(self) -> int:
+        if self._subnet_octet is not None:
+            return self._subnet_octet
+        used: set[int] = set()
+        for fam in ("-4",):
+            out = _run(["ip", "-j", fam, "addr", "show"], check=False).stdout or "[]"
+            for link in json.loads(out):
+                for a in link.get("addr_info", []):
+                    parts = a.get("local", "").split(".")
+                    if len(parts) == 4 and parts[0] == "10":
+                        used.add(int(parts[1]))
+            out = _run(["ip", "-j", fam, "route", "show"], check=False).stdout or "[]"
+            for r in json.loads(out):
+                parts = r.get("dst", "").split("/")[0].split(".")
+                if len(parts) == 4 and parts[0] == "10":
+                    used.add(int(parts[1]))
+                elif r.get("dst") == "default":
+                    continue
+        for octet in range(200, 255):
+            if octet not in used:
+                return octet
+        raise NetBedError("no free 10.x.0.0/24 subnet in 10.200-10.254")
+
+    def _build(self) -> None:
+        self.octet = self._pick_octet()
+        br = self.bridge
+        _run(["ip", "link", "add", br, "type", "bridge"])
+        self._bridge_made = True
+        _run(["ip", "link", "set", br, "alias", self._alias])
+        _run(["ip", "addr", "add", f"{self.root_ip}/24", "dev", br])
+        _run(["ip", "link", "set", br, "up"])
+        for i in range(self.n_hosts):
+            ns, vb = self.netns(i), self.veth_bridge_side(i)
+            _run(["ip", "netns", "add", ns])
+            self._namespaces.append(ns)
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _run(["ip", "link", "add", vb, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            _run(["ip", "link", "set", vb, "alias", self._alias])
+            _run(["ip", "link", "set", vb, "master", br])
+            _run(["ip", "link", "set", vb, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            if self.up_mbit[i] is not None:
+                self._shape(["-n", ns], "eth0", float(self.up_mbit[i]))
+            if self.down_mbit[i] is not None:
+                self._shape([], vb, float(self.down_mbit[i]))
+        log.info(
+            "netbed up: %d hosts on 10.%d.0.0/24 via %s (up %s, down %s Mbit/s)",
+            self.n_hosts, self.octet, br, self.up_mbit, self.down_mbit,
+        )
+
+    @staticmethod
+    def _shape(ns_args: list[str], dev: str, rate_mbit: float) -> None:
+        t = tbf_params(rate_mbit)
+        _run(
+            ["tc", *ns_args, "qdisc", "replace", "dev", dev, "root", "tbf",
+             "rate", f"{t['rate_bit']}bit", "burst", str(t["burst"]), "limit", str(t["limit"])]
+        )
+
+    def close(self) -> None:
+        """Kill the bed's processes, delete its namespaces, veths and bridge. Idempotent."""
+        for proc in self._procs:
+            _terminate(proc)
+        self._procs.clear()
+        for ns in reversed(self._namespaces):
+            _kill_netns_pids(ns)
+            r = _run(["ip", "netns", "del", ns], check=False)  # also deletes the veth pair
+            if r.returncode != 0:
+                log.warning("netbed: could not delete netns %s: %s", ns, r.stderr.strip())
+        self._namespaces.clear()
+        for i in range(self.n_hosts):  # normally gone with their namespace; be thorough
+            vb = self.veth_bridge_side(i)
+            if _run(["ip", "link", "show", vb], check=False).returncode == 0:
+                _run(["ip", "link", "del", vb], check=False)
+        if self._bridge_made:
+            r = _run(["ip", "link", "del", self.bridge], check=False)
+            if r.returncode != 0 and "Cannot find device" not in r.stderr:
+                log.warning("netbed: could not delete bridge %s: %s", self.bridge, r.stderr.strip())
+            self._bridge_made = False
+
+    # --- processes ---------------------------------------------------------------------------
+
+    def popen(self, i: int, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside host i's namespace (``ip netns exec``); keyword arguments go to
+        `subprocess.Popen`. The bed owns the process: it is killed (SIGTERM, then SIGKILL after
+        2 s) when the bed closes, if it is still running."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.netns(i), *argv], **kw)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, i: int, argv: Sequence[str], *, timeout: float = 30.0, **kw: Any) -> subprocess.CompletedProcess[Any]:
+        """Run ``argv`` in host i's namespace to completion (`subprocess.run`, with a timeout)."""
+        return subprocess.run(["ip", "netns", "exec", self.netns(i), *argv], timeout=timeout, **kw)
+
+
+def _terminate(proc: subprocess.Popen[Any]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=_KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=_KILL_GRACE_S)
+
+
+def _kill_netns_pids(ns: str) -> None:
+    """SIGKILL whatever still runs in a namespace this module created."""
+    out = _run(["ip", "netns", "pids", ns], check=False).stdout
+    for tok in out.split():
+        try:
+            os.kill(int(tok), signal.SIGKILL)
+        except (ValueError, ProcessLookupError):
+            pass
+    deadline = time.monotonic() + _KILL_GRACE_S
+    while time.monotonic() < deadline and _run(["ip", "netns", "pids", ns], check=False).stdout.strip():
+        time.sleep(0.05)
+
+
+def cleanup_stale(prefix: str = "shl", *, include_live: bool = False) -> list[str]:
+    """Delete namespaces and links that beds with ``prefix`` left behind; return their names.
+
+    Only objects whose creating process is gone are touched, unless ``include_live`` (then every
+    bed with this prefix, including running ones, is torn down). Never raises for a missing object.
+    """
+    removed: list[str] = []
+    for line in _run(["ip", "netns", "list"], check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        parts = name.split("-")
+        if len(parts) != 4 or parts[0] != prefix or not parts[1].isdigit():
+            continue
+        if not include_live and _pid_alive(int(parts[1])):
+            continue
+        _kill_netns_pids(name)
+        if _run(["ip", "netns", "del", name], check=False).returncode == 0:
+            removed.append(name)
+    out = _run(["ip", "-j", "link", "show"], check=False).stdout or "[]"
+    links = json.loads(out)
+    # Veths before bridges (deleting a veth removes its peer; the bridge goes last).
+    links.sort(key=lambda l: (l.get("linkinfo", {}).get("info_kind") == "bridge", l.get("ifname", "")))
+    for link in links:
+        alias = link.get("ifalias", "")
+        fields = alias.split(":")
+        if len(fields) != 3 or fields[0] != _ALIAS or fields[1] != prefix or not fields[2].isdigit():
+            continue
+        if not include_live and _pid_alive(int(fields[2])):
+            continue
+        if _run(["ip", "link", "del", link["ifname"]], check=False).returncode == 0:
+            removed.append(link["ifname"])
+    if removed:
+        log.info("netbed: removed stale %s", ", ".join(removed))
+    return removed

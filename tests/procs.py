@@ -1,0 +1,74 @@
+"""Real OS processes for tests: start, wait for readiness, always kill (process groups)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+
+class Procs:
+    """Processes started by one test; `close()` kills every one of them (SIGKILL to the group)."""
+
+    def __init__(self, workdir: pathlib.Path):
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             start_new_session=True, cwd=self.workdir)
+        log.close()
+        p.name = name  # type: ignore[attr-defined]
+        self.procs.append(p)
+        return p
+
+    def log(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    @staticmethod
+    def kill(p: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
+
+    def close(self) -> None:
+        for p in self.procs:
+            self.kill(p, signal.SIGCONT)
+            self.kill(p)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+    def wait_file(self, path: pathlib.Path, timeout: float, proc: subprocess.Popen | None = None) -> str:
+        end = time.monotonic() + timeout
+        while not path.exists() or not path.read_text().strip():
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited {proc.returncode}:\n{self.log(proc.name)[-3000:]}")  # type: ignore[attr-defined]
+            if time.monotonic() > end:
+                raise TimeoutError(f"{path} did not appear within {timeout}s")
+            time.sleep(0.05)
+        return path.read_text().strip()
+
+    def wait_exit(self, p: subprocess.Popen, timeout: float) -> int:
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{p.name} still running after {timeout}s:\n{self.log(p.name)[-3000:]}") from None  # type: ignore[attr-defined]
+
+    def coordinator(self, *flags: str, name: str = "coordinator", state: str = "coordinator.db",
+                    listen: str = "127.0.0.1:0") -> tuple[subprocess.Popen, str]:
+        ready = self.workdir / f"{name}.addr"
+        ready.unlink(missing_ok=True)
+        p = self.start(name, [sys.executable, "-m", "shoal.cli", "coordinator", "--listen", listen,
+                              "--state", str(self.workdir / state), "--ready-file", str(ready), *flags])
+        return p, self.wait_file(ready, 30, p)
+
+
+def read_json(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,139 @@
+"""NetBed: namespaces joined by a bridge, tbf-shaped links measured with real TCP, clean exit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shoal.netbed import NetBed, cleanup_stale
+
+_OK, _WHY = NetBed.available()
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not _OK, reason=f"network namespaces unavailable: {_WHY}"),
+]
+
+PREFIX = "shlt"
+
+# Receiver: accepts one connection, ignores the first `warmup` seconds (slow start, the token
+# bucket's initial burst), then reports the goodput until the sender closes.
+RECEIVER = r"""
+import json, socket, sys, time
+host, port, warmup = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((host, port)); srv.listen(1); srv.settimeout(10)
+print("ready", flush=True)
+conn, _ = srv.accept(); conn.settimeout(10)
+start = time.monotonic(); t0 = None; n = 0
+while True:
+    data = conn.recv(1 << 20)
+    if not data:
+        break
+    now = time.monotonic()
+    if now - start >= warmup:
+        if t0 is None:
+            t0 = now
+        else:
+            n += len(data)
+t1 = time.monotonic()
+print(json.dumps({"bytes": n, "seconds": t1 - t0, "mbit": n * 8 / (t1 - t0) / 1e6}), flush=True)
+"""
+
+SENDER = r"""
+import socket, sys, time
+conn = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+buf = b"x" * 65536
+end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:
+    conn.sendall(buf)
+conn.close()
+"""
+
+
+def _measure(bed: NetBed, src: int, dst: int, seconds: float = 2.5, port: int = 5201) -> float:
+    """Goodput in Mbit/s of one TCP stream from host `src` to host `dst`."""
+    recv = bed.popen(dst, [sys.executable, "-c", RECEIVER, bed.host_ip(dst), str(port), "0.5"],
+                     stdout=subprocess.PIPE, text=True)
+    assert recv.stdout is not None
+    assert recv.stdout.readline().strip() == "ready"
+    send = bed.popen(src, [sys.executable, "-c", SENDER, bed.host_ip(dst), str(port), str(seconds)])
+    out, _ = recv.communicate(timeout=seconds + 15)
+    assert send.wait(timeout=10) == 0
+    return json.loads(out)["mbit"]
+
+
+def _leftovers(prefix: str) -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=10).stdout
+    found = [l.split()[0] for l in ns.splitlines() if l.startswith(f"{prefix}-")]
+    found += [l.split(":")[1].strip().split("@")[0] for l in links.splitlines()
+              if l.split(":")[1].strip().startswith(prefix)]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    cleanup_stale(PREFIX)
+    yield
+    assert _leftovers(PREFIX) == []
+
+
+def test_shaped_rate_and_cleanup() -> None:
+    with NetBed(2, [20, 20], [20, 20], prefix=PREFIX) as bed:
+        assert bed.host_ip(0) != bed.host_ip(1)
+        assert bed.root_ip.endswith(".254")
+        mbit = _measure(bed, 0, 1)
+        assert 0.7 * 20 <= mbit <= 1.15 * 20, mbit
+        names = [bed.netns(0), bed.netns(1), bed.bridge]
+        assert all(n in _leftovers(PREFIX) for n in names)
+    assert _leftovers(PREFIX) == []
+
+
+def test_upload_and_download_shaped_separately() -> None:
+    # host 0 uploads at 10, host 2 downloads at 30: 0→1 is limited by the upload, 1→2 by the
+    # download, and 2→0 by nothing we set.
+    with NetBed(3, [10, None, None], [None, None, 30], prefix=PREFIX) as bed:
+        assert 7 <= _measure(bed, 0, 1, seconds=2.0) <= 11.5
+        assert 21 <= _measure(bed, 1, 2, seconds=2.0, port=5202) <= 34.5
+        assert _measure(bed, 2, 0, seconds=1.5, port=5203) > 60
+
+
+def test_root_namespace_reaches_hosts() -> None:
+    with NetBed(1, prefix=PREFIX) as bed:
+        srv = bed.popen(0, [sys.executable, "-c", RECEIVER, bed.host_ip(0), "5204", "0"],
+                        stdout=subprocess.PIPE, text=True)
+        assert srv.stdout is not None and srv.stdout.readline().strip() == "ready"
+        send = subprocess.run([sys.executable, "-c", SENDER, bed.host_ip(0), "5204", "0.3"], timeout=15)
+        assert send.returncode == 0
+        out, _ = srv.communicate(timeout=15)
+        assert json.loads(out)["bytes"] > 0
+
+
+def test_cleanup_on_exception_and_killed_processes() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with NetBed(2, [5, None], [None, 5], prefix=PREFIX) as bed:
+            sleeper = bed.popen(0, [sys.executable, "-c", "import time; time.sleep(60)"])
+            raise RuntimeError("boom")
+    assert sleeper.poll() is not None  # killed by the bed
+    assert _leftovers(PREFIX) == []
+
+
+def test_cleanup_stale_removes_dead_runs_only() -> None:
+    live = NetBed(1, prefix=PREFIX).__enter__()
+    try:
+        # Pretend a killed run (pid that cannot exist) left a namespace and a bridge behind.
+        ghost_ns = f"{PREFIX}-999999999-dead-0"
+        subprocess.run(["ip", "netns", "add", ghost_ns], check=True, timeout=10)
+        subprocess.run(["ip", "link", "add", f"{PREFIX}deadbr", "type", "bridge"], check=True, timeout=10)
+        subprocess.run(["ip", "link", "set", f"{PREFIX}deadbr", "alias", f"shoal-netbed:{PREFIX}:999999999"],
+                       check=True, timeout=10)
+        removed = cleanup_stale(PREFIX)
+        assert sorted(removed) == sorted([ghost_ns, f"{PREFIX}deadbr"])
+        assert live.netns(0) in _leftovers(PREFIX)  # the live bed is untouched
+    finally:
+        live.close()

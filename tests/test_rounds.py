@@ -1,0 +1,161 @@
+"""The round state machine, without sockets: events in, actions out."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.rounds import (
+    EngineConfig, ReadyInfo, RoundEngine, RoundError, SendAbort, SendCommit, SendFinished, SendPlan, SendSync,
+)
+
+KEY = bytes(32)
+
+
+def info(n=10, digest=b"", rounds=0, at=0.0, samples=1):
+    return ReadyInfo(n, 1, samples, digest, rounds, at)
+
+
+def engine(**kw) -> RoundEngine:
+    cfg = dict(min_peers=2, lease_seconds=10.0, ready_timeout=5.0, collective_timeout=30.0, max_attempts=3,
+               retry_backoff=0.0)
+    cfg.update(kw)
+    return RoundEngine(EngineConfig(**cfg))
+
+
+def joined(e: RoundEngine, *peers: str, now=0.0) -> None:
+    for p in peers:
+        e.join(p, KEY, f"127.0.0.1:{1000 + len(p)}", 1, now)
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def test_round_opens_when_all_ready_and_commits_on_equal_digests():
+    e = engine()
+    joined(e, "a", "b", "c")
+    assert e.ready_("a", 0, info(), 0.1) == []
+    assert e.ready_("b", 0, info(), 0.2) == []  # c is live and not ready yet: wait
+    acts = e.ready_("c", 0, info(), 0.3)
+    (plan,) = of(acts, SendPlan)
+    assert plan.plan.participants == ("a", "b", "c")
+    assert plan.plan.shard_bounds == (0, 3, 6, 10)
+    assert e.epoch == 1  # pending joiners became members at the boundary
+    for p in ("a", "b"):
+        assert e.vote(p, 0, 0, True, b"r", b"s", 1.0) == []
+    (commit,) = of(e.vote("c", 0, 0, True, b"r", b"s", 1.1), SendCommit)
+    assert commit.record.round == 0 and commit.record.state_digest == b"s"
+    assert e.committed_rounds == 1 and e.running is None
+
+
+def test_straggler_left_out_after_ready_timeout_keeps_lease():
+    e = engine()
+    joined(e, "a", "b", "c")
+    e.ready_("a", 0, info(), 0.0)
+    e.ready_("b", 0, info(), 0.0)
+    assert of(e.tick(4.9), SendPlan) == []
+    e.heartbeat("c", 4.9)
+    (plan,) = of(e.tick(5.0), SendPlan)
+    assert plan.plan.participants == ("a", "b")
+    assert "c" in e.members
+
+
+def test_failed_vote_aborts_excludes_suspect_and_retries_with_survivors():
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    acts = e.vote("a", 0, 0, False, b"", b"", 1.0, suspects=("b",), error="stream broke")
+    (abort,) = of(acts, SendAbort)
+    assert abort.record.excluded == ("b",) and abort.record.will_retry
+    (plan,) = of(e.tick(1.0), SendPlan)
+    assert plan.plan.attempt == 1 and plan.plan.participants == ("a", "c")
+    assert e.vote("b", 0, 0, True, b"r", b"s", 1.1) == []  # late vote of the old attempt is ignored
+    e.vote("a", 0, 1, True, b"r", b"s", 1.2)
+    (commit,) = of(e.vote("c", 0, 1, True, b"r", b"s", 1.3), SendCommit)
+    assert commit.record.participants == ("a", "c") and commit.record.attempt == 1
+
+
+def test_digest_mismatch_aborts_and_excludes_minority():
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    e.vote("a", 0, 0, True, b"r", b"s", 1.0)
+    e.vote("b", 0, 0, True, b"r", b"s", 1.0)
+    (abort,) = of(e.vote("c", 0, 0, True, b"X", b"s", 1.0), SendAbort)
+    assert abort.record.excluded == ("c",) and abort.record.reason == "digest mismatch"
+    assert e.committed_rounds == 0
+
+
+def test_collective_deadline_aborts_silent_participants():
+    e = engine(collective_timeout=2.0)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    e.vote("a", 0, 0, True, b"r", b"s", 1.0)
+    for p in "abc":
+        e.heartbeat(p, 2.0)
+    (abort,) = of(e.tick(2.5), SendAbort)
+    assert abort.record.excluded == ("b", "c")
+    assert not abort.record.will_retry  # only one survivor < min_peers: the round is given up
+    assert e.ready == {} and e.attempt == 0
+
+
+def test_lease_expiry_drops_member_and_aborts_its_round():
+    e = engine(lease_seconds=1.0)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    e.heartbeat("a", 0.9)
+    e.heartbeat("b", 0.9)
+    acts = e.tick(1.0)
+    (abort,) = of(acts, SendAbort)
+    assert abort.record.excluded == ("c",) and "c" not in e.members
+    with pytest.raises(RoundError) as err:
+        e.heartbeat("c", 1.1)
+    assert err.value.kind == "not_found"
+
+
+def test_stale_peer_gets_sync_order_from_last_committers():
+    e = engine()
+    joined(e, "a", "b")
+    e.ready_("a", 0, info(), 0.0)
+    e.ready_("b", 0, info(), 0.0)
+    e.vote("a", 0, 0, True, b"r", b"s1", 0.5)
+    e.vote("b", 0, 0, True, b"r", b"s1", 0.5)
+    joined(e, "c", now=0.6)
+    assert e.members["c"].state == "syncing"
+    (sync,) = of(e.ready_("c", 1, info(rounds=0), 0.7), SendSync)
+    assert sync.donors == ("a", "b") and sync.state_digest == b"s1" and sync.round == 1
+    # After syncing it is ready like anyone else, and a wrong digest is another sync order.
+    assert of(e.ready_("c", 1, info(rounds=1, digest=b"bad"), 0.8), SendSync)
+    e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.8)
+    e.ready_("b", 1, info(rounds=1, digest=b"s1"), 0.8)
+    (plan,) = of(e.ready_("c", 1, info(rounds=1, digest=b"s1"), 0.9), SendPlan)
+    assert plan.plan.participants == ("a", "b", "c")
+
+
+def test_initial_peers_quorum_and_size_mismatch():
+    e = engine(initial_peers=3)
+    joined(e, "a", "b")
+    e.ready_("a", 0, info(), 0.0)
+    e.ready_("b", 0, info(), 0.0)
+    assert of(e.tick(6.0), SendPlan) == []  # round 0 waits for 3, even past the ready timeout
+    joined(e, "c", now=6.0)
+    with pytest.raises(RoundError) as err:
+        e.ready_("c", 0, info(n=11), 6.0)
+    assert err.value.kind == "invalid" and "num_elements" in str(err.value)
+
+
+def test_finishes_after_total_rounds_and_restart_keeps_commits():
+    e = engine(total_rounds=1)
+    joined(e, "a", "b")
+    e.ready_("a", 0, info(), 0.0)
+    e.ready_("b", 0, info(), 0.0)
+    e.vote("a", 0, 0, True, b"r", b"s", 0.1)
+    e.vote("b", 0, 0, True, b"r", b"s", 0.1)
+    assert of(e.tick(0.2), SendFinished)
+    again = RoundEngine(e.config, committed=e.commits, members=list(e.members.values()), epoch=e.epoch, now=50.0)
+    assert again.committed_rounds == 1 and again.last_state_digest == b"s"
+    assert again.members["a"].lease_expiry == 60.0  # fresh lease to reconnect after a restart
