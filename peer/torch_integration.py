@@ -75,13 +75,14 @@ def unflatten_into(model: torch.nn.Module, params: np.ndarray) -> None:
     """Copy (n,) float32 `params` into the model's parameters, in place (device and dtype kept)."""
     with torch.no_grad():
         flat = torch.from_numpy(np.ascontiguousarray(params, dtype=np.float32))
+        total = sum(p.numel() for p in model.parameters())
+        if flat.numel() != total:
+            raise ValueError(f"params: {flat.numel()} elements for a model of {total}")
         offset = 0
         for p in model.parameters():
             n = p.numel()
             p.copy_(flat[offset:offset + n].view_as(p).to(p.device, p.dtype))
             offset += n
-        if offset != flat.numel():
-            raise ValueError(f"params: {flat.numel()} elements for a model of {offset}")
 
 
 class TorchWorkload(FlatStateWorkload):
