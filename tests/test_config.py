@@ -138,3 +138,17 @@ def test_configuration_doc_is_generated_and_complete():
 def test_deploy_example_config_is_valid():
     cfg = config.load(str(ROOT / "deploy" / "shoal.toml"), {})
     assert cfg.coordinator.metrics_port == 9100 and cfg.peer.coordinator == "coordinator:7070"
+
+
+def test_observability_doc_lists_every_metric():
+    import importlib.util
+
+    from shoal.metrics import COORDINATOR_METRICS, PEER_METRICS
+
+    spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    doc = (ROOT / "docs" / "observability.md").read_text()
+    assert doc == gen.observability(doc), "stale: run python scripts/gen_config_docs.py"
+    for m in (*COORDINATOR_METRICS, *PEER_METRICS):
+        assert f"`{m.name}`" in doc
