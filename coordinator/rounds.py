@@ -72,6 +72,8 @@ class Member:
     down_bytes_per_s: float = 0.0
     rtt_seconds: float = 0.0
     connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
+    lagging: bool = False  # missed a ready deadline: not waited on until it says ready again
+    catching_up: bool = False  # a syncing peer that has shown it is alive: waited on
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,8 @@ class RoundEngine:
         state = "syncing" if self.commits else "pending"
         if old is not None and old.state == "member" and old.address == address:
             state = "member"
-        m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down)
+        m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
+                   connected=old.connected if old is not None else False)
         self.members[peer_id] = m
         # A restarted peer's previous stream/participation is void.
         self.ready.pop(peer_id, None)
@@ -341,6 +344,8 @@ class RoundEngine:
             if not donors:
                 raise RoundError("precondition", "state_round: no up-to-date donor is live; retry later")
             m.state = "syncing"
+            m.catching_up = True
+            m.lagging = False
             return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
         if round_ != self.committed_rounds:
             raise RoundError("invalid", f"round: expected {self.committed_rounds}, got {round_}")
@@ -351,6 +356,9 @@ class RoundEngine:
                 f"num_elements: {info.num_elements} (dtype {info.dtype}) disagrees with the round's "
                 f"{others[0].num_elements} (dtype {others[0].dtype})",
             )
+        m.lagging = False
+        if m.state != "member":
+            m.catching_up = True
         self.ready[peer_id] = info
         if self.first_ready_at is None:
             self.first_ready_at = now
@@ -418,11 +426,25 @@ class RoundEngine:
             return []
         # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
         # joiner forever); the ready timeout bounds the wait for a straggler.
-        waiting_on = {p for p in live if p not in self.excluded and self.members[p].connected} - set(candidates)
+        waiting_on = {p for p in live if p not in self.excluded and self._waited_on(self.members[p])} - set(candidates)
         deadline_passed = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
         if waiting_on and not deadline_passed and self.attempt == 0:
             return []
+        if deadline_passed and self.attempt == 0:
+            for p in waiting_on:  # stragglers: left out, and not waited on until they say ready again
+                self.members[p].lagging = True
         return self._open(now, tuple(candidates))
+
+    def _waited_on(self, m: Member) -> bool:
+        """Whether a round waits (up to the ready timeout) for this live peer to say ready.
+
+        Connected members are; a syncing peer is once it has shown it is alive (it said ready),
+        so a joiner is never outrun by a fast swarm; a straggler that missed a deadline is not,
+        until it says ready again, so it delays at most one round.
+        """
+        if not m.connected or m.lagging:
+            return False
+        return m.state != "syncing" or m.catching_up
 
     def _open(self, now: float, participants: tuple[str, ...]) -> list[Action]:
         actions: list[Action] = []
@@ -430,6 +452,7 @@ class RoundEngine:
         changed = False
         for p in participants:
             m = self.members[p]
+            m.catching_up = m.lagging = False
             if m.state != "member":
                 m.state = "member"
                 changed = True

@@ -65,7 +65,7 @@ def _is_unavailable(exc: BaseException) -> bool:
 # ------------------------------------------------------------------------------ subcommands
 
 
-def cmd_coordinator(cfg: ShoalConfig) -> int:
+def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     import dataclasses
 
     from coordinator.server import CoordinatorConfig, serve
@@ -95,7 +95,7 @@ def cmd_coordinator(cfg: ShoalConfig) -> int:
     return EXIT_INTERRUPTED if signal.SIGINT in got else EXIT_OK
 
 
-def cmd_peer(cfg: ShoalConfig) -> int:
+def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from peer.agent import PeerConfig, run_peer
 
     p = cfg.peer
@@ -126,7 +126,7 @@ _SWARM_RUN_FIELDS = ("algorithm", "seed", "inner_steps", "lr", "non_iid")
 _SWARM_ROUNDS_FIELDS = ("rounds", "min_peers", "initial_peers", "straggler_timeout")
 
 
-def cmd_swarm(cfg: ShoalConfig) -> int:
+def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     import dataclasses
 
     from shoal.swarm import SwarmOptions, run_swarm
@@ -140,7 +140,9 @@ def cmd_swarm(cfg: ShoalConfig) -> int:
     for i in range(0, len(rounds_flags), 2):
         if rounds_flags[i] not in keep:
             extra += rounds_flags[i:i + 2]
-    opts = SwarmOptions(peers=s.peers, rounds=r.rounds, algorithm=run.algorithm, seed=run.seed,
+    # --chaos runs longer by default (60 rounds) unless a layer set `rounds` explicitly.
+    rounds = 60 if s.chaos and "rounds.rounds" not in given else r.rounds
+    opts = SwarmOptions(peers=s.peers, rounds=rounds, chaos=s.chaos, chaos_interval=s.chaos_interval, algorithm=run.algorithm, seed=run.seed,
                         inner_steps=run.inner_steps, lr=run.lr, non_iid=run.non_iid, summary_path=s.summary,
                         workdir=s.workdir, progress=s.progress, straggler_timeout=r.straggler_timeout,
                         min_peers=r.min_peers, timeout=s.timeout, plot_path=s.plot, metrics=s.metrics,
@@ -150,7 +152,7 @@ def cmd_swarm(cfg: ShoalConfig) -> int:
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 
 
-def cmd_status(cfg: ShoalConfig) -> int:
+def cmd_status(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from shoal.status import fetch_status, render_table
 
     st = cfg.status
@@ -194,22 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_config(a: argparse.Namespace, environ=None) -> ShoalConfig:
-    """The configuration of a parsed command line (file < environment < flags)."""
-    return config_mod.load(a.config, environ, config_mod.flags_from_args(a))
+def load_config(a: argparse.Namespace, environ=None, sources: dict[str, str] | None = None) -> ShoalConfig:
+    """The configuration of a parsed command line (file < environment < flags); `sources`, when
+    given, receives "section.key" -> "file" | "env" | "flag" for every setting a layer set."""
+    return config_mod.load(a.config, environ, config_mod.flags_from_args(a), sources=sources)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)  # exits 2 on bad usage
+    sources: dict[str, str] = {}
     try:
-        cfg = load_config(a)
+        cfg = load_config(a, sources=sources)
     except ConfigError as exc:
         print(f"shoal {a.command}: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     setup_logging(cfg.log.level, cfg.log.format)
     try:
-        return a.fn(cfg)
+        return a.fn(cfg, frozenset(sources))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except (ConfigError, InvalidArgument) as exc:

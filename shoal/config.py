@@ -161,6 +161,9 @@ class SwarmSection:
     progress: bool = setting(True, "show a progress bar over rounds", flag="--no-progress", negate=True)
     plot: str | None = setting(None, "write loss and accuracy per round (PNG) here; aborted/retried rounds marked")
     metrics: bool = setting(False, "give the coordinator and every peer a /metrics port (listed in the summary)")
+    chaos: bool = setting(False, "kill -9 and restart random peers, SIGSTOP one, kill -9 and restart the coordinator "
+                                 "(rounds default to 60 unless set)")
+    chaos_interval: float = setting(3.0, "seconds between chaos actions")
     timeout: float = setting(600.0, "give up (exit 1) when the run has not finished after this many seconds")
 
 
@@ -303,14 +306,17 @@ def merge(base: ShoalConfig, overrides: Mapping[str, Mapping[str, Any]]) -> Shoa
 
 
 def load(config_path: str | None = None, environ: Mapping[str, str] | None = None,
-         flags: Mapping[str, Mapping[str, Any]] | None = None) -> ShoalConfig:
-    """Defaults < file < environment < flags. Raises ConfigError on any bad setting."""
+         flags: Mapping[str, Mapping[str, Any]] | None = None, *, sources: dict[str, str] | None = None) -> ShoalConfig:
+    """Defaults < file < environment < flags. Raises ConfigError on any bad setting.
+    `sources`, when given, receives "section.key" -> the layer ("file", "env", "flag") that set it."""
+    layers = [("file", read_file(config_path) if config_path else {}),
+              ("env", read_env(os.environ if environ is None else environ)),
+              ("flag", dict(flags or {}))]
     cfg = ShoalConfig()
-    if config_path:
-        cfg = merge(cfg, read_file(config_path))
-    cfg = merge(cfg, read_env(os.environ if environ is None else environ))
-    if flags:
-        cfg = merge(cfg, flags)
+    for layer, overrides in layers:
+        cfg = merge(cfg, overrides)
+        if sources is not None:
+            sources.update({f"{sec}.{key}": layer for sec, values in overrides.items() for key in values})
     return cfg
 
 
