@@ -152,3 +152,11 @@ def test_observability_doc_lists_every_metric():
     assert doc == gen.observability(doc), "stale: run python scripts/gen_config_docs.py"
     for m in (*COORDINATOR_METRICS, *PEER_METRICS):
         assert f"`{m.name}`" in doc
+
+
+def test_sources_name_the_layer_of_each_setting(toml):
+    sources: dict[str, str] = {}
+    a = cli.build_parser().parse_args(["swarm", "--config", toml, "--peers", "3"])
+    cli.load_config(a, {"SHOAL_RUN_SEED": "4", "SHOAL_ROUNDS_ROUNDS": "8"}, sources=sources)
+    assert sources["swarm.peers"] == "flag" and sources["run.seed"] == "env" and sources["rounds.rounds"] == "env"
+    assert sources["rounds.min_peers"] == "file" and "run.hidden" not in sources
