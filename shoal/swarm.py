@@ -342,10 +342,10 @@ class Chaos:
         candidates = [i for i, p in enumerate(self.swarm.peers) if p.alive() and (self.stopped is None or self.stopped[0] != i)]
         if self.step == 2 and self.log.coordinator_restarts == 0:
             log.info("chaos: kill -9 coordinator")
-            committed_now = self.swarm.durable_counts()[0]
             self.swarm.coordinator.signal(signal.SIGKILL)
+            killed_at = time.time()
             self.swarm.coordinator.popen.wait(timeout=10)
-            self.log.kills.append((time.time(), "coordinator", committed_now))
+            self.log.kills.append((killed_at, "coordinator", self.swarm.durable_counts()[0]))
             self.swarm.start_coordinator()
             self.log.coordinator_restarts += 1
             return
@@ -359,10 +359,10 @@ class Chaos:
         if len(candidates) > 2:
             i = self.rng.choice(candidates)
             log.info("chaos: kill -9 peer-%d and restart it with the same identity", i)
-            committed_now = self.swarm.durable_counts()[0]
             self.swarm.peers[i].signal(signal.SIGKILL)
+            killed_at = time.time()
             self.swarm.peers[i].popen.wait(timeout=10)
-            self.log.kills.append((time.time(), f"peer-{i}", committed_now))
+            self.log.kills.append((killed_at, f"peer-{i}", self.swarm.durable_counts()[0]))
             self.log.peers_killed += 1
             self.swarm.start_peer(i)
             self.log.peers_joined += 1
