@@ -12,6 +12,9 @@ handler, undecodable requests get INVALID_ARGUMENT, callers are rate limited per
 more strictly) and every call but GetStatus must carry a valid request signature
 (`peer.security.SignedCalls`); Join then applies admission (join token and/or allow-list). Every
 plan carries a round ticket signed with the coordinator's Ed25519 key, every sync order a permit.
+Operations: the server also carries gRPC health checking (grpc.health.v1; NOT_SERVING from the
+moment shutdown starts) and server reflection, and records shoal.metrics.CoordinatorMetrics,
+served on `metrics_port` when it is set (0 = off).
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ from peer.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COOR
                          RateLimiter)
 from peer.security import Security, SignedCalls, add_port
 from peer.tickets import SYNC_ATTEMPT, issue_ticket, plan_digest
+from peer.errors import FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
+from peer.identity import load_or_create_key, peer_id_of, public_bytes
+from shoal.health import COORDINATOR_SERVICE, attach
+from shoal.metrics import CoordinatorMetrics
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
@@ -66,6 +73,7 @@ UNSIGNED_METHODS = frozenset({GET_STATUS})
 # A ticket outlives its plan's deadline by this much (clock skew between peers, seconds).
 TICKET_SLACK_SECONDS = 60.0
 SYNC_PERMIT_SECONDS = 300.0
+METRICS_EVERY_SECONDS = 1.0
 _ERROR_KINDS = {"not_found": NotFound, "invalid": InvalidArgument, "precondition": FailedPrecondition}
 
 
@@ -86,6 +94,8 @@ class CoordinatorConfig:
     join_burst: int = 50
     request_rate: float = 500.0           # any call, per second per host
     request_burst: int = 1000
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
 
 
 def _raise(exc: RoundError) -> ShoalError:
@@ -96,9 +106,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     """shoal.v1.Coordinator over a `RoundEngine` and a `Store`."""
 
     def __init__(self, engine: RoundEngine, store: Store, run_config_json: str, signing_key, *, clock=time.time,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, metrics: CoordinatorMetrics | None = None):
         self.engine = engine
         self.admission = admission or Admission(None, None)
+        self.metrics = metrics or CoordinatorMetrics()
         self.store = store
         self.run_config_json = run_config_json
         self.key = signing_key
@@ -106,6 +117,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.watchers: dict[str, asyncio.Queue[pb.RoundEvent]] = {}
         self.finished_event: pb.RoundEvent | None = None
         self.round_started: dict[tuple[int, int], float] = {}
+        self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
 
     # ------------------------------------------------------------ actions
 
@@ -156,6 +168,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elif isinstance(a, SendCommit):
                 r = a.record
                 self.store.save_commit(r)
+                self.metrics.on_commit(r.seconds, self.vote_bytes.pop((r.round, r.attempt), 0))
+                self.vote_bytes = {k: v for k, v in self.vote_bytes.items() if k[0] > r.round}
                 log.info("round %d committed (attempt %d, %d participants, %.3fs, loss %.4f)",
                          r.round, r.attempt, len(r.participants), r.seconds, r.train_loss)
                 ev = pb.RoundEvent(commit=pb.Commit(
@@ -166,6 +180,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elif isinstance(a, SendAbort):
                 r = a.record
                 self.store.save_abort(r)
+                self.metrics.on_abort(r.will_retry)
                 log.warning("round %d.%d aborted: %s; excluded %s; retry=%s", r.round, r.attempt, r.reason,
                             [p[:8] for p in r.excluded], r.will_retry)
                 ev = pb.RoundEvent(abort=pb.Abort(round=r.round, attempt=r.attempt, reason=r.reason,
@@ -173,6 +188,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 for p in list(self.watchers):
                     self._send(p, ev)
             elif isinstance(a, SendSync):
+                self.metrics.on_sync()
                 self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a.round, a.state_digest, a.donors,
                                                                           to=a.peer_id)))
             elif isinstance(a, SendFinished):
@@ -192,10 +208,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         ])
 
     async def ticker(self) -> None:
-        """Apply deadlines every TICK_SECONDS until cancelled."""
+        """Apply deadlines every TICK_SECONDS (and refresh the gauges every second) until cancelled."""
+        next_gauges = 0.0
         while True:
-            self.apply(self.engine.tick(self.clock()))
+            now = self.clock()
+            self.apply(self.engine.tick(now))
+            if now >= next_gauges:
+                self.observe()
+                next_gauges = now + METRICS_EVERY_SECONDS
             await asyncio.sleep(TICK_SECONDS)
+
+    def observe(self) -> None:
+        """Copy the engine's membership and link estimates into the metric gauges."""
+        e = self.engine
+        self.metrics.observe_members(e.epoch, e.committed_rounds, [
+            (m.peer_id, m.state, m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds) for m in e.members.values()])
 
     # ------------------------------------------------------------ RPCs
 
@@ -274,6 +301,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Vote(self, request: pb.VoteRequest, context) -> pb.VoteResponse:
         async with grpc_errors(context):
+            key = (request.round, request.attempt)
+            self.vote_bytes[key] = self.vote_bytes.get(key, 0) + request.bytes_sent
             try:
                 self.apply(self.engine.vote(
                     request.peer_id, request.round, request.attempt, request.ok, request.result_digest,
@@ -385,9 +414,13 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
     server = grpc.aio.server(options=grpc_options(), interceptors=interceptors,
                              maximum_concurrent_rpcs=COORDINATOR_MAX_CONCURRENT_RPCS)
     pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    health = attach(server, (COORDINATOR_SERVICE,))
     port = add_port(server, config.listen, config.security, "coordinator")
     host = config.listen.rsplit(":", 1)[0]
     await server.start()
+    await health.serving()
+    service.observe()
+    service.metrics.serve(config.metrics_port, config.metrics_host)
     address = f"{host}:{port}"
     sec = config.security
     log.info("coordinator listening on %s (%s; state %s)", address,
@@ -403,5 +436,7 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
             await stop.wait()
             ticker.cancel()
     finally:
+        await health.shutdown()
         await server.stop(grace=1.0)
+        service.metrics.close()
         store.close()

@@ -10,6 +10,13 @@ if the peer cannot continue). Failure semantics:
   untouched (the collective never mutates inputs) and it plays the retry if not excluded.
 - Its state is stale (excluded from a committed round, restarted, joined late, digest
   disagrees): it downloads the committed state from donors and verifies its digest first.
+- The workload is closed by its owner (`WorkloadClosed` from `local_update`, e.g. a PyTorch
+  loop that stopped): the agent leaves the swarm cleanly and `run()` returns.
+
+What is trained is pluggable: `PeerAgent(config, workload_factory=...)` takes any
+peer.workload.Workload (default: peer.training.DigitsWorkload on the peer's data shard).
+Metrics (shoal.metrics.PeerMetrics) are always recorded and served when `metrics_port` is set;
+the data-plane server also carries gRPC health checking and reflection.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from peer.security import Security, open_channel, signing_interceptors
 from peer.state_sync import SyncError, download_state
 from peer.tensors import digest, dtype_code
 from peer.training import CommittedState, DigitsWorkload, RunConfig
+from peer.workload import Workload, WorkloadClosed
+from shoal.health import PEER_SERVICE, attach
+from shoal.metrics import PeerMetrics
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
@@ -56,6 +66,8 @@ class PeerConfig:
     backoff bounds, seconds (exponential with full jitter). round_silence: if no round event
     arrives for this long while waiting, the peer re-announces itself (covers a coordinator that
     restarted and forgot the ready set). sync_donors: donors used in parallel for state sync.
+    advertise: the data-plane HOST:PORT other peers dial (default: the bound address; set it
+    behind NAT or in containers). metrics_port: Prometheus /metrics port, 0 = off.
     """
 
     coordinator: str = "127.0.0.1:7070"
@@ -73,6 +85,9 @@ class PeerConfig:
     connect_timeout: float = 120.0
     security: Security = Security(insecure=True)
     join_token: str = ""
+    advertise: str | None = None
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
 
 
 class _Reconnected:
@@ -82,8 +97,11 @@ class _Reconnected:
 class PeerAgent(StateSource):
     """One peer of a swarm; see the module docstring."""
 
-    def __init__(self, config: PeerConfig):
+    def __init__(self, config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None,
+                 metrics: PeerMetrics | None = None):
         self.config = config
+        self.workload_factory = workload_factory or (lambda cfg: DigitsWorkload(cfg, config.shard))
+        self.metrics = metrics or PeerMetrics()
         self.key = load_or_create_key(config.key_path)
         self.public_key = public_bytes(self.key)
         self.peer_id = ""
@@ -91,7 +109,7 @@ class PeerAgent(StateSource):
         self.transport = Transport(config.security, self.key)
         self.coordinator_public_key = b""
         self.events: asyncio.Queue[pb.RoundEvent | _Reconnected] = asyncio.Queue()
-        self.workload: DigitsWorkload | None = None
+        self.workload: Workload | None = None
         self.address = ""
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.CoordinatorStub | None = None
@@ -142,7 +160,7 @@ class PeerAgent(StateSource):
 
     async def _join(self) -> pb.JoinResponse:
         assert self.stub is not None
-        samples = len(self.workload.data) if self.workload else 0
+        samples = self.workload.num_samples if self.workload else 0
         req = pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
                              version="0.1.0", join_token=self.config.join_token)
         resp = await self._call(lambda: self.stub.Join(req, timeout=self.config.rpc_timeout), "join")
@@ -206,7 +224,7 @@ class PeerAgent(StateSource):
         assert self.stub is not None and self.workload is not None
         st = self.workload.state
         req = pb.ReadyRequest(peer_id=self.peer_id, round=round_, num_elements=n, dtype=pb.FLOAT32,
-                              num_samples=len(self.workload.data), state_digest=self.committed_state()[2],
+                              num_samples=self.workload.num_samples, state_digest=self.committed_state()[2],
                               state_round=st.rounds)
 
         async def call() -> pb.ReadyResponse:
@@ -243,11 +261,13 @@ class PeerAgent(StateSource):
         t0 = time.monotonic()
         res = await download_state(order, me=self.peer_id, transport=self.transport, k=self.config.sync_donors,
                                    range_bytes=self.config.sync_range_bytes)
-        st = CommittedState.from_bytes(res.blob, self.workload.cfg)
+        st = self.workload.state_from_bytes(res.blob)
         self.workload.apply(st)
         self.tentative.clear()
         self.state_syncs += 1
         self.bytes_received += len(res.blob)
+        self.metrics.on_received(len(res.blob))
+        self.metrics.on_sync(st.rounds, len(res.blob))
         log.info("state synced: round %d, %d bytes from %d donors in %.2fs (failed donors: %d)", st.rounds,
                  len(res.blob), len(res.donors_used), res.seconds, len(res.donors_failed))
         self._emit("state_sync", round=st.rounds, bytes=len(res.blob), seconds=time.monotonic() - t0,
@@ -272,6 +292,7 @@ class PeerAgent(StateSource):
                 with contextlib.suppress(asyncio.CancelledError):
                     await collective
 
+        t_ready = time.monotonic()
         await self._ready(r, update_grad.size)
         try:
             while True:
@@ -314,6 +335,8 @@ class PeerAgent(StateSource):
                         self._emit("commit", round=r, attempt=ev.commit.attempt, loss=loss, test_accuracy=acc,
                                    state_digest=ev.commit.state_digest.hex(), participants=len(ev.commit.participants),
                                    bytes_sent=self.bytes_sent)
+                        self.metrics.on_commit(r + 1, len(ev.commit.participants), time.monotonic() - t_ready, loss,
+                                               acc)
                         return "committed"
                     # Committed without this peer (excluded, late, or a digest disagreement): its
                     # state is stale. Announce it at once; the coordinator answers with a sync order.
@@ -324,6 +347,7 @@ class PeerAgent(StateSource):
                     if ev.abort.attempt == attempt:
                         await stop_collective()
                     self.tentative.pop((r, ev.abort.attempt), None)
+                    self.metrics.on_abort(ev.abort.will_retry)
                     self._emit("abort", round=r, attempt=ev.abort.attempt, reason=ev.abort.reason,
                                excluded=list(ev.abort.excluded), will_retry=ev.abort.will_retry)
                     if self.peer_id in ev.abort.excluded or not ev.abort.will_retry:
@@ -343,6 +367,7 @@ class PeerAgent(StateSource):
         weight = np.float32((mine or 1) / total)
         contribution = (update_grad * weight).astype(np.float32)
         vote = pb.VoteRequest(peer_id=self.peer_id, round=plan.round, attempt=plan.attempt, train_loss=loss)
+        received_before = self.bytes_received
         try:
             res = await all_reduce(contribution, cp, me=self.peer_id, transport=self.transport, inbox=self.inbox)
             st = wl.tentative(res.values)
@@ -354,6 +379,8 @@ class PeerAgent(StateSource):
             vote.bytes_sent = res.bytes_sent
             vote.collective_seconds = res.seconds
             vote.flagged.extend(res.flagged)
+            up, down = self.metrics.on_collective(res.seconds, res.bytes_sent, self.bytes_received - received_before)
+            await self._report_links(up, down)
         except CollectiveError as exc:
             log.warning("round %d.%d collective failed: %s", plan.round, plan.attempt, exc)
             vote.ok = False
@@ -363,21 +390,37 @@ class PeerAgent(StateSource):
             self.inbox.finish(plan.round, plan.attempt)
         await self._vote(vote)
 
+    async def _report_links(self, up: float, down: float) -> None:
+        """Tell the coordinator the passive link estimates (best effort: never fails a round)."""
+        assert self.stub is not None
+        try:
+            await self.stub.ReportLinks(pb.LinkReport(peer_id=self.peer_id, up_bytes_per_s=up, down_bytes_per_s=down),
+                                        timeout=self.config.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("link report not delivered: %s", exc.code().name)
+
     # ------------------------------------------------------------ main
 
     async def run(self) -> dict:
         """Join, train until the coordinator finishes the run, leave. Returns a summary dict."""
         self.service = PeerService(self.inbox, self, on_bytes=self._count_received)
-        server, self.address = await serve_data_plane(self.service, self.config.listen, self.config.security)
+        health_box: list = []
+        server, bound = await serve_data_plane(
+            self.service, self.config.listen, self.config.security,
+            before_start=lambda s: health_box.append(attach(s, (PEER_SERVICE,))))
+        self.address = self.config.advertise or bound
+        health = health_box[0]
+        await health.serving()
+        self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         self.channel = open_channel(self.config.coordinator, self.config.security, channel_options(),
                                     signing_interceptors(self.key))
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         try:
             resp = await self._join()
             cfg = RunConfig.from_json(resp.run_config_json)
-            self.workload = DigitsWorkload(cfg, self.config.shard)
+            self.workload = await asyncio.to_thread(self.workload_factory, cfg)
             log.info("joined as %s (data %s, %d samples, %d params)", self.peer_id[:8], self.address,
-                     len(self.workload.data), self.workload.num_params)
+                     self.workload.num_samples, self.workload.num_params)
             if self.config.ready_file:
                 pathlib.Path(self.config.ready_file).write_text(self.address)
             async with asyncio.TaskGroup() as tg:
@@ -400,12 +443,15 @@ class PeerAgent(StateSource):
                 pass
             return summary
         finally:
+            await health.shutdown()
             await self.transport.close()
             await self.channel.close()
             await server.stop(grace=0.5)
+            self.metrics.close()
 
     def _count_received(self, n: int) -> None:
         self.bytes_received += n
+        self.metrics.on_received(n)
 
     async def _main_loop(self) -> None:
         wl = self.workload
@@ -418,10 +464,15 @@ class PeerAgent(StateSource):
                 except SyncError as exc:
                     log.warning("state sync failed: %s; asking again", exc)
             faults.hit("train", wl.state.rounds)
-            update = await asyncio.to_thread(wl.local_update)
+            try:
+                update = await asyncio.to_thread(wl.local_update)
+            except WorkloadClosed:
+                log.info("workload closed by its owner; leaving the swarm")
+                self.finished = True
+                return
             await self._play_round(update.pseudo_grad, update.loss)
 
 
-async def run_peer(config: PeerConfig) -> dict:
+async def run_peer(config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None) -> dict:
     """Run one peer to completion (see PeerAgent)."""
-    return await PeerAgent(config).run()
+    return await PeerAgent(config, workload_factory).run()

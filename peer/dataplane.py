@@ -344,7 +344,9 @@ class PeerService(pb_grpc.PeerServicer):
 
 
 async def serve_data_plane(service: PeerService, listen: str, security: Security, *,
-                           rate_per_s: float = 2000.0, burst: int = 4000) -> tuple[grpc.aio.Server, str]:
+                           rate_per_s: float = 2000.0, burst: int = 4000,
+                           before_start: Callable[[grpc.aio.Server], object] | None = None,
+                           ) -> tuple[grpc.aio.Server, str]:
     """Start the data-plane server for `service` on `listen` (TLS per `security`); returns the
     started server and its HOST:PORT. Calls are rate limited per host and FetchState/Probe must
     be signed (PushChunks is checked by the handler). Raises OSError when `listen` cannot be bound."""
@@ -353,6 +355,8 @@ async def serve_data_plane(service: PeerService, listen: str, security: Security
     server = grpc.aio.server(options=channel_options(), interceptors=interceptors,
                              maximum_concurrent_rpcs=PEER_MAX_CONCURRENT_RPCS)
     pb_grpc.add_PeerServicer_to_server(service, server)
+    if before_start is not None:
+        before_start(server)  # e.g. add the health and reflection services
     port = add_port(server, listen, security, "peer")
     await server.start()
     return server, f"{listen.rsplit(':', 1)[0]}:{port}"

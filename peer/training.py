@@ -132,7 +132,8 @@ class LocalUpdate:
 
 
 class DigitsWorkload:
-    """The default workload: an MLP on one part of the UCI digits training set."""
+    """The default workload (a peer.workload.Workload): an MLP on one part of the UCI digits
+    training set."""
 
     def __init__(self, cfg: RunConfig, shard: int):
         self.cfg = cfg
@@ -146,6 +147,13 @@ class DigitsWorkload:
     @property
     def num_params(self) -> int:
         return self.shape.num_params
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.data)
+
+    def state_from_bytes(self, blob: bytes) -> CommittedState:
+        return CommittedState.from_bytes(blob, self.cfg)
 
     def local_update(self) -> LocalUpdate:
         """Run `inner_steps` local steps from the committed parameters; returns the pseudo-gradient."""

@@ -4,6 +4,9 @@ It trains the default workload, shows a progress bar over committed rounds, comp
 held-out accuracy with a single-process baseline given the same total number of optimizer steps,
 writes a JSON summary, and stops every process it started: on success, on failure of any of
 them, and on Ctrl-C (processes run in their own process groups and are killed as groups).
+With `metrics` every process serves Prometheus /metrics on a free loopback port (listed in the
+log, in `<workdir>/metrics.json` and in the summary); with `plot_path` the loss and accuracy per
+round are drawn (shoal.plots) from the peers' event logs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -44,6 +48,24 @@ class SwarmOptions:
     tls: bool = False  # mutual TLS on both planes + join-token admission (material in the workdir)
     extra_coordinator_args: tuple[str, ...] = ()
     extra_peer_args: tuple[str, ...] = ()
+    plot_path: str | None = None
+    metrics: bool = False
+    run_extra: tuple[tuple[str, object], ...] = ()  # further RunConfig fields (batch_size, hidden, ...)
+    log_level: str = "info"
+    log_format: str = "text"
+
+    def run_config(self):
+        from peer.training import RunConfig
+
+        return RunConfig(algorithm=self.algorithm, seed=self.seed, inner_steps=self.inner_steps, lr=self.lr,
+                         num_shards=self.peers, non_iid=self.non_iid, **dict(self.run_extra))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS may hand it out again; good enough locally)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -120,6 +142,24 @@ class Swarm:
         if role == "coordinator":
             return args + ["--join-token-secret", str(self.workdir / "join-token.secret")]
         return args + ["--join-token", self.join_token]
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+
+    def metrics_port(self, name: str) -> int:
+        """The /metrics port of process `name` ("coordinator", "peer-0", ...), chosen once."""
+        if name not in self.metrics_ports:
+            self.metrics_ports[name] = free_port()
+            (self.workdir / "metrics.json").write_text(json.dumps(self.metrics_urls(), indent=2))
+        return self.metrics_ports[name]
+
+    def metrics_urls(self) -> dict[str, str]:
+        return {n: f"http://127.0.0.1:{p}/metrics" for n, p in self.metrics_ports.items()}
+
+    def _common_args(self, name: str) -> list[str]:
+        o = self.opts
+        args = ["--log-level", o.log_level, "--log-format", o.log_format]
+        if o.metrics:
+            args += ["--metrics-port", str(self.metrics_port(name)), "--metrics-host", "127.0.0.1"]
+        return args
 
     def coordinator_argv(self) -> list[str]:
         o = self.opts
@@ -129,7 +169,18 @@ class Swarm:
                 "--initial-peers", str(o.peers), "--num-shards", str(o.peers),
                 "--straggler-timeout", str(o.straggler_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
                 "--inner-steps", str(o.inner_steps), "--lr", str(o.lr),
-                *(["--non-iid"] if o.non_iid else []), *self.security_args("coordinator"), *o.extra_coordinator_args]
+                *(["--non-iid"] if o.non_iid else []), *self._run_extra_args(), *self._common_args("coordinator"),
+                *self.security_args("coordinator"), *o.extra_coordinator_args]
+
+    def _run_extra_args(self) -> list[str]:
+        args: list[str] = []
+        for k, v in self.opts.run_extra:
+            flag = "--" + k.replace("_", "-")
+            if isinstance(v, bool):
+                args += [flag] if v else []
+            else:
+                args += [flag, str(v)]
+        return args
 
     def start_coordinator(self, timeout: float = 30.0) -> str:
         ready = self.workdir / "coordinator.addr"
@@ -155,7 +206,8 @@ class Swarm:
     def peer_argv(self, i: int) -> list[str]:
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", "127.0.0.1:0",
                 "--key", str(self.workdir / f"peer-{i}.key"), "--shard", str(i),
-                "--events", str(self.workdir / f"peer-{i}.jsonl"), *self.security_args("peer"),
+                "--events", str(self.workdir / f"peer-{i}.jsonl"), *self._common_args(f"peer-{i}"),
+                *self.security_args("peer"),
                 *self.opts.extra_peer_args]
 
     def start_peer(self, i: int) -> None:
@@ -364,7 +416,7 @@ def _progress(opts: SwarmOptions):
 
 def run_swarm(opts: SwarmOptions) -> dict:
     """Run a local swarm to completion; returns the summary (with "ok") and writes it if asked."""
-    from peer.training import RunConfig, baseline_accuracy
+    from peer.training import baseline_accuracy
 
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -384,6 +436,9 @@ def run_swarm(opts: SwarmOptions) -> dict:
             swarm.start_coordinator()
             for i in range(opts.peers):
                 swarm.start_peer(i)
+            if opts.metrics:
+                for name, url in swarm.metrics_urls().items():
+                    log.info("metrics of %s: %s", name, url)
             shown = 0
             last_t = time.monotonic()
             while True:
@@ -419,13 +474,23 @@ def run_swarm(opts: SwarmOptions) -> dict:
                 chaos.finish()
             swarm.stop_all()
         wall = time.monotonic() - t0
-        cfg = RunConfig(algorithm=opts.algorithm, seed=opts.seed, inner_steps=opts.inner_steps, lr=opts.lr,
-                        num_shards=opts.peers, non_iid=opts.non_iid)
-        baseline = baseline_accuracy(cfg, opts.peers * opts.rounds * opts.inner_steps)
+        baseline = baseline_accuracy(opts.run_config(), opts.peers * opts.rounds * opts.inner_steps)
         summary = summarize(swarm, wall, baseline, chaos.log if chaos is not None else None)
         summary["ok"] = ok and summary["peers_up_to_date"] >= 1 and summary["rounds_committed"] == opts.rounds
         if why:
             summary["error"] = why.splitlines()[0]
+        if opts.metrics:
+            summary["metrics"] = swarm.metrics_urls()
+        if opts.plot_path:
+            from shoal.plots import plot_rounds
+
+            try:
+                plot_rounds(swarm.all_events(), opts.plot_path, title=f"shoal swarm: {opts.peers} peers, "
+                            f"{opts.algorithm}, seed {opts.seed}")
+                summary["plot"] = opts.plot_path
+            except (OSError, ImportError) as exc:
+                log.error("plot not written: %s", exc)
+                summary["ok"] = False
     if bar is not None:
         bar.close()
     print(f"test accuracy {summary['test_accuracy']:.4f} (baseline, single process, same total steps: "
