@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from peer.compression import BLOCK, Encoded
 from peer.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, grpc_errors, require
 from peer.tensors import decode_chunk
 from shoal.v1 import shoal_pb2 as pb
@@ -29,6 +30,26 @@ MAX_MESSAGE_BYTES = 8 << 20
 STATE_CHUNK_BYTES = 1 << 20
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
+# What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
+# payload (codecs 1-3), which the collective decodes, and forwards verbatim where it relays.
+Payload = np.ndarray | Encoded
+
+
+def payload_nbytes(v: Payload) -> int:
+    return v.nbytes if isinstance(v, np.ndarray) else len(v.data) + len(v.scale)
+
+
+def check_encoded(codec: int, count: int, data: bytes, scale: bytes) -> Encoded:
+    """Structure check of a compressed chunk (lengths only; values are checked when decoded).
+
+    Raises InvalidArgument naming the field.
+    """
+    require(codec in (1, 2, 3), "codec", f"unknown codec id {codec}")
+    item = 1 if codec == 3 else 2
+    require(len(data) == count * item, "data", f"{len(data)} bytes, expected {count} x {item}")
+    want_scale = 4 * (-(-count // BLOCK)) if codec == 3 else 0
+    require(len(scale) == want_scale, "scale", f"{len(scale)} bytes, expected {want_scale}")
+    return Encoded(codec, data, scale, count)
 
 
 @dataclass(frozen=True)
@@ -73,15 +94,15 @@ class Inbox:
     def _drop(self, k: ChunkKey) -> None:
         f = self._futures.pop(k)
         if f.done() and not f.cancelled() and f.exception() is None:
-            self._bytes -= f.result().nbytes
+            self._bytes -= payload_nbytes(f.result())
         elif not f.done():
             f.cancel()
 
-    def deliver(self, key: ChunkKey, values: np.ndarray) -> None:
+    def deliver(self, key: ChunkKey, values: Payload) -> None:
         """Store an arrived chunk. Raises FailedPrecondition (stale), ResourceExhausted (full)."""
         if (key[0], key[1]) < self.floor:
             raise FailedPrecondition(f"round: chunk for {key[0]}.{key[1]} is older than the running {self.floor}")
-        if self._bytes + values.nbytes > self.max_bytes:
+        if self._bytes + payload_nbytes(values) > self.max_bytes:
             raise ResourceExhausted(f"data: inbox holds {self._bytes} bytes, limit {self.max_bytes}")
         f = self._futures.get(key)
         if f is None:
@@ -89,9 +110,9 @@ class Inbox:
         if f.done():
             raise InvalidArgument(f"offset: duplicate chunk {key[2:]}")
         f.set_result(values)
-        self._bytes += values.nbytes
+        self._bytes += payload_nbytes(values)
 
-    async def get(self, key: ChunkKey, timeout: float) -> np.ndarray:
+    async def get(self, key: ChunkKey, timeout: float) -> Payload:
         """Wait up to `timeout` seconds for a chunk. Raises TimeoutError."""
         f = self._futures.get(key)
         if f is None:
@@ -99,7 +120,7 @@ class Inbox:
         async with asyncio.timeout(timeout):
             values = await asyncio.shield(f)
         self._futures.pop(key, None)
-        self._bytes -= values.nbytes
+        self._bytes -= payload_nbytes(values)
         return values
 
 
@@ -131,11 +152,19 @@ class PeerService(pb_grpc.PeerServicer):
                 if s is not None and (c.round, c.attempt) == (s.round, s.attempt):
                     if c.sender not in s.participants:
                         raise PermissionDenied(f"sender: {c.sender[:8]} is not a participant of round {c.round}")
-                    require(c.dtype == s.dtype, "dtype", f"{c.dtype} differs from the plan's {s.dtype}")
+                    if c.phase == pb.DISTANCES:
+                        require(c.dtype == pb.FLOAT64 and c.codec == 0, "dtype", "distance matrices are raw float64")
+                    else:
+                        require(c.dtype == s.dtype, "dtype", f"{c.dtype} differs from the plan's {s.dtype}")
                 require(len(c.shape) == 1, "shape", "chunks are 1-D")
-                values = decode_chunk(c.data, c.dtype, int(c.shape[0]))
+                if c.codec == 0:
+                    require(not c.scale, "scale", "must be empty for raw chunks")
+                    values: Payload = decode_chunk(c.data, c.dtype, int(c.shape[0]))
+                else:
+                    require(c.dtype == pb.FLOAT32, "dtype", "compressed chunks carry float32 tensors")
+                    values = check_encoded(c.codec, int(c.shape[0]), c.data, c.scale)
                 self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
-                self.on_bytes(len(c.data))
+                self.on_bytes(len(c.data) + len(c.scale))
                 n += 1
         self.chunks_received += n
         return pb.PushAck(chunks=n)

@@ -41,6 +41,10 @@ class SwarmOptions:
     timeout: float = 600.0
     extra_coordinator_args: tuple[str, ...] = ()
     extra_peer_args: tuple[str, ...] = ()
+    byzantine: int = 0  # the last `byzantine` peers get `attack_args` (e.g. ("--attack", "scale"))
+    attack_args: tuple[str, ...] = ()
+    aggregator: str = "mean"  # reported in the summary (the coordinator gets it in extra_coordinator_args)
+    compression: str = "none"
 
 
 @dataclass
@@ -127,7 +131,8 @@ class Swarm:
     def peer_argv(self, i: int) -> list[str]:
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", "127.0.0.1:0",
                 "--key", str(self.workdir / f"peer-{i}.key"), "--shard", str(i),
-                "--events", str(self.workdir / f"peer-{i}.jsonl"), *self.opts.extra_peer_args]
+                "--events", str(self.workdir / f"peer-{i}.jsonl"), *self.opts.extra_peer_args,
+                *(self.opts.attack_args if i >= self.opts.peers - self.opts.byzantine else ())]
 
     def start_peer(self, i: int) -> None:
         while len(self.peers) <= i:
@@ -193,6 +198,12 @@ def summarize(swarm: Swarm, wall: float, baseline: float) -> dict:
         "state_syncs": sum(1 for e in events if e["event"] == "state_sync"),
         "algorithm": swarm.opts.algorithm,
         "seed": swarm.opts.seed,
+        "aggregator": swarm.opts.aggregator,
+        "compression": swarm.opts.compression,
+        "byzantine": swarm.opts.byzantine,
+        "attack": swarm.opts.attack_args[1] if swarm.opts.attack_args else "",
+        "rounds_with_flagged": len({e["round"] for e in commits if e.get("flagged")}),
+        "flagged_peers": sorted({f for e in commits for f in e.get("flagged", [])}),
     }
 
 
