@@ -394,7 +394,8 @@ class PeerAgent(StateSource):
             acc = self.workload.evaluate()
             summary = {"peer": self.peer_id, "rounds": self.workload.state.rounds, "test_accuracy": acc,
                        "state_digest": self.committed_state()[2].hex(), "bytes_sent": self.bytes_sent,
-                       "bytes_received": self.bytes_received, "state_syncs": self.state_syncs}
+                       "bytes_received": self.bytes_received, "state_syncs": self.state_syncs,
+                       "params_finite": bool(np.isfinite(self.workload.state.params).all())}
             self._emit("finished", **{k: v for k, v in summary.items() if k != "peer"})
             try:
                 await self.stub.Leave(pb.LeaveRequest(peer_id=self.peer_id), timeout=2.0)

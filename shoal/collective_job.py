@@ -7,6 +7,10 @@ collective, votes with the result digest, and on commit records the digest and t
 result of the last round is saved as .npy next to the JSON report.
 
     python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH
+
+With `--aggregators krum,median,...` shard owners run those aggregators (round r uses entry
+r mod len; the coordinator must plan the butterfly); `--attack NAME` makes this process send
+forged tensors (peer.byzantine). Every round's result is saved in PATH.npz (key "r<round>").
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import time
 import grpc
 import numpy as np
 
+from peer.byzantine import forge
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
+from peer.reduction import OwnerReduction, ReductionSpec
 from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options
 from peer.identity import load_or_create_key, public_bytes
 from peer.tensors import digest, dtype_code
@@ -34,7 +40,8 @@ def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.n
 
 
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
-                  listen: str = "127.0.0.1:0", timeout: float = 120.0) -> dict:
+                  listen: str = "127.0.0.1:0", timeout: float = 120.0, aggregators: tuple[str, ...] = (),
+                  attack: str = "") -> dict:
     """Play rounds until the coordinator finishes the run; returns a report dict."""
     key = load_or_create_key(key_path)
     inbox = Inbox()
@@ -47,7 +54,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     await server.start()
     channel = grpc.aio.insecure_channel(coordinator, options=channel_options())
     stub = pb_grpc.CoordinatorStub(channel)
-    report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype}
+    report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype, "results": {}}
     try:
         async with asyncio.timeout(timeout):
             resp = await stub.Join(pb.JoinRequest(public_key=public_bytes(key), data_address=address, num_samples=1),
@@ -68,14 +75,21 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     cp = CollectivePlan.from_proto(ev.plan)
                     inbox.start(Session(ev.plan.round, ev.plan.attempt, frozenset(cp.participants), code))
                     vote = pb.VoteRequest(peer_id=me, round=ev.plan.round, attempt=ev.plan.attempt)
+                    reducer = None
+                    if aggregators:
+                        spec = ReductionSpec(aggregators[ev.plan.round % len(aggregators)])
+                        reducer = OwnerReduction(spec, np.ones(len(cp.participants)), size)
+                    sent = forge(attack, x, np.random.default_rng(rank)) if attack else x
                     try:
-                        res = await all_reduce(x, cp, me=me, transport=transport, inbox=inbox)
+                        res = await all_reduce(sent, cp, me=me, transport=transport, inbox=inbox, reducer=reducer)
                         tentative[(ev.plan.round, ev.plan.attempt)] = (res.digest, res.values)
                         vote.ok, vote.result_digest, vote.state_digest = True, res.digest, res.digest
                         vote.bytes_sent, vote.collective_seconds = res.bytes_sent, res.seconds
                         report["rounds"].append({"round": ev.plan.round, "attempt": ev.plan.attempt,
                                                  "seconds": res.seconds, "bytes_sent": res.bytes_sent,
-                                                 "algorithm": cp.algorithm, "participants": len(cp.participants)})
+                                                 "algorithm": cp.algorithm, "participants": len(cp.participants),
+                                                 "flagged": list(res.flagged),
+                                                 "aggregator": spec.aggregator if reducer else "sum"})
                     except CollectiveError as exc:
                         vote.ok, vote.error = False, str(exc)
                         vote.suspects.extend(exc.suspects)
@@ -89,6 +103,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     state_digest, state_round = d, state_round + 1
                     report["last_digest"] = d.hex()
                     report["last_result"] = values
+                    report["results"][f"r{state_round - 1}"] = values
                     x = make_input(seed, rank, state_round, size, dtype)
                     await stub.Ready(pb.ReadyRequest(peer_id=me, round=state_round, num_elements=size, dtype=code,
                                                      num_samples=1, state_digest=state_digest, state_round=state_round))
@@ -114,17 +129,23 @@ def main() -> None:
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--out", required=True, help="JSON report path; the last result goes to PATH.npy")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--aggregators", default="", help="comma-separated owner aggregators, one per round, cycled")
+    ap.add_argument("--attack", default="", help="send forged tensors (peer.byzantine)")
     a = ap.parse_args()
+    aggs = tuple(x for x in a.aggregators.split(",") if x)
     t0 = time.time()
     try:
         import uvloop
 
-        report = uvloop.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout))
+        report = uvloop.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout,
+                                    aggs, a.attack))
     except ImportError:  # pragma: no cover
-        report = asyncio.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout))
+        report = asyncio.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout,
+                                     aggs, a.attack))
     result = report.pop("last_result", None)
     if result is not None:
         np.save(a.out + ".npy", result)
+    np.savez(a.out + ".npz", **report.pop("results"))
     report["wall_seconds"] = time.time() - t0
     with open(a.out, "w") as f:
         json.dump(report, f)
