@@ -37,6 +37,8 @@ class EngineConfig:
     ready_timeout: after the first ready of a round, wait at most this long for the other
         members (the straggler timeout) before opening the round with those ready.
     collective_timeout: hard deadline of one collective attempt, from plan to the last vote.
+    chunk_timeout: floor of the per-chunk deadline; the plan's deadline is
+        max(chunk_timeout, chunk_safety * chunk_bytes / slowest measured link + 2 * max RTT).
     max_attempts: attempts of one round (first try + retries) before it is given up.
     retry_backoff: delay before retry k is planned is retry_backoff * 2**(k-1).
     total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
@@ -47,7 +49,8 @@ class EngineConfig:
     lease_seconds: float = 10.0
     ready_timeout: float = 5.0
     collective_timeout: float = 30.0
-    chunk_timeout: float = 5.0
+    chunk_timeout: float = 2.0
+    chunk_safety: float = 4.0
     max_attempts: int = 5
     retry_backoff: float = 0.05
     total_rounds: int = 0
@@ -68,6 +71,9 @@ class Member:
     up_bytes_per_s: float = 0.0
     down_bytes_per_s: float = 0.0
     rtt_seconds: float = 0.0
+    connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
+    lagging: bool = False  # missed a ready deadline: not waited on until it says ready again
+    catching_up: bool = False  # a syncing peer that has shown it is alive: waited on
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,20 @@ class _Running:
     votes: dict[str, tuple[bool, bytes, bytes, float, tuple[str, ...], tuple[str, ...], str]] = field(default_factory=dict)
 
 
+def chunk_deadline(members: list[Member], config: EngineConfig) -> float:
+    """Per-chunk deadline (seconds) from the slowest measured link of the participants.
+
+    A chunk of `chunk_bytes` must arrive within chunk_safety times its transfer time at the
+    slowest measured rate, plus two round trips; never less than the `chunk_timeout` floor (also
+    the value when no link has been measured yet).
+    """
+    rates = [r for m in members for r in (m.up_bytes_per_s, m.down_bytes_per_s) if r > 0]
+    rtt = max((m.rtt_seconds for m in members), default=0.0)
+    if not rates:
+        return config.chunk_timeout
+    return max(config.chunk_timeout, config.chunk_safety * config.chunk_bytes / min(rates) + 2 * rtt)
+
+
 class RoundEngine:
     """The coordinator's state and the protocol's rules; see the module docstring.
 
@@ -204,7 +224,8 @@ class RoundEngine:
         self.members: dict[str, Member] = {}
         for m in members or []:
             # A restarted coordinator gives every known member a fresh lease to reconnect.
-            self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds)
+            self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds,
+                                                          connected=False)
         self.epoch = epoch
         self.commits: list[CommitRecord] = list(committed or [])
         self.aborts: list[AbortRecord] = []
@@ -247,7 +268,8 @@ class RoundEngine:
         state = "syncing" if self.commits else "pending"
         if old is not None and old.state == "member" and old.address == address:
             state = "member"
-        m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down)
+        m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
+                   connected=old.connected if old is not None else False)
         self.members[peer_id] = m
         # A restarted peer's previous stream/participation is void.
         self.ready.pop(peer_id, None)
@@ -276,6 +298,28 @@ class RoundEngine:
             raise RoundError("not_found", f"peer_id: unknown peer {peer_id[:8]}")
         m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds = up, down, rtt
 
+    def connected(self, peer_id: str, now: float) -> list[Action]:
+        """The peer opened its round-event stream."""
+        m = self.members.get(peer_id)
+        if m is not None:
+            m.connected = True
+        return []
+
+    def disconnected(self, peer_id: str, now: float) -> list[Action]:
+        """The peer's round-event stream broke: the fastest sign that its process died.
+
+        It keeps its lease (it may reconnect), but no round waits for it, and a round it is
+        playing is aborted at once without it.
+        """
+        m = self.members.get(peer_id)
+        if m is None:
+            return []
+        m.connected = False
+        self.ready.pop(peer_id, None)
+        if self.running is not None and peer_id in self.running.plan.participants and peer_id not in self.running.votes:
+            return self._abort(now, f"participant {peer_id[:8]} disconnected", (peer_id,))
+        return self._maybe_open(now)
+
     # ------------------------------------------------------------ rounds
 
     def ready_(self, peer_id: str, round_: int, info: ReadyInfo, now: float) -> list[Action]:
@@ -300,6 +344,8 @@ class RoundEngine:
             if not donors:
                 raise RoundError("precondition", "state_round: no up-to-date donor is live; retry later")
             m.state = "syncing"
+            m.catching_up = True
+            m.lagging = False
             return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
         if round_ != self.committed_rounds:
             raise RoundError("invalid", f"round: expected {self.committed_rounds}, got {round_}")
@@ -310,6 +356,9 @@ class RoundEngine:
                 f"num_elements: {info.num_elements} (dtype {info.dtype}) disagrees with the round's "
                 f"{others[0].num_elements} (dtype {others[0].dtype})",
             )
+        m.lagging = False
+        if m.state != "member":
+            m.catching_up = True
         self.ready[peer_id] = info
         if self.first_ready_at is None:
             self.first_ready_at = now
@@ -377,11 +426,25 @@ class RoundEngine:
             return []
         # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
         # joiner forever); the ready timeout bounds the wait for a straggler.
-        waiting_on = {p for p in live if p not in self.excluded} - set(candidates)
+        waiting_on = {p for p in live if p not in self.excluded and self._waited_on(self.members[p])} - set(candidates)
         deadline_passed = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
         if waiting_on and not deadline_passed and self.attempt == 0:
             return []
+        if deadline_passed and self.attempt == 0:
+            for p in waiting_on:  # stragglers: left out, and not waited on until they say ready again
+                self.members[p].lagging = True
         return self._open(now, tuple(candidates))
+
+    def _waited_on(self, m: Member) -> bool:
+        """Whether a round waits (up to the ready timeout) for this live peer to say ready.
+
+        Connected members are; a syncing peer is once it has shown it is alive (it said ready),
+        so a joiner is never outrun by a fast swarm; a straggler that missed a deadline is not,
+        until it says ready again, so it delays at most one round.
+        """
+        if not m.connected or m.lagging:
+            return False
+        return m.state != "syncing" or m.catching_up
 
     def _open(self, now: float, participants: tuple[str, ...]) -> list[Action]:
         actions: list[Action] = []
@@ -389,6 +452,7 @@ class RoundEngine:
         changed = False
         for p in participants:
             m = self.members[p]
+            m.catching_up = m.lagging = False
             if m.state != "member":
                 m.state = "member"
                 changed = True
@@ -412,7 +476,7 @@ class RoundEngine:
             num_elements=n,
             dtype=info.dtype,
             deadline_seconds=self.config.collective_timeout,
-            chunk_timeout_seconds=self.config.chunk_timeout,
+            chunk_timeout_seconds=chunk_deadline([self.members[p] for p in participants], self.config),
             chunk_bytes=self.config.chunk_bytes,
             aggregator=self.config.aggregator,
             compression=self.config.compression,

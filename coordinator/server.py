@@ -213,6 +213,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"peer_id: unknown peer {request.peer_id[:8]}; join first")
         q: asyncio.Queue[pb.RoundEvent] = asyncio.Queue()
         self.watchers[request.peer_id] = q
+        self.apply(self.engine.connected(request.peer_id, self.clock()))
         try:
             if self.finished_event is not None:
                 yield self.finished_event
@@ -228,6 +229,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         finally:
             if self.watchers.get(request.peer_id) is q:
                 del self.watchers[request.peer_id]
+                if self.finished_event is None:
+                    log.info("peer %s disconnected (round-event stream closed)", request.peer_id[:8])
+                    self.apply(self.engine.disconnected(request.peer_id, self.clock()))
 
     async def Vote(self, request: pb.VoteRequest, context) -> pb.VoteResponse:
         async with grpc_errors(context):

@@ -15,6 +15,7 @@ if the peer cannot continue). Failure semantics:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,6 +30,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
+from peer import faults
 from peer.byzantine import forge
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
 from peer.compression import ErrorFeedback
@@ -69,6 +71,7 @@ class PeerConfig:
     backoff_max: float = 2.0
     round_silence: float = 15.0
     sync_donors: int = 3
+    sync_range_bytes: int = 256 << 10
     connect_timeout: float = 120.0
     attack: str = ""  # testing only: send forged updates (peer.byzantine); "" = honest
     attack_scale: float | None = None
@@ -238,7 +241,8 @@ class PeerAgent(StateSource):
                 log.info("state for round %d adopted from the local tentative copy", order.round)
                 return
         t0 = time.monotonic()
-        res = await download_state(order, me=self.peer_id, transport=self.transport, k=self.config.sync_donors)
+        res = await download_state(order, me=self.peer_id, transport=self.transport, k=self.config.sync_donors,
+                                   range_bytes=self.config.sync_range_bytes)
         st = CommittedState.from_bytes(res.blob, self.workload.cfg)
         self.workload.apply(st)
         self.tentative.clear()
@@ -250,54 +254,86 @@ class PeerAgent(StateSource):
                    donors=list(res.donors_used), donors_failed=list(res.donors_failed))
 
     async def _play_round(self, update_grad: np.ndarray, loss: float) -> str:
-        """Play the current round until it commits; returns "committed", "stale", "synced" or "finished"."""
+        """Play the current round until it commits or this peer must resync.
+
+        Returns "committed" (the new state is applied), "synced" (the committed state was
+        downloaded instead) or "finished". The collective of an attempt runs as a task owned
+        here, so an Abort for that attempt cancels it at once instead of waiting for deadlines.
+        """
         wl = self.workload
         assert wl is not None
         r = wl.state.rounds
+        collective: asyncio.Task | None = None
+        attempt = -1
+
+        async def stop_collective() -> None:
+            if collective is not None and not collective.done():
+                collective.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collective
+
         await self._ready(r, update_grad.size)
-        while True:
-            try:
-                ev = await asyncio.wait_for(self.events.get(), timeout=self.config.round_silence)
-            except TimeoutError:
-                log.info("no round event for %.0fs; announcing readiness again", self.config.round_silence)
-                await self._ready(r, update_grad.size)
-                continue
-            if isinstance(ev, _Reconnected):
-                await self._ready(r, update_grad.size)
-                continue
-            kind = ev.WhichOneof("event")
-            if kind == "finished":
-                self.finished = True
-                return "finished"
-            if kind == "sync":
-                await self._sync(ev.sync)
-                return "synced"
-            if kind == "plan" and ev.plan.round == r:
-                await self._run_collective(ev.plan, update_grad, loss)
-            elif kind == "commit" and ev.commit.round == r:
-                st = self.tentative.get((r, ev.commit.attempt))
-                self.tentative.clear()
-                fb = self.pending_feedback.get((r, ev.commit.attempt))
-                self.pending_feedback.clear()
-                if self.peer_id in ev.commit.participants and st is not None and st.digest() == ev.commit.state_digest:
-                    wl.apply(st)
-                    if fb is not None:
-                        self._commit_feedback(fb)
-                    acc = wl.evaluate()
-                    self._emit("commit", round=r, attempt=ev.commit.attempt, loss=loss, test_accuracy=acc,
-                               state_digest=ev.commit.state_digest.hex(), participants=len(ev.commit.participants),
-                               bytes_sent=self.bytes_sent, flagged=list(ev.commit.flagged))
-                    return "committed"
-                # Committed without this peer (excluded, late, or a digest disagreement): its state
-                # is stale. Announce it at once; the coordinator answers with a sync order.
-                log.info("round %d committed without this peer; asking for state sync", r)
-                await self._ready(r + 1, update_grad.size)
-            elif kind == "abort" and ev.abort.round == r:
-                self.tentative.pop((r, ev.abort.attempt), None)
-                self._emit("abort", round=r, attempt=ev.abort.attempt, reason=ev.abort.reason,
-                           excluded=list(ev.abort.excluded), will_retry=ev.abort.will_retry)
-                if self.peer_id in ev.abort.excluded or not ev.abort.will_retry:
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(self.events.get(), timeout=self.config.round_silence)
+                except TimeoutError:
+                    log.info("no round event for %.0fs; announcing readiness again", self.config.round_silence)
                     await self._ready(r, update_grad.size)
+                    continue
+                if isinstance(ev, _Reconnected):
+                    await stop_collective()
+                    await self._ready(r, update_grad.size)
+                    continue
+                kind = ev.WhichOneof("event")
+                if kind == "finished":
+                    self.finished = True
+                    return "finished"
+                if kind == "sync":
+                    await stop_collective()
+                    try:
+                        await self._sync(ev.sync)
+                    except SyncError as exc:
+                        log.warning("state sync failed: %s; asking for another order", exc)
+                        await asyncio.sleep(random.uniform(0.05, 0.2))
+                        await self._ready(r + 1, update_grad.size)
+                        continue
+                    return "synced"
+                if kind == "plan" and ev.plan.round == r:
+                    await stop_collective()
+                    attempt = ev.plan.attempt
+                    collective = asyncio.create_task(self._run_collective(ev.plan, update_grad, loss))
+                elif kind == "commit" and ev.commit.round == r:
+                    if collective is not None and not collective.done() and ev.commit.attempt == attempt:
+                        await collective  # our vote is in (the round committed): let it finish
+                    st = self.tentative.get((r, ev.commit.attempt))
+                    self.tentative.clear()
+                    fb = self.pending_feedback.get((r, ev.commit.attempt))
+                    self.pending_feedback.clear()
+                    if self.peer_id in ev.commit.participants and st is not None and st.digest() == ev.commit.state_digest:
+                        wl.apply(st)
+                        if fb is not None:
+                            self._commit_feedback(fb)
+                        acc = wl.evaluate()
+                        self._emit("commit", round=r, attempt=ev.commit.attempt, loss=loss, test_accuracy=acc,
+                                   state_digest=ev.commit.state_digest.hex(), participants=len(ev.commit.participants),
+                                   bytes_sent=self.bytes_sent, flagged=list(ev.commit.flagged))
+                        return "committed"
+                    # Committed without this peer (excluded, late, or a digest disagreement): its
+                    # state is stale. Announce it at once; the coordinator answers with a sync order.
+                    await stop_collective()
+                    log.info("round %d committed without this peer; asking for state sync", r)
+                    await self._ready(r + 1, update_grad.size)
+                elif kind == "abort" and ev.abort.round == r:
+                    if ev.abort.attempt == attempt:
+                        await stop_collective()
+                    self.tentative.pop((r, ev.abort.attempt), None)
+                    self._emit("abort", round=r, attempt=ev.abort.attempt, reason=ev.abort.reason,
+                               excluded=list(ev.abort.excluded), will_retry=ev.abort.will_retry)
+                    if self.peer_id in ev.abort.excluded or not ev.abort.will_retry:
+                        await self._ready(r, update_grad.size)
+        finally:
+            await stop_collective()
 
     async def _run_collective(self, plan: pb.Plan, update_grad: np.ndarray, loss: float) -> None:
         wl = self.workload
@@ -420,6 +456,7 @@ class PeerAgent(StateSource):
                     await self._sync(order)
                 except SyncError as exc:
                     log.warning("state sync failed: %s; asking again", exc)
+            faults.hit("train", wl.state.rounds)
             update = await asyncio.to_thread(wl.local_update)
             await self._play_round(update.pseudo_grad, update.loss)
 

@@ -39,8 +39,9 @@ from typing import Protocol
 import grpc
 import numpy as np
 
+from peer import faults
 from peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
-from peer.dataplane import Inbox, Payload, Transport
+from peer.dataplane import Inbox, Payload, SenderGone, Transport
 from peer.errors import InvalidArgument
 from peer.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
@@ -269,6 +270,8 @@ async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int,
         raise CollectiveError(
             f"no chunk from {sender[:8]} within {plan.chunk_timeout_seconds:.1f}s "
             f"(phase {phase}, step {step}, shard {shard}, offset {off})", [sender]) from None
+    except SenderGone as exc:
+        raise CollectiveError(str(exc), [sender]) from None
 
 
 async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
@@ -299,6 +302,7 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
                 # An honest peer never forwards a non-finite partial sum, so the first peer that
                 # sees one blames its predecessor: the peer that introduced it.
                 v = _values(await _receive(inbox, plan, (RS, s, shard, off, prv_id)), prv_id, finite=True)
+                faults.hit("rs", plan.round)
                 lo = b[shard] + off
                 hi = min(b[shard + 1], lo + ce)
                 if v.size != hi - lo:
@@ -314,6 +318,7 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
             for off in _chunk_offsets(b[shard + 1] - b[shard], ce):
                 payload = await _receive(inbox, plan, (AG, s, shard, off, prv_id))
                 v = _values(payload, prv_id, finite=True)
+                faults.hit("ag", plan.round)
                 lo = b[shard] + off
                 if v.size != min(b[shard + 1], lo + ce) - lo:
                     raise CollectiveError(f"chunk from {prv_id[:8]} has {v.size} elements", [prv_id])
@@ -363,6 +368,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                 continue
             sender = plan.participants[j]
             v = _values(await _receive(inbox, plan, (RS, 0, k, off, sender)), sender)
+            faults.hit("rs", plan.round)
             if v.size != hi - lo:
                 raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
             rows.append(v)
@@ -430,6 +436,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                 lo = b[k] + off
                 hi = min(b[k + 1], lo + ce)
                 v = _values(await _receive(inbox, plan, (AG, 0, k, off, sender)), sender, finite=reducer is not None)
+                faults.hit("ag", plan.round)
                 if v.size != hi - lo:
                     raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
                 buf[lo:hi] = v

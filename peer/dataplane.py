@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from peer import faults
 from peer.compression import BLOCK, Encoded
 from peer.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, grpc_errors, require
 from peer.tensors import decode_chunk
@@ -63,6 +64,10 @@ class Session:
     ticket_check: Callable[[bytes, str], None] | None = None
 
 
+class SenderGone(Exception):
+    """The stream from a sender broke before it delivered the awaited chunk."""
+
+
 class Inbox:
     """Chunks keyed by (round, attempt, phase, step, shard, offset, sender), awaited by the collective.
 
@@ -76,6 +81,7 @@ class Inbox:
         self._bytes = 0
         self.session: Session | None = None
         self.floor: tuple[int, int] = (0, 0)
+        self._broken: dict[tuple[int, int, str], str] = {}
 
     def start(self, session: Session) -> None:
         """Open a collective session; drops everything buffered for older attempts."""
@@ -83,6 +89,7 @@ class Inbox:
         self.floor = (session.round, session.attempt)
         for k in [k for k in self._futures if (k[0], k[1]) < self.floor]:
             self._drop(k)
+        self._broken = {k: v for k, v in self._broken.items() if (k[0], k[1]) >= self.floor}
 
     def finish(self, round_: int, attempt: int) -> None:
         for k in [k for k in self._futures if (k[0], k[1]) == (round_, attempt)]:
@@ -97,6 +104,15 @@ class Inbox:
             self._bytes -= payload_nbytes(f.result())
         elif not f.done():
             f.cancel()
+
+    def fail_sender(self, round_: int, attempt: int, sender: str, reason: str) -> None:
+        """The stream from `sender` broke: every pending and future wait on it fails at once."""
+        if (round_, attempt) < self.floor:
+            return
+        self._broken[(round_, attempt, sender)] = reason
+        for k, f in self._futures.items():
+            if (k[0], k[1], k[6]) == (round_, attempt, sender) and not f.done():
+                f.set_exception(SenderGone(reason))
 
     def deliver(self, key: ChunkKey, values: Payload) -> None:
         """Store an arrived chunk. Raises FailedPrecondition (stale), ResourceExhausted (full)."""
@@ -117,6 +133,9 @@ class Inbox:
         f = self._futures.get(key)
         if f is None:
             f = self._futures[key] = asyncio.get_running_loop().create_future()
+        broken = self._broken.get((key[0], key[1], key[6]))
+        if broken is not None and not f.done():
+            raise SenderGone(broken)
         async with asyncio.timeout(timeout):
             values = await asyncio.shield(f)
         self._futures.pop(key, None)
@@ -141,32 +160,50 @@ class PeerService(pb_grpc.PeerServicer):
         self.chunks_received = 0
 
     async def PushChunks(self, request_iterator: AsyncIterator[pb.Chunk], context) -> pb.PushAck:
+        """Receive one sender's chunks for one round attempt into the inbox.
+
+        If the stream breaks before the sender closes it (the sender crashed, its connection
+        reset), every wait on that sender fails at once (`Inbox.fail_sender`), so a dead peer is
+        detected in milliseconds rather than at the chunk deadline.
+        """
         n = 0
-        async with grpc_errors(context):
-            first = True
-            async for c in request_iterator:
+        origin: tuple[int, int, str] | None = None
+        try:
+            async with grpc_errors(context):
                 s = self.inbox.session
-                if first and s is not None and s.ticket_check is not None and (c.round, c.attempt) == (s.round, s.attempt):
-                    s.ticket_check(c.ticket, c.sender)
-                first = False
-                if s is not None and (c.round, c.attempt) == (s.round, s.attempt):
-                    if c.sender not in s.participants:
-                        raise PermissionDenied(f"sender: {c.sender[:8]} is not a participant of round {c.round}")
-                    if c.phase == pb.DISTANCES:
-                        require(c.dtype == pb.FLOAT64 and c.codec == 0, "dtype", "distance matrices are raw float64")
+                async for c in request_iterator:
+                    if origin is None:
+                        origin = (c.round, c.attempt, c.sender)
+                        s = self.inbox.session
+                        if s is not None and s.ticket_check is not None and (c.round, c.attempt) == (s.round, s.attempt):
+                            s.ticket_check(c.ticket, c.sender)
+                    elif (c.round, c.attempt, c.sender) != origin:
+                        raise InvalidArgument("sender: one stream carries one sender's chunks of one round attempt")
+                    if s is None or (s.round, s.attempt) != (c.round, c.attempt):
+                        s = self.inbox.session
+                    if s is not None and (c.round, c.attempt) == (s.round, s.attempt):
+                        if c.sender not in s.participants:
+                            raise PermissionDenied(f"sender: {c.sender[:8]} is not a participant of round {c.round}")
+                        if c.phase == pb.DISTANCES:
+                            require(c.dtype == pb.FLOAT64 and c.codec == 0, "dtype", "distance matrices are raw float64")
+                        else:
+                            require(c.dtype == s.dtype, "dtype", f"{c.dtype} differs from the plan's {s.dtype}")
+                    require(len(c.shape) == 1, "shape", "chunks are 1-D")
+                    if c.codec == 0:
+                        require(not c.scale, "scale", "must be empty for raw chunks")
+                        values: Payload = decode_chunk(c.data, c.dtype, int(c.shape[0]))
                     else:
-                        require(c.dtype == s.dtype, "dtype", f"{c.dtype} differs from the plan's {s.dtype}")
-                require(len(c.shape) == 1, "shape", "chunks are 1-D")
-                if c.codec == 0:
-                    require(not c.scale, "scale", "must be empty for raw chunks")
-                    values: Payload = decode_chunk(c.data, c.dtype, int(c.shape[0]))
-                else:
-                    require(c.dtype == pb.FLOAT32, "dtype", "compressed chunks carry float32 tensors")
-                    values = check_encoded(c.codec, int(c.shape[0]), c.data, c.scale)
-                self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
-                self.on_bytes(len(c.data) + len(c.scale))
-                n += 1
-        self.chunks_received += n
+                        require(c.dtype == pb.FLOAT32, "dtype", "compressed chunks carry float32 tensors")
+                        values = check_encoded(c.codec, int(c.shape[0]), c.data, c.scale)
+                    self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
+                    self.on_bytes(len(c.data) + len(c.scale))
+                    n += 1
+        except BaseException as exc:
+            if origin is not None:
+                self.inbox.fail_sender(*origin, f"stream from {origin[2][:8]} broke: {type(exc).__name__}")
+            raise
+        finally:
+            self.chunks_received += n
         return pb.PushAck(chunks=n)
 
     async def FetchState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.StateChunk]:
@@ -181,7 +218,8 @@ class PeerService(pb_grpc.PeerServicer):
         end = len(blob) if request.length == 0 else min(len(blob), request.offset + request.length)
         for off in range(request.offset, end, STATE_CHUNK_BYTES):
             piece = blob[off:min(end, off + STATE_CHUNK_BYTES)]
-            self.on_bytes(0)
+            if request.offset > 0:
+                faults.hit("serve-state")
             yield pb.StateChunk(round=rounds, offset=off, total_bytes=len(blob), data=piece, state_digest=dig)
 
     async def Probe(self, request: pb.ProbeRequest, context) -> pb.ProbeResponse:

@@ -56,7 +56,7 @@ async def _fetch(transport: Transport, donor: pb.Participant, me: str, round_: i
 
 
 async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, k: int = 3,
-                         range_bytes: int = RANGE_BYTES, timeout: float = 10.0) -> SyncResult:
+                         range_bytes: int = RANGE_BYTES, timeout: float = 3.0) -> SyncResult:
     """Download and verify the state named by `order` from up to `k` of its donors in parallel.
 
     Donors are tried in an order rotated by the requester's id, so simultaneous joiners spread
@@ -77,6 +77,7 @@ async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, 
             first_blob, total, dig = await _fetch(transport, d, me, order.round, 0, range_bytes, timeout)
             if order.state_digest and dig and dig != order.state_digest:
                 raise SyncError(f"donor {d.peer_id[:8]} holds digest {dig.hex()[:12]}, not the committed one")
+            first_donor = d.peer_id
             break
         except (grpc.aio.AioRpcError, SyncError, asyncio.TimeoutError) as exc:
             log.warning("state sync: donor %s failed: %s", d.peer_id[:8], _why(exc))
@@ -88,7 +89,7 @@ async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, 
     for off in range(len(first_blob), total, range_bytes):
         ranges.put_nowait(off)
     pieces: dict[int, bytes] = {0: first_blob}
-    used: set[str] = set()
+    used: set[str] = {first_donor}
     alive = list(donors[:k])
 
     async def worker(d: pb.Participant) -> None:

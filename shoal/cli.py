@@ -123,8 +123,11 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     g.add_argument("--straggler-timeout", type=float, default=5.0,
                    help="after the first ready, wait at most this long for the other members")
     g.add_argument("--collective-timeout", type=float, default=30.0)
-    g.add_argument("--chunk-timeout", type=float, default=5.0)
-    g.add_argument("--max-attempts", type=int, default=5)
+    g.add_argument("--chunk-timeout", type=float, default=2.0,
+                   help="floor of the per-chunk deadline, seconds (see docs/fault-tolerance.md)")
+    g.add_argument("--max-attempts", type=int, default=5, help="attempts of one round (first try + retries)")
+    g.add_argument("--retry-backoff", type=float, default=0.05,
+                   help="delay before retry k of a round is retry_backoff * 2**(k-1) seconds")
     g.add_argument("--algorithm-collective", default="ring", choices=["ring", "butterfly", "auto"],
                    help="all-reduce algorithm (auto: chosen by the planner from measured links)")
 
@@ -134,7 +137,7 @@ def _engine_config(a: argparse.Namespace):
 
     return EngineConfig(min_peers=a.min_peers, initial_peers=a.initial_peers, lease_seconds=a.lease_seconds, ready_timeout=a.straggler_timeout,
                         collective_timeout=a.collective_timeout, chunk_timeout=a.chunk_timeout,
-                        max_attempts=a.max_attempts, total_rounds=a.rounds,
+                        max_attempts=a.max_attempts, retry_backoff=a.retry_backoff, total_rounds=a.rounds,
                         # Norm bound and DP noise need a shard owner that sees every contribution.
                         algorithm="butterfly" if a.max_norm > 0 or a.dp_sigma > 0 else a.algorithm_collective,
                         aggregator=a.aggregator, compression=a.compression)
@@ -175,8 +178,8 @@ def cmd_peer(a: argparse.Namespace) -> int:
     from peer.agent import PeerConfig, run_peer
 
     cfg = PeerConfig(coordinator=a.coordinator, listen=a.listen, key_path=a.key, shard=a.shard,
-                     events_path=a.events, ready_file=a.ready_file, attack=a.attack or "",
-                     attack_scale=a.attack_scale)
+                     events_path=a.events, ready_file=a.ready_file, sync_donors=a.sync_donors,
+                     sync_range_bytes=a.sync_range_bytes, attack=a.attack or "", attack_scale=a.attack_scale)
     result: dict = {}
 
     async def main() -> None:
@@ -195,10 +198,11 @@ def cmd_swarm(a: argparse.Namespace) -> int:
         logging.getLogger("shoal").error("--byzantine: needs 0 <= K <= --peers and an --attack")
         return EXIT_USAGE
     attack_args = ("--attack", a.attack) + (("--attack-scale", str(a.attack_scale)) if a.attack_scale else ())
+    rounds = a.rounds if a.rounds is not None else (60 if a.chaos else 20)
     opts = SwarmOptions(byzantine=a.byzantine, attack_args=attack_args if a.byzantine else (),
                         extra_coordinator_args=tuple(_aggregation_argv(a)),
                         aggregator=a.aggregator, compression=a.compression,
-                        peers=a.peers, rounds=a.rounds, algorithm=a.algorithm, seed=a.seed,
+                        peers=a.peers, rounds=rounds, chaos=a.chaos, chaos_interval=a.chaos_interval, algorithm=a.algorithm, seed=a.seed,
                         inner_steps=a.inner_steps, lr=a.lr, non_iid=a.non_iid, summary_path=a.summary,
                         workdir=a.workdir, progress=not a.no_progress, straggler_timeout=a.straggler_timeout,
                         min_peers=a.min_peers)
@@ -228,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=int, default=0, help="which part of the training data this peer holds")
     p.add_argument("--events", help="append JSON-lines round events here")
     p.add_argument("--ready-file", help="write the data-plane address here once joined")
+    p.add_argument("--sync-donors", type=int, default=3, help="donors used in parallel for state sync")
+    p.add_argument("--sync-range-bytes", type=int, default=256 << 10, help="byte range fetched per state-sync request")
     p.add_argument("--attack", choices=["sign-flip", "scale", "nan", "random"],
                    help="testing only: send forged updates instead of honest ones (docs/aggregation.md)")
     p.add_argument("--attack-scale", type=float, help="strength of --attack (defaults per attack)")
@@ -239,8 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary", help="write the run summary JSON here")
     p.add_argument("--workdir", help="keep keys, state and logs here (default: a temporary directory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=None, help="committed rounds to run (default 20; 60 with --chaos)")
     p.add_argument("--min-peers", type=int, default=2)
+    p.add_argument("--chaos", action="store_true",
+                   help="kill -9 and restart random peers, SIGSTOP one, kill -9 and restart the coordinator")
+    p.add_argument("--chaos-interval", type=float, default=3.0, help="seconds between chaos actions")
     p.add_argument("--straggler-timeout", type=float, default=5.0)
     p.add_argument("--byzantine", type=int, default=0, help="how many peers send forged updates (the last K)")
     p.add_argument("--attack", choices=["sign-flip", "scale", "nan", "random"], help="what the Byzantine peers send")

@@ -39,6 +39,8 @@ class SwarmOptions:
     straggler_timeout: float = 5.0
     min_peers: int = 2
     timeout: float = 600.0
+    chaos: bool = False
+    chaos_interval: float = 3.0
     extra_coordinator_args: tuple[str, ...] = ()
     extra_peer_args: tuple[str, ...] = ()
     byzantine: int = 0  # the last `byzantine` peers get `attack_args` (e.g. ("--attack", "scale"))
@@ -170,29 +172,49 @@ class Swarm:
             db.close()
 
 
-def summarize(swarm: Swarm, wall: float, baseline: float) -> dict:
-    """The run summary (see docs/quickstart.md for the fields)."""
+def _last_commit_digest(swarm: "Swarm") -> str:
+    db = sqlite3.connect(swarm.workdir / "coordinator.db")
+    try:
+        row = db.execute("SELECT state_digest FROM commits ORDER BY round DESC LIMIT 1").fetchone()
+        return bytes(row[0]).hex() if row else ""
+    finally:
+        db.close()
+
+
+def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | None" = None) -> dict:
+    """The run summary (see docs/quickstart.md and docs/fault-tolerance.md for the fields).
+
+    A digest mismatch is a round for which two peers recorded different committed states, or a
+    peer that finished the run holding a state other than the last one the coordinator committed.
+    """
     events = swarm.all_events()
-    finals = [e for e in events if e["event"] == "finished"]
     commits = [e for e in events if e["event"] == "commit"]
     by_round: dict[int, set[str]] = {}
     for e in commits:
         by_round.setdefault(e["round"], set()).add(e["state_digest"])
     mismatches = sum(1 for d in by_round.values() if len(d) > 1)
-    final_digests = {e["state_digest"] for e in finals}
-    if len(final_digests) > 1:
-        mismatches += 1
     committed, aborted = swarm.durable_counts()
-    acc = max((e["test_accuracy"] for e in finals), default=0.0)
-    return {
+    last = _last_commit_digest(swarm)
+    # The last process of each peer slot; its "finished" event is its final state.
+    finals = []
+    for i in range(len(swarm.peers)):
+        fin = [e for e in swarm.events(i) if e["event"] == "finished"]
+        if fin:
+            finals.append(fin[-1])
+    up_to_date = [e for e in finals if e["rounds"] == committed]
+    mismatches += sum(1 for e in up_to_date if e["state_digest"] != last)
+    acc = max((e["test_accuracy"] for e in up_to_date), default=0.0)
+    retried = {(e["round"], e["attempt"]) for e in events if e["event"] == "abort" and e.get("will_retry")}
+    summary = {
         "test_accuracy": acc,
         "baseline_accuracy": baseline,
         "rounds_committed": committed,
         "rounds_aborted": aborted,
-        "rounds_retried": sum(1 for e in events if e["event"] == "abort" and e.get("will_retry")) // max(1, swarm.opts.peers),
+        "rounds_retried": len(retried),
         "digest_mismatches": mismatches,
         "peers": swarm.opts.peers,
         "peers_finished": len(finals),
+        "peers_up_to_date": len(up_to_date),
         "wall_seconds": round(wall, 3),
         "bytes_sent_total": sum(e.get("bytes_sent", 0) for e in finals),
         "state_syncs": sum(1 for e in events if e["event"] == "state_sync"),
@@ -205,6 +227,109 @@ def summarize(swarm: Swarm, wall: float, baseline: float) -> dict:
         "rounds_with_flagged": len({e["round"] for e in commits if e.get("flagged")}),
         "flagged_peers": sorted({f for e in commits for f in e.get("flagged", [])}),
     }
+    if chaos is not None:
+        summary.update(chaos.summary(commits))
+    return summary
+
+
+@dataclass
+class ChaosLog:
+    """What the chaos monkey did, and when (unix seconds)."""
+
+    kills: list[tuple[float, str, int]] = field(default_factory=list)  # (time, what, rounds committed then)
+    peers_killed: int = 0
+    peers_joined: int = 0
+    peers_stopped: int = 0
+    coordinator_restarts: int = 0
+
+    def summary(self, commits: list[dict]) -> dict:
+        first_commit: dict[int, float] = {}
+        for e in commits:
+            first_commit[e["round"]] = min(e["t"], first_commit.get(e["round"], e["t"]))
+        per_kill = []
+        for t, what, committed in self.kills:
+            # Recovery: from the kill to the first commit of a round not yet committed at the kill.
+            nxt = min((ct for r, ct in first_commit.items() if r >= committed), default=None)
+            if nxt is not None:
+                per_kill.append((what, max(0.0, nxt - t)))
+        recovery = sorted(r for _, r in per_kill)
+        p50 = recovery[(len(recovery) - 1) // 2] if recovery else None
+        return {
+            "peers_killed": self.peers_killed,
+            "peers_joined": self.peers_joined,
+            "peers_stopped": self.peers_stopped,
+            "coordinator_restarts": self.coordinator_restarts,
+            "recovery_seconds_p50": round(p50, 3) if p50 is not None else None,
+            "recovery_seconds_max": round(recovery[-1], 3) if recovery else None,
+            "recoveries": [{"what": w, "seconds": round(r, 3)} for w, r in per_kill],
+        }
+
+
+class Chaos:
+    """The chaos monkey of `shoal swarm --chaos`, driven by the swarm's monitor loop (no threads).
+
+    Every `interval` seconds it SIGKILLs a random running peer and starts a fresh process with
+    the same identity; once it SIGSTOPs another peer for `stop_seconds` (longer than the
+    straggler timeout), and once it SIGKILLs the coordinator and restarts it on the same state
+    file and address. It stops acting near the end of the run so every peer can finish.
+    """
+
+    def __init__(self, swarm: Swarm, seed: int, interval: float, stop_seconds: float):
+        import random
+
+        self.swarm, self.rng = swarm, random.Random(seed)
+        self.interval, self.stop_seconds = interval, stop_seconds
+        self.log = ChaosLog()
+        self.next_at: float | None = None  # chaos starts once the swarm has committed a round
+        self.step = 0
+        self.stopped: tuple[int, float] | None = None  # (peer index, resume at)
+
+    def tick(self, committed: int) -> None:
+        now = time.monotonic()
+        if self.stopped is not None and now >= self.stopped[1]:
+            self.swarm.peers[self.stopped[0]].signal(signal.SIGCONT)
+            log.info("chaos: resumed peer-%d", self.stopped[0])
+            self.stopped = None
+        if committed < 1:
+            return
+        if self.next_at is None:
+            self.next_at = now + self.interval / 2
+        if now < self.next_at or committed >= self.swarm.opts.rounds - 3:
+            return
+        self.next_at = now + self.interval
+        self.step += 1
+        candidates = [i for i, p in enumerate(self.swarm.peers) if p.alive() and (self.stopped is None or self.stopped[0] != i)]
+        if self.step == 2 and self.log.coordinator_restarts == 0:
+            log.info("chaos: kill -9 coordinator")
+            committed_now = self.swarm.durable_counts()[0]
+            self.swarm.coordinator.signal(signal.SIGKILL)
+            self.swarm.coordinator.popen.wait(timeout=10)
+            self.log.kills.append((time.time(), "coordinator", committed_now))
+            self.swarm.start_coordinator()
+            self.log.coordinator_restarts += 1
+            return
+        if self.step == 1 and self.stopped is None and len(candidates) > 2:
+            i = self.rng.choice(candidates)
+            log.info("chaos: SIGSTOP peer-%d for %.1fs", i, self.stop_seconds)
+            self.swarm.peers[i].signal(signal.SIGSTOP)
+            self.stopped = (i, now + self.stop_seconds)
+            self.log.peers_stopped += 1
+            return  # kills come at later steps, so each recovery is measured on its own
+        if len(candidates) > 2:
+            i = self.rng.choice(candidates)
+            log.info("chaos: kill -9 peer-%d and restart it with the same identity", i)
+            committed_now = self.swarm.durable_counts()[0]
+            self.swarm.peers[i].signal(signal.SIGKILL)
+            self.swarm.peers[i].popen.wait(timeout=10)
+            self.log.kills.append((time.time(), f"peer-{i}", committed_now))
+            self.log.peers_killed += 1
+            self.swarm.start_peer(i)
+            self.log.peers_joined += 1
+
+    def finish(self) -> None:
+        if self.stopped is not None:
+            self.swarm.peers[self.stopped[0]].signal(signal.SIGCONT)
+            self.stopped = None
 
 
 def _progress(opts: SwarmOptions):
@@ -231,6 +356,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
         bar = _progress(opts)
         if bar is not None:
             stack.callback(bar.close)
+        chaos = Chaos(swarm, opts.seed, opts.chaos_interval, opts.straggler_timeout + 2.0) if opts.chaos else None
         ok, why = True, ""
         try:
             swarm.start_coordinator()
@@ -241,14 +367,15 @@ def run_swarm(opts: SwarmOptions) -> dict:
             while True:
                 if time.monotonic() - t0 > opts.timeout:
                     raise TimeoutError(f"swarm did not finish within {opts.timeout:.0f}s")
-                if not swarm.coordinator.alive():
+                if not swarm.coordinator.alive() and not all(p.popen.poll() == 0 for p in swarm.peers):
                     raise RuntimeError(f"coordinator exited early:\n{swarm.coordinator.tail()}")
                 failed = [p for p in swarm.peers if p.popen is not None and p.popen.poll() not in (None, 0)]
                 if failed:
                     raise RuntimeError(f"{failed[0].name} failed (exit {failed[0].popen.returncode}):\n{failed[0].tail()}")
-                commits = [e for e in swarm.events(0) if e["event"] == "commit"] or \
-                          [e for e in swarm.all_events() if e["event"] == "commit"]
+                commits = [e for e in swarm.all_events() if e["event"] == "commit"]
                 top = max((e["round"] + 1 for e in commits), default=0)
+                if chaos is not None:
+                    chaos.tick(top)
                 if bar is not None and top > shown:
                     last = max((e for e in commits if e["round"] == top - 1), key=lambda e: e["t"])
                     now = time.monotonic()
@@ -266,13 +393,15 @@ def run_swarm(opts: SwarmOptions) -> dict:
             ok, why = False, str(exc)
             log.error("swarm failed: %s", exc)
         finally:
+            if chaos is not None:
+                chaos.finish()
             swarm.stop_all()
         wall = time.monotonic() - t0
         cfg = RunConfig(algorithm=opts.algorithm, seed=opts.seed, inner_steps=opts.inner_steps, lr=opts.lr,
                         num_shards=opts.peers, non_iid=opts.non_iid)
         baseline = baseline_accuracy(cfg, opts.peers * opts.rounds * opts.inner_steps)
-        summary = summarize(swarm, wall, baseline)
-        summary["ok"] = ok and summary["peers_finished"] == opts.peers
+        summary = summarize(swarm, wall, baseline, chaos.log if chaos is not None else None)
+        summary["ok"] = ok and summary["peers_up_to_date"] >= 1 and summary["rounds_committed"] == opts.rounds
         if why:
             summary["error"] = why.splitlines()[0]
     if bar is not None:
@@ -281,6 +410,11 @@ def run_swarm(opts: SwarmOptions) -> dict:
           f"{summary['baseline_accuracy']:.4f}); rounds committed {summary['rounds_committed']}, "
           f"aborted {summary['rounds_aborted']}; digest mismatches {summary['digest_mismatches']}; "
           f"{summary['wall_seconds']:.1f}s", file=sys.stderr)
+    if chaos is not None:
+        print(f"chaos: {summary['peers_killed']} peers killed and restarted, {summary['peers_stopped']} stopped, "
+              f"{summary['coordinator_restarts']} coordinator restarts, {summary['rounds_retried']} retried attempts, "
+              f"{summary['state_syncs']} state syncs; recovery p50 {summary['recovery_seconds_p50']}s, "
+              f"max {summary['recovery_seconds_max']}s", file=sys.stderr)
     if opts.summary_path:
         pathlib.Path(opts.summary_path).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
