@@ -238,6 +238,7 @@ class RoundEngine:
         self.running: _Running | None = None
         self.not_before = 0.0
         self.finished = False
+        self._donor_rotation = 0
 
     # ------------------------------------------------------------ queries
 
@@ -253,11 +254,18 @@ class RoundEngine:
         return [m for m in self.members.values() if m.lease_expiry > now]
 
     def donors(self, now: float, exclude: str = "") -> tuple[str, ...]:
-        """Live peers that took part in the last commit (they hold the committed state)."""
+        """Live, connected peers that took part in the last commit (they hold the committed state),
+        rotated by one position per call so that simultaneous joiners start at different donors."""
         if not self.commits:
             return ()
         last = set(self.commits[-1].participants)
-        return tuple(sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now))
+        alive = sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now
+                       and self.members[p].connected)
+        if not alive:
+            return ()
+        k = self._donor_rotation % len(alive)
+        self._donor_rotation += 1
+        return tuple(alive[k:] + alive[:k])
 
     # ------------------------------------------------------------ membership
 

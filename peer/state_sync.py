@@ -59,15 +59,13 @@ async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, 
                          range_bytes: int = RANGE_BYTES, timeout: float = 3.0) -> SyncResult:
     """Download and verify the state named by `order` from up to `k` of its donors in parallel.
 
-    Donors are tried in an order rotated by the requester's id, so simultaneous joiners spread
-    over donors. Raises SyncError when no donor can complete it or the digest does not match.
+    Donors are tried in the order of the order (the coordinator rotates it per joiner, so
+    simultaneous joiners start at different donors). Raises SyncError when no donor can complete it or the digest does not match.
     """
     t0 = time.monotonic()
     donors = [d for d in order.donors if d.peer_id != me]
     if not donors:
         raise SyncError("no donors")
-    shift = int(me[:8], 16) % len(donors) if me else 0
-    donors = donors[shift:] + donors[:shift]
     failed: list[str] = []
     # Learn the size from the first donor that answers.
     first_blob = b""

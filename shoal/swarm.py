@@ -204,13 +204,19 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
     up_to_date = [e for e in finals if e["rounds"] == committed]
     mismatches += sum(1 for e in up_to_date if e["state_digest"] != last)
     acc = max((e["test_accuracy"] for e in up_to_date), default=0.0)
-    retried = {(e["round"], e["attempt"]) for e in events if e["event"] == "abort" and e.get("will_retry")}
+    aborts = {(e["round"], e["attempt"]): e for e in events if e["event"] == "abort"}
+    retried = {k for k, e in aborts.items() if e.get("will_retry")}
+    reasons: dict[str, int] = {}
+    for e in aborts.values():
+        kind = e["reason"].split(":")[0] if "failed:" not in e["reason"] else e["reason"].split("failed: ")[1].split(" ")[0]
+        reasons[kind] = reasons.get(kind, 0) + 1
     summary = {
         "test_accuracy": acc,
         "baseline_accuracy": baseline,
         "rounds_committed": committed,
         "rounds_aborted": aborted,
         "rounds_retried": len(retried),
+        "abort_reasons": reasons,
         "digest_mismatches": mismatches,
         "peers": swarm.opts.peers,
         "peers_finished": len(finals),
@@ -301,10 +307,10 @@ class Chaos:
         candidates = [i for i, p in enumerate(self.swarm.peers) if p.alive() and (self.stopped is None or self.stopped[0] != i)]
         if self.step == 2 and self.log.coordinator_restarts == 0:
             log.info("chaos: kill -9 coordinator")
-            committed_now = self.swarm.durable_counts()[0]
             self.swarm.coordinator.signal(signal.SIGKILL)
+            killed_at = time.time()
             self.swarm.coordinator.popen.wait(timeout=10)
-            self.log.kills.append((time.time(), "coordinator", committed_now))
+            self.log.kills.append((killed_at, "coordinator", self.swarm.durable_counts()[0]))
             self.swarm.start_coordinator()
             self.log.coordinator_restarts += 1
             return
@@ -318,10 +324,10 @@ class Chaos:
         if len(candidates) > 2:
             i = self.rng.choice(candidates)
             log.info("chaos: kill -9 peer-%d and restart it with the same identity", i)
-            committed_now = self.swarm.durable_counts()[0]
             self.swarm.peers[i].signal(signal.SIGKILL)
+            killed_at = time.time()
             self.swarm.peers[i].popen.wait(timeout=10)
-            self.log.kills.append((time.time(), f"peer-{i}", committed_now))
+            self.log.kills.append((killed_at, f"peer-{i}", self.swarm.durable_counts()[0]))
             self.log.peers_killed += 1
             self.swarm.start_peer(i)
             self.log.peers_joined += 1

@@ -36,9 +36,9 @@ def commits(procs) -> list[tuple[int, bytes]]:
         db.close()
 
 
-def start_swarm(procs, n: int, *, rounds: int = ROUNDS, extra: tuple[str, ...] = ()) -> str:
+def start_swarm(procs, n: int, *, rounds: int = ROUNDS, inner_steps: int = 10, extra: tuple[str, ...] = ()) -> str:
     _, addr = procs.coordinator("--rounds", str(rounds), "--min-peers", "2", "--initial-peers", str(n),
-                                "--num-shards", "4", "--inner-steps", "10", "--straggler-timeout", "2",
+                                "--num-shards", "4", "--inner-steps", str(inner_steps), "--straggler-timeout", "2",
                                 "--chunk-timeout", "1.5", *extra)
     return addr
 
@@ -103,7 +103,8 @@ def test_peer_killed_mid_collective(procs, point):
 
 
 def test_joiner_syncs_mid_run_and_donor_dies_mid_transfer(procs):
-    addr = start_swarm(procs, 3, rounds=80)
+    # Slow rounds (50 inner steps) so the run outlasts the joiner's start-up even on a busy machine.
+    addr = start_swarm(procs, 3, rounds=80, inner_steps=50)
     peers = [start_peer(procs, addr, i, fault="serve-state:kill" if i == 0 else "") for i in range(3)]
     wait_round(procs, "peer-1", 1)
     joiner = start_peer(procs, addr, 3, extra=("--sync-range-bytes", "2048", "--sync-donors", "3"))

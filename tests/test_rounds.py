@@ -217,3 +217,18 @@ def test_restarted_peer_with_same_identity_rejoins_through_sync():
     e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.4)
     (plan,) = of(e.ready_("b", 1, info(rounds=1, digest=b"s1"), 0.4), SendPlan)  # not waited on before it is ready
     assert plan.plan.participants == ("a", "b")
+
+
+def test_simultaneous_joiners_start_at_different_donors():
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    firsts = []
+    for j in ("j1", "j2", "j3", "j4", "j5", "j6"):
+        joined(e, j, now=0.2)
+        (sync,) = of(e.ready_(j, 1, info(rounds=0), 0.3), SendSync)
+        assert sorted(sync.donors) == ["a", "b", "c"]
+        firsts.append(sync.donors[0])
+    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]  # spread evenly, never all on one donor
