@@ -477,7 +477,8 @@ class RoundEngine:
             attempt=self.attempt,
             epoch=self.epoch,
             participants=participants,
-            algorithm=self.config.algorithm,
+            # Robust aggregators need every contribution at a shard owner: only the butterfly has one.
+            algorithm=self.config.algorithm if self.config.aggregator in ("mean", "fedavg") else "butterfly",
             shard_bounds=bounds,
             shard_owner=tuple(range(p)),
             num_elements=n,

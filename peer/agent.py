@@ -38,9 +38,12 @@ import grpc
 import numpy as np
 
 from peer import faults
+from peer.byzantine import forge
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
+from peer.compression import ErrorFeedback
 from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options, serve_data_plane
 from peer.identity import load_or_create_key, public_bytes
+from peer.reduction import OwnerReduction, ReductionSpec
 from peer.security import Security, open_channel, signing_interceptors
 from peer.state_sync import SyncError, download_state
 from peer.tensors import digest, dtype_code
@@ -88,6 +91,8 @@ class PeerConfig:
     advertise: str | None = None
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
+    attack: str = ""  # testing only: send forged updates (peer.byzantine); "" = honest
+    attack_scale: float | None = None
 
 
 class _Reconnected:
@@ -117,6 +122,9 @@ class PeerAgent(StateSource):
         self.heartbeat_interval = 2.5
         self.pending_sync: pb.SyncOrder | None = None
         self.tentative: dict[tuple[int, int], CommittedState] = {}
+        self.feedback = ErrorFeedback()  # compression residuals, updated only on commit
+        self.pending_feedback: dict[tuple[int, int], tuple] = {}
+        self.attack_rng = np.random.default_rng()
         self.bytes_sent = 0
         self.bytes_received = 0
         self.state_syncs = 0
@@ -329,12 +337,16 @@ class PeerAgent(StateSource):
                         await collective  # our vote is in (the round committed): let it finish
                     st = self.tentative.get((r, ev.commit.attempt))
                     self.tentative.clear()
+                    fb = self.pending_feedback.get((r, ev.commit.attempt))
+                    self.pending_feedback.clear()
                     if self.peer_id in ev.commit.participants and st is not None and st.digest() == ev.commit.state_digest:
                         wl.apply(st)
+                        if fb is not None:
+                            self._commit_feedback(fb)
                         acc = wl.evaluate()
                         self._emit("commit", round=r, attempt=ev.commit.attempt, loss=loss, test_accuracy=acc,
                                    state_digest=ev.commit.state_digest.hex(), participants=len(ev.commit.participants),
-                                   bytes_sent=self.bytes_sent)
+                                   bytes_sent=self.bytes_sent, flagged=list(ev.commit.flagged))
                         self.metrics.on_commit(r + 1, len(ev.commit.participants), time.monotonic() - t_ready, loss,
                                                acc)
                         return "committed"
@@ -362,16 +374,17 @@ class PeerAgent(StateSource):
         if self.peer_id not in cp.participants:
             return
         self.inbox.start(Session.from_plan(plan, self.coordinator_public_key))
-        total = sum(p.num_samples for p in plan.participants) or len(plan.participants)
-        mine = next(p.num_samples for p in plan.participants if p.peer_id == self.peer_id)
-        weight = np.float32((mine or 1) / total)
-        contribution = (update_grad * weight).astype(np.float32)
+        contribution, reducer = self._contribution(plan, cp, update_grad)
         vote = pb.VoteRequest(peer_id=self.peer_id, round=plan.round, attempt=plan.attempt, train_loss=loss)
         received_before = self.bytes_received
         try:
-            res = await all_reduce(contribution, cp, me=self.peer_id, transport=self.transport, inbox=self.inbox)
+            res = await all_reduce(contribution, cp, me=self.peer_id, transport=self.transport, inbox=self.inbox,
+                                   reducer=reducer, feedback=self.feedback)
+            if not np.isfinite(res.values).all():  # never reached with honest owners; never applied
+                raise CollectiveError("the aggregate holds non-finite values")
             st = wl.tentative(res.values)
             self.tentative[(plan.round, plan.attempt)] = st
+            self.pending_feedback[(plan.round, plan.attempt)] = res.feedback
             self.bytes_sent += res.bytes_sent
             vote.ok = True
             vote.result_digest = res.digest
@@ -398,6 +411,33 @@ class PeerAgent(StateSource):
                                         timeout=self.config.rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             log.debug("link report not delivered: %s", exc.code().name)
+    def _contribution(self, plan: pb.Plan, cp: CollectivePlan, update_grad: np.ndarray) -> tuple[np.ndarray, OwnerReduction | None]:
+        """What this peer sends, and the owner-side reduction (docs/aggregation.md).
+
+        Butterfly: the unweighted pseudo-gradient; owners run the run's aggregator with the
+        plan's sample counts as weights. Ring (plain sum): the pseudo-gradient pre-weighted by
+        n_i / sum n, so the sum is FedAvg's weighted mean.
+        """
+        cfg = self.workload.cfg
+        grad = update_grad.astype(np.float32)
+        if self.config.attack:
+            grad = forge(self.config.attack, grad, self.attack_rng, self.config.attack_scale)
+        if cp.algorithm == "butterfly":
+            name = plan.aggregator or cfg.aggregator
+            spec = cfg.reduction_spec()
+            if name != spec.aggregator:
+                spec = dataclasses.replace(spec, aggregator=name, params={})
+            weights = np.array([p.num_samples or 1 for p in plan.participants], dtype=np.float64)
+            return grad, OwnerReduction(spec, weights, grad.size)
+        total = sum(p.num_samples for p in plan.participants) or len(plan.participants)
+        mine = next(p.num_samples for p in plan.participants if p.peer_id == self.peer_id)
+        return (grad * np.float32((mine or 1) / total)).astype(np.float32), None
+
+    def _commit_feedback(self, updates: tuple) -> None:
+        """Keep exactly the compression residuals of the committed attempt."""
+        self.feedback.reset()
+        for key, compensated, decoded in updates:
+            self.feedback.update(key, compensated, decoded)
 
     # ------------------------------------------------------------ main
 
@@ -435,7 +475,8 @@ class PeerAgent(StateSource):
             acc = self.workload.evaluate()
             summary = {"peer": self.peer_id, "rounds": self.workload.state.rounds, "test_accuracy": acc,
                        "state_digest": self.committed_state()[2].hex(), "bytes_sent": self.bytes_sent,
-                       "bytes_received": self.bytes_received, "state_syncs": self.state_syncs}
+                       "bytes_received": self.bytes_received, "state_syncs": self.state_syncs,
+                       "params_finite": bool(np.isfinite(self.workload.state.params).all())}
             self._emit("finished", **{k: v for k, v in summary.items() if k != "peer"})
             try:
                 await self.stub.Leave(pb.LeaveRequest(peer_id=self.peer_id), timeout=2.0)

@@ -28,6 +28,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from peer import faults
+from peer.compression import BLOCK, Encoded
 from peer.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
                          ResourceExhausted, ShoalError, grpc_errors, require)
 from peer.identity import RequestVerifier
@@ -48,6 +49,26 @@ SESSION_WAIT_SECONDS = 10.0
 MAX_WAITING_STREAMS = 64
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
+# What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
+# payload (codecs 1-3), which the collective decodes, and forwards verbatim where it relays.
+Payload = np.ndarray | Encoded
+
+
+def payload_nbytes(v: Payload) -> int:
+    return v.nbytes if isinstance(v, np.ndarray) else len(v.data) + len(v.scale)
+
+
+def check_encoded(codec: int, count: int, data: bytes, scale: bytes) -> Encoded:
+    """Structure check of a compressed chunk (lengths only; values are checked when decoded).
+
+    Raises InvalidArgument naming the field.
+    """
+    require(codec in (1, 2, 3), "codec", f"unknown codec id {codec}")
+    item = 1 if codec == 3 else 2
+    require(len(data) == count * item, "data", f"{len(data)} bytes, expected {count} x {item}")
+    want_scale = 4 * (-(-count // BLOCK)) if codec == 3 else 0
+    require(len(scale) == want_scale, "scale", f"{len(scale)} bytes, expected {want_scale}")
+    return Encoded(codec, data, scale, count)
 
 
 @dataclass(frozen=True)
@@ -86,18 +107,24 @@ class Session:
                    ticket_check, tuple(plan.shard_bounds), max(1, (plan.chunk_bytes or (1 << 20)) // itemsize),
                    plan.deadline_seconds)
 
-    def check_chunk(self, c: pb.Chunk) -> int:
-        """Check `c` against the plan; returns its element count.
+    def check_chunk(self, c: pb.Chunk) -> "Payload":
+        """Check `c` against the plan; returns its payload (an array, or an `Encoded` chunk).
 
         Raises:
             PermissionDenied: the sender is not a participant.
-            InvalidArgument: dtype, shape, phase, step, shard or offset do not fit the plan.
+            InvalidArgument: dtype, shape, phase, step, shard, offset, codec or lengths do not
+                fit the plan.
         """
         if c.sender not in self.participants:
             raise PermissionDenied(f"sender: {c.sender[:8]} is not a participant of round {c.round}")
-        require(c.dtype == self.dtype, "dtype", f"{c.dtype} differs from the plan's {self.dtype}")
         require(len(c.shape) == 1, "shape", "chunks are 1-D")
         count = int(c.shape[0])
+        if c.phase == pb.DISTANCES:
+            require(c.dtype == pb.FLOAT64 and c.codec == 0, "dtype", "distance matrices are raw float64")
+            p = len(self.participants)
+            require(count == p * p, "shape", f"[{count}] is not a {p}x{p} distance matrix")
+            return decode_chunk(c.data, c.dtype, count)
+        require(c.dtype == self.dtype, "dtype", f"{c.dtype} differs from the plan's {self.dtype}")
         require(c.phase in (pb.REDUCE_SCATTER, pb.ALL_GATHER), "phase", f"unknown phase {c.phase}")
         require(c.step < max(1, len(self.participants) - 1), "step", f"{c.step} past the plan's steps")
         if self.chunk_elems:
@@ -108,7 +135,11 @@ class Session:
             size = self.shard_bounds[c.shard + 1] - self.shard_bounds[c.shard]
             require(c.offset + count <= size, "shape",
                     f"[{count}] at offset {c.offset} exceeds shard {c.shard} of {size} elements")
-        return count
+        if c.codec == 0:
+            require(not c.scale, "scale", "must be empty for raw chunks")
+            return decode_chunk(c.data, c.dtype, count)
+        require(c.dtype == pb.FLOAT32, "dtype", "compressed chunks carry float32 tensors")
+        return check_encoded(c.codec, count, c.data, c.scale)
 
 
 class SenderGone(Exception):
@@ -181,7 +212,7 @@ class Inbox:
     def _drop(self, k: ChunkKey) -> None:
         f = self._futures.pop(k)
         if f.done() and not f.cancelled() and f.exception() is None:
-            self._bytes -= f.result().nbytes
+            self._bytes -= payload_nbytes(f.result())
         elif not f.done():
             f.cancel()
 
@@ -194,11 +225,11 @@ class Inbox:
             if (k[0], k[1], k[6]) == (round_, attempt, sender) and not f.done():
                 f.set_exception(SenderGone(reason))
 
-    def deliver(self, key: ChunkKey, values: np.ndarray) -> None:
+    def deliver(self, key: ChunkKey, values: Payload) -> None:
         """Store an arrived chunk. Raises FailedPrecondition (stale), ResourceExhausted (full)."""
         if (key[0], key[1]) < self.floor:
             raise FailedPrecondition(f"round: chunk for {key[0]}.{key[1]} is older than the running {self.floor}")
-        if self._bytes + values.nbytes > self.max_bytes:
+        if self._bytes + payload_nbytes(values) > self.max_bytes:
             raise ResourceExhausted(f"data: inbox holds {self._bytes} bytes, limit {self.max_bytes}")
         f = self._futures.get(key)
         if f is None:
@@ -206,9 +237,9 @@ class Inbox:
         if f.done():
             raise InvalidArgument(f"offset: duplicate chunk {key[2:]}")
         f.set_result(values)
-        self._bytes += values.nbytes
+        self._bytes += payload_nbytes(values)
 
-    async def get(self, key: ChunkKey, timeout: float) -> np.ndarray:
+    async def get(self, key: ChunkKey, timeout: float) -> Payload:
         """Wait up to `timeout` seconds for a chunk. Raises TimeoutError."""
         f = self._futures.get(key)
         if f is None:
@@ -219,7 +250,7 @@ class Inbox:
         async with asyncio.timeout(timeout):
             values = await asyncio.shield(f)
         self._futures.pop(key, None)
-        self._bytes -= values.nbytes
+        self._bytes -= payload_nbytes(values)
         return values
 
 
@@ -293,11 +324,10 @@ class PeerService(pb_grpc.PeerServicer):
                             if c is not first and (c.round, c.attempt, c.sender) != origin:
                                 raise InvalidArgument(
                                     "sender: one stream carries one sender's chunks of one round attempt")
-                            count = s.check_chunk(c)
-                            values = decode_chunk(c.data, c.dtype, count)
+                            values = s.check_chunk(c)
                             self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender),
                                                values)
-                            self.on_bytes(len(c.data))
+                            self.on_bytes(len(c.data) + len(c.scale))
                             n += 1
                             try:
                                 c = await anext(it)

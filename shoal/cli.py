@@ -114,7 +114,7 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> in
         log.error("coordinator: %s", exc)
         return EXIT_USAGE
     server_cfg = CoordinatorConfig(
-        listen=c.listen, state_path=c.state, engine=cfg.rounds.to_engine_config(),
+        listen=c.listen, state_path=c.state, engine=cfg.rounds.to_engine_config(cfg.run),
         run_config=dataclasses.asdict(cfg.run.to_run_config(c.num_shards)), ready_file=c.ready_file,
         key_path=c.key, metrics_port=c.metrics_port, metrics_host=c.metrics_host,
         security=security, join_token_secret=c.join_token_secret, allow_list=c.allow_list,
@@ -150,6 +150,7 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
         log.error("peer: %s", exc)
         return EXIT_USAGE
     peer_cfg = PeerConfig(security=security, join_token=p.join_token or os.environ.get("SHOAL_JOIN_TOKEN", ""),
+                          attack=p.attack, attack_scale=p.attack_scale,
                           coordinator=p.coordinator, listen=p.listen, key_path=p.key, shard=p.shard,
                           events_path=p.events, ready_file=p.ready_file, rpc_timeout=p.rpc_timeout,
                           round_silence=p.round_silence, sync_donors=p.sync_donors,
@@ -183,6 +184,13 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from shoal.swarm import SwarmOptions, run_swarm
 
     s, r, run = cfg.swarm, cfg.rounds, cfg.run
+    run.to_run_config(s.peers)  # validate before starting anything (exit 2 naming the setting)
+    if not 0 <= s.byzantine <= s.peers or (s.byzantine and not s.attack):
+        log.error("swarm: byzantine needs 0 <= K <= peers and an attack")
+        return EXIT_USAGE
+    attack_args: tuple[str, ...] = ()
+    if s.byzantine:
+        attack_args = ("--attack", s.attack) + (("--attack-scale", str(s.attack_scale)) if s.attack_scale else ())
     run_extra = tuple((f.name, getattr(run, f.name)) for f in dataclasses.fields(run)
                       if f.name not in _SWARM_RUN_FIELDS and getattr(run, f.name) != f.default)
     rounds_flags = config_mod.to_flags(cfg, "rounds")
@@ -198,7 +206,9 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                         workdir=s.workdir, progress=s.progress, straggler_timeout=r.straggler_timeout,
                         min_peers=r.min_peers, timeout=s.timeout, plot_path=s.plot, metrics=s.metrics,
                         run_extra=run_extra, extra_coordinator_args=tuple(extra),
-                        log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls)
+                        log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls,
+                        byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
+                        compression=run.compression)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 

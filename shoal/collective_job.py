@@ -8,6 +8,10 @@ result of the last round is saved as .npy next to the JSON report.
 
     python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH \
         (--insecure | --tls-dir DIR) [--join-token T]
+
+With `--aggregators krum,median,...` shard owners run those aggregators (round r uses entry
+r mod len; the coordinator must plan the butterfly); `--attack NAME` makes this process send
+forged tensors (peer.byzantine). Every round's result is saved in PATH.npz (key "r<round>").
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import time
 import grpc
 import numpy as np
 
+from peer.byzantine import forge
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
 from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
+from peer.reduction import OwnerReduction, ReductionSpec
 from peer.identity import load_or_create_key, public_bytes
 from peer.security import Security, open_channel, signing_interceptors
 from peer.tensors import digest, dtype_code
@@ -49,7 +55,7 @@ async def _join(stub: pb_grpc.CoordinatorStub, req: pb.JoinRequest) -> pb.JoinRe
 
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
                   listen: str = "127.0.0.1:0", timeout: float = 120.0, security: Security | None = None,
-                  join_token: str = "") -> dict:
+                  join_token: str = "", aggregators: tuple[str, ...] = (), attack: str = "") -> dict:
     """Play rounds until the coordinator finishes the run; returns a report dict."""
     security = security or Security(insecure=True)
     key = load_or_create_key(key_path)
@@ -59,7 +65,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     server, address = await serve_data_plane(service, listen, security)
     channel = open_channel(coordinator, security, channel_options(), signing_interceptors(key))
     stub = pb_grpc.CoordinatorStub(channel)
-    report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype}
+    report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype, "results": {}}
     try:
         async with asyncio.timeout(timeout):
             resp = await _join(stub, pb.JoinRequest(public_key=public_bytes(key), data_address=address,
@@ -81,14 +87,21 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     cp = CollectivePlan.from_proto(ev.plan)
                     inbox.start(Session.from_plan(ev.plan, resp.coordinator_public_key))
                     vote = pb.VoteRequest(peer_id=me, round=ev.plan.round, attempt=ev.plan.attempt)
+                    reducer = None
+                    if aggregators:
+                        spec = ReductionSpec(aggregators[ev.plan.round % len(aggregators)])
+                        reducer = OwnerReduction(spec, np.ones(len(cp.participants)), size)
+                    sent = forge(attack, x, np.random.default_rng(rank)) if attack else x
                     try:
-                        res = await all_reduce(x, cp, me=me, transport=transport, inbox=inbox)
+                        res = await all_reduce(sent, cp, me=me, transport=transport, inbox=inbox, reducer=reducer)
                         tentative[(ev.plan.round, ev.plan.attempt)] = (res.digest, res.values)
                         vote.ok, vote.result_digest, vote.state_digest = True, res.digest, res.digest
                         vote.bytes_sent, vote.collective_seconds = res.bytes_sent, res.seconds
                         report["rounds"].append({"round": ev.plan.round, "attempt": ev.plan.attempt,
                                                  "seconds": res.seconds, "bytes_sent": res.bytes_sent,
-                                                 "algorithm": cp.algorithm, "participants": len(cp.participants)})
+                                                 "algorithm": cp.algorithm, "participants": len(cp.participants),
+                                                 "flagged": list(res.flagged),
+                                                 "aggregator": spec.aggregator if reducer else "sum"})
                     except CollectiveError as exc:
                         vote.ok, vote.error = False, str(exc)
                         vote.suspects.extend(exc.suspects)
@@ -102,6 +115,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     state_digest, state_round = d, state_round + 1
                     report["last_digest"] = d.hex()
                     report["last_result"] = values
+                    report["results"][f"r{state_round - 1}"] = values
                     x = make_input(seed, rank, state_round, size, dtype)
                     await stub.Ready(pb.ReadyRequest(peer_id=me, round=state_round, num_elements=size, dtype=code,
                                                      num_samples=1, state_digest=state_digest, state_round=state_round))
@@ -130,8 +144,11 @@ def main() -> None:
     ap.add_argument("--tls-dir", help="TLS directory from `shoal certs init`")
     ap.add_argument("--insecure", action="store_true", help="plaintext gRPC")
     ap.add_argument("--join-token", default="")
+    ap.add_argument("--aggregators", default="", help="comma-separated owner aggregators, one per round, cycled")
+    ap.add_argument("--attack", default="", help="send forged tensors (peer.byzantine)")
     a = ap.parse_args()
     security = Security(tls_dir=a.tls_dir, insecure=a.insecure or not a.tls_dir)
+    aggs = tuple(x for x in a.aggregators.split(",") if x)
     t0 = time.time()
     try:
         import uvloop
@@ -140,10 +157,11 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         run = asyncio.run
     report = run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout, security,
-                         a.join_token))
+                         a.join_token, aggs, a.attack))
     result = report.pop("last_result", None)
     if result is not None:
         np.save(a.out + ".npy", result)
+    np.savez(a.out + ".npz", **report.pop("results"))
     report["wall_seconds"] = time.time() - t0
     with open(a.out, "w") as f:
         json.dump(report, f)

@@ -102,15 +102,18 @@ class RoundsSection:
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
 
-    def to_engine_config(self):
+    def to_engine_config(self, run: "RunSection | None" = None):
+        """The engine's settings; `run` adds the aggregator and codec the plans carry."""
         from coordinator.rounds import EngineConfig
 
-        return EngineConfig(min_peers=self.min_peers, initial_peers=self.initial_peers,
+        run = run or RunSection()
+        algorithm = "butterfly" if run.needs_butterfly() else self.algorithm_collective
+        return EngineConfig(aggregator=run.aggregator, compression=run.compression,min_peers=self.min_peers, initial_peers=self.initial_peers,
                             lease_seconds=self.lease_seconds, ready_timeout=self.straggler_timeout,
                             collective_timeout=self.collective_timeout, chunk_timeout=self.chunk_timeout,
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
-                            total_rounds=self.rounds, algorithm=self.algorithm_collective)
+                            total_rounds=self.rounds, algorithm=algorithm)
 
 
 @dataclass(frozen=True)
@@ -127,8 +130,53 @@ class RunSection:
     outer: str = setting("", "outer optimizer (empty = by algorithm: diloco -> nesterov, fedavg -> sgd lr 1)")
     non_iid: bool = setting(False, "label-skewed data split across peers")
     fedprox_mu: float = setting(0.0, "FedProx proximal term weight (0 = off)")
-    aggregator: str = setting("mean", "shard aggregator (mean, median, trimmed_mean, ...)")
-    compression: str = setting("none", "wire compression (none, fp16, bf16, int8)")
+    aggregator: str = setting("mean", "what shard owners compute (docs/aggregation.md); anything but mean runs on "
+                                      "the butterfly collective",
+                              choices=("mean", "fedavg", "median", "trimmed-mean", "centered-clip", "krum",
+                                       "multi-krum", "bulyan"))
+    trim_beta: float | None = setting(None, "trimmed-mean: fraction trimmed from each side (default 0.2)")
+    krum_f: int | None = setting(None, "krum / multi-krum / bulyan: Byzantine peers tolerated (default 1)")
+    krum_m: int | None = setting(None, "multi-krum: rows averaged (default n - f)")
+    clip_tau: float | None = setting(None, "centered-clip: clipping radius (default 1.0)")
+    clip_iters: int | None = setting(None, "centered-clip: iterations (default 5)")
+    max_norm: float = setting(0.0, "L2 bound on each contribution, applied by the shard owners (0 = none)")
+    on_norm: str = setting("clip", "what happens to a contribution beyond max_norm", choices=("clip", "reject"))
+    dp_sigma: float = setting(0.0, "DP noise multiplier: owners add N(0, (sigma * max_norm / p)^2) once "
+                                   "(needs max_norm)")
+    outer_lr: float | None = setting(None, "outer learning rate (default per outer optimizer)")
+    outer_params: str = setting("", "other outer optimizer parameters, KEY=VALUE[,KEY=VALUE] (momentum, beta1, "
+                                    "beta2, tau)")
+    compression: str = setting("none", "per-hop wire codec (int8: blockwise absmax with error feedback)",
+                               choices=("none", "fp16", "bf16", "int8"))
+
+    def aggregator_params(self) -> dict:
+        names = {"trim_beta": ("trimmed-mean", "beta"), "clip_tau": ("centered-clip", "tau"),
+                 "clip_iters": ("centered-clip", "iterations"), "krum_m": ("multi-krum", "m")}
+        out: dict = {}
+        for attr, (agg, key) in names.items():
+            if getattr(self, attr) is not None and self.aggregator == agg:
+                out[key] = getattr(self, attr)
+        if self.krum_f is not None and self.aggregator in ("krum", "multi-krum", "bulyan"):
+            out["f"] = self.krum_f
+        return out
+
+    def outer_param_dict(self) -> dict:
+        out: dict = {}
+        for kv in filter(None, (x.strip() for x in self.outer_params.split(","))):
+            key, sep, value = kv.partition("=")
+            if not sep:
+                raise ConfigError(f"run.outer_params: expected KEY=VALUE, got {kv!r}")
+            try:
+                out[key.strip()] = float(value)
+            except ValueError:
+                raise ConfigError(f"run.outer_params: {key.strip()} is not a number: {value!r}") from None
+        if self.outer_lr is not None:
+            out["lr"] = self.outer_lr
+        return out
+
+    def needs_butterfly(self) -> bool:
+        """Robust aggregators, norm bounds and DP noise need an owner that sees every contribution."""
+        return self.aggregator not in ("mean", "fedavg") or self.max_norm > 0 or self.dp_sigma > 0
 
     def to_run_config(self, num_shards: int):
         from peer.training import RunConfig
@@ -136,7 +184,9 @@ class RunSection:
         return RunConfig(algorithm=self.algorithm, seed=self.seed, inner_steps=self.inner_steps,
                          batch_size=self.batch_size, lr=self.lr, hidden=self.hidden, outer=self.outer,
                          num_shards=num_shards, non_iid=self.non_iid, fedprox_mu=self.fedprox_mu,
-                         aggregator=self.aggregator, compression=self.compression)
+                         aggregator=self.aggregator, aggregator_params=self.aggregator_params(),
+                         outer_params=self.outer_param_dict(), compression=self.compression,
+                         max_norm=self.max_norm, on_norm=self.on_norm, dp_sigma=self.dp_sigma)
 
 
 @dataclass(frozen=True)
@@ -163,6 +213,9 @@ class PeerSection:
                                 "on the data plane")
     insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
     join_token: str = setting("", "join token from the operator (also read from $SHOAL_JOIN_TOKEN)")
+    attack: str = setting("", "testing only: send forged updates (peer.byzantine); empty = honest",
+                          choices=("", "sign-flip", "scale", "nan", "random"))
+    attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
 
 
 @dataclass(frozen=True)
@@ -179,6 +232,9 @@ class SwarmSection:
                                  "(rounds default to 60 unless set)")
     chaos_interval: float = setting(3.0, "seconds between chaos actions")
     timeout: float = setting(600.0, "give up (exit 1) when the run has not finished after this many seconds")
+    byzantine: int = setting(0, "how many peers (the last K) send forged updates; needs attack")
+    attack: str = setting("", "what the Byzantine peers send", choices=("", "sign-flip", "scale", "nan", "random"))
+    attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
     tls: bool = setting(False, "secure swarm: mutual TLS on both planes (certificates made in the workdir) and "
                                "admission by join token; without it the swarm runs plaintext (--insecure)")
 

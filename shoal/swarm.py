@@ -12,6 +12,7 @@ round are drawn (shoal.plots) from the peers' event logs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -53,12 +54,18 @@ class SwarmOptions:
     run_extra: tuple[tuple[str, object], ...] = ()  # further RunConfig fields (batch_size, hidden, ...)
     log_level: str = "info"
     log_format: str = "text"
+    byzantine: int = 0  # the last `byzantine` peers get `attack_args` (e.g. ("--attack", "scale"))
+    attack_args: tuple[str, ...] = ()
+    aggregator: str = "mean"  # reported in the summary (the coordinator gets it via run_extra)
+    compression: str = "none"
 
     def run_config(self):
         from peer.training import RunConfig
 
+        known = {f.name for f in dataclasses.fields(RunConfig)}
         return RunConfig(algorithm=self.algorithm, seed=self.seed, inner_steps=self.inner_steps, lr=self.lr,
-                         num_shards=self.peers, non_iid=self.non_iid, **dict(self.run_extra))
+                         num_shards=self.peers, non_iid=self.non_iid,
+                         **{k: v for k, v in self.run_extra if k in known})
 
 
 def free_port() -> int:
@@ -207,8 +214,8 @@ class Swarm:
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", "127.0.0.1:0",
                 "--key", str(self.workdir / f"peer-{i}.key"), "--shard", str(i),
                 "--events", str(self.workdir / f"peer-{i}.jsonl"), *self._common_args(f"peer-{i}"),
-                *self.security_args("peer"),
-                *self.opts.extra_peer_args]
+                *self.security_args("peer"), *self.opts.extra_peer_args,
+                *(self.opts.attack_args if i >= self.opts.peers - self.opts.byzantine else ())]
 
     def start_peer(self, i: int) -> None:
         while len(self.peers) <= i:
@@ -300,6 +307,12 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
         "state_syncs": sum(1 for e in events if e["event"] == "state_sync"),
         "algorithm": swarm.opts.algorithm,
         "seed": swarm.opts.seed,
+        "aggregator": swarm.opts.aggregator,
+        "compression": swarm.opts.compression,
+        "byzantine": swarm.opts.byzantine,
+        "attack": swarm.opts.attack_args[1] if swarm.opts.attack_args else "",
+        "rounds_with_flagged": len({e["round"] for e in commits if e.get("flagged")}),
+        "flagged_peers": sorted({f for e in commits for f in e.get("flagged", [])}),
     }
     if chaos is not None:
         summary.update(chaos.summary(commits))

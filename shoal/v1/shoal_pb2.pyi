@@ -22,6 +22,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PHASE_UNSPECIFIED: _ClassVar[Phase]
     REDUCE_SCATTER: _ClassVar[Phase]
     ALL_GATHER: _ClassVar[Phase]
+    DISTANCES: _ClassVar[Phase]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -32,6 +33,7 @@ UINT8: DType
 PHASE_UNSPECIFIED: Phase
 REDUCE_SCATTER: Phase
 ALL_GATHER: Phase
+DISTANCES: Phase
 
 class JoinRequest(_message.Message):
     __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s")
