@@ -74,6 +74,8 @@ class Member:
     down_bytes_per_s: float = 0.0
     rtt_seconds: float = 0.0
     connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
+    lagging: bool = False  # missed a ready deadline: not waited on until it says ready again
+    catching_up: bool = False  # a syncing peer that has shown it is alive: waited on
 
 
 @dataclass(frozen=True)
@@ -349,6 +351,7 @@ class RoundEngine:
         self.running: _Running | None = None
         self.not_before = 0.0
         self.finished = False
+        self._donor_rotation = 0
 
     # ------------------------------------------------------------ queries
 
@@ -364,11 +367,18 @@ class RoundEngine:
         return [m for m in self.members.values() if m.lease_expiry > now]
 
     def donors(self, now: float, exclude: str = "") -> tuple[str, ...]:
-        """Live peers that took part in the last commit (they hold the committed state)."""
+        """Live, connected peers that took part in the last commit (they hold the committed state),
+        rotated by one position per call so that simultaneous joiners start at different donors."""
         if not self.commits:
             return ()
         last = set(self.commits[-1].participants)
-        return tuple(sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now))
+        alive = sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now
+                       and self.members[p].connected)
+        if not alive:
+            return ()
+        k = self._donor_rotation % len(alive)
+        self._donor_rotation += 1
+        return tuple(alive[k:] + alive[:k])
 
     # ------------------------------------------------------------ membership
 
@@ -379,7 +389,8 @@ class RoundEngine:
         state = "syncing" if self.commits else "pending"
         if old is not None and old.state == "member" and old.address == address:
             state = "member"
-        m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down)
+        m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
+                   connected=old.connected if old is not None else False)
         self.members[peer_id] = m
         # A restarted peer's previous stream/participation is void.
         self.ready.pop(peer_id, None)
@@ -454,6 +465,8 @@ class RoundEngine:
             if not donors:
                 raise RoundError("precondition", "state_round: no up-to-date donor is live; retry later")
             m.state = "syncing"
+            m.catching_up = True
+            m.lagging = False
             return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
         if round_ != self.committed_rounds:
             raise RoundError("invalid", f"round: expected {self.committed_rounds}, got {round_}")
@@ -464,6 +477,9 @@ class RoundEngine:
                 f"num_elements: {info.num_elements} (dtype {info.dtype}) disagrees with the round's "
                 f"{others[0].num_elements} (dtype {others[0].dtype})",
             )
+        m.lagging = False
+        if m.state != "member":
+            m.catching_up = True
         self.ready[peer_id] = info
         if self.first_ready_at is None:
             self.first_ready_at = now
@@ -531,11 +547,25 @@ class RoundEngine:
             return []
         # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
         # joiner forever); the ready timeout bounds the wait for a straggler.
-        waiting_on = {p for p in live if p not in self.excluded and self.members[p].connected} - set(candidates)
+        waiting_on = {p for p in live if p not in self.excluded and self._waited_on(self.members[p])} - set(candidates)
         deadline_passed = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
         if waiting_on and not deadline_passed and self.attempt == 0:
             return []
+        if deadline_passed and self.attempt == 0:
+            for p in waiting_on:  # stragglers: left out, and not waited on until they say ready again
+                self.members[p].lagging = True
         return self._open(now, tuple(candidates))
+
+    def _waited_on(self, m: Member) -> bool:
+        """Whether a round waits (up to the ready timeout) for this live peer to say ready.
+
+        Connected members are; a syncing peer is once it has shown it is alive (it said ready),
+        so a joiner is never outrun by a fast swarm; a straggler that missed a deadline is not,
+        until it says ready again, so it delays at most one round.
+        """
+        if not m.connected or m.lagging:
+            return False
+        return m.state != "syncing" or m.catching_up
 
     def _open(self, now: float, participants: tuple[str, ...]) -> list[Action]:
         actions: list[Action] = []
@@ -543,6 +573,7 @@ class RoundEngine:
         changed = False
         for p in participants:
             m = self.members[p]
+            m.catching_up = m.lagging = False
             if m.state != "member":
                 m.state = "member"
                 changed = True
@@ -553,13 +584,15 @@ class RoundEngine:
         info = self.ready[participants[0]]
         n = info.num_elements
         layout = plan_layout(self.config.algorithm, [self.members[p] for p in participants], n,
-                             _ITEMSIZE.get(info.dtype, 4), owner_reduces=self.config.aggregator != "mean",
+                             _ITEMSIZE.get(info.dtype, 4), owner_reduces=self.config.aggregator not in ("mean", "fedavg"),
                              link_cap=self.config.link_cap_bytes_per_s, min_gain=self.config.plan_min_gain)
         plan = PlanSpec(
             round=self.committed_rounds,
             attempt=self.attempt,
             epoch=self.epoch,
             participants=layout.participants,
+            # Robust aggregators need every contribution at a shard owner: plan_layout keeps those
+            # on the butterfly (owner_reduces).
             algorithm=layout.algorithm,
             shard_bounds=layout.shard_bounds,
             shard_owner=layout.shard_owner,

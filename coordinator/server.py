@@ -6,6 +6,15 @@ peers' WatchRounds streams) and runs one ticker task that applies deadlines.
 
 Durability: a commit is written to the store (SQLite WAL, synchronous=FULL) before any peer is
 told about it, so a committed round is never lost by a coordinator crash.
+
+Security (docs/security.md): TLS or explicit plaintext (`peer.security.Security`); before any
+handler, undecodable requests get INVALID_ARGUMENT, callers are rate limited per host (joins
+more strictly) and every call but GetStatus must carry a valid request signature
+(`peer.security.SignedCalls`); Join then applies admission (join token and/or allow-list). Every
+plan carries a round ticket signed with the coordinator's Ed25519 key, every sync order a permit.
+Operations: the server also carries gRPC health checking (grpc.health.v1; NOT_SERVING from the
+moment shutdown starts) and server reflection, and records shoal.metrics.CoordinatorMetrics,
+served on `metrics_port` when it is set (0 = off).
 """
 
 from __future__ import annotations
@@ -37,16 +46,34 @@ from coordinator.rounds import (
     SendPlan,
     SendSync,
 )
+from coordinator.admission import Admission, AllowList, load_secret
 from coordinator.store import SQLiteStore, Store
+from peer.errors import DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
+from peer.identity import RequestVerifier, load_or_create_key, peer_id_of, public_bytes
+from peer.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
+                         RateLimiter)
+from peer.security import Security, SignedCalls, add_port
+from peer.tickets import SYNC_ATTEMPT, issue_ticket, plan_digest
 from peer.errors import FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
 from peer.identity import load_or_create_key, peer_id_of, public_bytes
+from shoal.health import COORDINATOR_SERVICE, attach
+from shoal.metrics import CoordinatorMetrics
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("shoal.coordinator")
 
-MAX_MESSAGE_BYTES = 4 << 20
+MAX_MESSAGE_BYTES = CONTROL_MAX_RECEIVE_BYTES
 TICK_SECONDS = 0.05
+SERVICE_PREFIX = "/shoal.v1.Coordinator/"
+JOIN = SERVICE_PREFIX + "Join"
+GET_STATUS = SERVICE_PREFIX + "GetStatus"
+# Unsigned: the operator view (read-only; protect it with mTLS or a firewall).
+UNSIGNED_METHODS = frozenset({GET_STATUS})
+# A ticket outlives its plan's deadline by this much (clock skew between peers, seconds).
+TICKET_SLACK_SECONDS = 60.0
+SYNC_PERMIT_SECONDS = 300.0
+METRICS_EVERY_SECONDS = 1.0
 _ERROR_KINDS = {"not_found": NotFound, "invalid": InvalidArgument, "precondition": FailedPrecondition}
 
 
@@ -60,6 +87,15 @@ class CoordinatorConfig:
     run_config: dict = dataclasses.field(default_factory=dict)
     ready_file: str | None = None
     key_path: str | None = None
+    security: Security = Security(insecure=True)
+    join_token_secret: str | None = None  # path of the HMAC secret (`shoal token create`)
+    allow_list: str | None = None         # path of the allow-list (hex Ed25519 public keys)
+    join_rate: float = 5.0                # joins per second per host (token bucket)
+    join_burst: int = 50
+    request_rate: float = 500.0           # any call, per second per host
+    request_burst: int = 1000
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
 
 
 def _raise(exc: RoundError) -> ShoalError:
@@ -69,8 +105,11 @@ def _raise(exc: RoundError) -> ShoalError:
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     """shoal.v1.Coordinator over a `RoundEngine` and a `Store`."""
 
-    def __init__(self, engine: RoundEngine, store: Store, run_config_json: str, signing_key, *, clock=time.time):
+    def __init__(self, engine: RoundEngine, store: Store, run_config_json: str, signing_key, *, clock=time.time,
+                 admission: Admission | None = None, metrics: CoordinatorMetrics | None = None):
         self.engine = engine
+        self.admission = admission or Admission(None, None)
+        self.metrics = metrics or CoordinatorMetrics()
         self.store = store
         self.run_config_json = run_config_json
         self.key = signing_key
@@ -78,6 +117,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.watchers: dict[str, asyncio.Queue[pb.RoundEvent]] = {}
         self.finished_event: pb.RoundEvent | None = None
         self.round_started: dict[tuple[int, int], float] = {}
+        self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
 
     # ------------------------------------------------------------ actions
 
@@ -85,6 +125,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         q = self.watchers.get(peer_id)
         if q is not None:
             q.put_nowait(event)
+
+    def _ticketed(self, plan: pb.Plan) -> pb.Plan:
+        """`plan` with its round ticket: (round, attempt, participants, plan digest) signed."""
+        plan.ticket = issue_ticket(self.key, plan.round, plan.attempt, [p.peer_id for p in plan.participants],
+                                   plan_digest(plan), plan.deadline_seconds + TICKET_SLACK_SECONDS, now=self.clock())
+        return plan
 
     def _render_plan(self, plan: PlanSpec) -> pb.Plan:
         parts = []
@@ -113,7 +159,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elif isinstance(a, PersistEpoch):
                 self.store.save_epoch(a.epoch)
             elif isinstance(a, SendPlan):
-                plan = self._render_plan(a.plan)
+                plan = self._ticketed(self._render_plan(a.plan))
                 log.info("round %d.%d planned: %d participants, %s, predicted %.3fs (bound %.3fs)%s", plan.round,
                          plan.attempt, len(plan.participants), plan.algorithm, a.plan.predicted_seconds,
                          a.plan.bound_seconds,
@@ -124,6 +170,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elif isinstance(a, SendCommit):
                 r = a.record
                 self.store.save_commit(r)
+                self.metrics.on_commit(r.seconds, self.vote_bytes.pop((r.round, r.attempt), 0))
+                self.vote_bytes = {k: v for k, v in self.vote_bytes.items() if k[0] > r.round}
                 log.info("round %d committed (attempt %d, %d participants, %.3fs, loss %.4f)",
                          r.round, r.attempt, len(r.participants), r.seconds, r.train_loss)
                 ev = pb.RoundEvent(commit=pb.Commit(
@@ -134,6 +182,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elif isinstance(a, SendAbort):
                 r = a.record
                 self.store.save_abort(r)
+                self.metrics.on_abort(r.will_retry)
                 log.warning("round %d.%d aborted: %s; excluded %s; retry=%s", r.round, r.attempt, r.reason,
                             [p[:8] for p in r.excluded], r.will_retry)
                 ev = pb.RoundEvent(abort=pb.Abort(round=r.round, attempt=r.attempt, reason=r.reason,
@@ -141,7 +190,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 for p in list(self.watchers):
                     self._send(p, ev)
             elif isinstance(a, SendSync):
-                self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a.round, a.state_digest, a.donors)))
+                self.metrics.on_sync()
+                self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a.round, a.state_digest, a.donors,
+                                                                          to=a.peer_id)))
             elif isinstance(a, SendFinished):
                 log.info("run finished after %d committed rounds", a.rounds_committed)
                 self.finished_event = pb.RoundEvent(finished=pb.Finished(rounds_committed=a.rounds_committed,
@@ -149,18 +200,31 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 for p in list(self.watchers):
                     self._send(p, self.finished_event)
 
-    def _sync_order(self, round_: int, digest: bytes, donors: tuple[str, ...]) -> pb.SyncOrder:
-        return pb.SyncOrder(round=round_, state_digest=digest, donors=[
+    def _sync_order(self, round_: int, digest: bytes, donors: tuple[str, ...], *, to: str) -> pb.SyncOrder:
+        # The permit is what donors ask for before serving state: proof that `to` is a member.
+        permit = issue_ticket(self.key, round_, SYNC_ATTEMPT, [to], digest, SYNC_PERMIT_SECONDS, now=self.clock())
+        return pb.SyncOrder(round=round_, state_digest=digest, permit=permit, donors=[
             pb.Participant(peer_id=d, address=self.engine.members[d].address,
                            public_key=self.engine.members[d].public_key)
             for d in donors if d in self.engine.members
         ])
 
     async def ticker(self) -> None:
-        """Apply deadlines every TICK_SECONDS until cancelled."""
+        """Apply deadlines every TICK_SECONDS (and refresh the gauges every second) until cancelled."""
+        next_gauges = 0.0
         while True:
-            self.apply(self.engine.tick(self.clock()))
+            now = self.clock()
+            self.apply(self.engine.tick(now))
+            if now >= next_gauges:
+                self.observe()
+                next_gauges = now + METRICS_EVERY_SECONDS
             await asyncio.sleep(TICK_SECONDS)
+
+    def observe(self) -> None:
+        """Copy the engine's membership and link estimates into the metric gauges."""
+        e = self.engine
+        self.metrics.observe_members(e.epoch, e.committed_rounds, [
+            (m.peer_id, m.state, m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds) for m in e.members.values()])
 
     # ------------------------------------------------------------ RPCs
 
@@ -169,10 +233,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             require(len(request.public_key) == 32, "public_key", "must be a raw 32-byte Ed25519 key")
             require(":" in request.data_address, "data_address", "must be HOST:PORT")
             peer_id = peer_id_of(request.public_key)
+            claims = self.admission.admit(request.public_key, request.join_token)
             now = self.clock()
             self.apply(self.engine.join(peer_id, request.public_key, request.data_address, request.num_samples, now,
                                         request.up_bytes_per_s, request.down_bytes_per_s))
-            log.info("peer %s joined from %s", peer_id[:8], request.data_address)
+            log.info("peer %s joined from %s%s", peer_id[:8], request.data_address,
+                     f" (token {claims.label or claims.token_id[:8]})" if claims else "")
             resp = pb.JoinResponse(
                 peer_id=peer_id, lease_seconds=self.engine.config.lease_seconds,
                 heartbeat_interval_seconds=self.engine.config.lease_seconds / 4, epoch=self.engine.epoch,
@@ -181,7 +247,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
             if self.engine.commits:
                 resp.sync.CopyFrom(self._sync_order(self.engine.committed_rounds, self.engine.last_state_digest,
-                                                    self.engine.donors(now, exclude=peer_id)))
+                                                    self.engine.donors(now, exclude=peer_id), to=peer_id))
             return resp
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
@@ -222,7 +288,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 return
             run = self.engine.running
             if run is not None and request.peer_id in run.plan.participants:
-                yield pb.RoundEvent(plan=self._render_plan(run.plan))
+                yield pb.RoundEvent(plan=self._ticketed(self._render_plan(run.plan)))
             while True:
                 ev = await q.get()
                 yield ev
@@ -237,6 +303,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def Vote(self, request: pb.VoteRequest, context) -> pb.VoteResponse:
         async with grpc_errors(context):
+            key = (request.round, request.attempt)
+            self.vote_bytes[key] = self.vote_bytes.get(key, 0) + request.bytes_sent
             try:
                 self.apply(self.engine.vote(
                     request.peer_id, request.round, request.attempt, request.ok, request.result_digest,
@@ -290,8 +358,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 def grpc_options() -> list[tuple[str, int]]:
     return [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", CONTROL_MAX_RECEIVE_BYTES),
+        ("grpc.max_send_message_length", CONTROL_MAX_SEND_BYTES),
         ("grpc.so_reuseport", 0),
     ]
 
@@ -318,20 +386,50 @@ def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Stor
     return engine, store, stored
 
 
+def load_admission(config: CoordinatorConfig) -> Admission:
+    """The admission policy from the configured secret / allow-list files; warns when open.
+
+    Raises:
+        FileNotFoundError, ValueError: a configured file is missing or malformed (or the secret
+            file is readable by others).
+    """
+    secret = load_secret(config.join_token_secret) if config.join_token_secret else None
+    allow = AllowList.from_file(config.allow_list) if config.allow_list else None
+    admission = Admission(secret, allow)
+    if admission.open:
+        log.warning("open admission: any key may join (pass --join-token-secret and/or --allow-list)")
+    else:
+        log.info("admission: %s", " and ".join(
+            x for x in ("join token" if secret else "", f"allow-list of {len(allow)} keys" if allow else "") if x))
+    return admission
+
+
 async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None) -> None:
     """Run the coordinator until `stop` is set (or the task is cancelled); shuts down in order."""
     engine, store, run_config_json = open_state(config, time.time())
     key_path = config.key_path or str(pathlib.Path(config.state_path).with_suffix(".key"))
-    service = CoordinatorService(engine, store, run_config_json, load_or_create_key(key_path))
-    server = grpc.aio.server(options=grpc_options())
+    admission = load_admission(config)
+    service = CoordinatorService(engine, store, run_config_json, load_or_create_key(key_path), admission=admission)
+    interceptors = [
+        DecodeErrors(),
+        SignedCalls(SERVICE_PREFIX, RequestVerifier(), unsigned=UNSIGNED_METHODS,
+                    default_limit=RateLimiter(config.request_rate, config.request_burst),
+                    limits={JOIN: RateLimiter(config.join_rate, config.join_burst)}),
+    ]
+    server = grpc.aio.server(options=grpc_options(), interceptors=interceptors,
+                             maximum_concurrent_rpcs=COORDINATOR_MAX_CONCURRENT_RPCS)
     pb_grpc.add_CoordinatorServicer_to_server(service, server)
-    port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"listen: cannot bind {config.listen}")
+    health = attach(server, (COORDINATOR_SERVICE,))
+    port = add_port(server, config.listen, config.security, "coordinator")
     host = config.listen.rsplit(":", 1)[0]
     await server.start()
+    await health.serving()
+    service.observe()
+    service.metrics.serve(config.metrics_port, config.metrics_host)
     address = f"{host}:{port}"
-    log.info("coordinator listening on %s (state %s)", address, config.state_path)
+    sec = config.security
+    log.info("coordinator listening on %s (%s; state %s)", address,
+             ("mutual TLS" if sec.mtls else "TLS") if sec.tls_dir else "PLAINTEXT", config.state_path)
     if config.ready_file:
         tmp = pathlib.Path(config.ready_file + ".tmp")
         tmp.write_text(address)
@@ -343,5 +441,7 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
             await stop.wait()
             ticker.cancel()
     finally:
+        await health.shutdown()
         await server.stop(grace=1.0)
+        service.metrics.close()
         store.close()

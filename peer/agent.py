@@ -10,6 +10,13 @@ if the peer cannot continue). Failure semantics:
   untouched (the collective never mutates inputs) and it plays the retry if not excluded.
 - Its state is stale (excluded from a committed round, restarted, joined late, digest
   disagrees): it downloads the committed state from donors and verifies its digest first.
+- The workload is closed by its owner (`WorkloadClosed` from `local_update`, e.g. a PyTorch
+  loop that stopped): the agent leaves the swarm cleanly and `run()` returns.
+
+What is trained is pluggable: `PeerAgent(config, workload_factory=...)` takes any
+peer.workload.Workload (default: peer.training.DigitsWorkload on the peer's data shard).
+Metrics (shoal.metrics.PeerMetrics) are always recorded and served when `metrics_port` is set;
+the data-plane server also carries gRPC health checking and reflection.
 """
 
 from __future__ import annotations
@@ -31,13 +38,20 @@ import grpc
 import numpy as np
 
 from peer import faults
+from peer.byzantine import forge
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, add_peer_service, channel_options
+from peer.compression import ErrorFeedback
+from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options, serve_data_plane
 from peer.identity import load_or_create_key, public_bytes
 from peer.links import LinkMeter, probe_missing
+from peer.reduction import OwnerReduction, ReductionSpec
+from peer.security import Security, open_channel, signing_interceptors
 from peer.state_sync import SyncError, download_state
 from peer.tensors import digest, dtype_code
 from peer.training import CommittedState, DigitsWorkload, RunConfig
+from peer.workload import Workload, WorkloadClosed
+from shoal.health import PEER_SERVICE, attach
+from shoal.metrics import PeerMetrics
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
@@ -46,7 +60,7 @@ T = TypeVar("T")
 
 LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,8 @@ class PeerConfig:
     backoff bounds, seconds (exponential with full jitter). round_silence: if no round event
     arrives for this long while waiting, the peer re-announces itself (covers a coordinator that
     restarted and forgot the ready set). sync_donors: donors used in parallel for state sync.
+    advertise: the data-plane HOST:PORT other peers dial (default: the bound address; set it
+    behind NAT or in containers). metrics_port: Prometheus /metrics port, 0 = off.
     """
 
     coordinator: str = "127.0.0.1:7070"
@@ -72,6 +88,13 @@ class PeerConfig:
     sync_donors: int = 3
     sync_range_bytes: int = 256 << 10
     connect_timeout: float = 120.0
+    security: Security = Security(insecure=True)
+    join_token: str = ""
+    advertise: str | None = None
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
+    attack: str = ""  # testing only: send forged updates (peer.byzantine); "" = honest
+    attack_scale: float | None = None
 
 
 class _Reconnected:
@@ -81,17 +104,21 @@ class _Reconnected:
 class PeerAgent(StateSource):
     """One peer of a swarm; see the module docstring."""
 
-    def __init__(self, config: PeerConfig):
+    def __init__(self, config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None,
+                 metrics: PeerMetrics | None = None):
         self.config = config
+        self.workload_factory = workload_factory or (lambda cfg: DigitsWorkload(cfg, config.shard))
+        self.metrics = metrics or PeerMetrics()
         self.key = load_or_create_key(config.key_path)
         self.public_key = public_bytes(self.key)
         self.peer_id = ""
         self.inbox = Inbox()
-        self.transport = Transport()
+        self.transport = Transport(config.security, self.key)
         self.links = LinkMeter()  # passive from the collectives' streams, probes when no history
         self._last_plan: CollectivePlan | None = None
+        self.coordinator_public_key = b""
         self.events: asyncio.Queue[pb.RoundEvent | _Reconnected] = asyncio.Queue()
-        self.workload: DigitsWorkload | None = None
+        self.workload: Workload | None = None
         self.address = ""
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.CoordinatorStub | None = None
@@ -99,10 +126,14 @@ class PeerAgent(StateSource):
         self.heartbeat_interval = 2.5
         self.pending_sync: pb.SyncOrder | None = None
         self.tentative: dict[tuple[int, int], CommittedState] = {}
+        self.feedback = ErrorFeedback()  # compression residuals, updated only on commit
+        self.pending_feedback: dict[tuple[int, int], tuple] = {}
+        self.attack_rng = np.random.default_rng()
         self.bytes_sent = 0
         self.bytes_received = 0
         self.state_syncs = 0
         self.finished = False
+        self.service: PeerService | None = None
         self._blob_cache: tuple[int, bytes, bytes] | None = None
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
 
@@ -141,11 +172,14 @@ class PeerAgent(StateSource):
 
     async def _join(self) -> pb.JoinResponse:
         assert self.stub is not None
-        samples = len(self.workload.data) if self.workload else 0
+        samples = self.workload.num_samples if self.workload else 0
         req = pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
-                             version="0.1.0")
+                             version="0.1.0", join_token=self.config.join_token)
         resp = await self._call(lambda: self.stub.Join(req, timeout=self.config.rpc_timeout), "join")
         self.peer_id = resp.peer_id
+        self.coordinator_public_key = resp.coordinator_public_key
+        if self.service is not None:
+            self.service.coordinator_public_key = resp.coordinator_public_key
         self.lease_seconds = resp.lease_seconds
         self.heartbeat_interval = resp.heartbeat_interval_seconds
         if resp.HasField("sync") and resp.sync.donors:
@@ -202,7 +236,7 @@ class PeerAgent(StateSource):
         assert self.stub is not None and self.workload is not None
         st = self.workload.state
         req = pb.ReadyRequest(peer_id=self.peer_id, round=round_, num_elements=n, dtype=pb.FLOAT32,
-                              num_samples=len(self.workload.data), state_digest=self.committed_state()[2],
+                              num_samples=self.workload.num_samples, state_digest=self.committed_state()[2],
                               state_round=st.rounds)
 
         async def call() -> pb.ReadyResponse:
@@ -239,11 +273,13 @@ class PeerAgent(StateSource):
         t0 = time.monotonic()
         res = await download_state(order, me=self.peer_id, transport=self.transport, k=self.config.sync_donors,
                                    range_bytes=self.config.sync_range_bytes)
-        st = CommittedState.from_bytes(res.blob, self.workload.cfg)
+        st = self.workload.state_from_bytes(res.blob)
         self.workload.apply(st)
         self.tentative.clear()
         self.state_syncs += 1
         self.bytes_received += len(res.blob)
+        self.metrics.on_received(len(res.blob))
+        self.metrics.on_sync(st.rounds, len(res.blob))
         log.info("state synced: round %d, %d bytes from %d donors in %.2fs (failed donors: %d)", st.rounds,
                  len(res.blob), len(res.donors_used), res.seconds, len(res.donors_failed))
         self._emit("state_sync", round=st.rounds, bytes=len(res.blob), seconds=time.monotonic() - t0,
@@ -268,6 +304,7 @@ class PeerAgent(StateSource):
                 with contextlib.suppress(asyncio.CancelledError):
                     await collective
 
+        t_ready = time.monotonic()
         await self._ready(r, update_grad.size)
         try:
             while True:
@@ -304,12 +341,18 @@ class PeerAgent(StateSource):
                         await collective  # our vote is in (the round committed): let it finish
                     st = self.tentative.get((r, ev.commit.attempt))
                     self.tentative.clear()
+                    fb = self.pending_feedback.get((r, ev.commit.attempt))
+                    self.pending_feedback.clear()
                     if self.peer_id in ev.commit.participants and st is not None and st.digest() == ev.commit.state_digest:
                         wl.apply(st)
+                        if fb is not None:
+                            self._commit_feedback(fb)
                         acc = wl.evaluate()
                         self._emit("commit", round=r, attempt=ev.commit.attempt, loss=loss, test_accuracy=acc,
                                    state_digest=ev.commit.state_digest.hex(), participants=len(ev.commit.participants),
-                                   bytes_sent=self.bytes_sent)
+                                   bytes_sent=self.bytes_sent, flagged=list(ev.commit.flagged))
+                        self.metrics.on_commit(r + 1, len(ev.commit.participants), time.monotonic() - t_ready, loss,
+                                               acc)
                         return "committed"
                     # Committed without this peer (excluded, late, or a digest disagreement): its
                     # state is stale. Announce it at once; the coordinator answers with a sync order.
@@ -320,6 +363,7 @@ class PeerAgent(StateSource):
                     if ev.abort.attempt == attempt:
                         await stop_collective()
                     self.tentative.pop((r, ev.abort.attempt), None)
+                    self.metrics.on_abort(ev.abort.will_retry)
                     self._emit("abort", round=r, attempt=ev.abort.attempt, reason=ev.abort.reason,
                                excluded=list(ev.abort.excluded), will_retry=ev.abort.will_retry)
                     if self.peer_id in ev.abort.excluded or not ev.abort.will_retry:
@@ -333,17 +377,18 @@ class PeerAgent(StateSource):
         cp = self._last_plan = CollectivePlan.from_proto(plan)
         if self.peer_id not in cp.participants:
             return
-        self.inbox.start(Session(plan.round, plan.attempt, frozenset(cp.participants), plan.dtype))
-        total = sum(p.num_samples for p in plan.participants) or len(plan.participants)
-        mine = next(p.num_samples for p in plan.participants if p.peer_id == self.peer_id)
-        weight = np.float32((mine or 1) / total)
-        contribution = (update_grad * weight).astype(np.float32)
+        self.inbox.start(Session.from_plan(plan, self.coordinator_public_key))
+        contribution, reducer = self._contribution(plan, cp, update_grad)
         vote = pb.VoteRequest(peer_id=self.peer_id, round=plan.round, attempt=plan.attempt, train_loss=loss)
+        received_before = self.bytes_received
         try:
             res = await all_reduce(contribution, cp, me=self.peer_id, transport=self.transport, inbox=self.inbox,
-                                   links=self.links)
+                                   reducer=reducer, feedback=self.feedback, links=self.links)
+            if not np.isfinite(res.values).all():  # never reached with honest owners; never applied
+                raise CollectiveError("the aggregate holds non-finite values")
             st = wl.tentative(res.values)
             self.tentative[(plan.round, plan.attempt)] = st
+            self.pending_feedback[(plan.round, plan.attempt)] = res.feedback
             self.bytes_sent += res.bytes_sent
             vote.ok = True
             vote.result_digest = res.digest
@@ -351,6 +396,8 @@ class PeerAgent(StateSource):
             vote.bytes_sent = res.bytes_sent
             vote.collective_seconds = res.seconds
             vote.flagged.extend(res.flagged)
+            up, down = self.metrics.on_collective(res.seconds, res.bytes_sent, self.bytes_received - received_before)
+            await self._report_links(up, down)
         except CollectiveError as exc:
             log.warning("round %d.%d collective failed: %s", plan.round, plan.attempt, exc)
             vote.ok = False
@@ -360,26 +407,64 @@ class PeerAgent(StateSource):
             self.inbox.finish(plan.round, plan.attempt)
         await self._vote(vote)
 
+    async def _report_links(self, up: float, down: float) -> None:
+        """Tell the coordinator the passive link estimates (best effort: never fails a round)."""
+        assert self.stub is not None
+        try:
+            await self.stub.ReportLinks(pb.LinkReport(peer_id=self.peer_id, up_bytes_per_s=up, down_bytes_per_s=down),
+                                        timeout=self.config.rpc_timeout)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("link report not delivered: %s", exc.code().name)
+    def _contribution(self, plan: pb.Plan, cp: CollectivePlan, update_grad: np.ndarray) -> tuple[np.ndarray, OwnerReduction | None]:
+        """What this peer sends, and the owner-side reduction (docs/aggregation.md).
+
+        Butterfly: the unweighted pseudo-gradient; owners run the run's aggregator with the
+        plan's sample counts as weights. Ring (plain sum): the pseudo-gradient pre-weighted by
+        n_i / sum n, so the sum is FedAvg's weighted mean.
+        """
+        cfg = self.workload.cfg
+        grad = update_grad.astype(np.float32)
+        if self.config.attack:
+            grad = forge(self.config.attack, grad, self.attack_rng, self.config.attack_scale)
+        if cp.algorithm == "butterfly":
+            name = plan.aggregator or cfg.aggregator
+            spec = cfg.reduction_spec()
+            if name != spec.aggregator:
+                spec = dataclasses.replace(spec, aggregator=name, params={})
+            weights = np.array([p.num_samples or 1 for p in plan.participants], dtype=np.float64)
+            return grad, OwnerReduction(spec, weights, grad.size)
+        total = sum(p.num_samples for p in plan.participants) or len(plan.participants)
+        mine = next(p.num_samples for p in plan.participants if p.peer_id == self.peer_id)
+        return (grad * np.float32((mine or 1) / total)).astype(np.float32), None
+
+    def _commit_feedback(self, updates: tuple) -> None:
+        """Keep exactly the compression residuals of the committed attempt."""
+        self.feedback.reset()
+        for key, compensated, decoded in updates:
+            self.feedback.update(key, compensated, decoded)
+
     # ------------------------------------------------------------ main
 
     async def run(self) -> dict:
         """Join, train until the coordinator finishes the run, leave. Returns a summary dict."""
-        server = grpc.aio.server(options=channel_options())
-        service = PeerService(self.inbox, self, on_bytes=self._count_received, links=self.links)
-        add_peer_service(service, server)
-        port = server.add_insecure_port(self.config.listen)
-        if port == 0:
-            raise OSError(f"listen: cannot bind {self.config.listen}")
-        self.address = f"{self.config.listen.rsplit(':', 1)[0]}:{port}"
-        await server.start()
-        self.channel = grpc.aio.insecure_channel(self.config.coordinator, options=channel_options())
+        self.service = PeerService(self.inbox, self, on_bytes=self._count_received, links=self.links)
+        health_box: list = []
+        server, bound = await serve_data_plane(
+            self.service, self.config.listen, self.config.security,
+            before_start=lambda s: health_box.append(attach(s, (PEER_SERVICE,))))
+        self.address = self.config.advertise or bound
+        health = health_box[0]
+        await health.serving()
+        self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
+        self.channel = open_channel(self.config.coordinator, self.config.security, channel_options(),
+                                    signing_interceptors(self.key))
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         try:
             resp = await self._join()
             cfg = RunConfig.from_json(resp.run_config_json)
-            self.workload = DigitsWorkload(cfg, self.config.shard)
+            self.workload = await asyncio.to_thread(self.workload_factory, cfg)
             log.info("joined as %s (data %s, %d samples, %d params)", self.peer_id[:8], self.address,
-                     len(self.workload.data), self.workload.num_params)
+                     self.workload.num_samples, self.workload.num_params)
             if self.config.ready_file:
                 pathlib.Path(self.config.ready_file).write_text(self.address)
             async with asyncio.TaskGroup() as tg:
@@ -394,7 +479,8 @@ class PeerAgent(StateSource):
             acc = self.workload.evaluate()
             summary = {"peer": self.peer_id, "rounds": self.workload.state.rounds, "test_accuracy": acc,
                        "state_digest": self.committed_state()[2].hex(), "bytes_sent": self.bytes_sent,
-                       "bytes_received": self.bytes_received, "state_syncs": self.state_syncs}
+                       "bytes_received": self.bytes_received, "state_syncs": self.state_syncs,
+                       "params_finite": bool(np.isfinite(self.workload.state.params).all())}
             self._emit("finished", **{k: v for k, v in summary.items() if k != "peer"})
             try:
                 await self.stub.Leave(pb.LeaveRequest(peer_id=self.peer_id), timeout=2.0)
@@ -402,12 +488,15 @@ class PeerAgent(StateSource):
                 pass
             return summary
         finally:
+            await health.shutdown()
             await self.transport.close()
             await self.channel.close()
             await server.stop(grace=0.5)
+            self.metrics.close()
 
     def _count_received(self, n: int) -> None:
         self.bytes_received += n
+        self.metrics.on_received(n)
 
     async def _main_loop(self) -> None:
         wl = self.workload
@@ -420,9 +509,20 @@ class PeerAgent(StateSource):
                 except SyncError as exc:
                     log.warning("state sync failed: %s; asking again", exc)
             faults.hit("train", wl.state.rounds)
-            async with asyncio.TaskGroup() as tg:  # links are probed while the model trains
-                tg.create_task(self._measure_links())
+            measuring = asyncio.create_task(self._measure_links())  # probes run while the model trains
+            try:
                 update = await asyncio.to_thread(wl.local_update)
+            except WorkloadClosed:
+                measuring.cancel()
+                await asyncio.gather(measuring, return_exceptions=True)
+                log.info("workload closed by its owner; leaving the swarm")
+                self.finished = True
+                return
+            except BaseException:
+                measuring.cancel()
+                await asyncio.gather(measuring, return_exceptions=True)
+                raise
+            await measuring
             await self._play_round(update.pseudo_grad, update.loss)
 
     async def _measure_links(self) -> None:
@@ -442,6 +542,6 @@ class PeerAgent(StateSource):
             log.debug("link report not delivered: %s", exc)
 
 
-async def run_peer(config: PeerConfig) -> dict:
+async def run_peer(config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None) -> dict:
     """Run one peer to completion (see PeerAgent)."""
-    return await PeerAgent(config).run()
+    return await PeerAgent(config, workload_factory).run()

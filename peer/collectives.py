@@ -12,6 +12,17 @@ collective exceeds `deadline_seconds`, a peer sends malformed data) the coroutin
 `CollectiveError` naming the peers it suspects; nothing partial is returned, and the caller
 votes "failed" so the coordinator aborts and retries the round without the suspects.
 
+Aggregation and compression. In the butterfly, a shard owner may run an `OwnerReducer` (robust
+aggregator, norm bound, DP noise; see peer.reduction) on the contributions in place of the sum;
+for distance-based aggregators the owners first exchange their shard's partial (p, p) distance
+matrix (phase DISTANCES) and sum them in shard order, so every owner selects the same rows.
+`plan.compression` encodes chunks per hop (peer.compression): a sender compresses its own
+contribution (with error feedback when given an `ErrorFeedback`, whose updates the caller applies
+only after the round commits: `CollectiveResult.feedback`); the peer that produces a shard's
+final value encodes it once, keeps the decoding of its own encoding, and everyone else receives
+(and relays) those same bytes. A peer receiving a non-finite value where only finite ones can be
+(a partial sum on the ring, a reduced shard) blames the sender, so a NaN never enters a result.
+
 References: ring all-reduce (Patarasuk & Yuan 2009, as in Horovod/NCCL); butterfly/direct
 all-reduce with owner-side reduction (hivemind's AllReduceRunner, Ryabinin et al. 2021).
 """
@@ -21,20 +32,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
 
 from peer import faults
-from peer.dataplane import Inbox, SenderGone, Transport
-from peer.tensors import ChunkOut, digest, dtype_code
+from peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
+from peer.dataplane import Inbox, Payload, SenderGone, Transport
+from peer.errors import InvalidArgument
+from peer.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
 
-RS, AG = pb.REDUCE_SCATTER, pb.ALL_GATHER
+RS, AG, DIST = pb.REDUCE_SCATTER, pb.ALL_GATHER, pb.DISTANCES
 SEND_QUEUE_CHUNKS = 16
 
 
@@ -61,6 +75,7 @@ class CollectivePlan:
     chunk_timeout_seconds: float = 5.0
     deadline_seconds: float = 30.0
     ticket: bytes = b""
+    compression: str = "none"
 
     @staticmethod
     def from_proto(plan: pb.Plan) -> "CollectivePlan":
@@ -72,6 +87,7 @@ class CollectivePlan:
             algorithm=plan.algorithm or "ring", chunk_bytes=plan.chunk_bytes or (1 << 20),
             chunk_timeout_seconds=plan.chunk_timeout_seconds or 5.0,
             deadline_seconds=plan.deadline_seconds or 30.0, ticket=plan.ticket,
+            compression=plan.compression or "none",
         )
 
 
@@ -84,11 +100,65 @@ class CollectiveResult:
     bytes_sent: int
     seconds: float
     flagged: tuple[str, ...] = ()
+    # Error-feedback updates (key, compensated, decoded) to apply once the round commits.
+    feedback: tuple[tuple[object, np.ndarray, np.ndarray], ...] = ()
 
 
-# Reducer for one shard at its owner: contributions (p, m) and their participant indices ->
-# (values (m,), indices of rejected contributions). Default: plain sum.
-ShardReducer = Callable[[np.ndarray, int], tuple[np.ndarray, tuple[int, ...]]]
+class OwnerReducer(Protocol):
+    """The reduction a butterfly shard owner runs in place of the sum (see peer.reduction).
+
+    Rows are `(p, hi - lo)` float32, one per participant in plan order, for the slice [lo, hi).
+    """
+
+    needs_distances: bool
+
+    def partial_distances(self, rows: np.ndarray, lo: int, hi: int) -> np.ndarray: ...
+
+    def reduce(self, rows: np.ndarray, lo: int, hi: int,
+               distances: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, ...]]: ...
+
+
+class _Codec:
+    """Per-hop encoding of one collective attempt (see the module docstring)."""
+
+    def __init__(self, name: str, dtype: np.dtype, feedback: ErrorFeedback | None):
+        self.name = name
+        self.on = codec_id(name) != 0 and dtype == np.float32
+        self.feedback = feedback
+        self.pending: list[tuple[object, np.ndarray, np.ndarray]] = []
+
+    def own(self, key: object, values: np.ndarray) -> Payload:
+        """Encode this peer's contribution (error-compensated); the decoding is kept for feedback."""
+        if not self.on:
+            return values
+        c = self.feedback.compensate(key, values) if self.feedback is not None else values
+        if self.name == "int8" and not np.isfinite(c).all():
+            return values  # int8 cannot carry NaN/inf: sent raw, and the owner rejects it
+        enc = encode(c, self.name)
+        if self.feedback is not None:
+            self.pending.append((key, c, decode(enc)))
+        return enc
+
+    def final(self, values: np.ndarray) -> tuple[Payload, np.ndarray]:
+        """Encode a final shard value once: (what is sent, what this peer keeps = what others decode)."""
+        if not self.on:
+            return values, values
+        enc = encode(np.ascontiguousarray(values), self.name)
+        return enc, decode(enc)
+
+
+def _values(payload: Payload, sender: str, *, finite: bool = False) -> np.ndarray:
+    """Decode a received payload; raises CollectiveError blaming `sender` if malformed (or non-finite)."""
+    if isinstance(payload, Encoded):
+        try:
+            v = decode(payload)
+        except InvalidArgument as exc:
+            raise CollectiveError(f"chunk from {sender[:8]} is malformed: {exc}", [sender]) from None
+    else:
+        v = payload
+    if finite and not np.isfinite(v).all():
+        raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
+    return v
 
 
 class _Stream:
@@ -98,26 +168,26 @@ class _Stream:
                  links=None):
         self.transport, self.address, self.peer_id = transport, address, peer_id
         self.plan, self.timeout = plan, timeout
-        self.queue: asyncio.Queue[ChunkOut | None] = asyncio.Queue(SEND_QUEUE_CHUNKS)
+        self.queue: asyncio.Queue[pb.Chunk | None] = asyncio.Queue(SEND_QUEUE_CHUNKS)
         self.bytes_sent = 0
-        self.links = links
+        self.links = links  # peer.links.LinkMeter: one passive upload sample per stream
 
     async def run(self) -> None:
-        first = True
-        t0 = 0.0
+        call = None
         try:
-            call = self.transport.push_chunks(self.address, timeout=self.timeout)
             while (msg := await self.queue.get()) is not None:
-                if first:
-                    msg.meta.ticket = self.plan.ticket
-                    first = False
+                if call is None:  # the stream opens with the ticket, signed with the first chunk
+                    msg.ticket = self.plan.ticket
+                    call = self.transport.stub(self.address).PushChunks(
+                        timeout=self.timeout, metadata=self.transport.push_metadata(msg))
                     t0 = time.perf_counter()
                 await call.write(msg)
-                self.bytes_sent += msg.nbytes
-            await call.done_writing()
-            await call
-            if self.links is not None and not first:
-                self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0)
+                self.bytes_sent += len(msg.data) + len(msg.scale)
+            if call is not None:
+                await call.done_writing()
+                await call
+                if self.links is not None:
+                    self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0)
         except grpc.aio.AioRpcError as exc:
             await self.transport.forget(self.address)
             raise CollectiveError(f"stream to {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
@@ -131,13 +201,16 @@ def _chunk_offsets(size: int, chunk_elems: int) -> range:
 
 
 async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport: Transport, inbox: Inbox,
-                     reducer: ShardReducer | None = None, links=None) -> CollectiveResult:
+                     reducer: OwnerReducer | None = None, feedback: ErrorFeedback | None = None,
+                     links=None) -> CollectiveResult:
     """Sum `x` (1-D, float32 or float16) across the plan's participants; see the module docstring.
 
     `reducer` (butterfly only) replaces the plain sum at the shard owner, e.g. a robust
-    aggregator. `links` (a peer.links.LinkMeter) receives the passive throughput of every
-    outgoing stream and of the whole collective. Returns the result and its digest. Raises
-    CollectiveError on any failure.
+    aggregator; its rejections come back as `flagged`. `feedback` is read (never written): the
+    pending updates are returned in `CollectiveResult.feedback`. `links` (a peer.links.LinkMeter)
+    receives the passive throughput of every outgoing stream and of the whole collective (see
+    peer.links; measurement never changes the result). Returns the result and its
+    digest. Raises CollectiveError on any failure; `x` and `feedback` are never modified.
     """
     t0 = time.monotonic()
     if x.ndim != 1:
@@ -148,16 +221,23 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
     if len(plan.shard_bounds) != len(plan.shard_owner) + 1 or plan.shard_bounds[-1] != x.size:
         raise CollectiveError(f"plan shard_bounds {plan.shard_bounds[-1:]} do not cover {x.size} elements", [])
     if p == 1:
-        out = x.copy()
-        return CollectiveResult(out, digest(out), 0, time.monotonic() - t0)
+        out, flagged = x.copy(), ()
+        if reducer is not None:
+            red, rejected = reducer.reduce(x[None, :], 0, x.size, None)
+            out, flagged = red.astype(x.dtype, copy=False), tuple(plan.participants[r] for r in rejected)
+        return CollectiveResult(out, digest(out), 0, time.monotonic() - t0, flagged)
+    try:
+        codec = _Codec(plan.compression, x.dtype, feedback)
+    except InvalidArgument as exc:
+        raise CollectiveError(f"plan: {exc}", []) from None
     try:
         async with asyncio.timeout(plan.deadline_seconds):
             if plan.algorithm == "butterfly":
-                out, sent, flagged = await _butterfly(x, plan, me, transport, inbox, reducer, links)
+                out, sent, flagged = await _butterfly(x, plan, me, transport, inbox, reducer, codec, links)
             else:
                 if reducer is not None:
                     raise CollectiveError("ring all-reduce supports only the sum; use butterfly for aggregators")
-                out, sent = await _ring(x, plan, me, transport, inbox, links)
+                out, sent = await _ring(x, plan, me, transport, inbox, codec, links)
                 flagged = ()
     except TimeoutError:
         raise CollectiveError(f"collective deadline of {plan.deadline_seconds:.1f}s passed", []) from None
@@ -169,11 +249,12 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
     if links is not None:
         received = sent if plan.algorithm != "butterfly" else _butterfly_received(plan, me, x.itemsize)
         links.observe_collective(sent, received, seconds)
-    return CollectiveResult(out, digest(out), sent, seconds, flagged)
+    return CollectiveResult(out, digest(out), sent, seconds, flagged, tuple(codec.pending))
 
 
 def _butterfly_received(plan: CollectivePlan, me: str, itemsize: int) -> int:
-    """Bytes a butterfly participant receives: the others' parts of its shards, the others' shards."""
+    """Bytes a butterfly participant receives (uncompressed): the others' parts of its shards and
+    the others' shards."""
     i = plan.participants.index(me)
     p = len(plan.participants)
     b = plan.shard_bounds
@@ -195,14 +276,16 @@ def _flatten(e: BaseException):
         yield e
 
 
-def _message(plan: CollectivePlan, me: str, phase: int, step: int, shard: int, off: int, values: np.ndarray) -> ChunkOut:
-    """A chunk of `values` (a view: its bytes are copied when the stream writes it; the
-    collectives never change a region after queueing it, see their comments)."""
-    return ChunkOut(pb.Chunk(round=plan.round, attempt=plan.attempt, sender=me, phase=phase, step=step, shard=shard,
-                             offset=off, dtype=dtype_code(values.dtype), shape=[values.size]), values)
+def _message(plan: CollectivePlan, me: str, phase: int, step: int, shard: int, off: int, values: Payload) -> pb.Chunk:
+    if isinstance(values, Encoded):
+        return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=me, phase=phase, step=step, shard=shard,
+                        offset=off, dtype=pb.FLOAT32, shape=[values.count], data=values.data, scale=values.scale,
+                        codec=values.codec)
+    return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=me, phase=phase, step=step, shard=shard,
+                    offset=off, dtype=dtype_code(values.dtype), shape=[values.size], data=values.tobytes())
 
 
-async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int, int, str]) -> np.ndarray:
+async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int, int, str]) -> Payload:
     phase, step, shard, off, sender = key
     try:
         return await inbox.get((plan.round, plan.attempt, phase, step, shard, off, sender), plan.chunk_timeout_seconds)
@@ -215,10 +298,7 @@ async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int,
 
 
 async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                links=None) -> tuple[np.ndarray, int]:
-    # Chunks are queued as views of `buf`. A region sent in reduce-scatter step s is next written
-    # in all-gather step s+1, whose data causally follows the receipt of that send; regions sent in
-    # the all-gather are final. So no queued view changes before it is written to its stream.
+                codec: _Codec, links=None) -> tuple[np.ndarray, int]:
     p = len(plan.participants)
     i = plan.participants.index(me)
     nxt, prv = (i + 1) % p, (i - 1) % p
@@ -229,10 +309,12 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
     out = _Stream(transport, plan.addresses[nxt], plan.participants[nxt], plan, plan.deadline_seconds, links)
 
     async def schedule() -> None:
-        async def send(phase: int, step: int, shard: int, off: int) -> None:
+        async def send(phase: int, step: int, shard: int, off: int, payload: Payload | None = None) -> None:
             lo = b[shard] + off
             hi = min(b[shard + 1], lo + ce)
-            await out.queue.put(_message(plan, me, phase, step, shard, off, buf[lo:hi]))
+            if payload is None:  # reduce-scatter: this peer's partial sum, compressed per hop
+                payload = codec.own(("rs", lo, hi), buf[lo:hi])
+            await out.queue.put(_message(plan, me, phase, step, shard, off, payload))
 
         first = i % p
         for off in _chunk_offsets(b[first + 1] - b[first], ce):
@@ -240,27 +322,32 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
         for s in range(p - 1):  # reduce-scatter
             shard = (i - s - 1) % p
             for off in _chunk_offsets(b[shard + 1] - b[shard], ce):
-                v = await _receive(inbox, plan, (RS, s, shard, off, prv_id))
+                # An honest peer never forwards a non-finite partial sum, so the first peer that
+                # sees one blames its predecessor: the peer that introduced it.
+                v = _values(await _receive(inbox, plan, (RS, s, shard, off, prv_id)), prv_id, finite=True)
                 faults.hit("rs", plan.round)
                 lo = b[shard] + off
-                if v.size != min(b[shard + 1], lo + ce) - lo:
+                hi = min(b[shard + 1], lo + ce)
+                if v.size != hi - lo:
                     raise CollectiveError(f"chunk from {prv_id[:8]} has {v.size} elements", [prv_id])
-                buf[lo:lo + v.size] += v
+                buf[lo:hi] += v
                 if s < p - 2:
                     await send(RS, s + 1, shard, off)
-                else:  # this shard is final here: start the all-gather with it at once
-                    await send(AG, 0, shard, off)
+                else:  # this shard is final here: encode it once and start the all-gather with it
+                    payload, buf[lo:hi] = codec.final(buf[lo:hi])
+                    await send(AG, 0, shard, off, payload)
         for s in range(p - 1):  # all-gather
             shard = (i - s) % p
             for off in _chunk_offsets(b[shard + 1] - b[shard], ce):
-                v = await _receive(inbox, plan, (AG, s, shard, off, prv_id))
+                payload = await _receive(inbox, plan, (AG, s, shard, off, prv_id))
+                v = _values(payload, prv_id, finite=True)
                 faults.hit("ag", plan.round)
                 lo = b[shard] + off
                 if v.size != min(b[shard + 1], lo + ce) - lo:
                     raise CollectiveError(f"chunk from {prv_id[:8]} has {v.size} elements", [prv_id])
                 buf[lo:lo + v.size] = v
-                if s < p - 2:
-                    await send(AG, s + 1, shard, off)
+                if s < p - 2:  # relay the exact bytes received
+                    await send(AG, s + 1, shard, off, payload)
         await out.queue.put(None)
 
     async with asyncio.TaskGroup() as tg:
@@ -270,73 +357,113 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
 
 
 async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                     reducer: ShardReducer | None, links=None) -> tuple[np.ndarray, int, tuple[str, ...]]:
-    """Direct reduce-scatter to shard owners, owner-side reduction, direct all-gather.
-
-    One stream per remote participant, all concurrent. Each peer sends its parts starting with
-    the owner after itself (i+1, i+2, …), so owners are not all hit by everyone at once. Queued
-    chunks are views of `x` (never changed) or of this peer's own reduced shards (final).
-    """
+                     reducer: OwnerReducer | None, codec: _Codec, links=None) -> tuple[np.ndarray, int, tuple[str, ...]]:
+    """Direct reduce-scatter to shard owners, owner-side reduction, direct all-gather."""
     p = len(plan.participants)
     i = plan.participants.index(me)
     b = plan.shard_bounds
     ce = max(1, plan.chunk_bytes // x.itemsize)
-    buf = np.empty_like(x)  # own shards are reduced into it, the others' arrive into it
+    buf = x.copy()
     streams = {j: _Stream(transport, plan.addresses[j], plan.participants[j], plan, plan.deadline_seconds, links)
                for j in range(p) if j != i}
     my_shards = [k for k, o in enumerate(plan.shard_owner) if o == i]
     flagged: set[str] = set()
+    with_distances = reducer is not None and reducer.needs_distances and p > 1
 
     async def scatter() -> None:
+        # Start with the owner after this peer (i+1, i+2, ...): owners are not all hit at once.
         for k in sorted(range(len(plan.shard_owner)), key=lambda k: ((plan.shard_owner[k] - i) % p, k)):
             owner = plan.shard_owner[k]
             if owner == i:
                 continue
             for off in _chunk_offsets(b[k + 1] - b[k], ce):
                 lo = b[k] + off
-                await streams[owner].queue.put(_message(plan, me, RS, 0, k, off, x[lo:min(b[k + 1], lo + ce)]))
+                hi = min(b[k + 1], lo + ce)
+                payload = codec.own(("bf", lo, hi), x[lo:hi])
+                await streams[owner].queue.put(_message(plan, me, RS, 0, k, off, payload))
+
+    async def contributions(k: int, off: int) -> np.ndarray:
+        """(p, m) rows of one chunk of shard k, plan order (this peer's own row uncompressed)."""
+        lo = b[k] + off
+        hi = min(b[k + 1], lo + ce)
+        rows = []
+        for j in range(p):
+            if j == i:
+                rows.append(x[lo:hi])
+                continue
+            sender = plan.participants[j]
+            v = _values(await _receive(inbox, plan, (RS, 0, k, off, sender)), sender)
+            faults.hit("rs", plan.round)
+            if v.size != hi - lo:
+                raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
+            rows.append(v)
+        return np.stack(rows)
+
+    async def publish(k: int, off: int, red: np.ndarray) -> None:
+        lo = b[k] + off
+        hi = lo + red.size
+        payload, buf[lo:hi] = codec.final(red.astype(x.dtype, copy=False))
+        for st in streams.values():
+            await st.queue.put(_message(plan, me, AG, 0, k, off, payload))
+
+    async def summed_distances(mine: dict[int, np.ndarray]) -> np.ndarray:
+        """Send my shards' partial matrices to the other owners; sum all of them in shard order."""
+        owners = sorted({o for o in plan.shard_owner if o != i})
+        for k, d in mine.items():
+            for o in owners:
+                await streams[o].queue.put(_message(plan, me, DIST, 0, k, 0, np.ascontiguousarray(d, dtype="<f8")))
+        total = np.zeros((p, p), dtype=np.float64)
+        for k, owner in enumerate(plan.shard_owner):
+            if owner == i:
+                part = mine[k]
+            else:
+                sender = plan.participants[owner]
+                part = _values(await _receive(inbox, plan, (DIST, 0, k, 0, sender)), sender)
+                if part.size != p * p or part.dtype != np.float64 or np.isnan(part).any() or (part < 0).any():
+                    raise CollectiveError(f"distance matrix from {sender[:8]} is malformed", [sender])
+                part = part.reshape(p, p)
+            total = total + part
+        return total
 
     async def reduce_own() -> None:
+        if with_distances:
+            assert reducer is not None
+            held: dict[tuple[int, int], np.ndarray] = {}
+            mine: dict[int, np.ndarray] = {}
+            for k in my_shards:
+                d = np.zeros((p, p), dtype=np.float64)
+                for off in _chunk_offsets(b[k + 1] - b[k], ce):
+                    rows = held[(k, off)] = await contributions(k, off)
+                    d = d + reducer.partial_distances(rows, b[k] + off, b[k] + off + rows.shape[1])
+                mine[k] = d
+            total = await summed_distances(mine)
+            for (k, off), rows in held.items():
+                red, rejected = reducer.reduce(rows, b[k] + off, b[k] + off + rows.shape[1], total)
+                flagged.update(plan.participants[r] for r in rejected)
+                await publish(k, off, red)
+            return
         for k in my_shards:
             for off in _chunk_offsets(b[k + 1] - b[k], ce):
-                lo = b[k] + off
-                hi = min(b[k + 1], lo + ce)
-                rows = []
-                acc = buf[lo:hi]
-                if reducer is None:  # plain sum: accumulate in place as contributions arrive
-                    np.copyto(acc, x[lo:hi])
-                for j in range(p):
-                    if j == i:
-                        rows.append(x[lo:hi])
-                        continue
-                    v = await _receive(inbox, plan, (RS, 0, k, off, plan.participants[j]))
-                    faults.hit("rs", plan.round)
-                    if v.size != hi - lo:
-                        raise CollectiveError(f"chunk from {plan.participants[j][:8]} has {v.size} elements",
-                                              [plan.participants[j]])
-                    if reducer is None:
-                        acc += v
-                    else:
-                        rows.append(v)
-                if reducer is not None:
-                    red, rejected = reducer(np.stack(rows), k)
+                rows = await contributions(k, off)
+                if reducer is None:
+                    red = rows.sum(axis=0, dtype=x.dtype)
+                else:
+                    red, rejected = reducer.reduce(rows, b[k] + off, b[k] + off + rows.shape[1], None)
                     flagged.update(plan.participants[r] for r in rejected)
-                    buf[lo:hi] = red.astype(x.dtype, copy=False)
-                for j, st in streams.items():
-                    await st.queue.put(_message(plan, me, AG, 0, k, off, buf[lo:hi]))
+                await publish(k, off, red)
 
     async def gather() -> None:
         for k, owner in enumerate(plan.shard_owner):
             if owner == i:
                 continue
+            sender = plan.participants[owner]
             for off in _chunk_offsets(b[k + 1] - b[k], ce):
                 lo = b[k] + off
                 hi = min(b[k + 1], lo + ce)
-                v = await _receive(inbox, plan, (AG, 0, k, off, plan.participants[owner]))
+                v = _values(await _receive(inbox, plan, (AG, 0, k, off, sender)), sender, finite=reducer is not None)
                 faults.hit("ag", plan.round)
                 if v.size != hi - lo:
-                    raise CollectiveError(f"chunk from {plan.participants[owner][:8]} has {v.size} elements",
-                                          [plan.participants[owner]])
+                    raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
                 buf[lo:hi] = v
 
     async def work() -> None:

@@ -5,6 +5,14 @@
 `PeerService` is the gRPC servicer: it validates each chunk against the running collective and
 hands it to the inbox; it serves committed state to joiners and answers link probes.
 `Transport` owns the outgoing channels, one per remote address, reused across rounds.
+
+Who may push (docs/security.md): a PushChunks stream is accepted only when its first chunk is
+signed by the sender's key (metadata over the chunk, `peer.security.push_metadata`) and carries a
+coordinator-signed round ticket naming the sender, this round attempt and the plan this peer
+holds; every chunk must then match the plan (dtype, 1-D shape within the shard bounds, chunk
+size) and the first chunk's sender/round/attempt. Anything else is refused before a single value
+reaches the inbox. FetchState needs a signed request and a ticket or sync permit naming the
+requester (proof of membership); Probe a signed request.
 """
 
 from __future__ import annotations
@@ -17,30 +25,121 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from peer import faults
-from peer.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted, grpc_errors, require
-from peer.tensors import decode_chunk, parse_chunk, serialize_chunk
+from peer.compression import BLOCK, Encoded
+from peer.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
+                         ResourceExhausted, ShoalError, grpc_errors, require)
+from peer.identity import RequestVerifier
+from peer.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
+from peer.security import (FETCH_STATE, MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
+                           push_metadata, signing_interceptors)
+from peer.tensors import decode_chunk, to_numpy_dtype
+from peer.tickets import plan_digest, verify_membership, verify_ticket
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("shoal.peer.dataplane")
 
-MAX_MESSAGE_BYTES = 8 << 20
+MAX_MESSAGE_BYTES = DATA_MAX_MESSAGE_BYTES
 STATE_CHUNK_BYTES = 1 << 20
+# A stream whose first chunk arrives before the local plan waits this long for it (seconds).
+SESSION_WAIT_SECONDS = 10.0
+MAX_WAITING_STREAMS = 64
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
+# What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
+# payload (codecs 1-3), which the collective decodes, and forwards verbatim where it relays.
+Payload = np.ndarray | Encoded
+
+
+def payload_nbytes(v: Payload) -> int:
+    return v.nbytes if isinstance(v, np.ndarray) else len(v.data) + len(v.scale)
+
+
+def check_encoded(codec: int, count: int, data: bytes, scale: bytes) -> Encoded:
+    """Structure check of a compressed chunk (lengths only; values are checked when decoded).
+
+    Raises InvalidArgument naming the field.
+    """
+    require(codec in (1, 2, 3), "codec", f"unknown codec id {codec}")
+    item = 1 if codec == 3 else 2
+    require(len(data) == count * item, "data", f"{len(data)} bytes, expected {count} x {item}")
+    want_scale = 4 * (-(-count // BLOCK)) if codec == 3 else 0
+    require(len(scale) == want_scale, "scale", f"{len(scale)} bytes, expected {want_scale}")
+    return Encoded(codec, data, scale, count)
 
 
 @dataclass(frozen=True)
 class Session:
-    """What the receiving side knows of the running collective: who may send, what sizes."""
+    """What the receiving side knows of the running collective: who may send, what sizes.
+
+    `ticket_check(ticket, sender)` raises PermissionDenied/InvalidArgument unless the ticket
+    admits `sender` to this attempt; a session without one accepts no stream. shard_bounds
+    (element offsets, len shards+1), chunk_elems (largest chunk, elements) and deadline_seconds
+    (longest life of one stream) come from the plan; empty/0 disables the matching check.
+    """
 
     round: int
     attempt: int
     participants: frozenset[str]
     dtype: int
     ticket_check: Callable[[bytes, str], None] | None = None
+    shard_bounds: tuple[int, ...] = ()
+    chunk_elems: int = 0
+    deadline_seconds: float = 0.0
+
+    @classmethod
+    def from_plan(cls, plan: pb.Plan, coordinator_public_key: bytes) -> Session:
+        """The session of `plan`: only its participants, holding its ticket, may push, and only
+        chunks that fit its dtype and shard bounds."""
+        digest = plan_digest(plan)
+
+        def ticket_check(ticket: bytes, sender: str) -> None:
+            if not ticket:
+                raise PermissionDenied("ticket: missing; a stream must open with the round ticket")
+            verify_ticket(coordinator_public_key, ticket, round=plan.round, attempt=plan.attempt, sender=sender,
+                          expected_plan_digest=digest)
+
+        itemsize = to_numpy_dtype(plan.dtype).itemsize if plan.dtype else 1
+        return cls(plan.round, plan.attempt, frozenset(p.peer_id for p in plan.participants), plan.dtype,
+                   ticket_check, tuple(plan.shard_bounds), max(1, (plan.chunk_bytes or (1 << 20)) // itemsize),
+                   plan.deadline_seconds)
+
+    def check_chunk(self, c: pb.Chunk) -> "Payload":
+        """Check `c` against the plan; returns its payload (an array, or an `Encoded` chunk).
+
+        Raises:
+            PermissionDenied: the sender is not a participant.
+            InvalidArgument: dtype, shape, phase, step, shard, offset, codec or lengths do not
+                fit the plan.
+        """
+        if c.sender not in self.participants:
+            raise PermissionDenied(f"sender: {c.sender[:8]} is not a participant of round {c.round}")
+        require(len(c.shape) == 1, "shape", "chunks are 1-D")
+        count = int(c.shape[0])
+        if c.phase == pb.DISTANCES:
+            require(c.dtype == pb.FLOAT64 and c.codec == 0, "dtype", "distance matrices are raw float64")
+            p = len(self.participants)
+            require(count == p * p, "shape", f"[{count}] is not a {p}x{p} distance matrix")
+            return decode_chunk(c.data, c.dtype, count)
+        require(c.dtype == self.dtype, "dtype", f"{c.dtype} differs from the plan's {self.dtype}")
+        require(c.phase in (pb.REDUCE_SCATTER, pb.ALL_GATHER), "phase", f"unknown phase {c.phase}")
+        require(c.step < max(1, len(self.participants) - 1), "step", f"{c.step} past the plan's steps")
+        if self.chunk_elems:
+            require(0 < count <= self.chunk_elems, "shape", f"[{count}] outside 1..{self.chunk_elems} elements")
+        if self.shard_bounds:
+            shards = len(self.shard_bounds) - 1
+            require(c.shard < shards, "shard", f"{c.shard} past the plan's {shards} shards")
+            size = self.shard_bounds[c.shard + 1] - self.shard_bounds[c.shard]
+            require(c.offset + count <= size, "shape",
+                    f"[{count}] at offset {c.offset} exceeds shard {c.shard} of {size} elements")
+        if c.codec == 0:
+            require(not c.scale, "scale", "must be empty for raw chunks")
+            return decode_chunk(c.data, c.dtype, count)
+        require(c.dtype == pb.FLOAT32, "dtype", "compressed chunks carry float32 tensors")
+        return check_encoded(c.codec, count, c.data, c.scale)
 
 
 class SenderGone(Exception):
@@ -60,7 +159,13 @@ class Inbox:
         self._bytes = 0
         self.session: Session | None = None
         self.floor: tuple[int, int] = (0, 0)
+        self._changed = asyncio.Event()
+        self._waiting = 0
         self._broken: dict[tuple[int, int, str], str] = {}
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def start(self, session: Session) -> None:
         """Open a collective session; drops everything buffered for older attempts."""
@@ -69,6 +174,32 @@ class Inbox:
         for k in [k for k in self._futures if (k[0], k[1]) < self.floor]:
             self._drop(k)
         self._broken = {k: v for k, v in self._broken.items() if (k[0], k[1]) >= self.floor}
+        self._wake()
+
+    async def wait_session(self, round_: int, attempt: int, timeout: float) -> Session:
+        """The session of `round_`/`attempt`, waiting up to `timeout` s for the local plan.
+
+        Raises:
+            FailedPrecondition: the attempt is older than the running one, or no such session
+                started in time.
+            ResourceExhausted: too many streams are already waiting.
+        """
+        if self._waiting >= MAX_WAITING_STREAMS:
+            raise ResourceExhausted(f"round: {self._waiting} streams already wait for a plan")
+        self._waiting += 1
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    s = self.session
+                    if s is not None and (s.round, s.attempt) == (round_, attempt):
+                        return s
+                    if (round_, attempt) < self.floor:
+                        raise FailedPrecondition(f"round: {round_}.{attempt} is older than the running {self.floor}")
+                    await self._changed.wait()
+        except TimeoutError:
+            raise FailedPrecondition(f"round: no plan for {round_}.{attempt} here within {timeout:.0f}s") from None
+        finally:
+            self._waiting -= 1
 
     def finish(self, round_: int, attempt: int) -> None:
         for k in [k for k in self._futures if (k[0], k[1]) == (round_, attempt)]:
@@ -76,11 +207,12 @@ class Inbox:
         if self.session is not None and (self.session.round, self.session.attempt) == (round_, attempt):
             self.session = None
             self.floor = (round_, attempt + 1)
+        self._wake()
 
     def _drop(self, k: ChunkKey) -> None:
         f = self._futures.pop(k)
         if f.done() and not f.cancelled() and f.exception() is None:
-            self._bytes -= f.result().nbytes
+            self._bytes -= payload_nbytes(f.result())
         elif not f.done():
             f.cancel()
 
@@ -93,11 +225,11 @@ class Inbox:
             if (k[0], k[1], k[6]) == (round_, attempt, sender) and not f.done():
                 f.set_exception(SenderGone(reason))
 
-    def deliver(self, key: ChunkKey, values: np.ndarray) -> None:
+    def deliver(self, key: ChunkKey, values: Payload) -> None:
         """Store an arrived chunk. Raises FailedPrecondition (stale), ResourceExhausted (full)."""
         if (key[0], key[1]) < self.floor:
             raise FailedPrecondition(f"round: chunk for {key[0]}.{key[1]} is older than the running {self.floor}")
-        if self._bytes + values.nbytes > self.max_bytes:
+        if self._bytes + payload_nbytes(values) > self.max_bytes:
             raise ResourceExhausted(f"data: inbox holds {self._bytes} bytes, limit {self.max_bytes}")
         f = self._futures.get(key)
         if f is None:
@@ -105,9 +237,9 @@ class Inbox:
         if f.done():
             raise InvalidArgument(f"offset: duplicate chunk {key[2:]}")
         f.set_result(values)
-        self._bytes += values.nbytes
+        self._bytes += payload_nbytes(values)
 
-    async def get(self, key: ChunkKey, timeout: float) -> np.ndarray:
+    async def get(self, key: ChunkKey, timeout: float) -> Payload:
         """Wait up to `timeout` seconds for a chunk. Raises TimeoutError."""
         f = self._futures.get(key)
         if f is None:
@@ -118,7 +250,7 @@ class Inbox:
         async with asyncio.timeout(timeout):
             values = await asyncio.shield(f)
         self._futures.pop(key, None)
-        self._bytes -= values.nbytes
+        self._bytes -= payload_nbytes(values)
         return values
 
 
@@ -130,15 +262,26 @@ class StateSource:
 
 
 class PeerService(pb_grpc.PeerServicer):
-    """shoal.v1.Peer: receives chunks, serves committed state, answers probes."""
+    """shoal.v1.Peer: receives chunks, serves committed state, answers probes (see the module
+    docstring for who may call what). `coordinator_public_key` is set once the peer has joined;
+    until then every stream and state request is refused (FAILED_PRECONDITION)."""
 
     def __init__(self, inbox: Inbox, state: StateSource | None = None, *, on_bytes: Callable[[int], None] | None = None,
-                 links=None):
+                 verifier: RequestVerifier | None = None, coordinator_public_key: bytes = b"",
+                 session_wait: float = SESSION_WAIT_SECONDS, links=None):
+        self.links = links  # peer.links.LinkMeter: one passive download sample per stream
         self.inbox = inbox
         self.state = state
         self.on_bytes = on_bytes or (lambda n: None)
-        self.links = links  # peer.links.LinkMeter: passive download samples, one per stream
         self.chunks_received = 0
+        self.verifier = verifier or RequestVerifier()
+        self.coordinator_public_key = coordinator_public_key
+        self.session_wait = session_wait
+
+    def _coordinator_key(self) -> bytes:
+        if len(self.coordinator_public_key) != 32:
+            raise FailedPrecondition("round: this peer has not joined a swarm yet")
+        return self.coordinator_public_key
 
     async def PushChunks(self, request_iterator: AsyncIterator[pb.Chunk], context) -> pb.PushAck:
         """Receive one sender's chunks for one round attempt into the inbox.
@@ -148,56 +291,86 @@ class PeerService(pb_grpc.PeerServicer):
         detected in milliseconds rather than at the chunk deadline.
         """
         n = 0
+        # `origin` is set only once the stream is authenticated (signature + ticket), so a stranger
+        # naming a participant cannot make its waits fail. A refused chunk (wrong shape, dtype...)
+        # delivers nothing and does not count as a broken stream: the sender is alive, and if it
+        # never sends valid chunks the chunk deadline blames it.
         origin: tuple[int, int, str] | None = None
+        refused = False
         t_first = t_last = 0.0
         first_bytes = total_bytes = 0
         try:
             async with grpc_errors(context):
-                s = self.inbox.session
-                async for c in request_iterator:
-                    if origin is None:
-                        origin = (c.round, c.attempt, c.sender)
-                        s = self.inbox.session
-                        if s is not None and s.ticket_check is not None and (c.round, c.attempt) == (s.round, s.attempt):
-                            s.ticket_check(c.ticket, c.sender)
-                    elif (c.round, c.attempt, c.sender) != origin:
-                        raise InvalidArgument("sender: one stream carries one sender's chunks of one round attempt")
-                    if s is None or (s.round, s.attempt) != (c.round, c.attempt):
-                        s = self.inbox.session
-                    if s is not None and (c.round, c.attempt) == (s.round, s.attempt):
-                        if c.sender not in s.participants:
-                            raise PermissionDenied(f"sender: {c.sender[:8]} is not a participant of round {c.round}")
-                        require(c.dtype == s.dtype, "dtype", f"{c.dtype} differs from the plan's {s.dtype}")
-                    require(len(c.shape) == 1, "shape", "chunks are 1-D")
-                    values = decode_chunk(c.data, c.dtype, int(c.shape[0]))
-                    self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
-                    nb = len(c.data)
-                    self.on_bytes(nb)
-                    t_last = time.perf_counter()
-                    if n == 0:
-                        t_first, first_bytes = t_last, nb
-                    total_bytes += nb
-                    n += 1
+                it = aiter(request_iterator)
+                try:
+                    first = await anext(it)
+                except StopAsyncIteration:
+                    return pb.PushAck(chunks=0)
+                require(bool(first.sender), "sender", "missing")
+                # Who: the signature binds the stream to the sender's key (peer id = hash of it).
+                self.verifier.verify(context.invocation_metadata() or (), PUSH_CHUNKS, first)
+                # May they: a coordinator-signed ticket naming them for this attempt, checked before
+                # any waiting so a stranger holds no buffer and no waiting slot.
+                key = self._coordinator_key()
+                if not first.ticket:
+                    raise PermissionDenied("ticket: missing; a stream must open with the round ticket")
+                verify_ticket(key, first.ticket, round=first.round, attempt=first.attempt, sender=first.sender)
+                s = await self.inbox.wait_session(first.round, first.attempt, self.session_wait)
+                if s.ticket_check is None:
+                    raise FailedPrecondition("round: the running session accepts no streams (no ticket check)")
+                s.ticket_check(first.ticket, first.sender)
+                origin = (first.round, first.attempt, first.sender)
+                try:
+                    async with asyncio.timeout(s.deadline_seconds or None):
+                        c = first
+                        while True:
+                            if c is not first and (c.round, c.attempt, c.sender) != origin:
+                                raise InvalidArgument(
+                                    "sender: one stream carries one sender's chunks of one round attempt")
+                            values = s.check_chunk(c)
+                            self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender),
+                                               values)
+                            nb = len(c.data) + len(c.scale)
+                            self.on_bytes(nb)
+                            t_last = time.perf_counter()
+                            if n == 0:
+                                t_first, first_bytes = t_last, nb
+                            total_bytes += nb
+                            n += 1
+                            try:
+                                c = await anext(it)
+                            except StopAsyncIteration:
+                                break
+                except TimeoutError:
+                    raise DeadlineExceeded(
+                        f"round: stream outlived the plan's {s.deadline_seconds:.0f}s deadline") from None
+                except ShoalError:
+                    refused = True
+                    raise
         except BaseException as exc:
-            if origin is not None:
+            if origin is not None and not refused:
                 self.inbox.fail_sender(*origin, f"stream from {origin[2][:8]} broke: {type(exc).__name__}")
             raise
         finally:
             self.chunks_received += n
-        if self.links is not None and origin is not None:
+        if self.links is not None and origin is not None and n > 1:
             # The first chunk's own transfer time is unknown: count the bytes after it.
             self.links.observe_receive(origin[2], total_bytes - first_bytes, t_last - t_first)
         return pb.PushAck(chunks=n)
 
     async def FetchState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.StateChunk]:
-        if self.state is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "round: this peer serves no state")
-        rounds, blob, dig = self.state.committed_state()
-        if request.round != rounds:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"round: this peer holds state of round {rounds}, not {request.round}")
-        if request.offset > len(blob):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"offset: {request.offset} past {len(blob)} bytes")
+        async with grpc_errors(context):
+            require(bool(request.peer_id), "peer_id", "missing")
+            permit = next((v for k, v in (context.invocation_metadata() or ()) if k == MD_TICKET), b"")
+            if not permit:
+                raise PermissionDenied(f"{MD_TICKET}: missing; FetchState needs a round ticket or sync permit")
+            verify_membership(self._coordinator_key(), permit, peer_id=request.peer_id)
+            if self.state is None:
+                raise FailedPrecondition("round: this peer serves no state")
+            rounds, blob, dig = self.state.committed_state()
+            if request.round != rounds:
+                raise FailedPrecondition(f"round: this peer holds state of round {rounds}, not {request.round}")
+            require(request.offset <= len(blob), "offset", f"{request.offset} past {len(blob)} bytes")
         end = len(blob) if request.length == 0 else min(len(blob), request.offset + request.length)
         for off in range(request.offset, end, STATE_CHUNK_BYTES):
             piece = blob[off:min(end, off + STATE_CHUNK_BYTES)]
@@ -209,6 +382,25 @@ class PeerService(pb_grpc.PeerServicer):
         async with grpc_errors(context):
             require(request.reply_bytes <= MAX_MESSAGE_BYTES // 2, "reply_bytes", f"at most {MAX_MESSAGE_BYTES // 2}")
             return pb.ProbeResponse(payload=bytes(request.reply_bytes))
+
+
+async def serve_data_plane(service: PeerService, listen: str, security: Security, *,
+                           rate_per_s: float = 2000.0, burst: int = 4000,
+                           before_start: Callable[[grpc.aio.Server], object] | None = None,
+                           ) -> tuple[grpc.aio.Server, str]:
+    """Start the data-plane server for `service` on `listen` (TLS per `security`); returns the
+    started server and its HOST:PORT. Calls are rate limited per host and FetchState/Probe must
+    be signed (PushChunks is checked by the handler). Raises OSError when `listen` cannot be bound."""
+    interceptors = [DecodeErrors(), SignedCalls("/shoal.v1.Peer/", service.verifier,
+                                                default_limit=RateLimiter(rate_per_s, burst))]
+    server = grpc.aio.server(options=channel_options(), interceptors=interceptors,
+                             maximum_concurrent_rpcs=PEER_MAX_CONCURRENT_RPCS)
+    pb_grpc.add_PeerServicer_to_server(service, server)
+    if before_start is not None:
+        before_start(server)  # e.g. add the health and reflection services
+    port = add_port(server, listen, security, "peer")
+    await server.start()
+    return server, f"{listen.rsplit(':', 1)[0]}:{port}"
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -224,53 +416,31 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-def add_peer_service(service: pb_grpc.PeerServicer, server: grpc.aio.Server) -> None:
-    """Register a shoal.v1.Peer servicer like `add_PeerServicer_to_server`, except that incoming
-    chunks are parsed without copying their payload (`peer.tensors.parse_chunk`: the servicer
-    gets `ChunkView`s, which read like shoal.v1.Chunk)."""
-    handlers = {
-        "PushChunks": grpc.stream_unary_rpc_method_handler(
-            service.PushChunks, request_deserializer=parse_chunk, response_serializer=pb.PushAck.SerializeToString),
-        "FetchState": grpc.unary_stream_rpc_method_handler(
-            service.FetchState, request_deserializer=pb.StateRequest.FromString,
-            response_serializer=pb.StateChunk.SerializeToString),
-        "Probe": grpc.unary_unary_rpc_method_handler(
-            service.Probe, request_deserializer=pb.ProbeRequest.FromString,
-            response_serializer=pb.ProbeResponse.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("shoal.v1.Peer", handlers),))
-    server.add_registered_method_handlers("shoal.v1.Peer", handlers)
-
-
 class Transport:
-    """Outgoing data-plane channels, one per remote address, reused across rounds."""
+    """Outgoing data-plane channels, one per remote address, reused across rounds.
 
-    def __init__(self, credentials: grpc.ChannelCredentials | None = None):
-        self.credentials = credentials
+    With a `key`, unary and server-streaming calls are signed with it (PushChunks streams are
+    signed by their first chunk, `push_metadata`); `security` picks TLS or plaintext.
+    """
+
+    def __init__(self, security: Security | None = None, key: Ed25519PrivateKey | None = None):
+        self.security = security or Security(insecure=True)
+        self.key = key
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.bytes_sent = 0
         self.created = time.monotonic()
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            if self.credentials is not None:
-                ch = grpc.aio.secure_channel(address, self.credentials, options=channel_options())
-            else:
-                ch = grpc.aio.insecure_channel(address, options=channel_options())
-            self._channels[address] = ch
-        return ch
+    def push_metadata(self, first_chunk: pb.Chunk) -> tuple[tuple[str, str], ...] | None:
+        """Signature metadata for a PushChunks stream opening with `first_chunk`."""
+        return None if self.key is None else push_metadata(self.key, first_chunk)
 
     def stub(self, address: str) -> pb_grpc.PeerStub:
-        return pb_grpc.PeerStub(self.channel(address))
-
-    def push_chunks(self, address: str, timeout: float | None = None):
-        """Open a PushChunks stream that accepts `ChunkOut` (payload copied once, at write) as
-        well as shoal.v1.Chunk messages; same wire format as `stub(address).PushChunks`."""
-        call = self.channel(address).stream_unary(
-            "/shoal.v1.Peer/PushChunks", request_serializer=serialize_chunk,
-            response_deserializer=pb.PushAck.FromString)
-        return call(timeout=timeout)
+        ch = self._channels.get(address)
+        if ch is None:
+            interceptors = signing_interceptors(self.key) if self.key is not None else None
+            ch = open_channel(address, self.security, channel_options(), interceptors)
+            self._channels[address] = ch
+        return pb_grpc.PeerStub(ch)
 
     async def forget(self, address: str) -> None:
         """Close the channel to `address` (after a failure, so the next use reconnects fresh)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from peer.dataplane import Transport
+from peer.security import MD_TICKET
 from peer.tensors import digest
 from shoal.v1 import shoal_pb2 as pb
 
@@ -42,12 +43,13 @@ class SyncResult:
 
 
 async def _fetch(transport: Transport, donor: pb.Participant, me: str, round_: int, offset: int, length: int,
-                 timeout: float) -> tuple[bytes, int, bytes]:
+                 timeout: float, permit: bytes = b"") -> tuple[bytes, int, bytes]:
     stub = transport.stub(donor.address)
     parts: list[bytes] = []
     total, dig = 0, b""
+    # The donor serves only members: the coordinator's sync permit names this peer.
     async for c in stub.FetchState(pb.StateRequest(peer_id=me, round=round_, offset=offset, length=length),
-                                   timeout=timeout):
+                                   timeout=timeout, metadata=((MD_TICKET, permit),) if permit else None):
         if c.offset != offset + sum(len(p) for p in parts):
             raise SyncError(f"donor {donor.peer_id[:8]} sent offset {c.offset} out of order")
         parts.append(c.data)
@@ -59,24 +61,24 @@ async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, 
                          range_bytes: int = RANGE_BYTES, timeout: float = 3.0) -> SyncResult:
     """Download and verify the state named by `order` from up to `k` of its donors in parallel.
 
-    Donors are tried in an order rotated by the requester's id, so simultaneous joiners spread
-    over donors. Raises SyncError when no donor can complete it or the digest does not match.
+    Donors are tried in the order of the order (the coordinator rotates it per joiner, so
+    simultaneous joiners start at different donors). Raises SyncError when no donor can complete it or the digest does not match.
     """
     t0 = time.monotonic()
     donors = [d for d in order.donors if d.peer_id != me]
     if not donors:
         raise SyncError("no donors")
-    shift = int(me[:8], 16) % len(donors) if me else 0
-    donors = donors[shift:] + donors[:shift]
     failed: list[str] = []
     # Learn the size from the first donor that answers.
     first_blob = b""
     total = -1
     for d in list(donors):
         try:
-            first_blob, total, dig = await _fetch(transport, d, me, order.round, 0, range_bytes, timeout)
+            first_blob, total, dig = await _fetch(transport, d, me, order.round, 0, range_bytes, timeout,
+                                                      order.permit)
             if order.state_digest and dig and dig != order.state_digest:
                 raise SyncError(f"donor {d.peer_id[:8]} holds digest {dig.hex()[:12]}, not the committed one")
+            first_donor = d.peer_id
             break
         except (grpc.aio.AioRpcError, SyncError, asyncio.TimeoutError) as exc:
             log.warning("state sync: donor %s failed: %s", d.peer_id[:8], _why(exc))
@@ -88,7 +90,7 @@ async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, 
     for off in range(len(first_blob), total, range_bytes):
         ranges.put_nowait(off)
     pieces: dict[int, bytes] = {0: first_blob}
-    used: set[str] = set()
+    used: set[str] = {first_donor}
     alive = list(donors[:k])
 
     async def worker(d: pb.Participant) -> None:
@@ -98,7 +100,7 @@ async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, 
             except asyncio.QueueEmpty:
                 return
             try:
-                data, _, _ = await _fetch(transport, d, me, order.round, off, range_bytes, timeout)
+                data, _, _ = await _fetch(transport, d, me, order.round, off, range_bytes, timeout, order.permit)
             except (grpc.aio.AioRpcError, SyncError, asyncio.TimeoutError) as exc:
                 log.warning("state sync: donor %s failed mid-transfer: %s; switching donor", d.peer_id[:8], _why(exc))
                 failed.append(d.peer_id)

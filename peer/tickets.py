@@ -157,3 +157,45 @@ def verify_ticket(
     if sender not in decoded.participants:
         raise PermissionDenied(f"sender: {sender!r} is not a participant of round {round}")
     return decoded
+
+
+# A sync permit is a ticket for attempt SYNC_ATTEMPT (never a real attempt) naming one peer, with
+# the committed state digest as its plan digest: it lets that peer fetch committed state from
+# donors (`FetchState`). A round ticket proves membership as well (its participants are members).
+SYNC_ATTEMPT = (1 << 32) - 1
+
+
+def ticket_round(ticket: bytes) -> tuple[int, int]:
+    """(round, attempt) a ticket claims, read WITHOUT checking its signature (use it only to pick
+    the arguments of `verify_ticket`, which checks everything).
+
+    Raises:
+        InvalidArgument: the ticket is malformed (as in `verify_ticket`).
+    """
+    if not ticket:
+        raise InvalidArgument("ticket: missing")
+    if len(ticket) > MAX_TICKET_BYTES or len(ticket) < 4 + SIGNATURE_BYTES:
+        raise InvalidArgument(f"ticket: {len(ticket)} bytes is not a ticket")
+    n = int.from_bytes(ticket[:4], "big")
+    if 4 + n + SIGNATURE_BYTES != len(ticket):
+        raise InvalidArgument(f"ticket: length prefix {n} does not match {len(ticket)} bytes")
+    decoded = shoal_pb2.RoundTicket()
+    try:
+        decoded.ParseFromString(ticket[4 : 4 + n])
+    except DecodeError:
+        raise InvalidArgument("ticket: body is not a RoundTicket") from None
+    return decoded.round, decoded.attempt
+
+
+def verify_membership(
+    coordinator_public_key: bytes, ticket: bytes, *, peer_id: str, now: float | None = None
+) -> shoal_pb2.RoundTicket:
+    """Check that `ticket` (a round ticket or a sync permit) is coordinator-signed, unexpired, and
+    names `peer_id`: proof that the coordinator admitted `peer_id` recently.
+
+    Raises:
+        InvalidArgument: the ticket is malformed.
+        PermissionDenied: bad signature, expired, or `peer_id` is not named.
+    """
+    round_, attempt = ticket_round(ticket)
+    return verify_ticket(coordinator_public_key, ticket, round=round_, attempt=attempt, sender=peer_id, now=now)

@@ -26,7 +26,9 @@ import numpy as np
 from peer.data import NUM_CLASSES, NUM_FEATURES, Dataset, load_digits_split, partition
 from peer.errors import InvalidArgument
 from peer.model import Adam, MLPShape, init_params, loss_and_grad, predict
+from peer.compression import codec_id
 from peer.outer import OuterOptimizer, fedprox_grad, make_outer
+from peer.reduction import ReductionSpec
 from peer.tensors import digest
 
 _MAGIC = b"SHOALST1"
@@ -40,6 +42,11 @@ class RunConfig:
     lr: inner Adam learning rate. outer / outer_params: outer optimizer (default by algorithm:
     diloco -> Nesterov lr 0.7 momentum 0.9; fedavg -> sgd lr 1.0). num_shards: how many parts
     the training data is cut into (a peer picks its part with --shard).
+    Aggregation (docs/aggregation.md): aggregator / aggregator_params: what shard owners run
+    ("mean" = FedAvg; any other forces the butterfly collective); max_norm: whole-vector L2 bound
+    on each contribution, 0 = none; on_norm: "clip" or "reject" beyond it; dp_sigma: Gaussian
+    noise multiplier added once by each owner (needs max_norm); compression: per-hop wire codec
+    ("none", "fp16", "bf16", "int8"); fedprox_mu: FedProx proximal term of the inner loss.
     """
 
     algorithm: str = "diloco"
@@ -56,12 +63,28 @@ class RunConfig:
     aggregator: str = "mean"
     aggregator_params: dict = field(default_factory=dict)
     compression: str = "none"
+    max_norm: float = 0.0
+    on_norm: str = "clip"
+    dp_sigma: float = 0.0
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "fedavg"):
             raise InvalidArgument(f"algorithm: {self.algorithm!r} is not diloco or fedavg")
         if self.inner_steps < 1:
             raise InvalidArgument("inner_steps: must be >= 1")
+        if not (self.fedprox_mu >= 0):
+            raise InvalidArgument("fedprox_mu: must be >= 0")
+        self.reduction_spec().check()
+        codec_id(self.compression)
+        make_outer(self.outer_name, **self.outer_params)
+
+    def reduction_spec(self) -> ReductionSpec:
+        return ReductionSpec(self.aggregator, dict(self.aggregator_params), self.max_norm, self.on_norm, self.dp_sigma)
+
+    @property
+    def owner_reduction(self) -> bool:
+        """Whether shard owners must see every contribution (anything beyond a plain weighted sum)."""
+        return self.aggregator not in ("mean", "fedavg") or self.max_norm > 0 or self.dp_sigma > 0
 
     @property
     def outer_name(self) -> str:
@@ -132,7 +155,8 @@ class LocalUpdate:
 
 
 class DigitsWorkload:
-    """The default workload: an MLP on one part of the UCI digits training set."""
+    """The default workload (a peer.workload.Workload): an MLP on one part of the UCI digits
+    training set."""
 
     def __init__(self, cfg: RunConfig, shard: int):
         self.cfg = cfg
@@ -146,6 +170,13 @@ class DigitsWorkload:
     @property
     def num_params(self) -> int:
         return self.shape.num_params
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.data)
+
+    def state_from_bytes(self, blob: bytes) -> CommittedState:
+        return CommittedState.from_bytes(blob, self.cfg)
 
     def local_update(self) -> LocalUpdate:
         """Run `inner_steps` local steps from the committed parameters; returns the pseudo-gradient."""

@@ -1,7 +1,15 @@
-"""The `shoal` command: coordinator, peer, swarm, status and tools.
+"""The `shoal` command: coordinator, peer, swarm and status.
 
-Exit codes: 0 success; 1 the job failed (e.g. a swarm process died, a bar was not met); 2 bad
-usage or configuration; 130 interrupted (Ctrl-C).
+Every subcommand takes `--config shoal.toml`, `--log-level` and `--log-format text|json`, and
+one flag per setting of the configuration sections it reads (shoal.config; precedence: defaults
+< TOML file < SHOAL_<SECTION>_<KEY> environment < flags; all listed in docs/configuration.md).
+
+Exit codes (the same for every subcommand):
+    0    success (the run finished, the status was printed)
+    1    the job failed (a swarm process died, the run timed out, a peer gave up)
+    2    bad usage or configuration (unknown flag, bad TOML, wrong type, invalid value)
+    3    unavailable: the coordinator cannot be reached, or an address cannot be bound
+    130  interrupted (Ctrl-C / SIGINT)
 """
 
 from __future__ import annotations
@@ -10,9 +18,17 @@ import argparse
 import asyncio
 import json
 import logging
+import os
+import signal
 import sys
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+from shoal import config as config_mod
+from peer.errors import InvalidArgument
+from shoal.config import ConfigError, ShoalConfig
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+log = logging.getLogger("shoal.cli")
 
 
 def setup_logging(level: str = "info", fmt: str = "text") -> None:
@@ -21,8 +37,10 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     if fmt == "json":
         class _Json(logging.Formatter):
             def format(self, r: logging.LogRecord) -> str:
-                return json.dumps({"t": r.created, "level": r.levelname.lower(), "logger": r.name,
-                                   "msg": r.getMessage()})
+                rec = {"t": r.created, "level": r.levelname.lower(), "logger": r.name, "msg": r.getMessage()}
+                if r.exc_info:
+                    rec["exc"] = self.formatException(r.exc_info)
+                return json.dumps(rec)
         handler.setFormatter(_Json())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
@@ -32,151 +50,263 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
 def _run(coro) -> None:
     try:
         import uvloop
-
-        uvloop.run(coro)
     except ImportError:  # pragma: no cover - non-Linux
         asyncio.run(coro)
+    else:
+        uvloop.run(coro)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"])
+def _is_unavailable(exc: BaseException) -> bool:
+    import grpc
+
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def _add_run_config(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("training run")
-    g.add_argument("--algorithm", default="diloco", choices=["diloco", "fedavg"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--inner-steps", type=int, default=50, help="local optimizer steps per round (H)")
-    g.add_argument("--lr", type=float, default=3e-3, help="inner Adam learning rate")
-    g.add_argument("--non-iid", action="store_true", help="label-skewed data split across peers")
+# ------------------------------------------------------------------------------ subcommands
 
 
-def _add_engine(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("rounds")
-    g.add_argument("--rounds", type=int, default=20, help="committed rounds to run (0 = forever)")
-    g.add_argument("--min-peers", type=int, default=2, help="quorum: fewest participants of a round")
-    g.add_argument("--initial-peers", type=int, default=0, help="round 0 waits for this many ready peers")
-    g.add_argument("--lease-seconds", type=float, default=10.0)
-    g.add_argument("--straggler-timeout", type=float, default=5.0,
-                   help="after the first ready, wait at most this long for the other members")
-    g.add_argument("--collective-timeout", type=float, default=30.0)
-    g.add_argument("--chunk-timeout", type=float, default=2.0,
-                   help="floor of the per-chunk deadline, seconds (see docs/fault-tolerance.md)")
-    g.add_argument("--max-attempts", type=int, default=5)
-    g.add_argument("--algorithm-collective", default="auto", choices=["ring", "butterfly", "auto"],
-                   help="all-reduce algorithm (auto: chosen by the planner from the peers' measured links; "
-                        "butterfly with equal shards until links are known)")
-    g.add_argument("--chunk-bytes", type=int, default=1 << 20, help="data-plane chunk size (bytes)")
+def _security(tls_dir: str | None, mtls: bool, insecure: bool, who: str):
+    """The TLS/plaintext choice of a process; raises ValueError when neither is given."""
+    from peer.security import Security
+
+    sec = Security(tls_dir=tls_dir, mtls=mtls, insecure=insecure)
+    sec.check(who)
+    return sec
 
 
-def _engine_config(a: argparse.Namespace):
-    from coordinator.rounds import EngineConfig
+def cmd_certs_init(a: argparse.Namespace) -> int:
+    from shoal.certs import init_certs
 
-    return EngineConfig(min_peers=a.min_peers, initial_peers=a.initial_peers, lease_seconds=a.lease_seconds, ready_timeout=a.straggler_timeout,
-                        collective_timeout=a.collective_timeout, chunk_timeout=a.chunk_timeout,
-                        max_attempts=a.max_attempts, total_rounds=a.rounds,
-                        algorithm=a.algorithm_collective, chunk_bytes=a.chunk_bytes)
-
-
-def _run_config(a: argparse.Namespace, num_shards: int):
-    from peer.training import RunConfig
-
-    return RunConfig(algorithm=a.algorithm, seed=a.seed, inner_steps=a.inner_steps, lr=a.lr, non_iid=a.non_iid,
-                     num_shards=num_shards)
+    try:
+        paths = init_certs(a.out, hosts=a.host or ("127.0.0.1", "localhost"), days=a.days, overwrite=a.force)
+    except (FileExistsError, ValueError) as exc:
+        print(f"shoal certs init: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {paths.dir}: ca.pem ca.key coordinator.pem coordinator.key peer.pem peer.key "
+          f"(keys 0600; keep ca.key offline)")
+    return EXIT_OK
 
 
-def cmd_coordinator(a: argparse.Namespace) -> int:
+def cmd_token_create(a: argparse.Namespace) -> int:
+    import pathlib
+
+    from coordinator.admission import create_secret, create_token, load_secret
+
+    try:
+        secret = load_secret(a.secret) if pathlib.Path(a.secret).exists() else create_secret(a.secret)
+        print(create_token(secret, a.ttl, a.label))
+    except ValueError as exc:
+        print(f"shoal token create: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     import dataclasses
 
     from coordinator.server import CoordinatorConfig, serve
 
-    cfg = CoordinatorConfig(listen=a.listen, state_path=a.state, engine=_engine_config(a),
-                            run_config=dataclasses.asdict(_run_config(a, a.num_shards)), ready_file=a.ready_file)
-    _run(serve(cfg))
-    return EXIT_OK
+    c = cfg.coordinator
+    try:
+        security = _security(c.tls_dir, c.mtls, c.insecure, "coordinator")
+    except ValueError as exc:
+        log.error("coordinator: %s", exc)
+        return EXIT_USAGE
+    server_cfg = CoordinatorConfig(
+        listen=c.listen, state_path=c.state, engine=cfg.rounds.to_engine_config(cfg.run),
+        run_config=dataclasses.asdict(cfg.run.to_run_config(c.num_shards)), ready_file=c.ready_file,
+        key_path=c.key, metrics_port=c.metrics_port, metrics_host=c.metrics_host,
+        security=security, join_token_secret=c.join_token_secret, allow_list=c.allow_list,
+        join_rate=c.join_rate, join_burst=c.join_burst, request_rate=c.rate_limit,
+        request_burst=max(1, int(2 * c.rate_limit)))
+
+    got: list[int] = []
+
+    async def main() -> None:
+        # SIGTERM (docker stop, kubectl delete) and Ctrl-C shut down in order: health flips to
+        # NOT_SERVING, the server drains, the state file is closed.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
+        await serve(server_cfg, stop=stop)
+
+    try:
+        _run(main())
+    except OSError as exc:
+        log.error("coordinator: %s", exc)
+        return EXIT_UNAVAILABLE
+    return EXIT_INTERRUPTED if signal.SIGINT in got else EXIT_OK
 
 
-def cmd_peer(a: argparse.Namespace) -> int:
+def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from peer.agent import PeerConfig, run_peer
 
-    cfg = PeerConfig(coordinator=a.coordinator, listen=a.listen, key_path=a.key, shard=a.shard,
-                     events_path=a.events, ready_file=a.ready_file, sync_donors=a.sync_donors,
-                     sync_range_bytes=a.sync_range_bytes)
+    p = cfg.peer
+    try:
+        security = _security(p.tls_dir, p.mtls, p.insecure, "peer")
+    except ValueError as exc:
+        log.error("peer: %s", exc)
+        return EXIT_USAGE
+    peer_cfg = PeerConfig(security=security, join_token=p.join_token or os.environ.get("SHOAL_JOIN_TOKEN", ""),
+                          attack=p.attack, attack_scale=p.attack_scale,
+                          coordinator=p.coordinator, listen=p.listen, key_path=p.key, shard=p.shard,
+                          events_path=p.events, ready_file=p.ready_file, rpc_timeout=p.rpc_timeout,
+                          round_silence=p.round_silence, sync_donors=p.sync_donors,
+                          sync_range_bytes=p.sync_range_bytes,
+                          connect_timeout=p.connect_timeout, advertise=p.advertise, metrics_port=p.metrics_port,
+                          metrics_host=p.metrics_host)
     result: dict = {}
 
     async def main() -> None:
-        result.update(await run_peer(cfg))
+        result.update(await run_peer(peer_cfg))
 
-    _run(main())
+    try:
+        _run(main())
+    except Exception as exc:  # noqa: BLE001 - mapped to an exit code, then reported
+        if _is_unavailable(exc) or isinstance(exc, OSError):
+            log.error("peer: coordinator %s unreachable or address unavailable: %s", p.coordinator, exc)
+            return EXIT_UNAVAILABLE
+        log.exception("peer failed")
+        return EXIT_FAILED
     logging.getLogger("shoal.peer").info("finished: %s", json.dumps(result))
     return EXIT_OK
 
 
-def cmd_swarm(a: argparse.Namespace) -> int:
+_SWARM_RUN_FIELDS = ("algorithm", "seed", "inner_steps", "lr", "non_iid")
+_SWARM_ROUNDS_FIELDS = ("rounds", "min_peers", "initial_peers", "straggler_timeout")
+
+
+def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
+    import dataclasses
+
     from shoal.swarm import SwarmOptions, run_swarm
 
-    opts = SwarmOptions(peers=a.peers, rounds=a.rounds, algorithm=a.algorithm, seed=a.seed,
-                        inner_steps=a.inner_steps, lr=a.lr, non_iid=a.non_iid, summary_path=a.summary,
-                        workdir=a.workdir, progress=not a.no_progress, straggler_timeout=a.straggler_timeout,
-                        min_peers=a.min_peers)
+    s, r, run = cfg.swarm, cfg.rounds, cfg.run
+    run.to_run_config(s.peers)  # validate before starting anything (exit 2 naming the setting)
+    if not 0 <= s.byzantine <= s.peers or (s.byzantine and not s.attack):
+        log.error("swarm: byzantine needs 0 <= K <= peers and an attack")
+        return EXIT_USAGE
+    attack_args: tuple[str, ...] = ()
+    if s.byzantine:
+        attack_args = ("--attack", s.attack) + (("--attack-scale", str(s.attack_scale)) if s.attack_scale else ())
+    run_extra = tuple((f.name, getattr(run, f.name)) for f in dataclasses.fields(run)
+                      if f.name not in _SWARM_RUN_FIELDS and getattr(run, f.name) != f.default)
+    rounds_flags = config_mod.to_flags(cfg, "rounds")
+    keep = [config_mod.flag_name("rounds", n) for n in _SWARM_ROUNDS_FIELDS]
+    extra = []
+    for i in range(0, len(rounds_flags), 2):
+        if rounds_flags[i] not in keep:
+            extra += rounds_flags[i:i + 2]
+    # --chaos runs longer by default (60 rounds) unless a layer set `rounds` explicitly.
+    rounds = 60 if s.chaos and "rounds.rounds" not in given else r.rounds
+    opts = SwarmOptions(peers=s.peers, rounds=rounds, chaos=s.chaos, chaos_interval=s.chaos_interval, algorithm=run.algorithm, seed=run.seed,
+                        inner_steps=run.inner_steps, lr=run.lr, non_iid=run.non_iid, summary_path=s.summary,
+                        workdir=s.workdir, progress=s.progress, straggler_timeout=r.straggler_timeout,
+                        min_peers=r.min_peers, timeout=s.timeout, plot_path=s.plot, metrics=s.metrics,
+                        run_extra=run_extra, extra_coordinator_args=tuple(extra),
+                        log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls,
+                        byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
+                        compression=run.compression)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 
 
+def cmd_status(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
+    from shoal.status import fetch_status, render_table
+
+    st = cfg.status
+    try:
+        status = fetch_status(st.coordinator, recent=st.recent, timeout=st.timeout)
+    except Exception as exc:  # noqa: BLE001
+        if _is_unavailable(exc):
+            print(f"shoal status: coordinator {st.coordinator} unreachable ({exc.code().name})", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        raise
+    print(json.dumps(status, indent=2) if st.json else render_table(status))
+    return EXIT_OK
+
+
+COMMANDS = {
+    "coordinator": (cmd_coordinator, "run the control-plane daemon (membership, rounds, durable state)"),
+    "peer": (cmd_peer, "run a peer: the agent on a volunteer machine"),
+    "swarm": (cmd_swarm, "run a whole local swarm: a coordinator + N peers as processes on 127.0.0.1"),
+    "status": (cmd_status, "show a coordinator's members, their links and recent rounds"),
+}
+
+_EPILOG = """\
+configuration: defaults < --config FILE (TOML) < SHOAL_<SECTION>_<KEY> environment < flags;
+every setting is listed in docs/configuration.md.
+
+exit codes: 0 success; 1 the job failed; 2 bad usage or configuration;
+3 coordinator unreachable or address unavailable; 130 interrupted.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shoal", description="Fault-tolerant decentralized training.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="shoal", description="Shoal: fault-tolerant decentralized training over the public internet.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (fn, text) in COMMANDS.items():
+        p = sub.add_parser(name, help=text, description=text, epilog=_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        config_mod.add_flags(p, name)
+        p.set_defaults(fn=fn)
 
-    p = sub.add_parser("coordinator", help="run the control-plane daemon")
-    p.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT to serve on (port 0 = any)")
-    p.add_argument("--state", default="shoal-coordinator.db", help="SQLite state file")
-    p.add_argument("--ready-file", help="write the bound address here once serving")
-    p.add_argument("--num-shards", type=int, default=4, help="data parts of the default workload")
-    _add_engine(p)
-    _add_run_config(p)
-    _add_common(p)
-    p.set_defaults(fn=cmd_coordinator)
+    # Tools: plain flags, no configuration layers.
+    p = sub.add_parser("certs", help="TLS certificates for both planes")
+    csub = p.add_subparsers(dest="certs_command", required=True)
+    c = csub.add_parser("init", help="create a CA, a coordinator and a peer certificate in a directory")
+    c.add_argument("--out", required=True, help="directory to write (ca.pem, ca.key, coordinator.*, peer.*)")
+    c.add_argument("--host", action="append", default=None,
+                   help="hostname or IP the certificates are valid for (repeat; default 127.0.0.1 and localhost)")
+    c.add_argument("--days", type=int, default=365)
+    c.add_argument("--force", action="store_true", help="overwrite existing material (invalidates old certificates)")
+    c.set_defaults(tool=cmd_certs_init)
 
-    p = sub.add_parser("peer", help="run a peer (agent on a volunteer machine)")
-    p.add_argument("--coordinator", default="127.0.0.1:7070", help="coordinator HOST:PORT")
-    p.add_argument("--listen", default="127.0.0.1:0", help="data-plane HOST:PORT (port 0 = any)")
-    p.add_argument("--key", default="shoal-peer.key", help="Ed25519 identity key file (created if absent)")
-    p.add_argument("--shard", type=int, default=0, help="which part of the training data this peer holds")
-    p.add_argument("--events", help="append JSON-lines round events here")
-    p.add_argument("--ready-file", help="write the data-plane address here once joined")
-    p.add_argument("--sync-donors", type=int, default=3, help="donors used in parallel for state sync")
-    p.add_argument("--sync-range-bytes", type=int, default=256 << 10, help="byte range fetched per state-sync request")
-    _add_common(p)
-    p.set_defaults(fn=cmd_peer)
-
-    p = sub.add_parser("swarm", help="run a whole local swarm: coordinator + N peers on 127.0.0.1")
-    p.add_argument("--peers", type=int, default=4)
-    p.add_argument("--summary", help="write the run summary JSON here")
-    p.add_argument("--workdir", help="keep keys, state and logs here (default: a temporary directory)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--min-peers", type=int, default=2)
-    p.add_argument("--straggler-timeout", type=float, default=5.0)
-    _add_run_config(p)
-    _add_common(p)
-    p.set_defaults(fn=cmd_swarm)
+    p = sub.add_parser("token", help="join tokens for admission")
+    tsub = p.add_subparsers(dest="token_command", required=True)
+    t = tsub.add_parser("create", help="print a join token (creates the secret, mode 0600, if absent)")
+    t.add_argument("--secret", required=True, help="the coordinator's join_token_secret file")
+    t.add_argument("--ttl", type=float, default=86400.0, help="seconds the token is valid (default one day)")
+    t.add_argument("--label", default="", help="who the token is for (shows in the coordinator's log)")
+    t.set_defaults(tool=cmd_token_create)
 
     from shoal.bench import add_bench_parser, cmd_bench
 
     add_bench_parser(sub)
-    sub.choices["bench"].set_defaults(fn=cmd_bench)
+    sub.choices["bench"].set_defaults(tool=cmd_bench)
     return parser
+
+
+def load_config(a: argparse.Namespace, environ=None, sources: dict[str, str] | None = None) -> ShoalConfig:
+    """The configuration of a parsed command line (file < environment < flags); `sources`, when
+    given, receives "section.key" -> "file" | "env" | "flag" for every setting a layer set."""
+    return config_mod.load(a.config, environ, config_mod.flags_from_args(a), sources=sources)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    a = parser.parse_args(argv)
-    setup_logging(a.log_level, a.log_format)
+    a = parser.parse_args(argv)  # exits 2 on bad usage
+    if getattr(a, "tool", None) is not None:
+        setup_logging("info", "text")
+        return a.tool(a)
+    sources: dict[str, str] = {}
     try:
-        return a.fn(a)
+        cfg = load_config(a, sources=sources)
+    except ConfigError as exc:
+        print(f"shoal {a.command}: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    setup_logging(cfg.log.level, cfg.log.format)
+    try:
+        return a.fn(cfg, frozenset(sources))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except (ConfigError, InvalidArgument) as exc:
+        print(f"shoal {a.command}: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

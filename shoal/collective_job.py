@@ -6,7 +6,12 @@ elements drawn from a seeded generator (seed = base seed + rank + round), runs t
 collective, votes with the result digest, and on commit records the digest and the time. The
 result of the last round is saved as .npy next to the JSON report.
 
-    python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH
+    python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH \
+        (--insecure | --tls-dir DIR) [--join-token T]
+
+With `--aggregators krum,median,...` shard owners run those aggregators (round r uses entry
+r mod len; the coordinator must plan the butterfly); `--attack NAME` makes this process send
+forged tensors (peer.byzantine). Every round's result is saved in PATH.npz (key "r<round>").
 """
 
 from __future__ import annotations
@@ -19,10 +24,13 @@ import time
 import grpc
 import numpy as np
 
+from peer.byzantine import forge
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, Transport, add_peer_service, channel_options
+from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
+from peer.reduction import OwnerReduction, ReductionSpec
 from peer.identity import load_or_create_key, public_bytes
 from peer.links import LinkMeter, probe_missing
+from peer.security import Security, open_channel, signing_interceptors
 from peer.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -32,6 +40,18 @@ def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.n
     """The tensor rank `rank` contributes in round `round_`: (size,) of `dtype`, values ~ N(0, 1)."""
     rng = np.random.default_rng([seed, rank, round_])
     return rng.standard_normal(size, dtype=np.float32).astype(dtype, copy=False)
+
+
+async def _join(stub: pb_grpc.CoordinatorStub, req: pb.JoinRequest) -> pb.JoinResponse:
+    delay = 0.1
+    while True:  # a rate-limited join (RESOURCE_EXHAUSTED) is retried; the caller's timeout bounds it
+        try:
+            return await stub.Join(req, wait_for_ready=True, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(2.0, delay * 2)
 
 
 def _fractions(cp: CollectivePlan) -> list[float]:
@@ -44,31 +64,32 @@ def _fractions(cp: CollectivePlan) -> list[float]:
 
 
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
-                  listen: str = "127.0.0.1:0", timeout: float = 120.0, measure_links: bool = True) -> dict:
+                  listen: str = "127.0.0.1:0", timeout: float = 120.0, security: Security | None = None,
+                  join_token: str = "", aggregators: tuple[str, ...] = (), attack: str = "",
+                  measure_links: bool = True, keep_results: bool = True) -> dict:
     """Play rounds until the coordinator finishes the run; returns a report dict.
 
-    With `measure_links`, streams feed a LinkMeter, and after each commit the process probes
-    the round's participants it has no history for and reports its links to the coordinator
-    (before saying ready, so the next plan can use them).
+    With `measure_links`, streams feed a LinkMeter, and after each commit the process probes the
+    round's participants it has no history for and reports its links to the coordinator (before
+    saying ready, so the next plan can use them). `keep_results`: keep every round's result in
+    the report (`results`), not only the last one.
     """
+    security = security or Security(insecure=True)
     key = load_or_create_key(key_path)
     inbox = Inbox()
-    transport = Transport()
+    transport = Transport(security, key)
     meter = LinkMeter() if measure_links else None
-    server = grpc.aio.server(options=channel_options())
     service = PeerService(inbox, links=meter)
-    add_peer_service(service, server)
-    port = server.add_insecure_port(listen)
-    address = f"{listen.rsplit(':', 1)[0]}:{port}"
-    await server.start()
-    channel = grpc.aio.insecure_channel(coordinator, options=channel_options())
+    server, address = await serve_data_plane(service, listen, security)
+    channel = open_channel(coordinator, security, channel_options(), signing_interceptors(key))
     stub = pb_grpc.CoordinatorStub(channel)
-    report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype}
+    report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype, "results": {}}
     try:
         async with asyncio.timeout(timeout):
-            resp = await stub.Join(pb.JoinRequest(public_key=public_bytes(key), data_address=address, num_samples=1),
-                                   wait_for_ready=True)
+            resp = await _join(stub, pb.JoinRequest(public_key=public_bytes(key), data_address=address,
+                                                    num_samples=1, join_token=join_token))
             me = resp.peer_id
+            service.coordinator_public_key = resp.coordinator_public_key
             report["peer_id"] = me
             state_digest, state_round = b"", 0
             code = dtype_code(np.dtype(dtype))
@@ -83,11 +104,17 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     break
                 if kind == "plan" and ev.plan.round == state_round:
                     cp = last_plan = CollectivePlan.from_proto(ev.plan)
-                    inbox.start(Session(ev.plan.round, ev.plan.attempt, frozenset(cp.participants), code))
+                    inbox.start(Session.from_plan(ev.plan, resp.coordinator_public_key))
                     vote = pb.VoteRequest(peer_id=me, round=ev.plan.round, attempt=ev.plan.attempt)
+                    reducer = None
+                    if aggregators:
+                        spec = ReductionSpec(aggregators[ev.plan.round % len(aggregators)])
+                        reducer = OwnerReduction(spec, np.ones(len(cp.participants)), size)
+                    sent = forge(attack, x, np.random.default_rng(rank)) if attack else x
                     try:
                         cpu0 = time.process_time()
-                        res = await all_reduce(x, cp, me=me, transport=transport, inbox=inbox, links=meter)
+                        res = await all_reduce(sent, cp, me=me, transport=transport, inbox=inbox, reducer=reducer,
+                                               links=meter)
                         cpu = time.process_time() - cpu0
                         tentative[(ev.plan.round, ev.plan.attempt)] = (res.digest, res.values)
                         vote.ok, vote.result_digest, vote.state_digest = True, res.digest, res.digest
@@ -95,9 +122,10 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                         report["rounds"].append({"round": ev.plan.round, "attempt": ev.plan.attempt,
                                                  "seconds": res.seconds, "bytes_sent": res.bytes_sent,
                                                  "algorithm": cp.algorithm, "participants": len(cp.participants),
+                                                 "flagged": list(res.flagged),
                                                  "predicted_seconds": ev.plan.predicted_seconds,
-                                                 "cpu_seconds": cpu,
-                                                 "shard_fractions": _fractions(cp)})
+                                                 "cpu_seconds": cpu, "shard_fractions": _fractions(cp),
+                                                 "aggregator": spec.aggregator if reducer else "sum"})
                     except CollectiveError as exc:
                         vote.ok, vote.error = False, str(exc)
                         vote.suspects.extend(exc.suspects)
@@ -111,6 +139,8 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     state_digest, state_round = d, state_round + 1
                     report["last_digest"] = d.hex()
                     report["last_result"] = values
+                    if keep_results:
+                        report["results"][f"r{state_round - 1}"] = values
                     x = make_input(seed, rank, state_round, size, dtype)
                     if meter is not None and last_plan is not None:
                         await probe_missing(meter, transport, zip(last_plan.participants, last_plan.addresses), me)
@@ -141,18 +171,30 @@ def main() -> None:
     ap.add_argument("--listen", default="127.0.0.1:0")
     ap.add_argument("--out", required=True, help="JSON report path; the last result goes to PATH.npy")
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--no-save", action="store_true", help="do not write the last result (.npy)")
+    ap.add_argument("--tls-dir", help="TLS directory from `shoal certs init`")
+    ap.add_argument("--insecure", action="store_true", help="plaintext gRPC")
+    ap.add_argument("--join-token", default="")
+    ap.add_argument("--aggregators", default="", help="comma-separated owner aggregators, one per round, cycled")
+    ap.add_argument("--attack", default="", help="send forged tensors (peer.byzantine)")
+    ap.add_argument("--no-save", action="store_true", help="write no results (.npy/.npz), only the JSON report")
     a = ap.parse_args()
+    security = Security(tls_dir=a.tls_dir, insecure=a.insecure or not a.tls_dir)
+    aggs = tuple(x for x in a.aggregators.split(",") if x)
     t0 = time.time()
     try:
         import uvloop
 
-        report = uvloop.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout))
+        run = uvloop.run
     except ImportError:  # pragma: no cover
-        report = asyncio.run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout))
+        run = asyncio.run
+    report = run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout, security,
+                         a.join_token, aggs, a.attack, keep_results=not a.no_save))
     result = report.pop("last_result", None)
+    results = report.pop("results")
     if result is not None and not a.no_save:
         np.save(a.out + ".npy", result)
+    if not a.no_save:
+        np.savez(a.out + ".npz", **results)
     report["wall_seconds"] = time.time() - t0
     with open(a.out, "w") as f:
         json.dump(report, f)

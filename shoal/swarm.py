@@ -4,16 +4,21 @@ It trains the default workload, shows a progress bar over committed rounds, comp
 held-out accuracy with a single-process baseline given the same total number of optimizer steps,
 writes a JSON summary, and stops every process it started: on success, on failure of any of
 them, and on Ctrl-C (processes run in their own process groups and are killed as groups).
+With `metrics` every process serves Prometheus /metrics on a free loopback port (listed in the
+log, in `<workdir>/metrics.json` and in the summary); with `plot_path` the loss and accuracy per
+round are drawn (shoal.plots) from the peers' event logs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import pathlib
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -39,8 +44,35 @@ class SwarmOptions:
     straggler_timeout: float = 5.0
     min_peers: int = 2
     timeout: float = 600.0
+    chaos: bool = False
+    chaos_interval: float = 3.0
+    tls: bool = False  # mutual TLS on both planes + join-token admission (material in the workdir)
     extra_coordinator_args: tuple[str, ...] = ()
     extra_peer_args: tuple[str, ...] = ()
+    plot_path: str | None = None
+    metrics: bool = False
+    run_extra: tuple[tuple[str, object], ...] = ()  # further RunConfig fields (batch_size, hidden, ...)
+    log_level: str = "info"
+    log_format: str = "text"
+    byzantine: int = 0  # the last `byzantine` peers get `attack_args` (e.g. ("--attack", "scale"))
+    attack_args: tuple[str, ...] = ()
+    aggregator: str = "mean"  # reported in the summary (the coordinator gets it via run_extra)
+    compression: str = "none"
+
+    def run_config(self):
+        from peer.training import RunConfig
+
+        known = {f.name for f in dataclasses.fields(RunConfig)}
+        return RunConfig(algorithm=self.algorithm, seed=self.seed, inner_steps=self.inner_steps, lr=self.lr,
+                         num_shards=self.peers, non_iid=self.non_iid,
+                         **{k: v for k, v in self.run_extra if k in known})
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS may hand it out again; good enough locally)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -93,6 +125,48 @@ class Swarm:
     coordinator: _Proc | None = None
     peers: list[_Proc] = field(default_factory=list)
     address: str = ""
+    join_token: str = ""
+
+    def secure(self) -> None:
+        """With `opts.tls`: create the CA and certificates, the join-token secret and one token
+        (valid for the swarm's timeout) in the workdir; no-op otherwise."""
+        if not self.opts.tls or self.join_token:
+            return
+        from coordinator.admission import create_secret, create_token, load_secret
+        from shoal.certs import init_certs
+
+        tls = self.workdir / "tls"
+        if not (tls / "ca.key").exists():
+            init_certs(tls)
+        secret_path = self.workdir / "join-token.secret"
+        secret = load_secret(secret_path) if secret_path.exists() else create_secret(secret_path)
+        self.join_token = create_token(secret, self.opts.timeout + 60.0, label="shoal-swarm")
+
+    def security_args(self, role: str) -> list[str]:
+        if not self.opts.tls:
+            return ["--insecure"]
+        args = ["--tls-dir", str(self.workdir / "tls"), "--mtls"]
+        if role == "coordinator":
+            return args + ["--join-token-secret", str(self.workdir / "join-token.secret")]
+        return args + ["--join-token", self.join_token]
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+
+    def metrics_port(self, name: str) -> int:
+        """The /metrics port of process `name` ("coordinator", "peer-0", ...), chosen once."""
+        if name not in self.metrics_ports:
+            self.metrics_ports[name] = free_port()
+            (self.workdir / "metrics.json").write_text(json.dumps(self.metrics_urls(), indent=2))
+        return self.metrics_ports[name]
+
+    def metrics_urls(self) -> dict[str, str]:
+        return {n: f"http://127.0.0.1:{p}/metrics" for n, p in self.metrics_ports.items()}
+
+    def _common_args(self, name: str) -> list[str]:
+        o = self.opts
+        args = ["--log-level", o.log_level, "--log-format", o.log_format]
+        if o.metrics:
+            args += ["--metrics-port", str(self.metrics_port(name)), "--metrics-host", "127.0.0.1"]
+        return args
 
     def coordinator_argv(self) -> list[str]:
         o = self.opts
@@ -102,10 +176,22 @@ class Swarm:
                 "--initial-peers", str(o.peers), "--num-shards", str(o.peers),
                 "--straggler-timeout", str(o.straggler_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
                 "--inner-steps", str(o.inner_steps), "--lr", str(o.lr),
-                *(["--non-iid"] if o.non_iid else []), *o.extra_coordinator_args]
+                *(["--non-iid"] if o.non_iid else []), *self._run_extra_args(), *self._common_args("coordinator"),
+                *self.security_args("coordinator"), *o.extra_coordinator_args]
+
+    def _run_extra_args(self) -> list[str]:
+        args: list[str] = []
+        for k, v in self.opts.run_extra:
+            flag = "--" + k.replace("_", "-")
+            if isinstance(v, bool):
+                args += [flag] if v else []
+            else:
+                args += [flag, str(v)]
+        return args
 
     def start_coordinator(self, timeout: float = 30.0) -> str:
         ready = self.workdir / "coordinator.addr"
+        self.secure()
         if self.coordinator is None:
             self.coordinator = _Proc("coordinator", self.coordinator_argv(), self.workdir / "coordinator.log")
         if self.address:
@@ -127,7 +213,9 @@ class Swarm:
     def peer_argv(self, i: int) -> list[str]:
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", "127.0.0.1:0",
                 "--key", str(self.workdir / f"peer-{i}.key"), "--shard", str(i),
-                "--events", str(self.workdir / f"peer-{i}.jsonl"), *self.opts.extra_peer_args]
+                "--events", str(self.workdir / f"peer-{i}.jsonl"), *self._common_args(f"peer-{i}"),
+                *self.security_args("peer"), *self.opts.extra_peer_args,
+                *(self.opts.attack_args if i >= self.opts.peers - self.opts.byzantine else ())]
 
     def start_peer(self, i: int) -> None:
         while len(self.peers) <= i:
@@ -165,35 +253,170 @@ class Swarm:
             db.close()
 
 
-def summarize(swarm: Swarm, wall: float, baseline: float) -> dict:
-    """The run summary (see docs/quickstart.md for the fields)."""
+def _last_commit_digest(swarm: "Swarm") -> str:
+    db = sqlite3.connect(swarm.workdir / "coordinator.db")
+    try:
+        row = db.execute("SELECT state_digest FROM commits ORDER BY round DESC LIMIT 1").fetchone()
+        return bytes(row[0]).hex() if row else ""
+    finally:
+        db.close()
+
+
+def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | None" = None) -> dict:
+    """The run summary (see docs/quickstart.md and docs/fault-tolerance.md for the fields).
+
+    A digest mismatch is a round for which two peers recorded different committed states, or a
+    peer that finished the run holding a state other than the last one the coordinator committed.
+    """
     events = swarm.all_events()
-    finals = [e for e in events if e["event"] == "finished"]
     commits = [e for e in events if e["event"] == "commit"]
     by_round: dict[int, set[str]] = {}
     for e in commits:
         by_round.setdefault(e["round"], set()).add(e["state_digest"])
     mismatches = sum(1 for d in by_round.values() if len(d) > 1)
-    final_digests = {e["state_digest"] for e in finals}
-    if len(final_digests) > 1:
-        mismatches += 1
     committed, aborted = swarm.durable_counts()
-    acc = max((e["test_accuracy"] for e in finals), default=0.0)
-    return {
+    last = _last_commit_digest(swarm)
+    # The last process of each peer slot; its "finished" event is its final state.
+    finals = []
+    for i in range(len(swarm.peers)):
+        fin = [e for e in swarm.events(i) if e["event"] == "finished"]
+        if fin:
+            finals.append(fin[-1])
+    up_to_date = [e for e in finals if e["rounds"] == committed]
+    mismatches += sum(1 for e in up_to_date if e["state_digest"] != last)
+    acc = max((e["test_accuracy"] for e in up_to_date), default=0.0)
+    aborts = {(e["round"], e["attempt"]): e for e in events if e["event"] == "abort"}
+    retried = {k for k, e in aborts.items() if e.get("will_retry")}
+    reasons: dict[str, int] = {}
+    for e in aborts.values():
+        kind = e["reason"].split(":")[0] if "failed:" not in e["reason"] else e["reason"].split("failed: ")[1].split(" ")[0]
+        reasons[kind] = reasons.get(kind, 0) + 1
+    summary = {
         "test_accuracy": acc,
         "baseline_accuracy": baseline,
         "rounds_committed": committed,
         "rounds_aborted": aborted,
-        "rounds_retried": sum(1 for e in events if e["event"] == "abort" and e.get("will_retry")) // max(1, swarm.opts.peers),
+        "rounds_retried": len(retried),
+        "abort_reasons": reasons,
         "digest_mismatches": mismatches,
         "peers": swarm.opts.peers,
         "peers_finished": len(finals),
+        "peers_up_to_date": len(up_to_date),
         "wall_seconds": round(wall, 3),
         "bytes_sent_total": sum(e.get("bytes_sent", 0) for e in finals),
         "state_syncs": sum(1 for e in events if e["event"] == "state_sync"),
         "algorithm": swarm.opts.algorithm,
         "seed": swarm.opts.seed,
+        "aggregator": swarm.opts.aggregator,
+        "compression": swarm.opts.compression,
+        "byzantine": swarm.opts.byzantine,
+        "attack": swarm.opts.attack_args[1] if swarm.opts.attack_args else "",
+        "rounds_with_flagged": len({e["round"] for e in commits if e.get("flagged")}),
+        "flagged_peers": sorted({f for e in commits for f in e.get("flagged", [])}),
     }
+    if chaos is not None:
+        summary.update(chaos.summary(commits))
+    return summary
+
+
+@dataclass
+class ChaosLog:
+    """What the chaos monkey did, and when (unix seconds)."""
+
+    kills: list[tuple[float, str, int]] = field(default_factory=list)  # (time, what, rounds committed then)
+    peers_killed: int = 0
+    peers_joined: int = 0
+    peers_stopped: int = 0
+    coordinator_restarts: int = 0
+
+    def summary(self, commits: list[dict]) -> dict:
+        first_commit: dict[int, float] = {}
+        for e in commits:
+            first_commit[e["round"]] = min(e["t"], first_commit.get(e["round"], e["t"]))
+        per_kill = []
+        for t, what, committed in self.kills:
+            # Recovery: from the kill to the first commit of a round not yet committed at the kill.
+            nxt = min((ct for r, ct in first_commit.items() if r >= committed), default=None)
+            if nxt is not None:
+                per_kill.append((what, max(0.0, nxt - t)))
+        recovery = sorted(r for _, r in per_kill)
+        p50 = recovery[(len(recovery) - 1) // 2] if recovery else None
+        return {
+            "peers_killed": self.peers_killed,
+            "peers_joined": self.peers_joined,
+            "peers_stopped": self.peers_stopped,
+            "coordinator_restarts": self.coordinator_restarts,
+            "recovery_seconds_p50": round(p50, 3) if p50 is not None else None,
+            "recovery_seconds_max": round(recovery[-1], 3) if recovery else None,
+            "recoveries": [{"what": w, "seconds": round(r, 3)} for w, r in per_kill],
+        }
+
+
+class Chaos:
+    """The chaos monkey of `shoal swarm --chaos`, driven by the swarm's monitor loop (no threads).
+
+    Every `interval` seconds it SIGKILLs a random running peer and starts a fresh process with
+    the same identity; once it SIGSTOPs another peer for `stop_seconds` (longer than the
+    straggler timeout), and once it SIGKILLs the coordinator and restarts it on the same state
+    file and address. It stops acting near the end of the run so every peer can finish.
+    """
+
+    def __init__(self, swarm: Swarm, seed: int, interval: float, stop_seconds: float):
+        import random
+
+        self.swarm, self.rng = swarm, random.Random(seed)
+        self.interval, self.stop_seconds = interval, stop_seconds
+        self.log = ChaosLog()
+        self.next_at: float | None = None  # chaos starts once the swarm has committed a round
+        self.step = 0
+        self.stopped: tuple[int, float] | None = None  # (peer index, resume at)
+
+    def tick(self, committed: int) -> None:
+        now = time.monotonic()
+        if self.stopped is not None and now >= self.stopped[1]:
+            self.swarm.peers[self.stopped[0]].signal(signal.SIGCONT)
+            log.info("chaos: resumed peer-%d", self.stopped[0])
+            self.stopped = None
+        if committed < 1:
+            return
+        if self.next_at is None:
+            self.next_at = now + self.interval / 2
+        if now < self.next_at or committed >= self.swarm.opts.rounds - 3:
+            return
+        self.next_at = now + self.interval
+        self.step += 1
+        candidates = [i for i, p in enumerate(self.swarm.peers) if p.alive() and (self.stopped is None or self.stopped[0] != i)]
+        if self.step == 2 and self.log.coordinator_restarts == 0:
+            log.info("chaos: kill -9 coordinator")
+            self.swarm.coordinator.signal(signal.SIGKILL)
+            killed_at = time.time()
+            self.swarm.coordinator.popen.wait(timeout=10)
+            self.log.kills.append((killed_at, "coordinator", self.swarm.durable_counts()[0]))
+            self.swarm.start_coordinator()
+            self.log.coordinator_restarts += 1
+            return
+        if self.step == 1 and self.stopped is None and len(candidates) > 2:
+            i = self.rng.choice(candidates)
+            log.info("chaos: SIGSTOP peer-%d for %.1fs", i, self.stop_seconds)
+            self.swarm.peers[i].signal(signal.SIGSTOP)
+            self.stopped = (i, now + self.stop_seconds)
+            self.log.peers_stopped += 1
+            return  # kills come at later steps, so each recovery is measured on its own
+        if len(candidates) > 2:
+            i = self.rng.choice(candidates)
+            log.info("chaos: kill -9 peer-%d and restart it with the same identity", i)
+            self.swarm.peers[i].signal(signal.SIGKILL)
+            killed_at = time.time()
+            self.swarm.peers[i].popen.wait(timeout=10)
+            self.log.kills.append((killed_at, f"peer-{i}", self.swarm.durable_counts()[0]))
+            self.log.peers_killed += 1
+            self.swarm.start_peer(i)
+            self.log.peers_joined += 1
+
+    def finish(self) -> None:
+        if self.stopped is not None:
+            self.swarm.peers[self.stopped[0]].signal(signal.SIGCONT)
+            self.stopped = None
 
 
 def _progress(opts: SwarmOptions):
@@ -206,7 +429,7 @@ def _progress(opts: SwarmOptions):
 
 def run_swarm(opts: SwarmOptions) -> dict:
     """Run a local swarm to completion; returns the summary (with "ok") and writes it if asked."""
-    from peer.training import RunConfig, baseline_accuracy
+    from peer.training import baseline_accuracy
 
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -220,24 +443,29 @@ def run_swarm(opts: SwarmOptions) -> dict:
         bar = _progress(opts)
         if bar is not None:
             stack.callback(bar.close)
+        chaos = Chaos(swarm, opts.seed, opts.chaos_interval, opts.straggler_timeout + 2.0) if opts.chaos else None
         ok, why = True, ""
         try:
             swarm.start_coordinator()
             for i in range(opts.peers):
                 swarm.start_peer(i)
+            if opts.metrics:
+                for name, url in swarm.metrics_urls().items():
+                    log.info("metrics of %s: %s", name, url)
             shown = 0
             last_t = time.monotonic()
             while True:
                 if time.monotonic() - t0 > opts.timeout:
                     raise TimeoutError(f"swarm did not finish within {opts.timeout:.0f}s")
-                if not swarm.coordinator.alive():
+                if not swarm.coordinator.alive() and not all(p.popen.poll() == 0 for p in swarm.peers):
                     raise RuntimeError(f"coordinator exited early:\n{swarm.coordinator.tail()}")
                 failed = [p for p in swarm.peers if p.popen is not None and p.popen.poll() not in (None, 0)]
                 if failed:
                     raise RuntimeError(f"{failed[0].name} failed (exit {failed[0].popen.returncode}):\n{failed[0].tail()}")
-                commits = [e for e in swarm.events(0) if e["event"] == "commit"] or \
-                          [e for e in swarm.all_events() if e["event"] == "commit"]
+                commits = [e for e in swarm.all_events() if e["event"] == "commit"]
                 top = max((e["round"] + 1 for e in commits), default=0)
+                if chaos is not None:
+                    chaos.tick(top)
                 if bar is not None and top > shown:
                     last = max((e for e in commits if e["round"] == top - 1), key=lambda e: e["t"])
                     now = time.monotonic()
@@ -255,21 +483,38 @@ def run_swarm(opts: SwarmOptions) -> dict:
             ok, why = False, str(exc)
             log.error("swarm failed: %s", exc)
         finally:
+            if chaos is not None:
+                chaos.finish()
             swarm.stop_all()
         wall = time.monotonic() - t0
-        cfg = RunConfig(algorithm=opts.algorithm, seed=opts.seed, inner_steps=opts.inner_steps, lr=opts.lr,
-                        num_shards=opts.peers, non_iid=opts.non_iid)
-        baseline = baseline_accuracy(cfg, opts.peers * opts.rounds * opts.inner_steps)
-        summary = summarize(swarm, wall, baseline)
-        summary["ok"] = ok and summary["peers_finished"] == opts.peers
+        baseline = baseline_accuracy(opts.run_config(), opts.peers * opts.rounds * opts.inner_steps)
+        summary = summarize(swarm, wall, baseline, chaos.log if chaos is not None else None)
+        summary["ok"] = ok and summary["peers_up_to_date"] >= 1 and summary["rounds_committed"] == opts.rounds
         if why:
             summary["error"] = why.splitlines()[0]
+        if opts.metrics:
+            summary["metrics"] = swarm.metrics_urls()
+        if opts.plot_path:
+            from shoal.plots import plot_rounds
+
+            try:
+                plot_rounds(swarm.all_events(), opts.plot_path, title=f"shoal swarm: {opts.peers} peers, "
+                            f"{opts.algorithm}, seed {opts.seed}")
+                summary["plot"] = opts.plot_path
+            except (OSError, ImportError) as exc:
+                log.error("plot not written: %s", exc)
+                summary["ok"] = False
     if bar is not None:
         bar.close()
     print(f"test accuracy {summary['test_accuracy']:.4f} (baseline, single process, same total steps: "
           f"{summary['baseline_accuracy']:.4f}); rounds committed {summary['rounds_committed']}, "
           f"aborted {summary['rounds_aborted']}; digest mismatches {summary['digest_mismatches']}; "
           f"{summary['wall_seconds']:.1f}s", file=sys.stderr)
+    if chaos is not None:
+        print(f"chaos: {summary['peers_killed']} peers killed and restarted, {summary['peers_stopped']} stopped, "
+              f"{summary['coordinator_restarts']} coordinator restarts, {summary['rounds_retried']} retried attempts, "
+              f"{summary['state_syncs']} state syncs; recovery p50 {summary['recovery_seconds_p50']}s, "
+              f"max {summary['recovery_seconds_max']}s", file=sys.stderr)
     if opts.summary_path:
         pathlib.Path(opts.summary_path).write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -65,6 +65,8 @@ class Procs:
                     listen: str = "127.0.0.1:0") -> tuple[subprocess.Popen, str]:
         ready = self.workdir / f"{name}.addr"
         ready.unlink(missing_ok=True)
+        if "--tls-dir" not in flags and "--insecure" not in flags:
+            flags = ("--insecure", *flags)  # plaintext must be asked for explicitly
         p = self.start(name, [sys.executable, "-m", "shoal.cli", "coordinator", "--listen", listen,
                               "--state", str(self.workdir / state), "--ready-file", str(ready), *flags])
         return p, self.wait_file(ready, 30, p)

@@ -62,3 +62,36 @@ def test_butterfly_allreduce_equals_numpy_sum(procs, p, size):
     assert len({r["last_digest"] for r in reports}) == 1
     assert all(rd["algorithm"] == "butterfly" for r in reports for rd in r["rounds"])
     np.testing.assert_allclose(reports[0]["result"], expected, rtol=1e-5, atol=1e-5 * p)
+
+
+def test_nan_attacker_never_reaches_a_result_with_any_aggregator(procs):
+    """Real processes, real gRPC: one process sends NaN every round; the owners run every
+    aggregator in turn (one per round); every result is finite, identical and flags the attacker."""
+    from peer.aggregators import AGGREGATORS
+
+    p, size, attacker = 4, 999, 3
+    aggs = list(AGGREGATORS)
+    coord, addr = procs.coordinator("--rounds", str(len(aggs)), "--min-peers", str(p), "--initial-peers", str(p),
+                                    "--algorithm-collective", "butterfly", "--compression", "int8")
+    jobs = []
+    for r in range(p):
+        out = procs.workdir / f"job-{r}.json"
+        jobs.append((procs.start(f"job-{r}", [
+            sys.executable, "-m", "shoal.collective_job", "--coordinator", addr, "--rank", str(r), "--size", str(size),
+            "--key", str(procs.workdir / f"job-{r}.key"), "--out", str(out), "--timeout", "60",
+            "--aggregators", ",".join(aggs), *(["--attack", "nan"] if r == attacker else [])]), out))
+    reports = []
+    for proc, out in jobs:
+        assert procs.wait_exit(proc, 90) == 0, procs.log(proc.name)
+        rep = read_json(out)
+        rep["results"] = dict(np.load(str(out) + ".npz"))
+        reports.append(rep)
+    bad = reports[attacker]["peer_id"]
+    for rnd, name in enumerate(aggs):
+        values = [rep["results"][f"r{rnd}"] for rep in reports]
+        assert all(np.isfinite(v).all() for v in values), name
+        assert all(v.tobytes() == values[0].tobytes() for v in values), name
+        flagged = {f for rep in reports for rd in rep["rounds"] if rd["round"] == rnd for f in rd["flagged"]}
+        assert flagged == {bad}, name
+        honest = np.stack([make_input(0, r, rnd, size, "float32") for r in range(p) if r != attacker])
+        assert np.abs(values[0]).max() <= np.abs(honest).max() * 1.05, name  # int8 round trips, no blow-up

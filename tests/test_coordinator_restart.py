@@ -7,6 +7,8 @@ import sys
 import grpc
 import pytest
 
+from peer.identity import load_or_create_key, peer_id_of, public_bytes
+from peer.security import signing_interceptors
 from procs import read_json
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -42,16 +44,21 @@ async def test_commits_survive_kill_9_and_restart(procs):
 
 async def test_garbage_requests_get_clear_errors_and_lose_nothing(procs):
     coord, addr = procs.coordinator("--rounds", "1")
-    async with grpc.aio.insecure_channel(addr) as ch:
+    key = load_or_create_key(procs.workdir / "client.key")
+    me = peer_id_of(public_bytes(key))
+    async with grpc.aio.insecure_channel(addr, interceptors=signing_interceptors(key)) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Join(pb.JoinRequest(public_key=b"short", data_address="127.0.0.1:1"), timeout=5)
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "public_key" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "public_key" in e.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.Heartbeat(pb.HeartbeatRequest(peer_id="nobody"), timeout=5)
+            await stub.Join(pb.JoinRequest(public_key=public_bytes(key), data_address="nowhere"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "data_address" in e.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Heartbeat(pb.HeartbeatRequest(peer_id=me), timeout=5)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.Ready(pb.ReadyRequest(peer_id="nobody", num_elements=0, dtype=pb.FLOAT32), timeout=5)
+            await stub.Ready(pb.ReadyRequest(peer_id=me, num_elements=0, dtype=pb.FLOAT32), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_elements" in e.value.details()
         st = await stub.GetStatus(pb.StatusRequest(), timeout=5)
         assert st.rounds_committed == 0 and len(st.members) == 0

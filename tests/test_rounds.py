@@ -25,6 +25,7 @@ def engine(**kw) -> RoundEngine:
 def joined(e: RoundEngine, *peers: str, now=0.0) -> None:
     for p in peers:
         e.join(p, KEY, f"127.0.0.1:{1000 + len(p)}", 1, now)
+        e.connected(p, now)
 
 
 def of(actions, kind):
@@ -159,3 +160,75 @@ def test_finishes_after_total_rounds_and_restart_keeps_commits():
     again = RoundEngine(e.config, committed=e.commits, members=list(e.members.values()), epoch=e.epoch, now=50.0)
     assert again.committed_rounds == 1 and again.last_state_digest == b"s"
     assert again.members["a"].lease_expiry == 60.0  # fresh lease to reconnect after a restart
+
+
+def commit_all(e: RoundEngine, now: float, digest=b"s") -> None:
+    run = e.running
+    assert run is not None
+    for p in run.plan.participants:
+        e.vote(p, run.plan.round, run.plan.attempt, True, b"r", digest, now)
+
+
+def test_straggler_delays_at_most_one_round():
+    e = engine()
+    joined(e, "a", "b", "c")
+    e.ready_("a", 0, info(), 0.0)
+    e.ready_("b", 0, info(), 0.0)
+    e.heartbeat("c", 5.0)
+    assert of(e.tick(5.0), SendPlan)  # left out after the ready timeout
+    commit_all(e, 5.1, b"s1")
+    e.ready_("a", 1, info(rounds=1, digest=b"s1"), 5.2)
+    (plan,) = of(e.ready_("b", 1, info(rounds=1, digest=b"s1"), 5.2), SendPlan)  # no second wait for c
+    assert plan.plan.participants == ("a", "b")
+    commit_all(e, 5.3, b"s2")
+    # Once it says ready again (stale: it gets a sync order), it is waited on again.
+    assert of(e.ready_("c", 2, info(rounds=0), 5.4), SendSync)
+    e.ready_("a", 2, info(rounds=2, digest=b"s2"), 5.5)
+    assert of(e.ready_("b", 2, info(rounds=2, digest=b"s2"), 5.5), SendPlan) == []
+    (plan,) = of(e.ready_("c", 2, info(rounds=2, digest=b"s2"), 5.6), SendPlan)
+    assert plan.plan.participants == ("a", "b", "c")
+
+
+def test_disconnected_participant_aborts_at_once_and_is_not_waited_on():
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    (abort,) = of(e.disconnected("b", 0.5), SendAbort)
+    assert abort.record.excluded == ("b",) and abort.record.will_retry
+    (plan,) = of(e.tick(0.6), SendPlan)
+    assert plan.plan.participants == ("a", "c")
+    commit_all(e, 0.7, b"s1")
+    e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.8)
+    (plan,) = of(e.ready_("c", 1, info(rounds=1, digest=b"s1"), 0.8), SendPlan)  # b is gone: no wait
+    assert plan.plan.participants == ("a", "c")
+
+
+def test_restarted_peer_with_same_identity_rejoins_through_sync():
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    e.disconnected("c", 0.2)
+    e.join("c", KEY, "127.0.0.1:9999", 1, 0.3)  # same identity, new process and address
+    e.connected("c", 0.3)
+    assert e.members["c"].state == "syncing"
+    e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.4)
+    (plan,) = of(e.ready_("b", 1, info(rounds=1, digest=b"s1"), 0.4), SendPlan)  # not waited on before it is ready
+    assert plan.plan.participants == ("a", "b")
+
+
+def test_simultaneous_joiners_start_at_different_donors():
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    firsts = []
+    for j in ("j1", "j2", "j3", "j4", "j5", "j6"):
+        joined(e, j, now=0.2)
+        (sync,) = of(e.ready_(j, 1, info(rounds=0), 0.3), SendSync)
+        assert sorted(sync.donors) == ["a", "b", "c"]
+        firsts.append(sync.donors[0])
+    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]  # spread evenly, never all on one donor

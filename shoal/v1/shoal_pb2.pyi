@@ -22,6 +22,7 @@ class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PHASE_UNSPECIFIED: _ClassVar[Phase]
     REDUCE_SCATTER: _ClassVar[Phase]
     ALL_GATHER: _ClassVar[Phase]
+    DISTANCES: _ClassVar[Phase]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -32,6 +33,7 @@ UINT8: DType
 PHASE_UNSPECIFIED: Phase
 REDUCE_SCATTER: Phase
 ALL_GATHER: Phase
+DISTANCES: Phase
 
 class JoinRequest(_message.Message):
     __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s")
@@ -210,16 +212,18 @@ class Abort(_message.Message):
     def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ..., excluded: _Optional[_Iterable[str]] = ..., will_retry: _Optional[bool] = ...) -> None: ...
 
 class SyncOrder(_message.Message):
-    __slots__ = ("round", "state_digest", "donors", "state_bytes")
+    __slots__ = ("round", "state_digest", "donors", "state_bytes", "permit")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     DONORS_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PERMIT_FIELD_NUMBER: _ClassVar[int]
     round: int
     state_digest: bytes
     donors: _containers.RepeatedCompositeFieldContainer[Participant]
     state_bytes: int
-    def __init__(self, round: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., donors: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+    permit: bytes
+    def __init__(self, round: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., donors: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., state_bytes: _Optional[int] = ..., permit: _Optional[bytes] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("rounds_committed", "reason")

@@ -1,0 +1,45 @@
+"""Malicious contributions, for testing robust aggregation (`shoal peer --attack NAME`).
+
+A Byzantine peer plays the protocol normally (joins, votes, owns its shard honestly) but sends
+a forged pseudo-gradient in place of its real one. The honest peers are not told which peers
+attack. This module is pure: a pseudo-gradient in, the forged one out.
+
+| attack      | what is sent                                                              |
+| ----------- | ------------------------------------------------------------------------- |
+| "sign-flip" | `-scale * x` (scale defaults to 4): pushes the model uphill               |
+| "scale"     | `scale * x` (scale defaults to 50): a huge step in the honest direction  |
+| "nan"       | all NaN: must be dropped by validation, never reach a model               |
+| "random"    | Gaussian noise with `scale` times the honest norm (scale defaults to 10) |
+
+Not modelled: a malicious *owner* (one that corrupts the aggregate of the shard it owns) or
+colluding attackers that adapt to the aggregator (e.g. "a little is enough"); see
+docs/aggregation.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from peer.errors import InvalidArgument
+
+ATTACKS = ("sign-flip", "scale", "nan", "random")
+DEFAULT_SCALE = {"sign-flip": 4.0, "scale": 50.0, "nan": 1.0, "random": 10.0}
+
+
+def forge(attack: str, x: np.ndarray, rng: np.random.Generator, scale: float | None = None) -> np.ndarray:
+    """The forged `(n,)` float32 contribution replacing the honest `x` `(n,)` float32.
+
+    Raises InvalidArgument for an unknown attack name.
+    """
+    if attack not in ATTACKS:
+        raise InvalidArgument(f"attack: unknown {attack!r}; expected one of {list(ATTACKS)}")
+    s = np.float32(DEFAULT_SCALE[attack] if scale is None else scale)
+    if attack == "sign-flip":
+        return (-s * x).astype(np.float32)
+    if attack == "scale":
+        return (s * x).astype(np.float32)
+    if attack == "nan":
+        return np.full_like(x, np.nan, dtype=np.float32)
+    norm = float(np.linalg.norm(x.astype(np.float64))) or 1.0
+    noise = rng.standard_normal(x.shape[0])
+    return (noise * (s * norm / np.sqrt(max(1, x.shape[0])))).astype(np.float32)

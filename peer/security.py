@@ -1,0 +1,196 @@
+"""Transport security and signed calls, for both planes: channels, ports and interceptors.
+
+`Security` says how a process talks: TLS from a directory made by `shoal certs init` (optionally
+mutual), or plaintext when the operator passed `--insecure`. `open_channel` / `add_port` turn it
+into gRPC channels and listening ports. `signing_interceptors` sign every unary and
+server-streaming call made on a channel with the caller's Ed25519 key (`peer.identity
+.sign_metadata`); `SignedCalls` is the server side: a per-host rate limit, then the signature
+check (`peer.identity.RequestVerifier`), before any handler runs. `PushChunks` (a client stream)
+is signed by its first chunk instead (`push_metadata`, checked in `peer.dataplane`).
+
+This module does not decide who is admitted (`coordinator.admission`) nor who may send tensors
+in a round (`peer.tickets`); it only makes sure a request comes from the key it names, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from collections.abc import Collection
+
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from peer.errors import ShoalError
+from peer.identity import RequestVerifier, sign_metadata
+from peer.limits import RateLimiter, host_of
+from shoal.certs import channel_credentials, server_credentials
+
+log = logging.getLogger("shoal.security")
+
+PUSH_CHUNKS = "/shoal.v1.Peer/PushChunks"
+FETCH_STATE = "/shoal.v1.Peer/FetchState"
+PROBE = "/shoal.v1.Peer/Probe"
+# Metadata key carrying a round ticket or sync permit on FetchState ("-bin": raw bytes).
+MD_TICKET = "x-shoal-ticket-bin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Security:
+    """How a process secures its gRPC connections.
+
+    tls_dir: directory written by `shoal certs init` (ca.pem, <role>.pem/.key, peer.pem/.key);
+        None means plaintext, allowed only when `insecure` is set explicitly.
+    mtls: servers demand a client certificate signed by ca.pem; clients present peer.pem.
+    insecure: the operator asked for plaintext (`--insecure`); a warning is logged.
+    """
+
+    tls_dir: str | None = None
+    mtls: bool = False
+    insecure: bool = False
+
+    def check(self, who: str) -> None:
+        """Refuse a configuration that is neither TLS nor explicitly insecure; warn on plaintext.
+
+        Raises:
+            ValueError: neither `tls_dir` nor `insecure` is set, or both are.
+        """
+        if self.tls_dir and self.insecure:
+            raise ValueError("--tls-dir and --insecure exclude each other")
+        if not self.tls_dir and not self.insecure:
+            raise ValueError(f"{who}: pass --tls-dir DIR (see `shoal certs init`) or --insecure for plaintext")
+        if self.insecure:
+            log.warning("%s: --insecure: plaintext gRPC; anyone on the path can read and alter traffic", who)
+
+    def client_cert(self) -> bool:
+        return bool(self.tls_dir) and (pathlib.Path(self.tls_dir) / "peer.key").exists()
+
+
+def open_channel(target: str, security: Security, options: list, interceptors: list | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to `target`: TLS trusting only ca.pem (presenting peer.pem when the
+    directory has it), or plaintext for an insecure `security`."""
+    if security.tls_dir:
+        creds = channel_credentials(security.tls_dir, client_cert=security.client_cert())
+        return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+
+
+def add_port(server: grpc.aio.Server, address: str, security: Security, role: str) -> int:
+    """Bind `address` with TLS for `role` ("coordinator" | "peer") or plaintext; returns the port.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    if security.tls_dir:
+        creds = server_credentials(security.tls_dir, role=role, require_client_auth=security.mtls)
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"listen: cannot bind {address}")
+    return port
+
+
+def _method(details: grpc.aio.ClientCallDetails) -> str:
+    m = details.method
+    return m.decode() if isinstance(m, bytes) else m
+
+
+def _signed(details: grpc.aio.ClientCallDetails, key: Ed25519PrivateKey, request) -> grpc.aio.ClientCallDetails:
+    md = grpc.aio.Metadata(*(tuple(details.metadata) if details.metadata else ()))
+    for k, v in sign_metadata(key, _method(details), request):
+        md.add(k, v)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials,
+                                      details.wait_for_ready)
+
+
+class _SignUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, key: Ed25519PrivateKey):
+        self.key = key
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        return await continuation(_signed(client_call_details, self.key, request), request)
+
+
+class _SignUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, key: Ed25519PrivateKey):
+        self.key = key
+
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
+        return await continuation(_signed(client_call_details, self.key, request), request)
+
+
+def signing_interceptors(key: Ed25519PrivateKey) -> list:
+    """Client interceptors that sign every unary and server-streaming call with `key`; each call
+    gets a fresh timestamp and nonce, so retries and stream reconnects are never replays."""
+    return [_SignUnaryUnary(key), _SignUnaryStream(key)]
+
+
+def push_metadata(key: Ed25519PrivateKey, first_chunk) -> tuple[tuple[str, str], ...]:
+    """Signature metadata for a PushChunks stream, over its first chunk (ticket included)."""
+    return sign_metadata(key, PUSH_CHUNKS, first_chunk)
+
+
+class SignedCalls(grpc.aio.ServerInterceptor):
+    """Server interceptor: per-host rate limit, then a valid request signature, for every method
+    whose path starts with `prefix`, except `unsigned` (full paths) and client streams (which
+    sign their first message and are checked by the handler; they are still rate limited).
+
+    `limits` maps a full method path to its own `RateLimiter` (e.g. a strict one for Join);
+    every other method uses `default_limit`. Refusals: RESOURCE_EXHAUSTED (rate, nonce memory),
+    UNAUTHENTICATED (signature missing, malformed, stale, replayed, or naming another identity).
+    """
+
+    def __init__(self, prefix: str, verifier: RequestVerifier, *, unsigned: Collection[str] = (),
+                 default_limit: RateLimiter | None = None, limits: dict[str, RateLimiter] | None = None):
+        self.prefix = prefix
+        self.verifier = verifier
+        self.unsigned = frozenset(unsigned)
+        self.default_limit = default_limit
+        self.limits = dict(limits or {})
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or not method.startswith(self.prefix):
+            return handler
+        limiter = self.limits.get(method, self.default_limit)
+        sign = method not in self.unsigned and not handler.request_streaming
+
+        async def admit(request, context) -> None:
+            try:
+                if limiter is not None:
+                    limiter.check(host_of(context.peer()))
+                if sign:
+                    self.verifier.verify(context.invocation_metadata() or (), method, request)
+            except ShoalError as exc:
+                await context.abort(exc.code, str(exc))
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                await admit(request, context)
+                return await inner(request, context)
+
+            return handler._replace(unary_unary=unary_unary)
+        if handler.unary_stream is not None:
+            inner_s = handler.unary_stream
+
+            async def unary_stream(request, context):
+                await admit(request, context)
+                async for item in inner_s(request, context):
+                    yield item
+
+            return handler._replace(unary_stream=unary_stream)
+        if handler.stream_unary is not None:
+            inner_c = handler.stream_unary
+
+            async def stream_unary(request_iterator, context):
+                await admit(None, context)
+                return await inner_c(request_iterator, context)
+
+            return handler._replace(stream_unary=stream_unary)
+        return handler
+

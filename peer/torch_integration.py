@@ -1,0 +1,297 @@
+"""PyTorch integration: an existing training loop joins a Shoal swarm in a few lines.
+
+    import peer.torch_integration as shoal_torch
+
+    torch.manual_seed(0)                       # every peer must start from the same parameters
+    model = Net()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = shoal_torch.DiLoCoOptimizer(model, inner, coordinator="coord.example.org:7070", inner_steps=50)
+    while not opt.finished:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step(loss=loss.item())             # inner step; every 50th call also plays a round
+        opt.zero_grad()
+    opt.close()
+
+This plays the role of hivemind.Optimizer and torchft's wrappers. `step()` runs the inner
+optimizer; every `inner_steps` calls it flattens the parameters, hands the pseudo-gradient
+(committed - local, float32) to a `PeerAgent` running in a background thread, waits for the
+round, and loads the committed parameters (after the outer step, bit-identical on every peer)
+into the model. The outer optimizer and the aggregation are Shoal's (peer.outer, peer.collectives):
+which one is set by the coordinator's run configuration (`[run] algorithm`, `outer`), so every
+peer applies the same one; `DiLoCoOptimizer` / `FedAvgOptimizer` check that it matches.
+
+Failure semantics (see peer.agent for the round protocol):
+- A round that aborts is retried by the swarm; `step()` keeps waiting (bounded by the swarm's
+  timeouts). If this peer is left out of a committed round, or joins a running swarm, it
+  downloads the committed state and `step()` returns with the model set to it: the local work of
+  that round is dropped (it was based on stale parameters), the inner optimizer state is kept.
+- The coordinator finishes the run: `finished` becomes True, the model holds the last committed
+  parameters, and later `step()` calls only run the inner optimizer.
+- The agent fails (coordinator unreachable past `connect_timeout`, bind error, a run
+  configuration that does not match): the constructor or the next `step()` raises `SwarmError`;
+  the model keeps its last committed parameters.
+- `close()` (or leaving a `with` block) makes the agent leave the swarm and joins its thread
+  within `timeout`.
+
+Requires `pip install shoal[torch]`. Parameters are exchanged as one float32 vector; the model
+may live on any device and dtype (it is copied to CPU float32 and back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from peer.agent import PeerAgent, PeerConfig
+from peer.training import CommittedState, LocalUpdate, RunConfig, make_outer_for
+from peer.workload import FlatStateWorkload, WorkloadClosed
+
+log = logging.getLogger("shoal.torch")
+
+POLL_SECONDS = 0.2
+
+
+class SwarmError(RuntimeError):
+    """The peer agent behind a SwarmOptimizer failed; the message says why."""
+
+
+def flatten(model: torch.nn.Module) -> np.ndarray:
+    """The model's parameters as one (n,) float32 numpy vector (CPU copy)."""
+    with torch.no_grad():
+        return torch.nn.utils.parameters_to_vector(model.parameters()).detach().to("cpu", torch.float32).numpy().copy()
+
+
+def unflatten_into(model: torch.nn.Module, params: np.ndarray) -> None:
+    """Copy (n,) float32 `params` into the model's parameters, in place (device and dtype kept)."""
+    with torch.no_grad():
+        flat = torch.from_numpy(np.ascontiguousarray(params, dtype=np.float32))
+        total = sum(p.numel() for p in model.parameters())
+        if flat.numel() != total:
+            raise ValueError(f"params: {flat.numel()} elements for a model of {total}")
+        offset = 0
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(flat[offset:offset + n].view_as(p).to(p.device, p.dtype))
+            offset += n
+
+
+class TorchWorkload(FlatStateWorkload):
+    """A peer.workload.Workload whose inner training is a user's PyTorch loop in another thread.
+
+    Called from the agent's thread; talks to the trainer through two queues:
+    `local_update()` waits for the trainer's local parameters (one submission per round);
+    `apply()` answers the outstanding submission with the new committed parameters.
+    """
+
+    def __init__(self, cfg: RunConfig, initial: np.ndarray, num_samples: int, bridge: "_Bridge",
+                 evaluate: Callable[[np.ndarray], float] | None = None):
+        self.cfg = cfg
+        self.state = CommittedState(initial.astype(np.float32, copy=True), make_outer_for(cfg), 0)
+        self._num_samples = max(1, int(num_samples))
+        self.bridge = bridge
+        self.evaluate_fn = evaluate
+        self.outstanding = False
+        self.started = False
+
+    @property
+    def num_samples(self) -> int:
+        return self._num_samples
+
+    def local_update(self) -> LocalUpdate:
+        if not self.started:
+            self.started = True
+            self.bridge.to_trainer.put(("start", self.state.params.copy()))
+        while True:
+            if self.bridge.closed.is_set():
+                raise WorkloadClosed()
+            try:
+                local, loss = self.bridge.to_agent.get(timeout=POLL_SECONDS)
+                break
+            except queue.Empty:
+                continue
+        self.outstanding = True
+        return LocalUpdate((self.state.params - local).astype(np.float32), loss, self._num_samples)
+
+    def apply(self, state: CommittedState) -> None:
+        self.state = state
+        if self.outstanding:
+            self.outstanding = False
+            self.bridge.to_trainer.put(("params", state.params.copy()))
+
+    def evaluate(self) -> float:
+        return float(self.evaluate_fn(self.state.params)) if self.evaluate_fn else math.nan
+
+
+class _Bridge:
+    def __init__(self) -> None:
+        self.to_agent: queue.Queue[tuple[np.ndarray, float]] = queue.Queue()
+        self.to_trainer: queue.Queue[tuple[str, object]] = queue.Queue()
+        self.closed = threading.Event()
+
+
+class SwarmOptimizer:
+    """Wrap `inner_optimizer` of `model` so that the loop trains with a swarm (module docstring).
+
+    coordinator: HOST:PORT. inner_steps: H, inner steps per round. algorithm: the run's
+    algorithm this wrapper expects ("diloco" or "fedavg"; None = accept the coordinator's).
+    num_samples: this peer's training samples (the FedAvg weight). listen / advertise: the
+    data-plane address (other peers connect to it). key_path: identity key (default: a fresh
+    one in a temporary directory). evaluate: optional fn(params (n,) float32) -> accuracy, shown
+    in events and metrics. join_timeout: seconds to wait for the join (and initial state sync).
+    peer_config: further PeerConfig fields (events_path, metrics_port, rpc_timeout, ...).
+    """
+
+    algorithm: str | None = None
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, coordinator: str,
+                 inner_steps: int, num_samples: int = 1, listen: str = "127.0.0.1:0", advertise: str | None = None,
+                 key_path: str | None = None, evaluate: Callable[[np.ndarray], float] | None = None,
+                 join_timeout: float = 120.0, **peer_config):
+        if inner_steps < 1:
+            raise ValueError("inner_steps: must be >= 1")
+        self.model = model
+        self.inner = inner_optimizer
+        self.inner_steps = inner_steps
+        self.local_step = 0
+        self.rounds = 0
+        self.finished = False
+        self.summary: dict = {}
+        self._losses: list[float] = []
+        self._bridge = _Bridge()
+        self._error: BaseException | None = None
+        if key_path is None:
+            self._keydir = tempfile.TemporaryDirectory(prefix="shoal-torch-")
+            key_path = str(Path(self._keydir.name) / "peer.key")
+        initial = flatten(model)
+        expected = self.algorithm
+
+        def factory(cfg: RunConfig) -> TorchWorkload:
+            if expected is not None and cfg.algorithm != expected:
+                raise SwarmError(f"the coordinator runs {cfg.algorithm!r}, this optimizer is {expected!r}")
+            return TorchWorkload(cfg, initial, num_samples, self._bridge, evaluate)
+
+        config = PeerConfig(coordinator=coordinator, listen=listen, advertise=advertise, key_path=key_path,
+                            connect_timeout=join_timeout, **peer_config)
+        self.agent = PeerAgent(config, factory)
+        self._thread = threading.Thread(target=self._run_agent, name="shoal-peer-agent", daemon=True)
+        self._thread.start()
+        kind, params = self._wait(join_timeout, "join")
+        if kind == "start":
+            unflatten_into(self.model, params)
+            log.info("joined the swarm at %s as %s", coordinator, self.agent.peer_id[:8])
+        else:
+            self._finish(params)
+
+    # ------------------------------------------------------------ agent thread
+
+    def _run_agent(self) -> None:
+        try:
+            self.summary = asyncio.run(self.agent.run())
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer thread
+            self._error = exc
+            self._bridge.to_trainer.put(("error", exc))
+            return
+        wl = self.agent.workload
+        self._bridge.to_trainer.put(("finished", wl.state.params.copy() if wl is not None else None))
+
+    def _wait(self, timeout: float | None, what: str) -> tuple[str, object]:
+        waited = 0.0
+        while True:
+            try:
+                kind, value = self._bridge.to_trainer.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                waited += POLL_SECONDS
+                if not self._thread.is_alive() and self._bridge.to_trainer.empty():
+                    raise SwarmError(f"{what}: the peer agent stopped") from self._error
+                if timeout is not None and waited > timeout:
+                    raise SwarmError(f"{what}: no answer within {timeout:.0f}s") from None
+                continue
+            if kind == "error":
+                raise SwarmError(f"{what}: {type(value).__name__}: {value}") from value
+            return kind, value
+
+    def _finish(self, params) -> None:
+        if params is not None:
+            unflatten_into(self.model, params)
+        self.finished = True
+        log.info("the swarm finished the run after %d rounds here", self.rounds)
+
+    # ------------------------------------------------------------ torch.optim-like API
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict(), "local_step": self.local_step, "rounds": self.rounds}
+
+    def step(self, closure=None, *, loss: float | None = None):
+        """One inner step; every `inner_steps`-th call also plays one round (blocking).
+        Raises SwarmError when the agent failed (the model keeps its last committed params)."""
+        result = self.inner.step(closure) if closure is not None else self.inner.step()
+        if loss is not None:
+            self._losses.append(float(loss))
+        elif result is not None:
+            self._losses.append(float(result))
+        self.local_step += 1
+        if not self.finished and self.local_step % self.inner_steps == 0:
+            self.outer_step()
+        return result
+
+    def outer_step(self) -> None:
+        """Hand this peer's local parameters to the swarm and load the committed ones."""
+        loss = float(np.mean(self._losses)) if self._losses else 0.0
+        self._losses.clear()
+        self._bridge.to_agent.put((flatten(self.model), loss))
+        kind, params = self._wait(None, "round")
+        if kind == "params":
+            unflatten_into(self.model, params)
+            self.rounds += 1
+        elif kind == "finished":
+            self._finish(params)
+        else:  # pragma: no cover - protocol error
+            raise SwarmError(f"round: unexpected message {kind!r}")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Leave the swarm and stop the agent thread (bounded by `timeout`)."""
+        self._bridge.closed.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("peer agent did not stop within %.0fs", timeout)
+        if hasattr(self, "_keydir"):
+            self._keydir.cleanup()
+
+    def __enter__(self) -> "SwarmOptimizer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DiLoCoOptimizer(SwarmOptimizer):
+    """DiLoCo (Douillard et al. 2023): H inner steps, then the all-reduced pseudo-gradient is
+    applied by the run's outer optimizer (Nesterov momentum, default lr 0.7, momentum 0.9).
+    The coordinator must run `algorithm = "diloco"`."""
+
+    algorithm = "diloco"
+
+
+class FedAvgOptimizer(SwarmOptimizer):
+    """FedAvg (McMahan et al. 2017): H local steps, then the sample-weighted mean of the local
+    models (outer SGD with lr 1 on the weighted mean pseudo-gradient). Pass `num_samples`.
+    The coordinator must run `algorithm = "fedavg"`."""
+
+    algorithm = "fedavg"

@@ -1,0 +1,505 @@
+"""Configuration of every `shoal` command: one tree of frozen dataclasses, four layers.
+
+Responsible for: the settings of `shoal coordinator`, `shoal peer`, `shoal swarm` and
+`shoal status`, their defaults, types and meaning (the single source docs/configuration.md is
+generated from), and merging the layers in this order, each overriding the previous one:
+
+    built-in defaults  <  TOML file (--config)  <  environment (SHOAL_<SECTION>_<KEY>)  <  flags
+
+A key `inner_steps` of table `[run]` is the environment variable `SHOAL_RUN_INNER_STEPS` and the
+flag `--inner-steps`. Booleans in the environment accept 1/0, true/false, yes/no, on/off.
+Unknown keys, wrong types and unparsable values raise `ConfigError` (exit code 2); nothing is
+silently ignored.
+
+Not responsible for: what the settings do (the coordinator, peer and swarm modules), or the
+run's training configuration as the peers receive it (peer.training.RunConfig, built from the
+`[run]` section by `RunSection.to_run_config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ENV_PREFIX = "SHOAL_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A setting is unknown, has the wrong type, or cannot be parsed (exit code 2)."""
+
+
+def setting(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
+            negate: bool = False) -> Any:
+    """A dataclass field with the metadata the parser and the docs need.
+
+    flag: the command-line flag (default: --key-with-dashes). negate: a boolean whose flag turns
+    it off (e.g. `--no-progress` for `progress = true`).
+    """
+    meta = {"help": help, "flag": flag, "choices": choices, "negate": negate}
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class LogSection:
+    """[log]: logging of every command."""
+
+    level: str = setting("info", "log level", flag="--log-level", choices=("debug", "info", "warning", "error"))
+    format: str = setting("text", "log record format: text, or one JSON object per line", flag="--log-format",
+                          choices=("text", "json"))
+
+
+@dataclass(frozen=True)
+class CoordinatorSection:
+    """[coordinator]: the control-plane daemon (`shoal coordinator`)."""
+
+    listen: str = setting("127.0.0.1:7070", "HOST:PORT to serve gRPC on (port 0 = any free port)")
+    state: str = setting("shoal-coordinator.db", "SQLite state file (members, epochs, commits); reloaded on restart")
+    key: str | None = setting(None, "Ed25519 key file that signs round tickets (default: the state file with .key)")
+    ready_file: str | None = setting(None, "write the bound address to this file once serving")
+    metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0 = off)")
+    metrics_host: str = setting("0.0.0.0", "address the /metrics server binds")
+    num_shards: int = setting(4, "parts the default workload's training data is cut into")
+    tls_dir: str | None = setting(None, "TLS directory made by `shoal certs init` (ca.pem, coordinator.*, peer.*)")
+    mtls: bool = setting(False, "mutual TLS: demand a client certificate signed by ca.pem")
+    insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
+    join_token_secret: str | None = setting(None, "admit only peers with a join token made from this secret file "
+                                                  "(`shoal token create`)")
+    allow_list: str | None = setting(None, "admit only these Ed25519 public keys (hex, one a line)")
+    join_rate: float = setting(5.0, "joins per second per host (token bucket)")
+    join_burst: int = setting(50, "join burst per host")
+    rate_limit: float = setting(500.0, "control-plane calls per second per host (burst 2x)")
+
+
+@dataclass(frozen=True)
+class RoundsSection:
+    """[rounds]: quorum and timing of rounds, decided by the coordinator."""
+
+    rounds: int = setting(20, "committed rounds to run, then finish (0 = run forever)")
+    min_peers: int = setting(2, "quorum: fewest participants of a round")
+    initial_peers: int = setting(0, "round 0 waits for this many ready peers (0 = min_peers)")
+    lease_seconds: float = setting(10.0, "a peer silent (no heartbeat) this long is dropped; heartbeats every lease/4")
+    straggler_timeout: float = setting(5.0, "after the first ready of a round, wait at most this long for the "
+                                            "other members, then open the round with those ready")
+    collective_timeout: float = setting(30.0, "hard deadline of one collective attempt, plan to last vote")
+    chunk_timeout: float = setting(2.0, "floor of the per-chunk deadline: max(this, chunk_safety * chunk_bytes / "
+                                        "slowest measured link + 2 * max RTT) (detects a silent peer)")
+    chunk_safety: float = setting(4.0, "safety factor of the per-chunk deadline over the measured transfer time")
+    chunk_bytes: int = setting(1 << 20, "bytes of one tensor chunk on the data plane")
+    algorithm_collective: str = setting("auto", "all-reduce algorithm (auto: chosen by the planner from the peers' "
+                                        "measured links; butterfly with equal shards until links are known)",
+                                        choices=("ring", "butterfly", "auto"))
+    max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
+    retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
+
+    def to_engine_config(self, run: "RunSection | None" = None):
+        """The engine's settings; `run` adds the aggregator and codec the plans carry."""
+        from coordinator.rounds import EngineConfig
+
+        run = run or RunSection()
+        algorithm = "butterfly" if run.needs_butterfly() else self.algorithm_collective
+        return EngineConfig(aggregator=run.aggregator, compression=run.compression,min_peers=self.min_peers, initial_peers=self.initial_peers,
+                            lease_seconds=self.lease_seconds, ready_timeout=self.straggler_timeout,
+                            collective_timeout=self.collective_timeout, chunk_timeout=self.chunk_timeout,
+                            chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
+                            max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
+                            total_rounds=self.rounds, algorithm=algorithm)
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """[run]: the training run, set on the coordinator and handed to every peer at join."""
+
+    algorithm: str = setting("diloco", "diloco (H inner steps + Nesterov outer step) or fedavg (weighted mean)",
+                             choices=("diloco", "fedavg"))
+    seed: int = setting(0, "seed of the data split, the initial parameters and the inner batches")
+    inner_steps: int = setting(50, "local optimizer steps per round (H)")
+    batch_size: int = setting(32, "inner minibatch size")
+    lr: float = setting(3e-3, "inner Adam learning rate")
+    hidden: int = setting(64, "hidden units of the default MLP")
+    outer: str = setting("", "outer optimizer (empty = by algorithm: diloco -> nesterov, fedavg -> sgd lr 1)")
+    non_iid: bool = setting(False, "label-skewed data split across peers")
+    fedprox_mu: float = setting(0.0, "FedProx proximal term weight (0 = off)")
+    aggregator: str = setting("mean", "what shard owners compute (docs/aggregation.md); anything but mean runs on "
+                                      "the butterfly collective",
+                              choices=("mean", "fedavg", "median", "trimmed-mean", "centered-clip", "krum",
+                                       "multi-krum", "bulyan"))
+    trim_beta: float | None = setting(None, "trimmed-mean: fraction trimmed from each side (default 0.2)")
+    krum_f: int | None = setting(None, "krum / multi-krum / bulyan: Byzantine peers tolerated (default 1)")
+    krum_m: int | None = setting(None, "multi-krum: rows averaged (default n - f)")
+    clip_tau: float | None = setting(None, "centered-clip: clipping radius (default 1.0)")
+    clip_iters: int | None = setting(None, "centered-clip: iterations (default 5)")
+    max_norm: float = setting(0.0, "L2 bound on each contribution, applied by the shard owners (0 = none)")
+    on_norm: str = setting("clip", "what happens to a contribution beyond max_norm", choices=("clip", "reject"))
+    dp_sigma: float = setting(0.0, "DP noise multiplier: owners add N(0, (sigma * max_norm / p)^2) once "
+                                   "(needs max_norm)")
+    outer_lr: float | None = setting(None, "outer learning rate (default per outer optimizer)")
+    outer_params: str = setting("", "other outer optimizer parameters, KEY=VALUE[,KEY=VALUE] (momentum, beta1, "
+                                    "beta2, tau)")
+    compression: str = setting("none", "per-hop wire codec (int8: blockwise absmax with error feedback)",
+                               choices=("none", "fp16", "bf16", "int8"))
+
+    def aggregator_params(self) -> dict:
+        names = {"trim_beta": ("trimmed-mean", "beta"), "clip_tau": ("centered-clip", "tau"),
+                 "clip_iters": ("centered-clip", "iterations"), "krum_m": ("multi-krum", "m")}
+        out: dict = {}
+        for attr, (agg, key) in names.items():
+            if getattr(self, attr) is not None and self.aggregator == agg:
+                out[key] = getattr(self, attr)
+        if self.krum_f is not None and self.aggregator in ("krum", "multi-krum", "bulyan"):
+            out["f"] = self.krum_f
+        return out
+
+    def outer_param_dict(self) -> dict:
+        out: dict = {}
+        for kv in filter(None, (x.strip() for x in self.outer_params.split(","))):
+            key, sep, value = kv.partition("=")
+            if not sep:
+                raise ConfigError(f"run.outer_params: expected KEY=VALUE, got {kv!r}")
+            try:
+                out[key.strip()] = float(value)
+            except ValueError:
+                raise ConfigError(f"run.outer_params: {key.strip()} is not a number: {value!r}") from None
+        if self.outer_lr is not None:
+            out["lr"] = self.outer_lr
+        return out
+
+    def needs_butterfly(self) -> bool:
+        """Robust aggregators, norm bounds and DP noise need an owner that sees every contribution."""
+        return self.aggregator not in ("mean", "fedavg") or self.max_norm > 0 or self.dp_sigma > 0
+
+    def to_run_config(self, num_shards: int):
+        from peer.training import RunConfig
+
+        return RunConfig(algorithm=self.algorithm, seed=self.seed, inner_steps=self.inner_steps,
+                         batch_size=self.batch_size, lr=self.lr, hidden=self.hidden, outer=self.outer,
+                         num_shards=num_shards, non_iid=self.non_iid, fedprox_mu=self.fedprox_mu,
+                         aggregator=self.aggregator, aggregator_params=self.aggregator_params(),
+                         outer_params=self.outer_param_dict(), compression=self.compression,
+                         max_norm=self.max_norm, on_norm=self.on_norm, dp_sigma=self.dp_sigma)
+
+
+@dataclass(frozen=True)
+class PeerSection:
+    """[peer]: the agent on a volunteer machine (`shoal peer`)."""
+
+    coordinator: str = setting("127.0.0.1:7070", "coordinator HOST:PORT")
+    listen: str = setting("127.0.0.1:0", "data-plane HOST:PORT (port 0 = any free port)")
+    advertise: str | None = setting(None, "data-plane HOST:PORT other peers dial (default: the bound address; "
+                                          "set it behind NAT or in containers)")
+    key: str = setting("shoal-peer.key", "Ed25519 identity key file (created if absent); peer id = hash of it")
+    shard: int = setting(0, "which part of the default workload's training data this peer holds")
+    events: str | None = setting(None, "append JSON-lines round events (commit, abort, state_sync) here")
+    ready_file: str | None = setting(None, "write the data-plane address here once joined")
+    metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0 = off)")
+    metrics_host: str = setting("0.0.0.0", "address the /metrics server binds")
+    rpc_timeout: float = setting(5.0, "deadline of one control-plane call, seconds")
+    connect_timeout: float = setting(120.0, "give up when the coordinator stays unreachable this long")
+    round_silence: float = setting(15.0, "no round event for this long: announce readiness again")
+    sync_donors: int = setting(3, "donors a state sync downloads from in parallel")
+    sync_range_bytes: int = setting(256 << 10, "byte range fetched per state-sync request")
+    tls_dir: str | None = setting(None, "TLS directory made by `shoal certs init` (ca.pem, peer.*)")
+    mtls: bool = setting(False, "mutual TLS: present peer.pem to the coordinator and demand client certificates "
+                                "on the data plane")
+    insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
+    join_token: str = setting("", "join token from the operator (also read from $SHOAL_JOIN_TOKEN)")
+    attack: str = setting("", "testing only: send forged updates (peer.byzantine); empty = honest",
+                          choices=("", "sign-flip", "scale", "nan", "random"))
+    attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
+
+
+@dataclass(frozen=True)
+class SwarmSection:
+    """[swarm]: a whole local swarm on 127.0.0.1 (`shoal swarm`)."""
+
+    peers: int = setting(4, "peer processes to start")
+    summary: str | None = setting(None, "write the run summary JSON here")
+    workdir: str | None = setting(None, "keep keys, state, logs and events here (default: a temporary directory)")
+    progress: bool = setting(True, "show a progress bar over rounds", flag="--no-progress", negate=True)
+    plot: str | None = setting(None, "write loss and accuracy per round (PNG) here; aborted/retried rounds marked")
+    metrics: bool = setting(False, "give the coordinator and every peer a /metrics port (listed in the summary)")
+    chaos: bool = setting(False, "kill -9 and restart random peers, SIGSTOP one, kill -9 and restart the coordinator "
+                                 "(rounds default to 60 unless set)")
+    chaos_interval: float = setting(3.0, "seconds between chaos actions")
+    timeout: float = setting(600.0, "give up (exit 1) when the run has not finished after this many seconds")
+    byzantine: int = setting(0, "how many peers (the last K) send forged updates; needs attack")
+    attack: str = setting("", "what the Byzantine peers send", choices=("", "sign-flip", "scale", "nan", "random"))
+    attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
+    tls: bool = setting(False, "secure swarm: mutual TLS on both planes (certificates made in the workdir) and "
+                               "admission by join token; without it the swarm runs plaintext (--insecure)")
+
+
+@dataclass(frozen=True)
+class StatusSection:
+    """[status]: the operator view (`shoal status`)."""
+
+    coordinator: str = setting("127.0.0.1:7070", "coordinator HOST:PORT")
+    json: bool = setting(False, "print JSON instead of tables")
+    recent: int = setting(10, "recent rounds to list")
+    timeout: float = setting(5.0, "deadline of the GetStatus call, seconds")
+
+
+@dataclass(frozen=True)
+class ShoalConfig:
+    """The whole configuration; each command reads the sections it needs."""
+
+    log: LogSection = LogSection()
+    coordinator: CoordinatorSection = CoordinatorSection()
+    rounds: RoundsSection = RoundsSection()
+    run: RunSection = RunSection()
+    peer: PeerSection = PeerSection()
+    swarm: SwarmSection = SwarmSection()
+    status: StatusSection = StatusSection()
+
+
+SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else globals()[f.type]
+                             for f in dataclasses.fields(ShoalConfig)}
+
+# Which sections each command reads (and exposes as flags).
+COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
+    "coordinator": ("coordinator", "rounds", "run", "log"),
+    "peer": ("peer", "log"),
+    "swarm": ("swarm", "rounds", "run", "log"),
+    "status": ("status", "log"),
+}
+
+
+# ---------------------------------------------------------------------------------- typing
+
+
+def _base_type(section: type, name: str) -> tuple[type, bool]:
+    """(scalar type, optional) of a field: str, int, float or bool."""
+    hints = typing.get_type_hints(section)
+    t = hints[name]
+    optional = False
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        optional, t = True, args[0]
+    return t, optional
+
+
+def _coerce(section: str, name: str, value: Any, source: str) -> Any:
+    """Check/convert a value from TOML (typed) or the environment (a string)."""
+    t, optional = _base_type(SECTIONS[section], name)
+    where = f"{source}: {section}.{name}"
+    if isinstance(value, str) and source.startswith("env"):
+        if optional and value == "":
+            return None
+        try:
+            if t is bool:
+                low = value.strip().lower()
+                if low not in _TRUE | _FALSE:
+                    raise ValueError(value)
+                value = low in _TRUE
+            else:
+                value = t(value)
+        except ValueError:
+            raise ConfigError(f"{where}: cannot parse {value!r} as {t.__name__}") from None
+    if t is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, t) or (t is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}: expected {t.__name__}, got {type(value).__name__} {value!r}")
+    choices = _meta(section, name)["choices"]
+    if choices and value not in choices:
+        raise ConfigError(f"{where}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _meta(section: str, name: str) -> Mapping[str, Any]:
+    return next(f.metadata for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+
+
+def env_name(section: str, name: str) -> str:
+    return f"{ENV_PREFIX}{section.upper()}_{name.upper()}"
+
+
+def flag_name(section: str, name: str) -> str:
+    return _meta(section, name)["flag"] or "--" + name.replace("_", "-")
+
+
+# ---------------------------------------------------------------------------------- layers
+
+
+def read_file(path: str) -> dict[str, dict[str, Any]]:
+    """The overrides of a TOML file, checked: {section: {key: value}}. Raises ConfigError."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    out: dict[str, dict[str, Any]] = {}
+    for section, table in raw.items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            raise ConfigError(f"{path}: unknown table [{section}] (known: {', '.join(SECTIONS)})")
+        known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        for key, value in table.items():
+            if key not in known:
+                raise ConfigError(f"{path}: unknown key {section}.{key}")
+            out.setdefault(section, {})[key] = _coerce(section, key, value, f"file {path}")
+    return out
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """The overrides found in `environ` (SHOAL_<SECTION>_<KEY>). Unknown SHOAL_ names are errors
+    only when they start with a known section (so SHOAL_HOME and the like stay usable)."""
+    out: dict[str, dict[str, Any]] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            name = env_name(section, f.name)
+            if name in environ:
+                out.setdefault(section, {})[f.name] = _coerce(section, f.name, environ[name], f"env {name}")
+    known = {env_name(s, f.name) for s, c in SECTIONS.items() for f in dataclasses.fields(c)}
+    for name in environ:
+        if name.startswith(ENV_PREFIX) and name not in known and \
+                any(name.startswith(f"{ENV_PREFIX}{s.upper()}_") for s in SECTIONS):
+            raise ConfigError(f"env {name}: unknown setting")
+    return out
+
+
+def merge(base: ShoalConfig, overrides: Mapping[str, Mapping[str, Any]]) -> ShoalConfig:
+    """`base` with `overrides` ({section: {key: value}}, already typed) applied."""
+    changes = {}
+    for section, values in overrides.items():
+        if values:
+            changes[section] = dataclasses.replace(getattr(base, section), **values)
+    return dataclasses.replace(base, **changes)
+
+
+def load(config_path: str | None = None, environ: Mapping[str, str] | None = None,
+         flags: Mapping[str, Mapping[str, Any]] | None = None, *, sources: dict[str, str] | None = None) -> ShoalConfig:
+    """Defaults < file < environment < flags. Raises ConfigError on any bad setting.
+    `sources`, when given, receives "section.key" -> the layer ("file", "env", "flag") that set it."""
+    layers = [("file", read_file(config_path) if config_path else {}),
+              ("env", read_env(os.environ if environ is None else environ)),
+              ("flag", dict(flags or {}))]
+    cfg = ShoalConfig()
+    for layer, overrides in layers:
+        cfg = merge(cfg, overrides)
+        if sources is not None:
+            sources.update({f"{sec}.{key}": layer for sec, values in overrides.items() for key in values})
+    return cfg
+
+
+# ---------------------------------------------------------------------------------- argparse
+
+
+def _dest(section: str, name: str) -> str:
+    return f"cfg__{section}__{name}"
+
+
+def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
+    """Add `--config` and one flag per setting of the command's sections. Flags default to
+    "not given" (argparse.SUPPRESS) so that only what the user typed overrides file and env."""
+    parser.add_argument("--config", metavar="PATH", help="TOML configuration file (precedence: file < "
+                        "SHOAL_* environment < flags; see docs/configuration.md)")
+    for section in COMMAND_SECTIONS[command]:
+        cls = SECTIONS[section]
+        group = parser.add_argument_group(f"[{section}]", (cls.__doc__ or "").split(":", 1)[-1].strip())
+        for f in dataclasses.fields(cls):
+            t, _ = _base_type(cls, f.name)
+            meta = f.metadata
+            text = f"{meta['help']} (default: {f.default!r}; env {env_name(section, f.name)})"
+            kw: dict[str, Any] = {"dest": _dest(section, f.name), "default": argparse.SUPPRESS, "help": text}
+            if t is bool:
+                kw.update(action="store_const", const=not meta["negate"])
+            else:
+                kw.update(type=t, metavar=f.name.upper())
+                if meta["choices"]:
+                    kw.update(choices=meta["choices"])
+                    del kw["metavar"]
+            group.add_argument(flag_name(section, f.name), **kw)
+
+
+def flags_from_args(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The settings given as flags, {section: {key: value}}."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in vars(a).items():
+        if key.startswith("cfg__"):
+            _, section, name = key.split("__", 2)
+            out.setdefault(section, {})[name] = value
+    return out
+
+
+def to_flags(cfg: ShoalConfig, section: str, *, only_changed: bool = True, **replace: Any) -> list[str]:
+    """Command-line flags that reproduce `cfg.<section>` (with `replace` applied) in a child process."""
+    obj = dataclasses.replace(getattr(cfg, section), **replace)
+    default = SECTIONS[section]()
+    argv: list[str] = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None or (only_changed and value == getattr(default, f.name) and f.name not in replace):
+            continue
+        t, _ = _base_type(SECTIONS[section], f.name)
+        if t is bool:
+            if value != f.default:
+                argv.append(flag_name(section, f.name))
+            continue
+        argv += [flag_name(section, f.name), str(value)]
+    return argv
+
+
+# ---------------------------------------------------------------------------------- docs
+
+
+def render_markdown() -> str:
+    """docs/configuration.md, generated from the dataclasses (scripts/gen_config_docs.py)."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated by scripts/gen_config_docs.py from shoal/config.py; do not edit by hand. -->",
+        "",
+        "Every command reads its settings from four layers, each overriding the previous one:",
+        "",
+        "    built-in defaults  <  TOML file (--config PATH)  <  environment (SHOAL_<SECTION>_<KEY>)  <  flags",
+        "",
+        "Unknown keys, wrong types and unparsable values are errors (exit code 2), never ignored.",
+        "Booleans in the environment accept 1/0, true/false, yes/no, on/off; an empty value unsets an",
+        "optional setting. A complete example file is `deploy/shoal.toml`.",
+        "",
+        "```toml",
+        "[rounds]",
+        "rounds = 100",
+        "min_peers = 3",
+        "",
+        "[run]",
+        "algorithm = \"fedavg\"",
+        "```",
+        "",
+        "| command | sections it reads |",
+        "| --- | --- |",
+    ]
+    for cmd, secs in COMMAND_SECTIONS.items():
+        lines.append(f"| `shoal {cmd}` | {', '.join(f'[{s}]' for s in secs)} |")
+    for section, cls in SECTIONS.items():
+        lines += ["", f"## [{section}]", "", (cls.__doc__ or "").split(":", 1)[-1].strip(), "",
+                  "| key | env | flag | default | meaning |", "| --- | --- | --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            default = "unset" if f.default is None else f"`{_toml_literal(f.default)}`"
+            meaning = f.metadata["help"]
+            if f.metadata["choices"]:
+                meaning += f" (one of: {', '.join(f.metadata['choices'])})"
+            flag = flag_name(section, f.name)
+            lines.append(f"| `{f.name}` | `{env_name(section, f.name)}` | `{flag}` | {default} | {meaning} |")
+    lines += ["", "Exit codes of every command are listed in `shoal --help` and in `shoal/cli.py`.", ""]
+    return "\n".join(lines)
+
+
+def _toml_literal(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    return repr(v)

@@ -1,0 +1,197 @@
+"""Prometheus metrics of the coordinator and of a peer, in one place (docs/observability.md).
+
+Each process owns one `CollectorRegistry` (never the global one, so tests and libraries that
+host several agents in one process do not collide) and serves it with
+`prometheus_client.start_http_server` when a metrics port is configured (0 = off). Metrics are
+always recorded, served or not; recording is a few dict operations and never blocks.
+
+Not responsible for deciding anything: the coordinator's server and the peer agent call the
+`on_*` hooks after the fact. This module imports neither `coordinator` nor `peer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger("shoal.metrics")
+
+ROUND_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # as exposed (counters get the _total suffix from prometheus_client)
+    kind: str
+    labels: tuple[str, ...]
+    help: str
+
+
+COORDINATOR_METRICS = (
+    MetricSpec("shoal_coordinator_members", "gauge", ("state",), "Peers holding a live lease, by state (pending, syncing, member)"),
+    MetricSpec("shoal_coordinator_epoch", "gauge", (), "Membership epoch (changes only between rounds)"),
+    MetricSpec("shoal_coordinator_round", "gauge", (), "Committed rounds so far (= the round being played)"),
+    MetricSpec("shoal_coordinator_rounds_committed_total", "counter", (), "Rounds committed"),
+    MetricSpec("shoal_coordinator_rounds_aborted_total", "counter", (), "Round attempts aborted"),
+    MetricSpec("shoal_coordinator_rounds_retried_total", "counter", (), "Aborted attempts that were retried with the survivors"),
+    MetricSpec("shoal_coordinator_round_duration_seconds", "histogram", (), "Plan-to-commit time of committed rounds"),
+    MetricSpec("shoal_coordinator_round_bytes_sent_total", "counter", (), "Data-plane bytes sent by participants of committed rounds, as voted"),
+    MetricSpec("shoal_coordinator_state_syncs_total", "counter", (), "State-sync orders sent to joiners or stale peers"),
+    MetricSpec("shoal_coordinator_link_up_bytes_per_second", "gauge", ("peer",), "Upload estimate reported by each member"),
+    MetricSpec("shoal_coordinator_link_down_bytes_per_second", "gauge", ("peer",), "Download estimate reported by each member"),
+    MetricSpec("shoal_coordinator_link_rtt_seconds", "gauge", ("peer",), "Round-trip estimate reported by each member"),
+)
+
+PEER_METRICS = (
+    MetricSpec("shoal_peer_round", "gauge", (), "Committed rounds reflected in this peer's state"),
+    MetricSpec("shoal_peer_members", "gauge", (), "Participants of the last round this peer committed"),
+    MetricSpec("shoal_peer_rounds_committed_total", "counter", (), "Rounds this peer took part in and committed"),
+    MetricSpec("shoal_peer_rounds_aborted_total", "counter", (), "Round attempts this peer saw aborted"),
+    MetricSpec("shoal_peer_rounds_retried_total", "counter", (), "Aborted attempts that were retried"),
+    MetricSpec("shoal_peer_round_duration_seconds", "histogram", (), "Ready-to-commit time of the rounds this peer committed"),
+    MetricSpec("shoal_peer_collective_seconds", "histogram", (), "Time of this peer's successful collectives"),
+    MetricSpec("shoal_peer_bytes_sent_total", "counter", (), "Data-plane bytes sent (tensor chunks)"),
+    MetricSpec("shoal_peer_bytes_received_total", "counter", (), "Data-plane bytes received (tensor chunks and state sync)"),
+    MetricSpec("shoal_peer_link_up_bytes_per_second", "gauge", (), "Passive upload estimate from the last collective (EWMA)"),
+    MetricSpec("shoal_peer_link_down_bytes_per_second", "gauge", (), "Passive download estimate from the last collective (EWMA)"),
+    MetricSpec("shoal_peer_state_syncs_total", "counter", (), "State downloads completed and verified"),
+    MetricSpec("shoal_peer_state_sync_bytes_total", "counter", (), "Bytes of state downloaded"),
+    MetricSpec("shoal_peer_train_loss", "gauge", (), "Mean inner training loss of the last committed round"),
+    MetricSpec("shoal_peer_test_accuracy", "gauge", (), "Held-out accuracy of the committed state (NaN when the workload has none)"),
+)
+
+
+def _build(specs: tuple[MetricSpec, ...], registry: CollectorRegistry) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for s in specs:
+        if s.kind == "counter":
+            out[s.name] = Counter(s.name.removesuffix("_total"), s.help, s.labels, registry=registry)
+        elif s.kind == "gauge":
+            out[s.name] = Gauge(s.name, s.help, s.labels, registry=registry)
+        else:
+            out[s.name] = Histogram(s.name, s.help, s.labels, buckets=ROUND_BUCKETS, registry=registry)
+    return out
+
+
+class _Metrics:
+    specs: tuple[MetricSpec, ...] = ()
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.m = _build(self.specs, self.registry)
+        self.port = 0
+        self._server = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serve /metrics on `port` (0 = do nothing). Raises OSError when the port is taken."""
+        if port <= 0:
+            return 0
+        started = start_http_server(port, addr=host, registry=self.registry)
+        self._server = started[0] if isinstance(started, tuple) else None
+        self.port = port
+        log.info("metrics on http://%s:%d/metrics", host, port)
+        return port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+class CoordinatorMetrics(_Metrics):
+    """Metrics of `shoal coordinator`; see COORDINATOR_METRICS."""
+
+    specs = COORDINATOR_METRICS
+
+    def on_commit(self, seconds: float, bytes_sent: int = 0) -> None:
+        self.m["shoal_coordinator_rounds_committed_total"].inc()
+        self.m["shoal_coordinator_round_duration_seconds"].observe(max(0.0, seconds))
+        if bytes_sent:
+            self.m["shoal_coordinator_round_bytes_sent_total"].inc(bytes_sent)
+
+    def on_abort(self, will_retry: bool) -> None:
+        self.m["shoal_coordinator_rounds_aborted_total"].inc()
+        if will_retry:
+            self.m["shoal_coordinator_rounds_retried_total"].inc()
+
+    def on_sync(self) -> None:
+        self.m["shoal_coordinator_state_syncs_total"].inc()
+
+    def observe_members(self, epoch: int, round_: int, members: list[tuple[str, str, float, float, float]]) -> None:
+        """members: (peer_id, state, up B/s, down B/s, rtt s) of every live member."""
+        self.m["shoal_coordinator_epoch"].set(epoch)
+        self.m["shoal_coordinator_round"].set(round_)
+        counts = {"pending": 0, "syncing": 0, "member": 0}
+        for _, state, *_ in members:
+            counts[state] = counts.get(state, 0) + 1
+        for state, n in counts.items():
+            self.m["shoal_coordinator_members"].labels(state).set(n)
+        for name in ("shoal_coordinator_link_up_bytes_per_second", "shoal_coordinator_link_down_bytes_per_second",
+                     "shoal_coordinator_link_rtt_seconds"):
+            self.m[name].clear()
+        for peer_id, _, up, down, rtt in members:
+            self.m["shoal_coordinator_link_up_bytes_per_second"].labels(peer_id[:16]).set(up)
+            self.m["shoal_coordinator_link_down_bytes_per_second"].labels(peer_id[:16]).set(down)
+            self.m["shoal_coordinator_link_rtt_seconds"].labels(peer_id[:16]).set(rtt)
+
+
+class PeerMetrics(_Metrics):
+    """Metrics of a peer agent; see PEER_METRICS."""
+
+    specs = PEER_METRICS
+    EWMA = 0.3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_estimate = 0.0
+        self.down_estimate = 0.0
+
+    def on_commit(self, round_: int, participants: int, seconds: float, loss: float, accuracy: float) -> None:
+        self.m["shoal_peer_rounds_committed_total"].inc()
+        self.m["shoal_peer_round"].set(round_)
+        self.m["shoal_peer_members"].set(participants)
+        self.m["shoal_peer_round_duration_seconds"].observe(max(0.0, seconds))
+        self.m["shoal_peer_train_loss"].set(loss)
+        self.m["shoal_peer_test_accuracy"].set(accuracy)
+
+    def on_abort(self, will_retry: bool) -> None:
+        self.m["shoal_peer_rounds_aborted_total"].inc()
+        if will_retry:
+            self.m["shoal_peer_rounds_retried_total"].inc()
+
+    def on_collective(self, seconds: float, bytes_sent: int, bytes_received: int) -> tuple[float, float]:
+        """Record a successful collective; returns the updated (up, down) estimates in bytes/s."""
+        self.m["shoal_peer_collective_seconds"].observe(max(0.0, seconds))
+        self.m["shoal_peer_bytes_sent_total"].inc(bytes_sent)
+        if seconds > 0:
+            self.up_estimate = self._ewma(self.up_estimate, bytes_sent / seconds)
+            self.down_estimate = self._ewma(self.down_estimate, bytes_received / seconds)
+            self.m["shoal_peer_link_up_bytes_per_second"].set(self.up_estimate)
+            self.m["shoal_peer_link_down_bytes_per_second"].set(self.down_estimate)
+        return self.up_estimate, self.down_estimate
+
+    def on_received(self, n: int) -> None:
+        self.m["shoal_peer_bytes_received_total"].inc(n)
+
+    def on_sync(self, round_: int, nbytes: int) -> None:
+        self.m["shoal_peer_state_syncs_total"].inc()
+        self.m["shoal_peer_state_sync_bytes_total"].inc(nbytes)
+        self.m["shoal_peer_round"].set(round_)
+
+    def _ewma(self, old: float, new: float) -> float:
+        return new if old == 0.0 or not math.isfinite(old) else (1 - self.EWMA) * old + self.EWMA * new
+
+
+def render_markdown_table() -> str:
+    """The metric tables of docs/observability.md."""
+    lines: list[str] = []
+    for title, specs in (("Coordinator", COORDINATOR_METRICS), ("Peer", PEER_METRICS)):
+        lines += [f"### {title}", "", "| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
+        for s in specs:
+            lines.append(f"| `{s.name}` | {s.kind} | {', '.join(s.labels) or '—'} | {s.help} |")
+        lines.append("")
+    return "\n".join(lines)

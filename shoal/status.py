@@ -1,0 +1,86 @@
+"""`shoal status`: the operator's view of a coordinator (members, their links, recent rounds).
+
+One GetStatus call (bounded by `timeout`), rendered either as JSON (stable keys, for scripts
+and tests) or as plain-text tables for humans. Failure: an unreachable coordinator raises the
+grpc.aio.AioRpcError (UNAVAILABLE / DEADLINE_EXCEEDED), which the CLI maps to exit code 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+
+from shoal.v1 import shoal_pb2 as pb
+from shoal.v1 import shoal_pb2_grpc as pb_grpc
+
+
+async def fetch_status_async(address: str, *, recent: int = 10, timeout: float = 5.0) -> dict:
+    """GetStatus as a JSON-ready dict: epoch, round, counts, run_config, members, rounds."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        resp: pb.StatusResponse = await pb_grpc.CoordinatorStub(channel).GetStatus(
+            pb.StatusRequest(recent_rounds=recent), timeout=timeout, wait_for_ready=False)
+    try:
+        run_config = json.loads(resp.run_config_json) if resp.run_config_json else {}
+    except ValueError:
+        run_config = {"raw": resp.run_config_json}
+    return {
+        "coordinator": address,
+        "epoch": resp.epoch,
+        "round": resp.round,
+        "rounds_committed": resp.rounds_committed,
+        "rounds_aborted": resp.rounds_aborted,
+        "run_config": run_config,
+        "members": [
+            {"peer_id": m.peer_id, "address": m.address, "state": m.state,
+             "lease_remaining_seconds": round(m.lease_remaining_seconds, 3), "num_samples": m.num_samples,
+             "links": {"up_bytes_per_s": m.up_bytes_per_s, "down_bytes_per_s": m.down_bytes_per_s,
+                       "rtt_seconds": m.rtt_seconds}}
+            for m in resp.members
+        ],
+        "rounds": [
+            {"round": r.round, "attempt": r.attempt, "status": r.status, "participants": r.participants,
+             "seconds": round(r.seconds, 4), "train_loss": r.train_loss, "reason": r.reason,
+             "state_digest": r.state_digest.hex()}
+            for r in resp.rounds
+        ],
+    }
+
+
+def fetch_status(address: str, *, recent: int = 10, timeout: float = 5.0) -> dict:
+    return asyncio.run(fetch_status_async(address, recent=recent, timeout=timeout))
+
+
+def _rate(bps: float) -> str:
+    if bps <= 0:
+        return "-"
+    for unit in ("B/s", "KB/s", "MB/s", "GB/s"):
+        if bps < 1000:
+            return f"{bps:.1f} {unit}"
+        bps /= 1000
+    return f"{bps:.1f} TB/s"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*headers), fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in rows)])
+
+
+def render_table(s: dict) -> str:
+    """Human view of `fetch_status`'s dict."""
+    algo = s["run_config"].get("algorithm", "?")
+    head = (f"coordinator {s['coordinator']}  epoch {s['epoch']}  round {s['round']}  "
+            f"committed {s['rounds_committed']}  aborted {s['rounds_aborted']}  algorithm {algo}")
+    members = _table(
+        ["peer", "address", "state", "lease", "samples", "up", "down", "rtt"],
+        [[m["peer_id"][:12], m["address"], m["state"], f"{m['lease_remaining_seconds']:.1f}s", str(m["num_samples"]),
+          _rate(m["links"]["up_bytes_per_s"]), _rate(m["links"]["down_bytes_per_s"]),
+          f"{m['links']['rtt_seconds'] * 1000:.1f}ms" if m["links"]["rtt_seconds"] else "-"] for m in s["members"]])
+    rounds = _table(
+        ["round", "attempt", "status", "peers", "seconds", "loss", "reason"],
+        [[str(r["round"]), str(r["attempt"]), r["status"], str(r["participants"]),
+          f"{r['seconds']:.3f}" if r["seconds"] else "-", f"{r['train_loss']:.4f}" if r["train_loss"] else "-",
+          r["reason"][:60]] for r in s["rounds"]])
+    return f"{head}\n\nmembers ({len(s['members'])})\n{members}\n\nrecent rounds\n{rounds}"

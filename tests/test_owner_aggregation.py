@@ -1,0 +1,222 @@
+"""Aggregation at the shard owners over real gRPC (in one process): every aggregator, with and
+without compression, a NaN-sending peer, multi-chunk shards; plus the pure pieces around it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendPlan
+from peer.aggregators import AGGREGATORS, make_aggregator
+from peer.byzantine import ATTACKS, forge
+from peer.collectives import CollectiveError, CollectivePlan, all_reduce
+from peer.compression import ErrorFeedback, max_abs_error
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from peer.dataplane import Inbox, PeerService, Session, Transport
+from peer.identity import peer_id_of, public_bytes
+from peer.tickets import issue_ticket, verify_ticket
+from peer.errors import InvalidArgument
+from peer.reduction import OwnerReduction, ReductionSpec
+from peer.training import RunConfig
+from shoal.v1 import shoal_pb2 as pb
+from shoal.v1 import shoal_pb2_grpc as pb_grpc
+
+PARAMS = {"trimmed-mean": {"beta": 0.25}, "centered-clip": {"tau": 2.0}, "krum": {"f": 1},
+          "multi-krum": {"f": 1}, "bulyan": {"f": 1}}
+
+
+class Swarmlet:
+    """p peers' data planes on loopback in this event loop, secured as in production: each peer
+    has an Ed25519 identity and signs its streams, and a coordinator key signs round tickets."""
+
+    def __init__(self, p: int):
+        self.p = p
+        self.coordinator_key = Ed25519PrivateKey.generate()
+        self.keys = [Ed25519PrivateKey.generate() for _ in range(p)]
+        self.ids = [peer_id_of(public_bytes(k)) for k in self.keys]
+
+    def session(self, attempt: int) -> Session:
+        pub = public_bytes(self.coordinator_key)
+
+        def check(ticket: bytes, sender: str) -> None:
+            verify_ticket(pub, ticket, round=0, attempt=attempt, sender=sender)
+
+        return Session(0, attempt, frozenset(self.ids), pb.FLOAT32, check)
+
+    async def __aenter__(self):
+        self.servers, self.inboxes, self.addresses, self.transports = [], [], [], []
+        for i in range(self.p):
+            inbox = Inbox()
+            server = grpc.aio.server()
+            service = PeerService(inbox, coordinator_public_key=public_bytes(self.coordinator_key))
+            pb_grpc.add_PeerServicer_to_server(service, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.servers.append(server)
+            self.inboxes.append(inbox)
+            self.addresses.append(f"127.0.0.1:{port}")
+            self.transports.append(Transport(key=self.keys[i]))
+        return self
+
+    async def __aexit__(self, *exc):
+        for t in self.transports:
+            await t.close()
+        for s in self.servers:
+            await s.stop(grace=None)
+
+    async def run(self, xs, *, attempt: int, algorithm: str = "butterfly", compression: str = "none",
+                  reducers=None, feedback=None, chunk_bytes: int = 64, return_exceptions: bool = False,
+                  chunk_timeout: float = 5.0):
+        n = xs[0].size
+        plan = CollectivePlan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
+                              shard_bounds=tuple(n * i // self.p for i in range(self.p + 1)),
+                              shard_owner=tuple(range(self.p)), algorithm=algorithm, chunk_bytes=chunk_bytes,
+                              chunk_timeout_seconds=chunk_timeout, deadline_seconds=20.0, compression=compression,
+                              ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids, bytes(32), 60.0))
+        for inbox in self.inboxes:
+            inbox.start(self.session(attempt))
+        reducers = reducers or [None] * self.p
+        feedback = feedback or [None] * self.p
+        try:
+            return await asyncio.gather(*[
+                all_reduce(xs[i], plan, me=self.ids[i], transport=self.transports[i], inbox=self.inboxes[i],
+                           reducer=reducers[i], feedback=feedback[i]) for i in range(self.p)],
+                return_exceptions=return_exceptions)
+        finally:
+            for inbox in self.inboxes:
+                inbox.finish(0, attempt)
+
+
+def _inputs(p: int, n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    center = rng.standard_normal(n).astype(np.float32)
+    return [(center + 0.1 * rng.standard_normal(n)).astype(np.float32) for _ in range(p)]
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_every_aggregator_at_the_owners_rejects_nan_and_matches_the_reference(compression):
+    p, n = 5, 203  # shards of ~40 elements, chunks of 16: several chunks per shard
+    xs = _inputs(p, n)
+    xs[3] = forge("nan", xs[3], np.random.default_rng(0))
+    weights = np.arange(1, p + 1, dtype=np.float64)
+    async with Swarmlet(p) as sw:
+        for attempt, name in enumerate(AGGREGATORS):
+            spec = ReductionSpec(name, PARAMS.get(name, {}))
+            reducers = [OwnerReduction(spec, weights, n) for _ in range(p)]
+            results = await sw.run(xs, attempt=attempt, compression=compression, reducers=reducers)
+            values = results[0].values
+            assert all(r.values.tobytes() == values.tobytes() for r in results), f"{name}: peers differ"
+            assert np.isfinite(values).all(), name
+            assert set().union(*(r.flagged for r in results)) == {sw.ids[3]}, name
+            reference = make_aggregator(name, **PARAMS.get(name, {})).reduce(np.stack(xs), weights).values
+            if compression == "none":
+                np.testing.assert_allclose(values, reference, rtol=1e-5, atol=1e-5, err_msg=name)
+            else:  # contributions and the result each quantized once: twice the int8 bound, per element
+                bound = 2 * max_abs_error(np.abs(np.stack([x for i, x in enumerate(xs) if i != 3])).max(axis=0), "int8")
+                assert np.all(np.abs(values - reference) <= bound + 1e-6), name
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8"])
+async def test_ring_with_compression_is_bit_identical_and_close_to_the_sum(compression):
+    p, n = 4, 1001
+    xs = _inputs(p, n, seed=1)
+    async with Swarmlet(p) as sw:
+        results = await sw.run(xs, attempt=0, algorithm="ring", compression=compression, chunk_bytes=1024)
+        plain = await sw.run(xs, attempt=1, algorithm="ring", compression="none", chunk_bytes=1024)
+    assert len({r.digest for r in results}) == 1
+    exact = np.sum(np.stack(xs).astype(np.float64), axis=0)
+    tol = {"fp16": 5e-3, "bf16": 4e-2, "int8": 8e-2}[compression]
+    np.testing.assert_allclose(results[0].values, exact, atol=tol * p)
+    ratio = sum(r.bytes_sent for r in results) / sum(r.bytes_sent for r in plain)
+    assert ratio <= {"fp16": 0.5, "bf16": 0.5, "int8": 0.26}[compression]
+
+
+async def test_ring_blames_the_peer_that_injects_nan():
+    p, n = 4, 64
+    xs = _inputs(p, n)
+    xs[2] = forge("nan", xs[2], np.random.default_rng(0))
+    async with Swarmlet(p) as sw:
+        out = await sw.run(xs, attempt=0, algorithm="ring", chunk_bytes=4096, return_exceptions=True,
+                           chunk_timeout=0.5)
+    errors = [r for r in out if isinstance(r, Exception)]
+    assert errors and all(isinstance(e, CollectiveError) for e in errors)
+    # The NaN sender's successor blames it; the others only time out on the stalled ring.
+    assert any(e.suspects == (sw.ids[2],) and "non-finite" in str(e) for e in errors)
+    assert all(np.isfinite(r.values).all() for r in out if not isinstance(r, Exception))
+
+
+async def test_error_feedback_residuals_are_returned_not_applied():
+    p, n = 3, 300
+    xs = _inputs(p, n, seed=2)
+    fbs = [ErrorFeedback() for _ in range(p)]
+    reducers = [OwnerReduction(ReductionSpec("mean"), np.ones(p), n) for _ in range(p)]
+    async with Swarmlet(p) as sw:
+        res = await sw.run(xs, attempt=0, compression="int8", reducers=reducers, feedback=fbs)
+    assert all(len(fb) == 0 for fb in fbs), "the collective must not touch the residuals"
+    for r, fb in zip(res, fbs):
+        assert r.feedback
+        for key, c, d in r.feedback:
+            fb.update(key, c, d)
+        assert len(fb) == len(r.feedback)
+
+
+def test_owner_reduction_norm_bound_and_dp_noise():
+    rows = np.stack([np.full(100, 1.0, np.float32), np.full(100, 100.0, np.float32)])
+    red = OwnerReduction(ReductionSpec("mean", max_norm=10.0), np.ones(2), 100)
+    v, rejected = red.reduce(rows, 0, 100)
+    assert rejected == () and np.all(v <= (1.0 + 1.0) / 2 + 1e-4)  # both rows clipped to norm 10
+    red = OwnerReduction(ReductionSpec("mean", max_norm=10.0, on_norm="reject"), np.ones(2), 100)
+    v, rejected = red.reduce(rows, 0, 100)
+    assert rejected == (1,) and np.allclose(v, 1.0)
+    noisy = OwnerReduction(ReductionSpec("mean", max_norm=10.0, dp_sigma=1.0), np.ones(1), 100,
+                           rng=np.random.default_rng(0))
+    v, _ = noisy.reduce(rows[:1], 0, 100)
+    assert np.isfinite(v).all() and 5 < np.std(v) < 20  # sigma * max_norm / p = 10
+    with pytest.raises(InvalidArgument, match="dp_sigma"):
+        ReductionSpec("mean", dp_sigma=1.0).check()
+    with pytest.raises(InvalidArgument, match="aggregator"):
+        RunConfig(aggregator="nope")
+    with pytest.raises(InvalidArgument, match="codec"):
+        RunConfig(compression="zip")
+
+
+def test_attacks():
+    x = np.linspace(-1, 1, 50, dtype=np.float32)
+    rng = np.random.default_rng(0)
+    for name in ATTACKS:
+        y = forge(name, x, rng)
+        assert y.dtype == np.float32 and y.shape == x.shape
+    assert np.isnan(forge("nan", x, rng)).all()
+    np.testing.assert_allclose(forge("scale", x, rng, 3.0), 3 * x)
+    np.testing.assert_allclose(forge("sign-flip", x, rng, 1.0), -x)
+    with pytest.raises(InvalidArgument):
+        forge("bogus", x, rng)
+
+
+@pytest.mark.parametrize("aggregator,expected", [("mean", "ring"), ("fedavg", "ring"), ("krum", "butterfly"),
+                                                 ("trimmed-mean", "butterfly")])
+def test_engine_plans_the_butterfly_for_robust_aggregators(aggregator, expected):
+    eng = RoundEngine(EngineConfig(min_peers=2, algorithm="ring", aggregator=aggregator, compression="int8"))
+    for i, pid in enumerate(("a", "b")):
+        eng.join(pid, b"k", f"127.0.0.1:{9000 + i}", 10, now=0.0)
+    actions = []
+    for pid in ("a", "b"):
+        actions += eng.ready_(pid, 0, ReadyInfo(100, pb.FLOAT32, 10, b"", 0, 0.0), now=0.1)
+    plans = [a.plan for a in actions if isinstance(a, SendPlan)]
+    assert plans and plans[0].algorithm == expected and plans[0].aggregator == aggregator
+    assert plans[0].compression == "int8"
+
+
+def test_malformed_compressed_chunk_is_refused():
+    session = Session(0, 0, frozenset({"x"}), pb.FLOAT32)
+    chunk = pb.Chunk(round=0, attempt=0, sender="x", phase=pb.REDUCE_SCATTER, dtype=pb.FLOAT32, shape=[300],
+                     data=bytes(300), scale=bytes(4), codec=3)  # int8 needs 2 scales for 300 elements
+    with pytest.raises(InvalidArgument, match="scale"):
+        session.check_chunk(chunk)
+    chunk.codec, chunk.scale = 0, b""
+    with pytest.raises(InvalidArgument, match="data"):
+        session.check_chunk(chunk)  # raw float32 needs 1200 bytes

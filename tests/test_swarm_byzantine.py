@@ -1,0 +1,27 @@
+"""`shoal swarm` with a lying peer: NaN updates never reach a model; robust aggregation trains on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_swarm_with_a_nan_peer_and_int8(tmp_path):
+    summary, wd = tmp_path / "s.json", tmp_path / "wd"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "4", "--rounds", "3", "--byzantine", "1",
+         "--attack", "nan", "--aggregator", "centered-clip", "--clip-tau", "0.5", "--compression", "int8",
+         "--summary", str(summary), "--no-progress", "--workdir", str(wd)],
+        capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["rounds_committed"] == 3 and s["rounds_aborted"] == 0 and s["digest_mismatches"] == 0
+    assert s["rounds_with_flagged"] == 3 and len(s["flagged_peers"]) == 1
+    assert s["test_accuracy"] > 0.8
+    finals = [json.loads(line) for i in range(4) for line in (wd / f"peer-{i}.jsonl").read_text().splitlines()
+              if json.loads(line)["event"] == "finished"]
+    assert len(finals) == 4 and all(f["params_finite"] for f in finals)
+    # The flagged peer is the attacker (the swarm gives the attack to the last peer).
+    attacker = [json.loads(line) for line in (wd / "peer-3.jsonl").read_text().splitlines()][-1]["peer"]
+    assert s["flagged_peers"] == [attacker]
