@@ -149,7 +149,8 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         "--rounds", str(opts.repeat + 1), "--min-peers", str(p), "--initial-peers", str(p),
         "--straggler-timeout", str(per_round), "--collective-timeout", str(per_round),
         "--chunk-timeout", str(per_round), "--lease-seconds", str(max(30.0, per_round)), "--max-attempts", "1",
-        "--algorithm-collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes), "--log-level", "warning"])
+        "--algorithm-collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes), "--log-level", "warning",
+        "--insecure"])  # plaintext on both planes, like the gloo baseline
     addr = _wait_file(ready, deadline, procs, "coordinator", coord)
     jobs = []
     for r in range(p):
@@ -157,7 +158,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         argv = [sys.executable, "-m", "shoal.collective_job", "--coordinator", addr, "--rank", str(r),
                 "--size", str(n), "--key", str(wd / f"job-{r}.key"), "--out", str(out),
                 "--listen", f"{hosts[r]}:0", "--timeout", str(max(60.0, deadline - time.monotonic())),
-                "--no-save"]
+                "--no-save", "--insecure"]
         name = f"job-{r}"
         jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None), out))
     for name, proc, _ in jobs:

@@ -1,16 +1,13 @@
-"""Link measurement (pure LinkMeter arithmetic, probes over real gRPC) and the zero-copy chunk wire path."""
+"""Link measurement: pure LinkMeter arithmetic, and probes of a real peer over real gRPC."""
 
 from __future__ import annotations
 
-import grpc
-import numpy as np
 import pytest
 
-from peer.dataplane import Inbox, PeerService, Transport, add_peer_service, channel_options
-from peer.errors import InvalidArgument
+from peer.dataplane import Inbox, PeerService, Transport, serve_data_plane
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from peer.links import LinkMeter, probe_missing
-from peer.tensors import ChunkOut, decode_chunk, parse_chunk, serialize_chunk
-from shoal.v1 import shoal_pb2 as pb
+from peer.security import Security
 
 
 class Clock:
@@ -51,33 +48,13 @@ def test_aggregate_is_the_fastest_path_and_tiny_samples_are_ignored():
     assert [l.peer_id for l in rep.links] == ["b", "c"]
 
 
-def test_chunk_wire_format_roundtrip_without_protobuf_copies():
-    x = np.arange(1001, dtype=np.float32)
-    meta = pb.Chunk(round=3, attempt=1, sender="ab", phase=pb.ALL_GATHER, step=2, shard=1, offset=77, dtype=pb.FLOAT32,
-                    shape=[1001], ticket=b"t")
-    wire = serialize_chunk(ChunkOut(meta, x[::1]))
-    ref = pb.Chunk()
-    ref.CopyFrom(meta)
-    ref.data = x.tobytes()
-    assert pb.Chunk.FromString(wire) == ref  # same message as protobuf would build
-    for raw in (wire, ref.SerializeToString()):
-        view = parse_chunk(raw)
-        assert view.round == 3 and view.offset == 77 and view.ticket == b"t" and list(view.shape) == [1001]
-        np.testing.assert_array_equal(decode_chunk(view.data, view.dtype, 1001), x)
-    assert serialize_chunk(ref) == ref.SerializeToString()
-    with pytest.raises(InvalidArgument):
-        parse_chunk(wire[:-10])  # truncated payload
-
-
 async def test_probes_measure_a_real_peer_and_fill_the_report():
-    server = grpc.aio.server(options=channel_options())
-    add_peer_service(PeerService(Inbox()), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    transport = Transport()
+    security = Security(insecure=True)
+    server, address = await serve_data_plane(PeerService(Inbox()), "127.0.0.1:0", security)
+    transport = Transport(security, Ed25519PrivateKey.generate())
     try:
         m = LinkMeter()
-        peers = [("me", "127.0.0.1:1"), ("other", f"127.0.0.1:{port}")]
+        peers = [("me", "127.0.0.1:1"), ("other", address)]
         assert await probe_missing(m, transport, peers, "me", nbytes=256 * 1024) == 1
         (v,) = m.links()
         assert v.peer_id == "other" and v.up_bytes_per_s > 0 and v.down_bytes_per_s > 0 and v.rtt_seconds > 0

@@ -24,6 +24,7 @@ def open_round(e: RoundEngine, links: dict[str, tuple[float, float, float]], n: 
                peers=("a", "b", "c", "d")):
     for p in peers:
         e.join(p, KEY, f"10.0.0.{len(p)}:1", 1, 0.0)
+        e.connected(p, 0.0)
     for p, (up, down, rtt) in links.items():
         e.report_links(p, up, down, rtt)
     acts = []
