@@ -243,7 +243,8 @@ MIN_CHUNK_BYTES = 64 * 1024
 
 
 def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsize: int = 4, *,
-                owner_reduces: bool = False, link_cap: float = 100e6, min_gain: float = 0.25) -> Layout:
+                owner_reduces: bool = False, link_cap: float = 100e6, min_gain: float = 0.25,
+                noise: float = 1.5) -> Layout:
     """Lay out a collective over `members` (in the engine's participant order). Pure.
 
     With no measured link among them (up and down both > 0), the layout is the static one: the
@@ -255,9 +256,10 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
     (or, when every link is at `link_cap`, the butterfly with equal shards); peers below the
     floor are demoted to non-owners.
 
-    Measurements are noisy, so two guards keep noise from skewing the shards: rates above
-    `link_cap` bytes/s (faster than the data plane itself moves bytes, e.g. loopback or a fast
-    LAN) count as `link_cap`; and uneven butterfly shards are used only when the model predicts
+    Measurements are noisy (probes of peers probing each other at the same time share links),
+    so three guards keep noise from skewing the shards: rates above `link_cap` bytes/s (faster
+    than the data plane itself moves bytes, e.g. loopback or a fast LAN) count as `link_cap`;
+    rates within a factor `noise` of the median rate count as the median; and uneven butterfly shards are used only when the model predicts
     them at least `min_gain` (a fraction) faster than equal shards on the same links.
 
     `owner_reduces` (an aggregator other than the plain mean runs at the shard
@@ -278,9 +280,13 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
     med_down = sorted(m.down_bytes_per_s for m in known)[len(known) // 2]
     rtts = sorted(m.rtt_seconds for m in known if m.rtt_seconds > 0)
     med_rtt = rtts[len(rtts) // 2] if rtts else 0.0
+    def denoise(rate: float, median: float) -> float:
+        rate = min(link_cap, rate)
+        return min(link_cap, median) if median / noise <= rate <= median * noise else rate
+
     links = [
-        LinkSpec(m.peer_id, min(link_cap, m.up_bytes_per_s if m.peer_id in measured else med_up),
-                 min(link_cap, m.down_bytes_per_s if m.peer_id in measured else med_down),
+        LinkSpec(m.peer_id, denoise(m.up_bytes_per_s if m.peer_id in measured else med_up, med_up),
+                 denoise(m.down_bytes_per_s if m.peer_id in measured else med_down, med_down),
                  m.rtt_seconds if m.rtt_seconds > 0 else med_rtt)
         for m in members
     ]

@@ -361,6 +361,10 @@ def grpc_options() -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", CONTROL_MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", CONTROL_MAX_SEND_BYTES),
         ("grpc.so_reuseport", 0),
+        # Peers ping every 10 s (peer.dataplane.channel_options) while their WatchRounds stream is
+        # quiet; a round longer than a minute on a slow link must not end with "too_many_pings".
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ]
 
 
