@@ -338,7 +338,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"shoal bench: {exc}", file=sys.stderr)
         return 2
-    report = run_bench(opts)
+    def _interrupt(signum, frame):  # SIGTERM: unwind like Ctrl-C, so processes and namespaces go
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        report = run_bench(opts)
+    except KeyboardInterrupt:
+        return 130
     print(json.dumps(report, indent=None if a.json else 2))
     return 0
 
