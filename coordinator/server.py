@@ -364,7 +364,7 @@ def grpc_options() -> list[tuple[str, int]]:
         # Peers ping every 10 s (peer.dataplane.channel_options) while their WatchRounds stream is
         # quiet; a round longer than a minute on a slow link must not end with "too_many_pings".
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
 
 

@@ -411,7 +411,7 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),  # as a server: accept those pings
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # as a server: accept those pings
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
