@@ -263,11 +263,13 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
     them at least `min_gain` (a fraction) faster than equal shards on the same links.
 
     `owner_reduces` (an aggregator other than the plain mean runs at the shard
-    owners) limits "auto" to butterfly, the only algorithm with owner-side reduction. Never raises
+    owners) forces the butterfly, the only algorithm with owner-side reduction. Never raises
     for bad measurements: it falls back to the static layout.
     """
     from coordinator.planner import LinkSpec, allreduce_lower_bound, plan_collective, predict_butterfly
 
+    if owner_reduces:  # robust aggregators need every contribution at a shard owner
+        algorithm = "butterfly"
     ids = tuple(m.peer_id for m in members)
     p = len(ids)
     static = Layout(ids, "butterfly" if algorithm == "auto" else algorithm,
