@@ -373,8 +373,13 @@ def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Stor
     elif json.loads(stored) != config.run_config and config.run_config:
         log.warning("state file holds a run configuration that differs from the flags; keeping the stored one")
     commits = store.load_commits()
+    # Each start is a new incarnation; its attempt ids start at 1000 x incarnation, so a plan of
+    # this incarnation never shares an id with one a crashed predecessor had sent.
+    incarnation = int(store.get_meta("incarnation") or -1) + 1
+    store.set_meta("incarnation", str(incarnation))
     engine = RoundEngine(config.engine, committed=commits, members=store.load_members(),
-                         epoch=store.load_epoch(), aborted=store.count_aborts(), now=now)
+                         epoch=store.load_epoch(), aborted=store.count_aborts(), now=now,
+                         attempt_base=(incarnation % 4000) * 1000)
     if commits:
         log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path, len(commits),
                  len(engine.members), engine.epoch)

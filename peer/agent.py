@@ -57,6 +57,7 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 log = logging.getLogger("shoal.peer")
 T = TypeVar("T")
 
+HELD_STATES = 3  # committed states a donor keeps serving (the newest and two before it)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -131,6 +132,7 @@ class PeerAgent(StateSource):
         self.finished = False
         self.service: PeerService | None = None
         self._blob_cache: tuple[int, bytes, bytes] | None = None
+        self._held: dict[int, tuple[bytes, bytes]] = {}
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
 
     # ------------------------------------------------------------ state source (donor side)
@@ -141,7 +143,14 @@ class PeerAgent(StateSource):
         if self._blob_cache is None or self._blob_cache[0] != st.rounds:
             blob = st.to_bytes()
             self._blob_cache = (st.rounds, blob, digest(blob))
+            self._held[st.rounds] = (blob, self._blob_cache[2])
+            for old in sorted(self._held)[:-HELD_STATES]:
+                del self._held[old]
         return self._blob_cache
+
+    def state_for(self, rounds: int) -> tuple[bytes, bytes] | None:
+        self.committed_state()
+        return self._held.get(rounds)
 
     # ------------------------------------------------------------ helpers
 
@@ -324,6 +333,8 @@ class PeerAgent(StateSource):
                         await self._sync(ev.sync)
                     except SyncError as exc:
                         log.warning("state sync failed: %s; asking for another order", exc)
+                        self._emit("state_sync_failed", round=ev.sync.round, reason=str(exc),
+                                   donors_failed=list(exc.donors_failed))
                         await asyncio.sleep(random.uniform(0.05, 0.2))
                         await self._ready(r + 1, update_grad.size)
                         continue
@@ -504,6 +515,8 @@ class PeerAgent(StateSource):
                     await self._sync(order)
                 except SyncError as exc:
                     log.warning("state sync failed: %s; asking again", exc)
+                    self._emit("state_sync_failed", round=order.round, reason=str(exc),
+                               donors_failed=list(exc.donors_failed))
             faults.hit("train", wl.state.rounds)
             try:
                 update = await asyncio.to_thread(wl.local_update)
