@@ -45,7 +45,7 @@ class SwarmOptions:
     min_peers: int = 2
     timeout: float = 600.0
     chaos: bool = False
-    chaos_interval: float = 3.0
+    chaos_interval: float = 2.0
     tls: bool = False  # mutual TLS on both planes + join-token admission (material in the workdir)
     extra_coordinator_args: tuple[str, ...] = ()
     extra_peer_args: tuple[str, ...] = ()
