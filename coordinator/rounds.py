@@ -25,6 +25,7 @@ Protocol summary:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -340,7 +341,8 @@ class RoundEngine:
     """
 
     def __init__(self, config: EngineConfig, *, committed: list[CommitRecord] | None = None,
-                 members: list[Member] | None = None, epoch: int = 0, aborted: int = 0, now: float = 0.0):
+                 members: list[Member] | None = None, epoch: int = 0, aborted: int = 0, now: float = 0.0,
+                 attempt_base: int = 0):
         self.config = config
         self.members: dict[str, Member] = {}
         for m in members or []:
@@ -354,7 +356,11 @@ class RoundEngine:
         self.rounds_retried = 0
         self.ready: dict[str, ReadyInfo] = {}
         self.first_ready_at: float | None = None
-        self.attempt = 0
+        # Attempt ids are never reused within a round, not even across a coordinator restart
+        # (attempt_base = 1000 x restarts), so no chunk of an old attempt can join a new one.
+        self.attempt_base = attempt_base
+        self.attempt = attempt_base
+        self.tries = 0  # attempts in the current try cycle (bounded by max_attempts)
         self.excluded: set[str] = set()
         self.running: _Running | None = None
         self.not_before = 0.0
@@ -458,9 +464,14 @@ class RoundEngine:
         download it first). Raises RoundError("not_found") without a lease, ("invalid") when the
         tensor size disagrees with the round's.
         """
-        if self.finished:
-            return [SendFinished(self.committed_rounds, "run complete")]
         m = self.members.get(peer_id)
+        if self.finished:
+            # A peer that fell behind at the very end may still fetch the final state.
+            stale = info.state_round != self.committed_rounds or info.state_digest != self.last_state_digest
+            donors = self.donors(now, exclude=peer_id) if stale and m is not None else ()
+            if donors:
+                return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
+            return [SendFinished(self.committed_rounds, "run complete")]
         if m is None or m.lease_expiry <= now:
             raise RoundError("not_found", f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
@@ -549,7 +560,7 @@ class RoundEngine:
         live = {m.peer_id for m in self.live(now)}
         candidates = sorted(p for p in self.ready if p in live and p not in self.excluded)
         quorum = max(1, self.config.min_peers)
-        if not self.commits and self.attempt == 0:
+        if not self.commits and self.tries == 0:
             quorum = max(quorum, self.config.initial_peers)
         if len(candidates) < quorum:
             return []
@@ -557,9 +568,9 @@ class RoundEngine:
         # joiner forever); the ready timeout bounds the wait for a straggler.
         waiting_on = {p for p in live if p not in self.excluded and self._waited_on(self.members[p])} - set(candidates)
         deadline_passed = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
-        if waiting_on and not deadline_passed and self.attempt == 0:
+        if waiting_on and not deadline_passed and self.tries == 0:
             return []
-        if deadline_passed and self.attempt == 0:
+        if deadline_passed and self.tries == 0:
             for p in waiting_on:  # stragglers: left out, and not waited on until they say ready again
                 self.members[p].lagging = True
         return self._open(now, tuple(candidates))
@@ -624,7 +635,8 @@ class RoundEngine:
         assert run is not None
         votes = run.votes
         any_vote = next(iter(votes.values()))
-        losses = [v[3] for v in votes.values()]
+        # A peer may report a non-finite loss (diverged, or lying): it never reaches the record.
+        losses = [v[3] for v in votes.values() if math.isfinite(v[3])]
         flagged = tuple(sorted({f for v in votes.values() for f in v[5]}))
         rec = CommitRecord(
             round=run.plan.round,
@@ -632,7 +644,7 @@ class RoundEngine:
             result_digest=any_vote[1],
             state_digest=any_vote[2],
             participants=run.plan.participants,
-            train_loss=float(sum(losses) / len(losses)),
+            train_loss=float(sum(losses) / len(losses)) if losses else 0.0,
             seconds=now - run.started,
             flagged=flagged,
             at=now,
@@ -649,23 +661,25 @@ class RoundEngine:
         self.running = None
         self.rounds_aborted += 1
         survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.ready]
-        will_retry = self.attempt + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
+        will_retry = self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
         rec = AbortRecord(run.plan.round, run.plan.attempt, reason, tuple(sorted(excluded)), will_retry, now)
         self.aborts.append(rec)
         to = tuple(sorted(set(run.plan.participants) | set(self.ready)))
+        self.attempt += 1
         if will_retry:
-            self.attempt += 1
+            self.tries += 1
             self.rounds_retried += 1
-            self.not_before = now + self.config.retry_backoff * 2 ** (self.attempt - 1)
+            self.not_before = now + self.config.retry_backoff * 2 ** (self.tries - 1)
         else:
             # Give the round up: everyone (the excluded included) starts it over by saying ready.
-            self._reset_round()
+            self._reset_round(next_attempt=self.attempt)
             self.not_before = now + self.config.retry_backoff
         return [SendAbort(rec, to)]
 
-    def _reset_round(self) -> None:
+    def _reset_round(self, next_attempt: int | None = None) -> None:
         self.running = None
         self.ready = {}
         self.first_ready_at = None
-        self.attempt = 0
+        self.attempt = self.attempt_base if next_attempt is None else next_attempt
+        self.tries = 0
         self.excluded = set()

@@ -271,10 +271,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             info = ReadyInfo(request.num_elements, request.dtype, request.num_samples, request.state_digest,
                              request.state_round, self.clock())
             try:
-                self.apply(self.engine.ready_(request.peer_id, request.round, info, self.clock()))
+                actions = self.engine.ready_(request.peer_id, request.round, info, self.clock())
             except RoundError as exc:
                 raise _raise(exc) from None
-            return pb.ReadyResponse(round=self.engine.committed_rounds)
+            self.apply(actions)
+            resp = pb.ReadyResponse(round=self.engine.committed_rounds)
+            for a in actions:
+                if isinstance(a, SendSync) and a.peer_id == request.peer_id:
+                    # Also in the reply: after the run finished, the event stream is closed.
+                    resp.sync.CopyFrom(self._sync_order(a.round, a.state_digest, a.donors, to=a.peer_id))
+            return resp
 
     async def WatchRounds(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.RoundEvent]:
         if request.peer_id not in self.engine.members:
@@ -382,8 +388,13 @@ def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Stor
     elif json.loads(stored) != config.run_config and config.run_config:
         log.warning("state file holds a run configuration that differs from the flags; keeping the stored one")
     commits = store.load_commits()
+    # Each start is a new incarnation; its attempt ids start at 1000 x incarnation, so a plan of
+    # this incarnation never shares an id with one a crashed predecessor had sent.
+    incarnation = int(store.get_meta("incarnation") or -1) + 1
+    store.set_meta("incarnation", str(incarnation))
     engine = RoundEngine(config.engine, committed=commits, members=store.load_members(),
-                         epoch=store.load_epoch(), aborted=store.count_aborts(), now=now)
+                         epoch=store.load_epoch(), aborted=store.count_aborts(), now=now,
+                         attempt_base=(incarnation % 4000) * 1000)
     if commits:
         log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path, len(commits),
                  len(engine.members), engine.epoch)

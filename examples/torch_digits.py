@@ -105,7 +105,8 @@ def launch(a: argparse.Namespace) -> int:
             start([sys.executable, "-m", "shoal.cli", "coordinator", "--listen", "127.0.0.1:0",
                    "--state", str(wd / "coordinator.db"), "--ready-file", str(wd / "coordinator.addr"),
                    "--rounds", str(a.rounds), "--min-peers", str(a.peers), "--initial-peers", str(a.peers),
-                   "--algorithm", a.algorithm, "--inner-steps", str(a.inner_steps), "--num-shards", str(a.peers)],
+                   "--algorithm", a.algorithm, "--inner-steps", str(a.inner_steps), "--num-shards", str(a.peers),
+                   "--insecure"],  # loopback demo; see docs/security.md for TLS
                   "coordinator")
             end = time.monotonic() + 30
             while not (wd / "coordinator.addr").exists():

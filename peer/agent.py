@@ -59,6 +59,7 @@ log = logging.getLogger("shoal.peer")
 T = TypeVar("T")
 
 LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
+HELD_STATES = 3  # committed states a donor keeps serving (the newest and two before it)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -87,6 +88,7 @@ class PeerConfig:
     round_silence: float = 15.0
     sync_donors: int = 3
     sync_range_bytes: int = 256 << 10
+    finish_linger: float = 1.0  # seconds the data plane keeps serving the final state after the run ends
     connect_timeout: float = 120.0
     security: Security = Security(insecure=True)
     join_token: str = ""
@@ -135,6 +137,7 @@ class PeerAgent(StateSource):
         self.finished = False
         self.service: PeerService | None = None
         self._blob_cache: tuple[int, bytes, bytes] | None = None
+        self._held: dict[int, tuple[bytes, bytes]] = {}
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
 
     # ------------------------------------------------------------ state source (donor side)
@@ -145,7 +148,14 @@ class PeerAgent(StateSource):
         if self._blob_cache is None or self._blob_cache[0] != st.rounds:
             blob = st.to_bytes()
             self._blob_cache = (st.rounds, blob, digest(blob))
+            self._held[st.rounds] = (blob, self._blob_cache[2])
+            for old in sorted(self._held)[:-HELD_STATES]:
+                del self._held[old]
         return self._blob_cache
+
+    def state_for(self, rounds: int) -> tuple[bytes, bytes] | None:
+        self.committed_state()
+        return self._held.get(rounds)
 
     # ------------------------------------------------------------ helpers
 
@@ -232,7 +242,7 @@ class PeerAgent(StateSource):
 
     # ------------------------------------------------------------ rounds
 
-    async def _ready(self, round_: int, n: int) -> None:
+    async def _ready(self, round_: int, n: int) -> pb.ReadyResponse:
         assert self.stub is not None and self.workload is not None
         st = self.workload.state
         req = pb.ReadyRequest(peer_id=self.peer_id, round=round_, num_elements=n, dtype=pb.FLOAT32,
@@ -252,7 +262,7 @@ class PeerAgent(StateSource):
                                                exc.trailing_metadata(), exc.details()) from None
                 raise
 
-        await self._call(call, "ready")
+        return await self._call(call, "ready")
 
     async def _vote(self, req: pb.VoteRequest) -> None:
         assert self.stub is not None
@@ -320,6 +330,9 @@ class PeerAgent(StateSource):
                     continue
                 kind = ev.WhichOneof("event")
                 if kind == "finished":
+                    if wl.state.rounds < ev.finished.rounds_committed:
+                        await stop_collective()
+                        await self._final_sync(ev.finished.rounds_committed, update_grad.size)
                     self.finished = True
                     return "finished"
                 if kind == "sync":
@@ -328,6 +341,8 @@ class PeerAgent(StateSource):
                         await self._sync(ev.sync)
                     except SyncError as exc:
                         log.warning("state sync failed: %s; asking for another order", exc)
+                        self._emit("state_sync_failed", round=ev.sync.round, reason=str(exc),
+                                   donors_failed=list(exc.donors_failed))
                         await asyncio.sleep(random.uniform(0.05, 0.2))
                         await self._ready(r + 1, update_grad.size)
                         continue
@@ -370,6 +385,21 @@ class PeerAgent(StateSource):
                         await self._ready(r, update_grad.size)
         finally:
             await stop_collective()
+
+    async def _final_sync(self, rounds: int, n: int) -> None:
+        """The run finished while this peer was behind: fetch the final state if a donor still
+        serves it (peers linger `finish_linger` seconds after the end), within a bounded time."""
+        wl = self.workload
+        assert wl is not None
+        try:
+            async with asyncio.timeout(self.config.finish_linger + 2.0):
+                resp = await self._ready(wl.state.rounds, n)
+                if resp is not None and resp.HasField("sync") and resp.sync.donors:
+                    await self._sync(resp.sync)
+                    log.info("run finished at round %d; final state synced", rounds)
+        except (TimeoutError, SyncError, grpc.aio.AioRpcError) as exc:
+            log.warning("run finished at round %d; this peer stays at round %d (%s)", rounds, wl.state.rounds,
+                        type(exc).__name__)
 
     async def _run_collective(self, plan: pb.Plan, update_grad: np.ndarray, loss: float) -> None:
         wl = self.workload
@@ -482,6 +512,8 @@ class PeerAgent(StateSource):
                        "bytes_received": self.bytes_received, "state_syncs": self.state_syncs,
                        "params_finite": bool(np.isfinite(self.workload.state.params).all())}
             self._emit("finished", **{k: v for k, v in summary.items() if k != "peer"})
+            # Serve the final state a little longer, for a peer that fell behind at the end.
+            await asyncio.sleep(self.config.finish_linger)
             try:
                 await self.stub.Leave(pb.LeaveRequest(peer_id=self.peer_id), timeout=2.0)
             except grpc.aio.AioRpcError:
@@ -508,6 +540,8 @@ class PeerAgent(StateSource):
                     await self._sync(order)
                 except SyncError as exc:
                     log.warning("state sync failed: %s; asking again", exc)
+                    self._emit("state_sync_failed", round=order.round, reason=str(exc),
+                               donors_failed=list(exc.donors_failed))
             faults.hit("train", wl.state.rounds)
             measuring = asyncio.create_task(self._measure_links())  # probes run while the model trains
             try:

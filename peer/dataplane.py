@@ -260,6 +260,12 @@ class StateSource:
     def committed_state(self) -> tuple[int, bytes, bytes]:  # (rounds, blob, digest)
         raise NotImplementedError
 
+    def state_for(self, rounds: int) -> tuple[bytes, bytes] | None:
+        """(blob, digest) of the committed state after `rounds` rounds, if still held. Donors keep
+        the last few, so a download in flight survives the swarm committing another round."""
+        held, blob, dig = self.committed_state()
+        return (blob, dig) if held == rounds else None
+
 
 class PeerService(pb_grpc.PeerServicer):
     """shoal.v1.Peer: receives chunks, serves committed state, answers probes (see the module
@@ -367,9 +373,12 @@ class PeerService(pb_grpc.PeerServicer):
             verify_membership(self._coordinator_key(), permit, peer_id=request.peer_id)
             if self.state is None:
                 raise FailedPrecondition("round: this peer serves no state")
-            rounds, blob, dig = self.state.committed_state()
-            if request.round != rounds:
-                raise FailedPrecondition(f"round: this peer holds state of round {rounds}, not {request.round}")
+            found = self.state.state_for(request.round)
+            if found is None:
+                held = self.state.committed_state()[0]
+                raise FailedPrecondition(f"round: this peer holds state of round {held}, not {request.round}")
+            blob, dig = found
+            rounds = request.round
             require(request.offset <= len(blob), "offset", f"{request.offset} past {len(blob)} bytes")
         end = len(blob) if request.length == 0 else min(len(blob), request.offset + request.length)
         for off in range(request.offset, end, STATE_CHUNK_BYTES):

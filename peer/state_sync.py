@@ -31,7 +31,12 @@ RANGE_BYTES = 256 << 10
 
 
 class SyncError(Exception):
-    """No verified copy of the committed state could be assembled from the donors."""
+    """No verified copy of the committed state could be assembled from the donors;
+    `donors_failed` lists the donors that failed during the attempt."""
+
+    def __init__(self, message: str, donors_failed: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.donors_failed = donors_failed
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, 
             failed.append(d.peer_id)
             donors.remove(d)
     if total < 0:
-        raise SyncError(f"every donor failed ({len(failed)})")
+        raise SyncError(f"every donor failed ({len(failed)})", tuple(failed))
     ranges: asyncio.Queue[int] = asyncio.Queue()
     for off in range(len(first_blob), total, range_bytes):
         ranges.put_nowait(off)
@@ -114,16 +119,16 @@ async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, 
         if not alive:
             spare = [d for d in donors if d.peer_id not in failed]
             if not spare:
-                raise SyncError(f"every donor failed ({len(failed)}) with {ranges.qsize()} ranges left")
+                raise SyncError(f"every donor failed ({len(failed)}) with {ranges.qsize()} ranges left", tuple(failed))
             alive.append(spare[0])
         async with asyncio.TaskGroup() as tg:
             for d in list(alive):
                 tg.create_task(worker(d))
     blob = b"".join(pieces[o] for o in sorted(pieces))
     if len(blob) != total:
-        raise SyncError(f"assembled {len(blob)} bytes, expected {total}")
+        raise SyncError(f"assembled {len(blob)} bytes, expected {total}", tuple(failed))
     if order.state_digest and digest(blob) != order.state_digest:
-        raise SyncError("assembled state does not match the committed digest")
+        raise SyncError("assembled state does not match the committed digest", tuple(failed))
     return SyncResult(blob, time.monotonic() - t0, tuple(sorted(used)), tuple(failed))
 
 

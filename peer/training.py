@@ -154,7 +154,29 @@ class LocalUpdate:
     num_samples: int
 
 
-class DigitsWorkload:
+class FlatStateWorkload:
+    """Committed state as one float32 vector + the run's outer optimizer; subclasses train."""
+
+    cfg: RunConfig
+    state: CommittedState
+
+    def tentative(self, aggregate: np.ndarray) -> CommittedState:
+        outer = copy.deepcopy(self.state.outer)
+        params = outer.step(self.state.params, aggregate.astype(np.float32, copy=False))
+        return CommittedState(params, outer, self.state.rounds + 1)
+
+    def apply(self, state: CommittedState) -> None:
+        self.state = state
+
+    def state_from_bytes(self, blob: bytes) -> CommittedState:
+        return CommittedState.from_bytes(blob, self.cfg)
+
+    @property
+    def num_params(self) -> int:
+        return int(self.state.params.size)
+
+
+class DigitsWorkload(FlatStateWorkload):
     """The default workload (a peer.workload.Workload): an MLP on one part of the UCI digits
     training set."""
 
@@ -168,15 +190,8 @@ class DigitsWorkload:
         self.rng = np.random.default_rng(cfg.seed * 1000 + 17 + shard)
 
     @property
-    def num_params(self) -> int:
-        return self.shape.num_params
-
-    @property
     def num_samples(self) -> int:
         return len(self.data)
-
-    def state_from_bytes(self, blob: bytes) -> CommittedState:
-        return CommittedState.from_bytes(blob, self.cfg)
 
     def local_update(self) -> LocalUpdate:
         """Run `inner_steps` local steps from the committed parameters; returns the pseudo-gradient."""
@@ -191,15 +206,6 @@ class DigitsWorkload:
             self.inner.step(w, g)
             losses.append(loss)
         return LocalUpdate((start - w).astype(np.float32), float(np.mean(losses)), len(self.data))
-
-    def tentative(self, aggregate: np.ndarray) -> CommittedState:
-        """The state after applying `aggregate` (n,) float32; the committed state is untouched."""
-        outer = copy.deepcopy(self.state.outer)
-        params = outer.step(self.state.params, aggregate.astype(np.float32, copy=False))
-        return CommittedState(params, outer, self.state.rounds + 1)
-
-    def apply(self, state: CommittedState) -> None:
-        self.state = state
 
     def evaluate(self) -> float:
         """Held-out accuracy of the committed parameters, in [0, 1]."""

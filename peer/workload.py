@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from peer.training import CommittedState, LocalUpdate, RunConfig
+from peer.training import CommittedState, FlatStateWorkload, LocalUpdate, RunConfig  # noqa: F401 (re-export)
 
 
 class WorkloadClosed(Exception):
@@ -61,25 +61,3 @@ class Workload(Protocol):
     def state_from_bytes(self, blob: bytes) -> CommittedState: ...
 
     def evaluate(self) -> float: ...
-
-
-class FlatStateWorkload:
-    """Committed state as one float32 vector + the run's outer optimizer; subclasses train."""
-
-    cfg: RunConfig
-    state: CommittedState
-
-    def tentative(self, aggregate: np.ndarray) -> CommittedState:
-        outer = copy.deepcopy(self.state.outer)
-        params = outer.step(self.state.params, aggregate.astype(np.float32, copy=False))
-        return CommittedState(params, outer, self.state.rounds + 1)
-
-    def apply(self, state: CommittedState) -> None:
-        self.state = state
-
-    def state_from_bytes(self, blob: bytes) -> CommittedState:
-        return CommittedState.from_bytes(blob, self.cfg)
-
-    @property
-    def num_params(self) -> int:
-        return int(self.state.params.size)

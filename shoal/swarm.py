@@ -45,7 +45,7 @@ class SwarmOptions:
     min_peers: int = 2
     timeout: float = 600.0
     chaos: bool = False
-    chaos_interval: float = 3.0
+    chaos_interval: float = 2.0
     tls: bool = False  # mutual TLS on both planes + join-token admission (material in the workdir)
     extra_coordinator_args: tuple[str, ...] = ()
     extra_peer_args: tuple[str, ...] = ()
@@ -283,6 +283,8 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
         if fin:
             finals.append(fin[-1])
     up_to_date = [e for e in finals if e["rounds"] == committed]
+    # A finished peer behind the last commit is not a disagreement (it holds an older committed
+    # state); it is counted apart.
     mismatches += sum(1 for e in up_to_date if e["state_digest"] != last)
     acc = max((e["test_accuracy"] for e in up_to_date), default=0.0)
     aborts = {(e["round"], e["attempt"]): e for e in events if e["event"] == "abort"}
@@ -302,6 +304,7 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
         "peers": swarm.opts.peers,
         "peers_finished": len(finals),
         "peers_up_to_date": len(up_to_date),
+        "peers_stale_at_end": len(finals) - len(up_to_date),
         "wall_seconds": round(wall, 3),
         "bytes_sent_total": sum(e.get("bytes_sent", 0) for e in finals),
         "state_syncs": sum(1 for e in events if e["event"] == "state_sync"),
@@ -381,8 +384,8 @@ class Chaos:
             return
         if self.next_at is None:
             self.next_at = now + self.interval / 2
-        if now < self.next_at or committed >= self.swarm.opts.rounds - 3:
-            return
+        if now < self.next_at or committed >= self.swarm.opts.rounds - max(3, self.swarm.opts.rounds // 5):
+            return  # the last fifth of the run is calm, so every peer can catch up and finish
         self.next_at = now + self.interval
         self.step += 1
         candidates = [i for i, p in enumerate(self.swarm.peers) if p.alive() and (self.stopped is None or self.stopped[0] != i)]
@@ -427,12 +430,19 @@ def _progress(opts: SwarmOptions):
     return tqdm(total=opts.rounds, desc="rounds", unit="round", file=sys.stderr, dynamic_ncols=True)
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_swarm(opts: SwarmOptions) -> dict:
     """Run a local swarm to completion; returns the summary (with "ok") and writes it if asked."""
     from peer.training import baseline_accuracy
 
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
+        # SIGTERM (timeout, kill, a supervisor) unwinds like Ctrl-C: every process is stopped.
+        previous = signal.signal(signal.SIGTERM, _terminate)
+        stack.callback(signal.signal, signal.SIGTERM, previous)
         if opts.workdir:
             wd = pathlib.Path(opts.workdir)
             wd.mkdir(parents=True, exist_ok=True)

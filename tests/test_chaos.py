@@ -112,7 +112,8 @@ def test_joiner_syncs_mid_run_and_donor_dies_mid_transfer(procs):
     assert_survivors_consistent(procs, [peers[1], peers[2], joiner], rounds=80)
     syncs = [e for e in events(procs, "peer-3") if e["event"] == "state_sync"]
     assert syncs, "the joiner never synced"
-    failed = {d for e in syncs for d in e["donors_failed"]}
+    attempts = [e for e in events(procs, "peer-3") if e["event"] in ("state_sync", "state_sync_failed")]
+    failed = {d for e in attempts for d in e["donors_failed"]}
     dead_id = next(e["peer"] for e in events(procs, "peer-0") if e.get("peer"))
     assert dead_id in failed, "the joiner did not see the donor die mid-transfer"
     assert any(e["event"] == "commit" for e in events(procs, "peer-3")), "the joiner never took part"

@@ -100,7 +100,7 @@ def test_collective_deadline_aborts_silent_participants():
     (abort,) = of(e.tick(2.5), SendAbort)
     assert abort.record.excluded == ("b", "c")
     assert not abort.record.will_retry  # only one survivor < min_peers: the round is given up
-    assert e.ready == {} and e.attempt == 0
+    assert e.ready == {} and e.tries == 0
 
 
 def test_lease_expiry_drops_member_and_aborts_its_round():
@@ -232,3 +232,52 @@ def test_simultaneous_joiners_start_at_different_donors():
         assert sorted(sync.donors) == ["a", "b", "c"]
         firsts.append(sync.donors[0])
     assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]  # spread evenly, never all on one donor
+
+
+def test_attempt_ids_are_never_reused():
+    e = engine(max_attempts=2, min_peers=2)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    e.vote("a", 0, 0, False, b"", b"", 0.1, suspects=("c",))  # retry 1 with a, b
+    (plan,) = of(e.tick(0.2), SendPlan)
+    assert plan.plan.attempt == 1
+    e.vote("a", 0, 1, False, b"", b"", 0.3, suspects=("b",))  # given up: everyone says ready again
+    acts = []
+    for p in "abc":
+        e.heartbeat(p, 0.4)
+        acts += e.ready_(p, 0, info(), 0.4)
+    (plan,) = of(acts + e.tick(0.5), SendPlan)
+    assert plan.plan.attempt == 2  # not 0 again
+    # A restarted coordinator (incarnation 1) numbers its attempts from 1000.
+    again = RoundEngine(e.config, members=list(e.members.values()), now=1.0, attempt_base=1000)
+    acts = []
+    for p in "abc":
+        again.connected(p, 1.0)
+        acts += again.ready_(p, 0, info(), 1.0)
+    (plan,) = of(acts + again.tick(1.0), SendPlan)
+    assert plan.plan.attempt == 1000
+
+
+def test_non_finite_loss_never_blocks_a_commit():
+    e = engine()
+    joined(e, "a", "b")
+    e.ready_("a", 0, info(), 0.0)
+    e.ready_("b", 0, info(), 0.0)
+    e.vote("a", 0, 0, True, b"r", b"s", 0.1, loss=float("nan"))
+    (commit,) = of(e.vote("b", 0, 0, True, b"r", b"s", 0.1, loss=float("inf")), SendCommit)
+    assert commit.record.train_loss == 0.0
+
+
+def test_peer_behind_at_the_end_can_still_fetch_the_final_state():
+    e = engine(total_rounds=1)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    e.vote("a", 0, 0, False, b"", b"", 0.1, suspects=("c",))
+    e.tick(0.2)
+    commit_all(e, 0.3, b"s1")
+    assert of(e.tick(0.4), SendFinished)
+    (sync,) = of(e.ready_("c", 1, info(rounds=0), 0.5), SendSync)
+    assert set(sync.donors) == {"a", "b"} and sync.state_digest == b"s1"
+    assert of(e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.5), SendFinished)
