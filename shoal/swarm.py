@@ -355,6 +355,9 @@ class ChaosLog:
         }
 
 
+CALM_SECONDS = 8.0
+
+
 class Chaos:
     """The chaos monkey of `shoal swarm --chaos`, driven by the swarm's monitor loop (no threads).
 
@@ -373,6 +376,7 @@ class Chaos:
         self.next_at: float | None = None  # chaos starts once the swarm has committed a round
         self.step = 0
         self.stopped: tuple[int, float] | None = None  # (peer index, resume at)
+        self.started = (0.0, 0)  # (time, committed rounds) when chaos began
 
     def tick(self, committed: int) -> None:
         now = time.monotonic()
@@ -384,8 +388,15 @@ class Chaos:
             return
         if self.next_at is None:
             self.next_at = now + self.interval / 2
-        if now < self.next_at or committed >= self.swarm.opts.rounds - max(3, self.swarm.opts.rounds // 5):
-            return  # the last fifth of the run is calm, so every peer can catch up and finish
+            self.started = (now, committed)
+        # Calm at the end: no action in the last fifth of the rounds, nor when the rounds left
+        # will take less than CALM_SECONDS at the pace so far (a restarted peer needs seconds to
+        # start, join and sync before the run ends).
+        t0, c0 = self.started
+        pace = (committed - c0) / (now - t0) if now > t0 and committed > c0 else 0.0
+        left = self.swarm.opts.rounds - committed
+        if now < self.next_at or left <= max(3, self.swarm.opts.rounds // 5) or (pace and left / pace < CALM_SECONDS):
+            return
         self.next_at = now + self.interval
         self.step += 1
         candidates = [i for i, p in enumerate(self.swarm.peers) if p.alive() and (self.stopped is None or self.stopped[0] != i)]
