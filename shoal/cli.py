@@ -180,10 +180,14 @@ def cmd_token_create(a: argparse.Namespace) -> int:
 
 
 def _key_file(path: str) -> None:
-    """An Ed25519 key file that loads, or one that can be created (its directory exists)."""
+    """An Ed25519 key file that loads, or one that can be created."""
     from peer.identity import load_or_create_key
 
     if not pathlib.Path(path).exists():
+        try:  # like load_or_create_key, which makes the key's directory (e.g. ~/.shoal)
+            pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--key {path}: {_why(exc)}") from None
         _parent_dir("--key", path)
         return
     try:

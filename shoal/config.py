@@ -566,7 +566,13 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
         for f in dataclasses.fields(cls):
             t, _ = _base_type(cls, f.name)
             meta = f.metadata
-            text = f"{meta['help']} (default: {f.default!r}; env {env_name(section, f.name)})"
+            env = env_name(section, f.name)
+            if meta["negate"]:  # the flag turns the setting off: say what the flag does
+                text = f"do not {meta['help']} (env {env}=false)"
+            elif f.default is None:  # unset: the help says what happens then
+                text = f"{meta['help']} (env {env})"
+            else:
+                text = f"{meta['help']} (default: {f.default!r}; env {env})"
             kw: dict[str, Any] = {"dest": _dest(section, f.name), "default": argparse.SUPPRESS, "help": text}
             if t is bool:
                 kw.update(action="store_const", const=not meta["negate"])
