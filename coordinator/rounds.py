@@ -25,6 +25,7 @@ Protocol summary:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -342,9 +343,14 @@ class RoundEngine:
         download it first). Raises RoundError("not_found") without a lease, ("invalid") when the
         tensor size disagrees with the round's.
         """
-        if self.finished:
-            return [SendFinished(self.committed_rounds, "run complete")]
         m = self.members.get(peer_id)
+        if self.finished:
+            # A peer that fell behind at the very end may still fetch the final state.
+            stale = info.state_round != self.committed_rounds or info.state_digest != self.last_state_digest
+            donors = self.donors(now, exclude=peer_id) if stale and m is not None else ()
+            if donors:
+                return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
+            return [SendFinished(self.committed_rounds, "run complete")]
         if m is None or m.lease_expiry <= now:
             raise RoundError("not_found", f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
@@ -503,7 +509,8 @@ class RoundEngine:
         assert run is not None
         votes = run.votes
         any_vote = next(iter(votes.values()))
-        losses = [v[3] for v in votes.values()]
+        # A peer may report a non-finite loss (diverged, or lying): it never reaches the record.
+        losses = [v[3] for v in votes.values() if math.isfinite(v[3])]
         flagged = tuple(sorted({f for v in votes.values() for f in v[5]}))
         rec = CommitRecord(
             round=run.plan.round,
@@ -511,7 +518,7 @@ class RoundEngine:
             result_digest=any_vote[1],
             state_digest=any_vote[2],
             participants=run.plan.participants,
-            train_loss=float(sum(losses) / len(losses)),
+            train_loss=float(sum(losses) / len(losses)) if losses else 0.0,
             seconds=now - run.started,
             flagged=flagged,
             at=now,

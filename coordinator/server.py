@@ -272,10 +272,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             info = ReadyInfo(request.num_elements, request.dtype, request.num_samples, request.state_digest,
                              request.state_round, self.clock())
             try:
-                self.apply(self.engine.ready_(request.peer_id, request.round, info, self.clock()))
+                actions = self.engine.ready_(request.peer_id, request.round, info, self.clock())
             except RoundError as exc:
                 raise _raise(exc) from None
-            return pb.ReadyResponse(round=self.engine.committed_rounds)
+            self.apply(actions)
+            resp = pb.ReadyResponse(round=self.engine.committed_rounds)
+            for a in actions:
+                if isinstance(a, SendSync) and a.peer_id == request.peer_id:
+                    # Also in the reply: after the run finished, the event stream is closed.
+                    resp.sync.CopyFrom(self._sync_order(a.round, a.state_digest, a.donors, to=a.peer_id))
+            return resp
 
     async def WatchRounds(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.RoundEvent]:
         if request.peer_id not in self.engine.members:

@@ -154,7 +154,9 @@ class SQLiteStore:
                  rec.train_loss, rec.seconds, json.dumps(list(rec.flagged)), rec.at),
             )
         except sqlite3.IntegrityError as exc:
-            raise ValueError(f"round {rec.round} already committed") from exc
+            if "UNIQUE" in str(exc) or "PRIMARY KEY" in str(exc):
+                raise ValueError(f"round {rec.round} already committed") from exc
+            raise ValueError(f"commit of round {rec.round} refused by the store: {exc}") from exc
 
     def count_aborts(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM aborts").fetchone()[0])

@@ -86,6 +86,7 @@ class PeerConfig:
     round_silence: float = 15.0
     sync_donors: int = 3
     sync_range_bytes: int = 256 << 10
+    finish_linger: float = 1.0  # seconds the data plane keeps serving the final state after the run ends
     connect_timeout: float = 120.0
     security: Security = Security(insecure=True)
     join_token: str = ""
@@ -238,7 +239,7 @@ class PeerAgent(StateSource):
 
     # ------------------------------------------------------------ rounds
 
-    async def _ready(self, round_: int, n: int) -> None:
+    async def _ready(self, round_: int, n: int) -> pb.ReadyResponse:
         assert self.stub is not None and self.workload is not None
         st = self.workload.state
         req = pb.ReadyRequest(peer_id=self.peer_id, round=round_, num_elements=n, dtype=pb.FLOAT32,
@@ -258,7 +259,7 @@ class PeerAgent(StateSource):
                                                exc.trailing_metadata(), exc.details()) from None
                 raise
 
-        await self._call(call, "ready")
+        return await self._call(call, "ready")
 
     async def _vote(self, req: pb.VoteRequest) -> None:
         assert self.stub is not None
@@ -326,6 +327,9 @@ class PeerAgent(StateSource):
                     continue
                 kind = ev.WhichOneof("event")
                 if kind == "finished":
+                    if wl.state.rounds < ev.finished.rounds_committed:
+                        await stop_collective()
+                        await self._final_sync(ev.finished.rounds_committed, update_grad.size)
                     self.finished = True
                     return "finished"
                 if kind == "sync":
@@ -378,6 +382,21 @@ class PeerAgent(StateSource):
                         await self._ready(r, update_grad.size)
         finally:
             await stop_collective()
+
+    async def _final_sync(self, rounds: int, n: int) -> None:
+        """The run finished while this peer was behind: fetch the final state if a donor still
+        serves it (peers linger `finish_linger` seconds after the end), within a bounded time."""
+        wl = self.workload
+        assert wl is not None
+        try:
+            async with asyncio.timeout(self.config.finish_linger + 2.0):
+                resp = await self._ready(wl.state.rounds, n)
+                if resp is not None and resp.HasField("sync") and resp.sync.donors:
+                    await self._sync(resp.sync)
+                    log.info("run finished at round %d; final state synced", rounds)
+        except (TimeoutError, SyncError, grpc.aio.AioRpcError) as exc:
+            log.warning("run finished at round %d; this peer stays at round %d (%s)", rounds, wl.state.rounds,
+                        type(exc).__name__)
 
     async def _run_collective(self, plan: pb.Plan, update_grad: np.ndarray, loss: float) -> None:
         wl = self.workload
@@ -490,6 +509,8 @@ class PeerAgent(StateSource):
                        "bytes_received": self.bytes_received, "state_syncs": self.state_syncs,
                        "params_finite": bool(np.isfinite(self.workload.state.params).all())}
             self._emit("finished", **{k: v for k, v in summary.items() if k != "peer"})
+            # Serve the final state a little longer, for a peer that fell behind at the end.
+            await asyncio.sleep(self.config.finish_linger)
             try:
                 await self.stub.Leave(pb.LeaveRequest(peer_id=self.peer_id), timeout=2.0)
             except grpc.aio.AioRpcError:

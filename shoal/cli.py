@@ -322,6 +322,8 @@ def _swarm_files(s) -> None:
             raise UsageError('--plot needs matplotlib: pip install -e ".[plot]"') from None
 
 
+CHAOS_ROUNDS = 150
+
 _SWARM_RUN_FIELDS = ("algorithm", "seed", "inner_steps", "lr", "non_iid")
 _SWARM_ROUNDS_FIELDS = ("rounds", "min_peers", "initial_peers", "straggler_timeout")
 
@@ -353,8 +355,9 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     for i in range(0, len(rounds_flags), 2):
         if rounds_flags[i] not in keep:
             extra += rounds_flags[i:i + 2]
-    # --chaos runs longer by default (60 rounds) unless a layer set `rounds` explicitly.
-    rounds = 60 if s.chaos and "rounds.rounds" not in given else r.rounds
+    # --chaos runs longer by default (CHAOS_ROUNDS) unless a layer set `rounds` explicitly: the chaos
+    # monkey needs time to act several times and then leave a calm end.
+    rounds = CHAOS_ROUNDS if s.chaos and "rounds.rounds" not in given else r.rounds
     opts = SwarmOptions(peers=s.peers, rounds=rounds, chaos=s.chaos, chaos_interval=s.chaos_interval, algorithm=run.algorithm, seed=run.seed,
                         inner_steps=run.inner_steps, lr=run.lr, non_iid=run.non_iid, summary_path=s.summary,
                         workdir=s.workdir, progress=s.progress, straggler_timeout=r.straggler_timeout,

@@ -328,8 +328,8 @@ class SwarmSection:
     plot: str | None = setting(None, "write loss and accuracy per round (PNG) here; aborted/retried rounds marked")
     metrics: bool = setting(False, "give the coordinator and every peer a /metrics port (listed in the summary)")
     chaos: bool = setting(False, "kill -9 and restart random peers, SIGSTOP one, kill -9 and restart the coordinator "
-                                 "(rounds default to 60 unless set)")
-    chaos_interval: float = setting(3.0, "seconds between chaos actions")
+                                 "(rounds default to 150 unless set)")
+    chaos_interval: float = setting(2.0, "seconds between chaos actions")
     timeout: float = setting(600.0, "give up (exit 1) when the run has not finished after this many seconds")
     byzantine: int = setting(0, "how many peers (the last K) send forged updates; needs attack")
     attack: str = setting("", "what the Byzantine peers send", choices=("", "sign-flip", "scale", "nan", "random"))

@@ -45,7 +45,7 @@ class SwarmOptions:
     min_peers: int = 2
     timeout: float = 600.0
     chaos: bool = False
-    chaos_interval: float = 3.0
+    chaos_interval: float = 2.0
     tls: bool = False  # mutual TLS on both planes + join-token admission (material in the workdir)
     extra_coordinator_args: tuple[str, ...] = ()
     extra_peer_args: tuple[str, ...] = ()
@@ -283,6 +283,8 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
         if fin:
             finals.append(fin[-1])
     up_to_date = [e for e in finals if e["rounds"] == committed]
+    # A finished peer behind the last commit is not a disagreement (it holds an older committed
+    # state); it is counted apart.
     mismatches += sum(1 for e in up_to_date if e["state_digest"] != last)
     acc = max((e["test_accuracy"] for e in up_to_date), default=0.0)
     aborts = {(e["round"], e["attempt"]): e for e in events if e["event"] == "abort"}
@@ -302,6 +304,7 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
         "peers": swarm.opts.peers,
         "peers_finished": len(finals),
         "peers_up_to_date": len(up_to_date),
+        "peers_stale_at_end": len(finals) - len(up_to_date),
         "wall_seconds": round(wall, 3),
         "bytes_sent_total": sum(e.get("bytes_sent", 0) for e in finals),
         "state_syncs": sum(1 for e in events if e["event"] == "state_sync"),
@@ -352,6 +355,9 @@ class ChaosLog:
         }
 
 
+CALM_SECONDS = 8.0
+
+
 class Chaos:
     """The chaos monkey of `shoal swarm --chaos`, driven by the swarm's monitor loop (no threads).
 
@@ -370,6 +376,7 @@ class Chaos:
         self.next_at: float | None = None  # chaos starts once the swarm has committed a round
         self.step = 0
         self.stopped: tuple[int, float] | None = None  # (peer index, resume at)
+        self.started = (0.0, 0)  # (time, committed rounds) when chaos began
 
     def tick(self, committed: int) -> None:
         now = time.monotonic()
@@ -381,7 +388,14 @@ class Chaos:
             return
         if self.next_at is None:
             self.next_at = now + self.interval / 2
-        if now < self.next_at or committed >= self.swarm.opts.rounds - 3:
+            self.started = (now, committed)
+        # Calm at the end: no action in the last fifth of the rounds, nor when the rounds left
+        # will take less than CALM_SECONDS at the pace so far (a restarted peer needs seconds to
+        # start, join and sync before the run ends).
+        t0, c0 = self.started
+        pace = (committed - c0) / (now - t0) if now > t0 and committed > c0 else 0.0
+        left = self.swarm.opts.rounds - committed
+        if now < self.next_at or left <= max(3, self.swarm.opts.rounds // 5) or (pace and left / pace < CALM_SECONDS):
             return
         self.next_at = now + self.interval
         self.step += 1
@@ -427,12 +441,19 @@ def _progress(opts: SwarmOptions):
     return tqdm(total=opts.rounds, desc="rounds", unit="round", file=sys.stderr, dynamic_ncols=True)
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_swarm(opts: SwarmOptions) -> dict:
     """Run a local swarm to completion; returns the summary (with "ok") and writes it if asked."""
     from peer.training import baseline_accuracy
 
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
+        # SIGTERM (timeout, kill, a supervisor) unwinds like Ctrl-C: every process is stopped.
+        previous = signal.signal(signal.SIGTERM, _terminate)
+        stack.callback(signal.signal, signal.SIGTERM, previous)
         if opts.workdir:
             wd = pathlib.Path(opts.workdir)
             wd.mkdir(parents=True, exist_ok=True)

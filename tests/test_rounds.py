@@ -257,3 +257,27 @@ def test_attempt_ids_are_never_reused():
         acts += again.ready_(p, 0, info(), 1.0)
     (plan,) = of(acts + again.tick(1.0), SendPlan)
     assert plan.plan.attempt == 1000
+
+
+def test_non_finite_loss_never_blocks_a_commit():
+    e = engine()
+    joined(e, "a", "b")
+    e.ready_("a", 0, info(), 0.0)
+    e.ready_("b", 0, info(), 0.0)
+    e.vote("a", 0, 0, True, b"r", b"s", 0.1, loss=float("nan"))
+    (commit,) = of(e.vote("b", 0, 0, True, b"r", b"s", 0.1, loss=float("inf")), SendCommit)
+    assert commit.record.train_loss == 0.0
+
+
+def test_peer_behind_at_the_end_can_still_fetch_the_final_state():
+    e = engine(total_rounds=1)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    e.vote("a", 0, 0, False, b"", b"", 0.1, suspects=("c",))
+    e.tick(0.2)
+    commit_all(e, 0.3, b"s1")
+    assert of(e.tick(0.4), SendFinished)
+    (sync,) = of(e.ready_("c", 1, info(rounds=0), 0.5), SendSync)
+    assert set(sync.donors) == {"a", "b"} and sync.state_digest == b"s1"
+    assert of(e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.5), SendFinished)

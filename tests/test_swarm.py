@@ -24,3 +24,25 @@ def test_swarm_end_to_end(tmp_path):
     # every process the swarm started is gone
     ps = subprocess.run(["pgrep", "-f", str(tmp_path / "wd")], capture_output=True, text=True)
     assert ps.stdout.strip() == ""
+
+
+def test_sigterm_stops_every_process(tmp_path):
+    import signal
+    import time
+
+    wd = tmp_path / "wd"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "3", "--rounds", "200", "--no-progress",
+         "--workdir", str(wd)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 60
+        while not (wd / "peer-2.jsonl").exists():  # the swarm is training
+            assert time.monotonic() < end and proc.poll() is None
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ps = subprocess.run(["pgrep", "-f", str(wd)], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", "processes left behind"

@@ -118,10 +118,12 @@ class ReadyRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
-    __slots__ = ("round",)
+    __slots__ = ("round", "sync")
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     round: int
-    def __init__(self, round: _Optional[int] = ...) -> None: ...
+    sync: SyncOrder
+    def __init__(self, round: _Optional[int] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("peer_id",)
