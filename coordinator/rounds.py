@@ -56,7 +56,9 @@ class EngineConfig:
     retry_backoff: float = 0.05
     total_rounds: int = 0
     chunk_bytes: int = 1 << 20
-    algorithm: str = "ring"
+    algorithm: str = "auto"  # "auto" (planner), "ring" or "butterfly"; see plan_layout
+    link_cap_bytes_per_s: float = 100e6  # measured rates above this count as this (plan_layout)
+    plan_min_gain: float = 0.25  # uneven shards only when predicted this much faster (plan_layout)
     aggregator: str = "mean"
     compression: str = "none"
 
@@ -106,6 +108,8 @@ class PlanSpec:
     aggregator: str
     compression: str
     predicted_seconds: float = 0.0
+    bound_seconds: float = 0.0  # lower bound for these links (0 when links are unknown)
+    demoted: tuple[str, ...] = ()  # participants that own no shard (too slow to own one)
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,123 @@ def chunk_deadline(members: list[Member], config: EngineConfig) -> float:
     if not rates:
         return config.chunk_timeout
     return max(config.chunk_timeout, config.chunk_safety * config.chunk_bytes / min(rates) + 2 * rtt)
+
+
+# Bytes per element of each shoal.v1.DType code (FLOAT32, FLOAT16, BFLOAT16, INT8, FLOAT64, UINT8).
+_ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 1, 5: 8, 6: 1}
+# What the data plane (peer.collectives) implements; the planner's tree is not among them yet.
+DATA_PLANE_ALGORITHMS = ("butterfly", "ring")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one collective is laid out: participant order, algorithm, shards and their owners
+    (positions in `participants`), and the planner's prediction (0 when links are unknown)."""
+
+    participants: tuple[str, ...]
+    algorithm: str
+    shard_bounds: tuple[int, ...]
+    shard_owner: tuple[int, ...]
+    predicted_seconds: float = 0.0
+    bound_seconds: float = 0.0
+    demoted: tuple[str, ...] = ()
+    chunk_bytes: int = 0  # 0 = the configured size
+
+
+# A chunk should cross the slowest link in about this long: the pipeline fills and drains one
+# chunk per hop, so big chunks on a slow link leave the other links idle at the start and end.
+CHUNK_SECONDS = 0.15
+MIN_CHUNK_BYTES = 64 * 1024
+
+
+def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsize: int = 4, *,
+                owner_reduces: bool = False, link_cap: float = 100e6, min_gain: float = 0.25,
+                noise: float = 1.5) -> Layout:
+    """Lay out a collective over `members` (in the engine's participant order). Pure.
+
+    With no measured link among them (up and down both > 0), the layout is the static one: the
+    given order, equal shards ``n·i//p``, participant i owns shard i, and "auto" means butterfly.
+    Otherwise the links go to `coordinator.planner.plan_collective` (a member without a
+    measurement is assumed to have the median of the measured ones): "ring"/"butterfly" keep the
+    algorithm and plan its order and shard sizes; "auto" takes the butterfly with LP shards when
+    it is predicted `min_gain` faster than the ring ordered for the bottleneck, else that ring
+    (or, when every link is at `link_cap`, the butterfly with equal shards); peers below the
+    floor are demoted to non-owners.
+
+    Measurements are noisy (probes of peers probing each other at the same time share links),
+    so three guards keep noise from skewing the shards: rates above `link_cap` bytes/s (faster
+    than the data plane itself moves bytes, e.g. loopback or a fast LAN) count as `link_cap`;
+    rates within a factor `noise` of the median rate count as the median; and uneven butterfly shards are used only when the model predicts
+    them at least `min_gain` (a fraction) faster than equal shards on the same links.
+
+    `owner_reduces` (an aggregator other than the plain mean runs at the shard
+    owners) forces the butterfly, the only algorithm with owner-side reduction. Never raises
+    for bad measurements: it falls back to the static layout.
+    """
+    from coordinator.planner import LinkSpec, allreduce_lower_bound, plan_collective, predict_butterfly
+
+    if owner_reduces:  # robust aggregators need every contribution at a shard owner
+        algorithm = "butterfly"
+    ids = tuple(m.peer_id for m in members)
+    p = len(ids)
+    static = Layout(ids, "butterfly" if algorithm == "auto" else algorithm,
+                    tuple(num_elements * i // p for i in range(p + 1)), tuple(range(p)))
+    known = [m for m in members if m.up_bytes_per_s > 0 and m.down_bytes_per_s > 0]
+    measured = {m.peer_id for m in known}
+    if p < 2 or not known:
+        return static
+    med_up = sorted(m.up_bytes_per_s for m in known)[len(known) // 2]
+    med_down = sorted(m.down_bytes_per_s for m in known)[len(known) // 2]
+    rtts = sorted(m.rtt_seconds for m in known if m.rtt_seconds > 0)
+    med_rtt = rtts[len(rtts) // 2] if rtts else 0.0
+    def denoise(rate: float, median: float) -> float:
+        rate = min(link_cap, rate)
+        return min(link_cap, median) if median / noise <= rate <= median * noise else rate
+
+    links = [
+        LinkSpec(m.peer_id, denoise(m.up_bytes_per_s if m.peer_id in measured else med_up, med_up),
+                 denoise(m.down_bytes_per_s if m.peer_id in measured else med_down, med_down),
+                 m.rtt_seconds if m.rtt_seconds > 0 else med_rtt)
+        for m in members
+    ]
+    n_bytes = float(num_elements) * itemsize
+    try:
+        if algorithm in ("ring", "butterfly"):
+            plan = plan_collective(links, num_elements, itemsize, algorithm=algorithm)
+        else:
+            plan = plan_collective(links, num_elements, itemsize, algorithm="butterfly")
+        if plan.algorithm == "butterfly":
+            equal = predict_butterfly([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links], n_bytes,
+                                      None, [l.rtt_seconds for l in links])
+            if plan.shard_bounds != static.shard_bounds and plan.predicted_seconds > (1 - min_gain) * equal:
+                plan = None  # not worth uneven shards: equal ones
+        if algorithm == "auto" and not owner_reduces:
+            # On (nearly) even links the ring moves the same bytes with one flow per direction
+            # per peer, which shaped links carry better than the butterfly's p-1 concurrent flows
+            # (measured in docs/performance.md). Where every link is at the cap, the data plane's
+            # CPU is the limit and the butterfly's parallel streams win.
+            all_fast = all(l.up_bytes_per_s >= link_cap and l.down_bytes_per_s >= link_cap for l in links)
+            ring = plan_collective(links, num_elements, itemsize, algorithm="ring")
+            best = plan.predicted_seconds if plan is not None else equal
+            if not all_fast and ring.predicted_seconds * (1 - min_gain) <= best:
+                plan = ring
+        if plan is None:
+            bound = allreduce_lower_bound([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links],
+                                          n_bytes)
+            return dataclasses.replace(static, algorithm="butterfly", predicted_seconds=equal, bound_seconds=bound)
+    except (ValueError, RuntimeError):
+        return static
+    slowest = min(min(l.up_bytes_per_s, l.down_bytes_per_s) for l in links)
+    return Layout(
+        participants=tuple(ids[i] for i in plan.order),
+        algorithm=plan.algorithm,
+        shard_bounds=plan.shard_bounds,
+        shard_owner=plan.owner_positions(),
+        predicted_seconds=plan.predicted_seconds,
+        bound_seconds=plan.bound_seconds,
+        demoted=tuple(ids[i] for i in plan.demoted),
+        chunk_bytes=max(MIN_CHUNK_BYTES, int(slowest * CHUNK_SECONDS)),
+    )
 
 
 class RoundEngine:
@@ -481,24 +602,29 @@ class RoundEngine:
             actions.append(PersistEpoch(self.epoch))
         info = self.ready[participants[0]]
         n = info.num_elements
-        p = len(participants)
-        bounds = tuple(n * i // p for i in range(p + 1))
+        layout = plan_layout(self.config.algorithm, [self.members[p] for p in participants], n,
+                             _ITEMSIZE.get(info.dtype, 4), owner_reduces=self.config.aggregator not in ("mean", "fedavg"),
+                             link_cap=self.config.link_cap_bytes_per_s, min_gain=self.config.plan_min_gain)
         plan = PlanSpec(
             round=self.committed_rounds,
             attempt=self.attempt,
             epoch=self.epoch,
-            participants=participants,
-            # Robust aggregators need every contribution at a shard owner: only the butterfly has one.
-            algorithm=self.config.algorithm if self.config.aggregator in ("mean", "fedavg") else "butterfly",
-            shard_bounds=bounds,
-            shard_owner=tuple(range(p)),
+            participants=layout.participants,
+            # Robust aggregators need every contribution at a shard owner: plan_layout keeps those
+            # on the butterfly (owner_reduces).
+            algorithm=layout.algorithm,
+            shard_bounds=layout.shard_bounds,
+            shard_owner=layout.shard_owner,
             num_elements=n,
             dtype=info.dtype,
             deadline_seconds=self.config.collective_timeout,
             chunk_timeout_seconds=chunk_deadline([self.members[p] for p in participants], self.config),
-            chunk_bytes=self.config.chunk_bytes,
+            chunk_bytes=min(self.config.chunk_bytes, layout.chunk_bytes or self.config.chunk_bytes),
             aggregator=self.config.aggregator,
             compression=self.config.compression,
+            predicted_seconds=layout.predicted_seconds,
+            bound_seconds=layout.bound_seconds,
+            demoted=layout.demoted,
         )
         self.running = _Running(plan, now)
         actions.append(SendPlan(plan))

@@ -160,8 +160,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.store.save_epoch(a.epoch)
             elif isinstance(a, SendPlan):
                 plan = self._ticketed(self._render_plan(a.plan))
-                log.info("round %d.%d planned: %d participants, %s", plan.round, plan.attempt,
-                         len(plan.participants), plan.algorithm)
+                log.info("round %d.%d planned: %d participants, %s, predicted %.3fs (bound %.3fs)%s", plan.round,
+                         plan.attempt, len(plan.participants), plan.algorithm, a.plan.predicted_seconds,
+                         a.plan.bound_seconds,
+                         f", non-owners {[d[:8] for d in a.plan.demoted]}" if a.plan.demoted else "")
                 ev = pb.RoundEvent(plan=plan)
                 for p in a.plan.participants:
                     self._send(p, ev)
@@ -329,6 +331,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                          sum(rtts) / len(rtts) if rtts else 0.0)
             except RoundError as exc:
                 raise _raise(exc) from None
+            log.info("links of %s: up %.2f Mbit/s, down %.2f Mbit/s, rtt %.2f ms (%d remote peers)",
+                     request.peer_id[:8], request.up_bytes_per_s * 8e-6, request.down_bytes_per_s * 8e-6,
+                     1e3 * (sum(rtts) / len(rtts) if rtts else 0.0), len(request.links))
             return pb.LinkReportResponse()
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
@@ -365,6 +370,10 @@ def grpc_options() -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", CONTROL_MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", CONTROL_MAX_SEND_BYTES),
         ("grpc.so_reuseport", 0),
+        # Peers ping every 10 s (peer.dataplane.channel_options) while their WatchRounds stream is
+        # quiet; a round longer than a minute on a slow link must not end with "too_many_pings".
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
 
 

@@ -43,6 +43,7 @@ from peer.collectives import CollectiveError, CollectivePlan, all_reduce
 from peer.compression import ErrorFeedback
 from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options, serve_data_plane
 from peer.identity import load_or_create_key, public_bytes
+from peer.links import LinkMeter, probe_missing
 from peer.reduction import OwnerReduction, ReductionSpec
 from peer.security import Security, open_channel, signing_interceptors
 from peer.state_sync import SyncError, download_state
@@ -57,6 +58,7 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 log = logging.getLogger("shoal.peer")
 T = TypeVar("T")
 
+LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
 HELD_STATES = 3  # committed states a donor keeps serving (the newest and two before it)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -114,6 +116,8 @@ class PeerAgent(StateSource):
         self.peer_id = ""
         self.inbox = Inbox()
         self.transport = Transport(config.security, self.key)
+        self.links = LinkMeter()  # passive from the collectives' streams, probes when no history
+        self._last_plan: CollectivePlan | None = None
         self.coordinator_public_key = b""
         self.events: asyncio.Queue[pb.RoundEvent | _Reconnected] = asyncio.Queue()
         self.workload: Workload | None = None
@@ -401,7 +405,7 @@ class PeerAgent(StateSource):
     async def _run_collective(self, plan: pb.Plan, update_grad: np.ndarray, loss: float) -> None:
         wl = self.workload
         assert wl is not None
-        cp = CollectivePlan.from_proto(plan)
+        cp = self._last_plan = CollectivePlan.from_proto(plan)
         if self.peer_id not in cp.participants:
             return
         self.inbox.start(Session.from_plan(plan, self.coordinator_public_key))
@@ -410,7 +414,7 @@ class PeerAgent(StateSource):
         received_before = self.bytes_received
         try:
             res = await all_reduce(contribution, cp, me=self.peer_id, transport=self.transport, inbox=self.inbox,
-                                   reducer=reducer, feedback=self.feedback)
+                                   reducer=reducer, feedback=self.feedback, links=self.links)
             if not np.isfinite(res.values).all():  # never reached with honest owners; never applied
                 raise CollectiveError("the aggregate holds non-finite values")
             st = wl.tentative(res.values)
@@ -474,7 +478,7 @@ class PeerAgent(StateSource):
 
     async def run(self) -> dict:
         """Join, train until the coordinator finishes the run, leave. Returns a summary dict."""
-        self.service = PeerService(self.inbox, self, on_bytes=self._count_received)
+        self.service = PeerService(self.inbox, self, on_bytes=self._count_received, links=self.links)
         health_box: list = []
         server, bound = await serve_data_plane(
             self.service, self.config.listen, self.config.security,
@@ -540,13 +544,37 @@ class PeerAgent(StateSource):
                     self._emit("state_sync_failed", round=order.round, reason=str(exc),
                                donors_failed=list(exc.donors_failed))
             faults.hit("train", wl.state.rounds)
+            measuring = asyncio.create_task(self._measure_links())  # probes run while the model trains
             try:
                 update = await asyncio.to_thread(wl.local_update)
             except WorkloadClosed:
+                measuring.cancel()
+                await asyncio.gather(measuring, return_exceptions=True)
                 log.info("workload closed by its owner; leaving the swarm")
                 self.finished = True
                 return
+            except BaseException:
+                measuring.cancel()
+                await asyncio.gather(measuring, return_exceptions=True)
+                raise
+            await measuring
             await self._play_round(update.pseudo_grad, update.loss)
+
+    async def _measure_links(self) -> None:
+        """Probe the last round's participants without link history, report to the coordinator.
+
+        Never raises: a failed probe or report only leaves the coordinator with older estimates
+        (bounded by LINK_MEASURE_SECONDS in all).
+        """
+        plan = self._last_plan
+        if plan is None or self.stub is None:
+            return
+        try:
+            async with asyncio.timeout(LINK_MEASURE_SECONDS):
+                await probe_missing(self.links, self.transport, zip(plan.participants, plan.addresses), self.peer_id)
+                await self.stub.ReportLinks(self.links.report(self.peer_id), timeout=self.config.rpc_timeout)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            log.debug("link report not delivered: %s", exc)
 
 
 async def run_peer(config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None) -> dict:

@@ -164,11 +164,13 @@ def _values(payload: Payload, sender: str, *, finite: bool = False) -> np.ndarra
 class _Stream:
     """One outgoing PushChunks stream, fed through a bounded queue by the collective."""
 
-    def __init__(self, transport: Transport, address: str, peer_id: str, plan: CollectivePlan, timeout: float):
+    def __init__(self, transport: Transport, address: str, peer_id: str, plan: CollectivePlan, timeout: float,
+                 links=None):
         self.transport, self.address, self.peer_id = transport, address, peer_id
         self.plan, self.timeout = plan, timeout
         self.queue: asyncio.Queue[pb.Chunk | None] = asyncio.Queue(SEND_QUEUE_CHUNKS)
         self.bytes_sent = 0
+        self.links = links  # peer.links.LinkMeter: one passive upload sample per stream
 
     async def run(self) -> None:
         call = None
@@ -178,11 +180,14 @@ class _Stream:
                     msg.ticket = self.plan.ticket
                     call = self.transport.stub(self.address).PushChunks(
                         timeout=self.timeout, metadata=self.transport.push_metadata(msg))
+                    t0 = time.perf_counter()
                 await call.write(msg)
                 self.bytes_sent += len(msg.data) + len(msg.scale)
             if call is not None:
                 await call.done_writing()
                 await call
+                if self.links is not None:
+                    self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0)
         except grpc.aio.AioRpcError as exc:
             await self.transport.forget(self.address)
             raise CollectiveError(f"stream to {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
@@ -196,12 +201,15 @@ def _chunk_offsets(size: int, chunk_elems: int) -> range:
 
 
 async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport: Transport, inbox: Inbox,
-                     reducer: OwnerReducer | None = None, feedback: ErrorFeedback | None = None) -> CollectiveResult:
+                     reducer: OwnerReducer | None = None, feedback: ErrorFeedback | None = None,
+                     links=None) -> CollectiveResult:
     """Sum `x` (1-D, float32 or float16) across the plan's participants; see the module docstring.
 
     `reducer` (butterfly only) replaces the plain sum at the shard owner, e.g. a robust
     aggregator; its rejections come back as `flagged`. `feedback` is read (never written): the
-    pending updates are returned in `CollectiveResult.feedback`. Returns the result and its
+    pending updates are returned in `CollectiveResult.feedback`. `links` (a peer.links.LinkMeter)
+    receives the passive throughput of every outgoing stream and of the whole collective (see
+    peer.links; measurement never changes the result). Returns the result and its
     digest. Raises CollectiveError on any failure; `x` and `feedback` are never modified.
     """
     t0 = time.monotonic()
@@ -225,11 +233,11 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
     try:
         async with asyncio.timeout(plan.deadline_seconds):
             if plan.algorithm == "butterfly":
-                out, sent, flagged = await _butterfly(x, plan, me, transport, inbox, reducer, codec)
+                out, sent, flagged = await _butterfly(x, plan, me, transport, inbox, reducer, codec, links)
             else:
                 if reducer is not None:
                     raise CollectiveError("ring all-reduce supports only the sum; use butterfly for aggregators")
-                out, sent = await _ring(x, plan, me, transport, inbox, codec)
+                out, sent = await _ring(x, plan, me, transport, inbox, codec, links)
                 flagged = ()
     except TimeoutError:
         raise CollectiveError(f"collective deadline of {plan.deadline_seconds:.1f}s passed", []) from None
@@ -237,7 +245,21 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
         if any(isinstance(e, CollectiveError) for e in _flatten(group)):
             raise _first(group) from None
         raise
-    return CollectiveResult(out, digest(out), sent, time.monotonic() - t0, flagged, tuple(codec.pending))
+    seconds = time.monotonic() - t0
+    if links is not None:
+        received = sent if plan.algorithm != "butterfly" else _butterfly_received(plan, me, x.itemsize)
+        links.observe_collective(sent, received, seconds)
+    return CollectiveResult(out, digest(out), sent, seconds, flagged, tuple(codec.pending))
+
+
+def _butterfly_received(plan: CollectivePlan, me: str, itemsize: int) -> int:
+    """Bytes a butterfly participant receives (uncompressed): the others' parts of its shards and
+    the others' shards."""
+    i = plan.participants.index(me)
+    p = len(plan.participants)
+    b = plan.shard_bounds
+    mine = sum(b[k + 1] - b[k] for k, o in enumerate(plan.shard_owner) if o == i)
+    return itemsize * ((p - 1) * mine + (b[-1] - mine))
 
 
 def _first(group: BaseExceptionGroup) -> CollectiveError:
@@ -276,7 +298,7 @@ async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int,
 
 
 async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                codec: _Codec) -> tuple[np.ndarray, int]:
+                codec: _Codec, links=None) -> tuple[np.ndarray, int]:
     p = len(plan.participants)
     i = plan.participants.index(me)
     nxt, prv = (i + 1) % p, (i - 1) % p
@@ -284,7 +306,7 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
     buf = x.copy()
     b = plan.shard_bounds
     ce = max(1, plan.chunk_bytes // x.itemsize)
-    out = _Stream(transport, plan.addresses[nxt], plan.participants[nxt], plan, plan.deadline_seconds)
+    out = _Stream(transport, plan.addresses[nxt], plan.participants[nxt], plan, plan.deadline_seconds, links)
 
     async def schedule() -> None:
         async def send(phase: int, step: int, shard: int, off: int, payload: Payload | None = None) -> None:
@@ -335,21 +357,23 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
 
 
 async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                     reducer: OwnerReducer | None, codec: _Codec) -> tuple[np.ndarray, int, tuple[str, ...]]:
+                     reducer: OwnerReducer | None, codec: _Codec, links=None) -> tuple[np.ndarray, int, tuple[str, ...]]:
     """Direct reduce-scatter to shard owners, owner-side reduction, direct all-gather."""
     p = len(plan.participants)
     i = plan.participants.index(me)
     b = plan.shard_bounds
     ce = max(1, plan.chunk_bytes // x.itemsize)
     buf = x.copy()
-    streams = {j: _Stream(transport, plan.addresses[j], plan.participants[j], plan, plan.deadline_seconds)
+    streams = {j: _Stream(transport, plan.addresses[j], plan.participants[j], plan, plan.deadline_seconds, links)
                for j in range(p) if j != i}
     my_shards = [k for k, o in enumerate(plan.shard_owner) if o == i]
     flagged: set[str] = set()
     with_distances = reducer is not None and reducer.needs_distances and p > 1
 
     async def scatter() -> None:
-        for k, owner in enumerate(plan.shard_owner):
+        # Start with the owner after this peer (i+1, i+2, ...): owners are not all hit at once.
+        for k in sorted(range(len(plan.shard_owner)), key=lambda k: ((plan.shard_owner[k] - i) % p, k)):
+            owner = plan.shard_owner[k]
             if owner == i:
                 continue
             for off in _chunk_offsets(b[k + 1] - b[k], ce):

@@ -274,7 +274,8 @@ class PeerService(pb_grpc.PeerServicer):
 
     def __init__(self, inbox: Inbox, state: StateSource | None = None, *, on_bytes: Callable[[int], None] | None = None,
                  verifier: RequestVerifier | None = None, coordinator_public_key: bytes = b"",
-                 session_wait: float = SESSION_WAIT_SECONDS):
+                 session_wait: float = SESSION_WAIT_SECONDS, links=None):
+        self.links = links  # peer.links.LinkMeter: one passive download sample per stream
         self.inbox = inbox
         self.state = state
         self.on_bytes = on_bytes or (lambda n: None)
@@ -302,6 +303,8 @@ class PeerService(pb_grpc.PeerServicer):
         # never sends valid chunks the chunk deadline blames it.
         origin: tuple[int, int, str] | None = None
         refused = False
+        t_first = t_last = 0.0
+        first_bytes = total_bytes = 0
         try:
             async with grpc_errors(context):
                 it = aiter(request_iterator)
@@ -333,7 +336,12 @@ class PeerService(pb_grpc.PeerServicer):
                             values = s.check_chunk(c)
                             self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender),
                                                values)
-                            self.on_bytes(len(c.data) + len(c.scale))
+                            nb = len(c.data) + len(c.scale)
+                            self.on_bytes(nb)
+                            t_last = time.perf_counter()
+                            if n == 0:
+                                t_first, first_bytes = t_last, nb
+                            total_bytes += nb
                             n += 1
                             try:
                                 c = await anext(it)
@@ -351,6 +359,9 @@ class PeerService(pb_grpc.PeerServicer):
             raise
         finally:
             self.chunks_received += n
+        if self.links is not None and origin is not None and n > 1:
+            # The first chunk's own transfer time is unknown: count the bytes after it.
+            self.links.observe_receive(origin[2], total_bytes - first_bytes, t_last - t_first)
         return pb.PushAck(chunks=n)
 
     async def FetchState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.StateChunk]:
@@ -409,6 +420,7 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # as a server: accept those pings
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]

@@ -44,7 +44,8 @@ def digest(*arrays: np.ndarray | bytes) -> bytes:
     """BLAKE2b-256 over the bytes of the given arrays (C order) or byte strings, in order."""
     h = hashlib.blake2b(digest_size=32)
     for a in arrays:
-        h.update(a if isinstance(a, bytes | bytearray | memoryview) else np.ascontiguousarray(a).tobytes())
+        # A memoryview of the array's buffer: hashed in place, no copy of a possibly large tensor.
+        h.update(a if isinstance(a, bytes | bytearray | memoryview) else memoryview(np.ascontiguousarray(a)).cast("B"))
     return h.digest()
 
 
@@ -58,3 +59,4 @@ def decode_chunk(data: bytes, dtype: int, expected_count: int) -> np.ndarray:
     if len(data) != expected_count * dt.itemsize:
         raise InvalidArgument(f"data: {len(data)} bytes, expected {expected_count} x {dt.itemsize}")
     return np.frombuffer(data, dtype=dt)
+

@@ -433,6 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ttl", type=float, default=86400.0, help="seconds the token is valid (default one day)")
     t.add_argument("--label", default="", help="who the token is for (shows in the coordinator's log)")
     t.set_defaults(tool=cmd_token_create)
+
+    from shoal.bench import add_bench_parser, cmd_bench
+
+    add_bench_parser(sub)
+    sub.choices["bench"].set_defaults(tool=cmd_bench)
     return parser
 
 

@@ -29,6 +29,7 @@ from peer.collectives import CollectiveError, CollectivePlan, all_reduce
 from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
 from peer.reduction import OwnerReduction, ReductionSpec
 from peer.identity import load_or_create_key, public_bytes
+from peer.links import LinkMeter, probe_missing
 from peer.security import Security, open_channel, signing_interceptors
 from peer.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
@@ -38,7 +39,7 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.ndarray:
     """The tensor rank `rank` contributes in round `round_`: (size,) of `dtype`, values ~ N(0, 1)."""
     rng = np.random.default_rng([seed, rank, round_])
-    return rng.standard_normal(size).astype(dtype)
+    return rng.standard_normal(size, dtype=np.float32).astype(dtype, copy=False)
 
 
 async def _join(stub: pb_grpc.CoordinatorStub, req: pb.JoinRequest) -> pb.JoinResponse:
@@ -53,15 +54,32 @@ async def _join(stub: pb_grpc.CoordinatorStub, req: pb.JoinRequest) -> pb.JoinRe
         delay = min(2.0, delay * 2)
 
 
+def _fractions(cp: CollectivePlan) -> list[float]:
+    """Share of the tensor each participant (in collective order) owns."""
+    n = cp.shard_bounds[-1] or 1
+    out = [0.0] * len(cp.participants)
+    for k, owner in enumerate(cp.shard_owner):
+        out[owner] += (cp.shard_bounds[k + 1] - cp.shard_bounds[k]) / n
+    return out
+
+
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
                   listen: str = "127.0.0.1:0", timeout: float = 120.0, security: Security | None = None,
-                  join_token: str = "", aggregators: tuple[str, ...] = (), attack: str = "") -> dict:
-    """Play rounds until the coordinator finishes the run; returns a report dict."""
+                  join_token: str = "", aggregators: tuple[str, ...] = (), attack: str = "",
+                  measure_links: bool = True, keep_results: bool = True) -> dict:
+    """Play rounds until the coordinator finishes the run; returns a report dict.
+
+    With `measure_links`, streams feed a LinkMeter, and after each commit the process probes the
+    round's participants it has no history for and reports its links to the coordinator (before
+    saying ready, so the next plan can use them). `keep_results`: keep every round's result in
+    the report (`results`), not only the last one.
+    """
     security = security or Security(insecure=True)
     key = load_or_create_key(key_path)
     inbox = Inbox()
     transport = Transport(security, key)
-    service = PeerService(inbox)
+    meter = LinkMeter() if measure_links else None
+    service = PeerService(inbox, links=meter)
     server, address = await serve_data_plane(service, listen, security)
     channel = open_channel(coordinator, security, channel_options(), signing_interceptors(key))
     stub = pb_grpc.CoordinatorStub(channel)
@@ -79,12 +97,13 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
             x = make_input(seed, rank, 0, size, dtype)
             await stub.Ready(pb.ReadyRequest(peer_id=me, round=0, num_elements=size, dtype=code, num_samples=1))
             tentative: dict[tuple[int, int], tuple[bytes, np.ndarray]] = {}
+            last_plan: CollectivePlan | None = None
             async for ev in watch:
                 kind = ev.WhichOneof("event")
                 if kind == "finished":
                     break
                 if kind == "plan" and ev.plan.round == state_round:
-                    cp = CollectivePlan.from_proto(ev.plan)
+                    cp = last_plan = CollectivePlan.from_proto(ev.plan)
                     inbox.start(Session.from_plan(ev.plan, resp.coordinator_public_key))
                     vote = pb.VoteRequest(peer_id=me, round=ev.plan.round, attempt=ev.plan.attempt)
                     reducer = None
@@ -93,7 +112,10 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                         reducer = OwnerReduction(spec, np.ones(len(cp.participants)), size)
                     sent = forge(attack, x, np.random.default_rng(rank)) if attack else x
                     try:
-                        res = await all_reduce(sent, cp, me=me, transport=transport, inbox=inbox, reducer=reducer)
+                        cpu0 = time.process_time()
+                        res = await all_reduce(sent, cp, me=me, transport=transport, inbox=inbox, reducer=reducer,
+                                               links=meter)
+                        cpu = time.process_time() - cpu0
                         tentative[(ev.plan.round, ev.plan.attempt)] = (res.digest, res.values)
                         vote.ok, vote.result_digest, vote.state_digest = True, res.digest, res.digest
                         vote.bytes_sent, vote.collective_seconds = res.bytes_sent, res.seconds
@@ -101,6 +123,8 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                                                  "seconds": res.seconds, "bytes_sent": res.bytes_sent,
                                                  "algorithm": cp.algorithm, "participants": len(cp.participants),
                                                  "flagged": list(res.flagged),
+                                                 "predicted_seconds": ev.plan.predicted_seconds,
+                                                 "cpu_seconds": cpu, "shard_fractions": _fractions(cp),
                                                  "aggregator": spec.aggregator if reducer else "sum"})
                     except CollectiveError as exc:
                         vote.ok, vote.error = False, str(exc)
@@ -115,8 +139,17 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     state_digest, state_round = d, state_round + 1
                     report["last_digest"] = d.hex()
                     report["last_result"] = values
-                    report["results"][f"r{state_round - 1}"] = values
+                    if keep_results:
+                        report["results"][f"r{state_round - 1}"] = values
                     x = make_input(seed, rank, state_round, size, dtype)
+                    if meter is not None and last_plan is not None:
+                        await probe_missing(meter, transport, zip(last_plan.participants, last_plan.addresses), me)
+                        try:  # a lost report only leaves the coordinator with older estimates
+                            await stub.ReportLinks(meter.report(me))
+                        except grpc.aio.AioRpcError:
+                            pass
+                        up, down, rtt = meter.aggregate()
+                        report["links"] = {"up_bytes_per_s": up, "down_bytes_per_s": down, "rtt_seconds": rtt}
                     await stub.Ready(pb.ReadyRequest(peer_id=me, round=state_round, num_elements=size, dtype=code,
                                                      num_samples=1, state_digest=state_digest, state_round=state_round))
                 elif kind == "abort" and ev.abort.round == state_round and (
@@ -146,6 +179,7 @@ def main() -> None:
     ap.add_argument("--join-token", default="")
     ap.add_argument("--aggregators", default="", help="comma-separated owner aggregators, one per round, cycled")
     ap.add_argument("--attack", default="", help="send forged tensors (peer.byzantine)")
+    ap.add_argument("--no-save", action="store_true", help="write no results (.npy/.npz), only the JSON report")
     a = ap.parse_args()
     security = Security(tls_dir=a.tls_dir, insecure=a.insecure or not a.tls_dir)
     aggs = tuple(x for x in a.aggregators.split(",") if x)
@@ -157,11 +191,13 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         run = asyncio.run
     report = run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout, security,
-                         a.join_token, aggs, a.attack))
+                         a.join_token, aggs, a.attack, keep_results=not a.no_save))
     result = report.pop("last_result", None)
-    if result is not None:
+    results = report.pop("results")
+    if result is not None and not a.no_save:
         np.save(a.out + ".npy", result)
-    np.savez(a.out + ".npz", **report.pop("results"))
+    if not a.no_save:
+        np.savez(a.out + ".npz", **results)
     report["wall_seconds"] = time.time() - t0
     with open(a.out, "w") as f:
         json.dump(report, f)

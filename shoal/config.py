@@ -136,7 +136,8 @@ class RoundsSection:
                                         "slowest measured link + 2 * max RTT) (detects a silent peer)")
     chunk_safety: float = setting(4.0, "safety factor of the per-chunk deadline over the measured transfer time")
     chunk_bytes: int = setting(1 << 20, "bytes of one tensor chunk on the data plane")
-    algorithm_collective: str = setting("ring", "all-reduce algorithm (auto: chosen by the planner from measured links)",
+    algorithm_collective: str = setting("auto", "all-reduce algorithm (auto: chosen by the planner from the peers' "
+                                        "measured links; butterfly with equal shards until links are known)",
                                         choices=("ring", "butterfly", "auto"))
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")

@@ -131,8 +131,9 @@ async def _push(stub: pb_grpc.PeerStub, key, chunks: list[pb.Chunk], metadata=No
 
 async def test_data_plane_accepts_only_participants_with_tickets(procs):
     wd = procs.workdir
+    # The hand-driven participant sends no heartbeats: a long lease keeps it a member on a busy host.
     coord, addr = procs.coordinator("--rounds", "1", "--min-peers", "3", "--initial-peers", "3",
-                                    "--chunk-timeout", "8")
+                                    "--chunk-timeout", "8", "--lease-seconds", "120")
     jobs = [_job(procs, r, addr, "--insecure") for r in range(2)]
     sec = Security(insecure=True)
     evil = load_or_create_key(wd / "evil.key")  # a participant that misbehaves, then plays honestly

@@ -1,0 +1,223 @@
+"""Link measurement: what this peer knows of its links to the other peers (DESIGN.md §4).
+
+`LinkMeter` keeps, per remote peer, estimates of the throughput this → remote ("up") and
+remote → this ("down") in bytes/s and of the round-trip time, from two sources:
+
+* **passive**: every data-plane stream of a real collective reports its bytes and duration
+  (`observe_send` from the sending side, `observe_receive` from the receiving side), and every
+  collective reports this peer's total bytes and time (`observe_collective`); each source keeps
+  an exponential moving average (`alpha`);
+* **active**: `probe_peer` times short Probe RPCs (an empty one for the RTT, then `probe_bytes`
+  down and `probe_bytes` up) when a peer has no history or its probe is older than
+  `probe_interval` seconds.
+
+A passive sample is a *lower bound* of the link's capacity: inside a collective a stream shares
+the upload with the others and waits for reductions and for slower peers, so it rarely runs at
+the link's speed. The capacity estimate of a link is therefore ``max(probe EWMA, passive EWMA)``:
+real transfers can raise it, only probes (refreshed every `probe_interval`) can lower it. The
+peer's aggregate upload (download), what the planner uses, is the largest of its per-link up
+(down) estimates and its passive whole-collective rate: with per-peer access links, the fastest
+path out of a peer is limited by its own upload only.
+
+The meter is plain data plus arithmetic (the clock is injectable); `probe_peer` is the only
+coroutine, and a failed probe only leaves the estimates as they were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+
+from shoal.v1 import shoal_pb2 as pb
+
+log = logging.getLogger("shoal.peer.links")
+
+PROBE_BYTES = 1 << 20
+PROBE_INTERVAL_SECONDS = 300.0
+PROBE_TIMEOUT_SECONDS = 10.0
+# Streams shorter than this (or carrying fewer bytes) say more about scheduling than about links.
+_MIN_SAMPLE_SECONDS = 0.005
+_MIN_SAMPLE_BYTES = 64 * 1024
+
+
+class _Ewma:
+    __slots__ = ("value", "samples")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.samples = 0
+
+    def add(self, x: float, alpha: float) -> None:
+        self.value = x if self.samples == 0 else (1 - alpha) * self.value + alpha * x
+        self.samples += 1
+
+
+@dataclass
+class _Link:
+    up_passive: _Ewma
+    down_passive: _Ewma
+    up_probe: _Ewma
+    down_probe: _Ewma
+    rtt: _Ewma
+    probed_at: float = float("-inf")
+
+    @property
+    def up(self) -> float:
+        return max(self.up_probe.value, self.up_passive.value)
+
+    @property
+    def down(self) -> float:
+        return max(self.down_probe.value, self.down_passive.value)
+
+    @property
+    def samples(self) -> int:
+        return self.up_passive.samples + self.down_passive.samples + self.up_probe.samples + self.down_probe.samples
+
+
+@dataclass(frozen=True)
+class LinkView:
+    """One remote link as reported: bytes/s both ways, RTT seconds, number of samples."""
+
+    peer_id: str
+    up_bytes_per_s: float
+    down_bytes_per_s: float
+    rtt_seconds: float
+    samples: int
+
+
+class LinkMeter:
+    """Per-remote-peer link estimates; see the module docstring. Not thread-safe (one event loop)."""
+
+    def __init__(self, *, alpha: float = 0.3, probe_interval: float = PROBE_INTERVAL_SECONDS,
+                 clock: Callable[[], float] = time.monotonic):
+        self.alpha = alpha
+        self.probe_interval = probe_interval
+        self.clock = clock
+        self._links: dict[str, _Link] = {}
+        self._up_total = _Ewma()
+        self._down_total = _Ewma()
+
+    def _link(self, peer_id: str) -> _Link:
+        link = self._links.get(peer_id)
+        if link is None:
+            link = self._links[peer_id] = _Link(_Ewma(), _Ewma(), _Ewma(), _Ewma(), _Ewma())
+        return link
+
+    @staticmethod
+    def _usable(nbytes: int, seconds: float) -> bool:
+        return nbytes >= _MIN_SAMPLE_BYTES and seconds >= _MIN_SAMPLE_SECONDS
+
+    # --- passive ----------------------------------------------------------------------------
+
+    def observe_send(self, peer_id: str, nbytes: int, seconds: float) -> None:
+        """A stream to `peer_id` carried `nbytes` in `seconds` (first write to last ack)."""
+        if self._usable(nbytes, seconds):
+            self._link(peer_id).up_passive.add(nbytes / seconds, self.alpha)
+
+    def observe_receive(self, peer_id: str, nbytes: int, seconds: float) -> None:
+        """A stream from `peer_id` delivered `nbytes` in `seconds` (first to last chunk)."""
+        if self._usable(nbytes, seconds):
+            self._link(peer_id).down_passive.add(nbytes / seconds, self.alpha)
+
+    def observe_collective(self, sent: int, received: int, seconds: float) -> None:
+        """This peer sent and received these totals during one collective of `seconds`."""
+        if self._usable(sent, seconds):
+            self._up_total.add(sent / seconds, self.alpha)
+        if self._usable(received, seconds):
+            self._down_total.add(received / seconds, self.alpha)
+
+    # --- active -----------------------------------------------------------------------------
+
+    def observe_probe(self, peer_id: str, *, rtt: float | None = None, up: float | None = None,
+                      down: float | None = None) -> None:
+        """Record one probe's results (bytes/s; RTT in seconds); None = not measured."""
+        link = self._link(peer_id)
+        if rtt is not None and rtt >= 0:
+            link.rtt.add(rtt, self.alpha)
+        if up is not None and up > 0:
+            link.up_probe.add(up, self.alpha)
+        if down is not None and down > 0:
+            link.down_probe.add(down, self.alpha)
+        link.probed_at = self.clock()
+
+    def needs_probe(self, peer_id: str) -> bool:
+        """No throughput history for this peer, or its last probe is older than probe_interval."""
+        link = self._links.get(peer_id)
+        if link is None or (link.up <= 0 and link.down <= 0):
+            return True
+        return self.clock() - link.probed_at > self.probe_interval
+
+    # --- views ------------------------------------------------------------------------------
+
+    def links(self) -> list[LinkView]:
+        """Per-remote estimates, sorted by peer id."""
+        return [LinkView(p, l.up, l.down, l.rtt.value, l.samples) for p, l in sorted(self._links.items())]
+
+    def aggregate(self) -> tuple[float, float, float]:
+        """(upload bytes/s, download bytes/s, mean RTT seconds) of this peer; 0 where unknown."""
+        ups = [l.up for l in self._links.values()] + [self._up_total.value]
+        downs = [l.down for l in self._links.values()] + [self._down_total.value]
+        rtts = [l.rtt.value for l in self._links.values() if l.rtt.samples]
+        return max(ups), max(downs), (sum(rtts) / len(rtts) if rtts else 0.0)
+
+    def report(self, peer_id: str) -> pb.LinkReport:
+        """The shoal.v1.LinkReport for the coordinator."""
+        up, down, _ = self.aggregate()
+        return pb.LinkReport(
+            peer_id=peer_id, up_bytes_per_s=up, down_bytes_per_s=down,
+            links=[pb.LinkEstimate(peer_id=v.peer_id, up_bytes_per_s=v.up_bytes_per_s,
+                                   down_bytes_per_s=v.down_bytes_per_s, rtt_seconds=v.rtt_seconds, samples=v.samples)
+                   for v in self.links()],
+        )
+
+
+async def probe_peer(meter: LinkMeter, stub, peer_id: str, *, nbytes: int = PROBE_BYTES,
+                     timeout: float = PROBE_TIMEOUT_SECONDS) -> bool:
+    """Measure the link to one peer with Probe RPCs through `stub` (a shoal.v1.Peer stub).
+
+    RTT: the fastest of three empty probes. Down: a probe asking for `nbytes`; up: a probe
+    carrying `nbytes`; each rate is ``nbytes / (elapsed - rtt)``. Returns False (estimates left
+    as they were, error logged at debug) if any probe fails or takes longer than `timeout`.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            rtt = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                await stub.Probe(pb.ProbeRequest(reply_bytes=0))
+                rtt = min(rtt, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await stub.Probe(pb.ProbeRequest(reply_bytes=nbytes))
+            down = nbytes / max(time.perf_counter() - t0 - rtt, 1e-6)
+            payload = bytes(nbytes)
+            t0 = time.perf_counter()
+            await stub.Probe(pb.ProbeRequest(payload=payload, reply_bytes=0))
+            up = nbytes / max(time.perf_counter() - t0 - rtt, 1e-6)
+    except (grpc.aio.AioRpcError, TimeoutError) as exc:
+        log.debug("probe of %s failed: %s", peer_id[:8], exc)
+        return False
+    meter.observe_probe(peer_id, rtt=rtt, up=up, down=down)
+    return True
+
+
+async def probe_missing(meter: LinkMeter, transport, peers: Iterable[tuple[str, str]], me: str, *,
+                        nbytes: int = PROBE_BYTES) -> int:
+    """Probe, one after the other, every (peer id, address) that `meter.needs_probe`; returns
+    how many were probed. The order starts after `me` in the given list (peer i probes i+1,
+    i+2, …) so that peers probing at the same time mostly probe different targets."""
+    peers = list(peers)
+    ids = [p for p, _ in peers]
+    start = ids.index(me) + 1 if me in ids else 0
+    done = 0
+    for k in range(len(peers)):
+        pid, addr = peers[(start + k) % len(peers)]
+        if pid == me or not meter.needs_probe(pid):
+            continue
+        if await probe_peer(meter, transport.stub(addr), pid, nbytes=nbytes):
+            done += 1
+    return done

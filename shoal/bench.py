@@ -1,0 +1,369 @@
+"""`shoal bench allreduce`: time Shoal's all-reduce against the lower bound and against gloo.
+
+One invocation starts a coordinator and ``--peers`` collective-job processes
+(`shoal.collective_job`), runs one warm-up round (connections, link probes) plus ``--repeat``
+timed rounds of a float32 all-reduce of ``--size-mb`` MB, and, with ``--baseline gloo``, runs
+torch.distributed's gloo ``all_reduce`` of the same tensor the same number of times on the same
+network. With link lists (``--link-mbit`` or ``--up-mbit``/``--down-mbit``) every peer (and its
+gloo rank) runs in its own network namespace behind kernel-shaped links (`shoal.netbed.NetBed`,
+needs root); without them everything runs on 127.0.0.1.
+
+The time of one round is the slowest participant's collective time (plan received → result
+ready); the time of one gloo all-reduce is the slowest rank's ``all_reduce`` call after a barrier.
+The report gives the median over the timed rounds, the algorithm bandwidth ``size/time``, the bus
+bandwidth ``algbw·2(p-1)/p`` (the nccl-tests convention), the lower bound of
+`coordinator.planner.allreduce_lower_bound` for the shaped links (0 on loopback, where the links
+are not known) and the efficiency ``bound/measured``.
+
+Every process it starts is killed and every namespace deleted when it returns, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+log = logging.getLogger("shoal.bench")
+
+MBIT = 1e6 / 8  # bytes/s per Mbit/s
+_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to run. ``up_mbit``/``down_mbit``: one entry per peer (Mbit/s, 10^6 bit/s), or empty
+    for loopback. ``algorithm``: "auto" (the planner), "ring" or "butterfly"."""
+
+    peers: int = 4
+    size_mb: float = 64.0
+    up_mbit: tuple[float, ...] = ()
+    down_mbit: tuple[float, ...] = ()
+    baseline: str | None = None
+    repeat: int = 3
+    algorithm: str = "auto"
+    chunk_bytes: int = 1 << 20
+    timeout: float = 600.0
+    workdir: str | None = None
+
+    @property
+    def shaped(self) -> bool:
+        return bool(self.up_mbit)
+
+    @property
+    def num_elements(self) -> int:
+        return max(1, int(self.size_mb * 1e6) // 4)
+
+
+def _summary(times: Sequence[float], size_bytes: int, p: int, bound: float) -> dict:
+    med = statistics.median(times)
+    algbw = size_bytes / med / 1e9 if med > 0 else 0.0
+    return {
+        "seconds_median": med,
+        "seconds_all": list(times),
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * 2 * (p - 1) / p,
+        "bound_seconds": bound,
+        "efficiency": bound / med if med > 0 else 0.0,
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Procs:
+    """Processes of one bench run, each in its own process group; `close` kills them all."""
+
+    def __init__(self, workdir: pathlib.Path, bed=None):
+        self.workdir, self.bed = workdir, bed
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], host: int | None = None, env: dict | None = None) -> subprocess.Popen:
+        out = open(self.workdir / f"{name}.log", "ab")
+        kw = dict(stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=_ROOT,
+                  env={**os.environ, "PYTHONPATH": _ROOT, **(env or {})}, start_new_session=True)
+        try:
+            proc = subprocess.Popen(argv, **kw) if host is None else self.bed.popen(host, argv, **kw)
+        finally:
+            out.close()
+        self.procs.append((name, proc))
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def wait(self, name: str, proc: subprocess.Popen, deadline: float) -> None:
+        try:
+            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{name} still running at the bench deadline:\n{self.log(name)}") from None
+        if rc != 0:
+            raise RuntimeError(f"{name} exited {rc}:\n{self.log(name)}")
+
+    def close(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for _, p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+
+def _wait_file(path: pathlib.Path, deadline: float, procs: _Procs, name: str, proc: subprocess.Popen) -> str:
+    while not path.exists() or not path.read_text().strip():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited {proc.returncode}:\n{procs.log(name)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not become ready")
+        time.sleep(0.05)
+    return path.read_text().strip()
+
+
+def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: float, hosts: list[str],
+               coord_host: str, bound: float) -> dict:
+    p = opts.peers
+    n = opts.num_elements
+    # Generous deadlines: the bench measures, it must not abort a slow (shaped) round.
+    per_round = max(60.0, 30 * bound)
+    ready = wd / "coordinator.addr"
+    coord = procs.start("coordinator", [
+        sys.executable, "-m", "shoal.cli", "coordinator", "--listen", f"{coord_host}:0",
+        "--state", str(wd / "coordinator.db"), "--ready-file", str(ready),
+        "--rounds", str(opts.repeat + 1), "--min-peers", str(p), "--initial-peers", str(p),
+        "--straggler-timeout", str(per_round), "--collective-timeout", str(per_round),
+        "--chunk-timeout", str(per_round), "--lease-seconds", str(max(30.0, per_round)), "--max-attempts", "1",
+        "--algorithm-collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes), "--log-level", "warning",
+        "--insecure"])  # plaintext on both planes, like the gloo baseline
+    addr = _wait_file(ready, deadline, procs, "coordinator", coord)
+    jobs = []
+    for r in range(p):
+        out = wd / f"job-{r}.json"
+        argv = [sys.executable, "-m", "shoal.collective_job", "--coordinator", addr, "--rank", str(r),
+                "--size", str(n), "--key", str(wd / f"job-{r}.key"), "--out", str(out),
+                "--listen", f"{hosts[r]}:0", "--timeout", str(max(60.0, deadline - time.monotonic())),
+                "--no-save", "--insecure"]
+        name = f"job-{r}"
+        jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None), out))
+    for name, proc, _ in jobs:
+        procs.wait(name, proc, deadline)
+    reports = [json.loads(out.read_text()) for _, _, out in jobs]
+    rounds: dict[int, list[dict]] = {}
+    for rep in reports:
+        for rd in rep["rounds"]:
+            rounds.setdefault(rd["round"], []).append(rd)
+    timed = sorted(r for r in rounds if r >= 1)
+    if not timed:
+        raise RuntimeError("no timed round committed")
+    times = [max(rd["seconds"] for rd in rounds[r]) for r in timed]
+    last = rounds[timed[-1]]
+    result = {"algorithm": last[0]["algorithm"], **_summary(times, n * 4, p, bound)}
+    predicted = [rd.get("predicted_seconds", 0.0) for rd in last]
+    result["predicted_seconds"] = max(predicted) if predicted else 0.0
+    result["shard_fractions"] = last[0].get("shard_fractions")
+    # CPU seconds (all threads) the participants spent per timed round, summed over them.
+    result["cpu_seconds_median"] = statistics.median(sum(rd.get("cpu_seconds", 0.0) for rd in rounds[r]) for r in timed)
+    result["links_reported"] = [rep.get("links") for rep in reports]
+    return result
+
+
+def _run_gloo(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: float, hosts: list[str],
+              bound: float) -> dict:
+    p = opts.peers
+    n = opts.num_elements
+    port = _free_port()
+    ifname = "eth0" if opts.shaped else "lo"
+    jobs = []
+    for r in range(p):
+        out = wd / f"gloo-{r}.json"
+        argv = [sys.executable, "-m", "shoal.bench", "gloo-worker", "--rank", str(r), "--world", str(p),
+                "--master", f"{hosts[0]}:{port}", "--size", str(n), "--repeat", str(opts.repeat), "--out", str(out)]
+        name = f"gloo-{r}"
+        env = {"GLOO_SOCKET_IFNAME": ifname, "OMP_NUM_THREADS": "1"}
+        jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None, env=env), out))
+    for name, proc, _ in jobs:
+        procs.wait(name, proc, deadline)
+    per_rank = [json.loads(out.read_text())["seconds"] for _, _, out in jobs]
+    times = [max(ts) for ts in zip(*per_rank)]
+    return {"peers": p, "size_bytes": n * 4, "algorithm": "gloo", **_summary(times, n * 4, p, bound)}
+
+
+def run_bench(opts: BenchOptions) -> dict:
+    """Run the benchmark; returns the report dict (see the module docstring).
+
+    Raises RuntimeError when a process fails or the run passes ``opts.timeout``; ValueError for
+    inconsistent options. Every process and namespace is gone when it returns or raises.
+    """
+    from coordinator.planner import allreduce_lower_bound
+
+    p = opts.peers
+    if p < 2:
+        raise ValueError("--peers must be at least 2")
+    if opts.shaped and (len(opts.up_mbit) != p or len(opts.down_mbit) != p):
+        raise ValueError("link lists need one entry per peer")
+    size_bytes = opts.num_elements * 4
+    bound = 0.0
+    if opts.shaped:
+        bound = allreduce_lower_bound([u * MBIT for u in opts.up_mbit], [d * MBIT for d in opts.down_mbit], size_bytes)
+    deadline = time.monotonic() + opts.timeout
+    with contextlib.ExitStack() as stack:
+        if opts.workdir:
+            wd = pathlib.Path(opts.workdir)
+            wd.mkdir(parents=True, exist_ok=True)
+        else:
+            wd = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shoal-bench-")))
+        bed = None
+        if opts.shaped:
+            from shoal.netbed import NetBed
+
+            ok, why = NetBed.available()
+            if not ok:
+                raise RuntimeError(f"shaped links need network namespaces: {why}")
+            bed = stack.enter_context(NetBed(p, list(opts.up_mbit), list(opts.down_mbit), prefix="shlb"))
+            hosts = [bed.host_ip(i) for i in range(p)]
+            coord_host = bed.root_ip
+        else:
+            hosts = ["127.0.0.1"] * p
+            coord_host = "127.0.0.1"
+        procs = _Procs(wd, bed)
+        stack.callback(procs.close)
+        report: dict = {"peers": p, "size_bytes": size_bytes, "network": "shaped" if opts.shaped else "loopback"}
+        if opts.shaped:
+            report["up_mbit"], report["down_mbit"] = list(opts.up_mbit), list(opts.down_mbit)
+        report.update(_run_shoal(opts, procs, wd, deadline, hosts, coord_host, bound))
+        if opts.baseline == "gloo":
+            report["baseline"] = _run_gloo(opts, procs, wd, deadline, hosts, bound)
+            b = report["baseline"]["seconds_median"]
+            report["speedup_vs_baseline"] = b / report["seconds_median"] if report["seconds_median"] > 0 else 0.0
+        return report
+
+
+# ------------------------------------------------------------------------------- gloo worker
+
+
+def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out: str) -> None:
+    """One torch.distributed gloo rank: ``repeat`` timed all-reduces (after one warm-up) of the
+    same float32 tensor the Shoal run reduces; writes {"seconds": [...]} to ``out``."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from shoal.collective_job import make_input
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        base = torch.from_numpy(make_input(0, rank, 0, size, "float32"))
+        times = []
+        for k in range(repeat + 1):
+            x = base.clone()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            dt = time.perf_counter() - t0
+            if k > 0:
+                times.append(dt)
+        pathlib.Path(out).write_text(json.dumps({"seconds": times}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _parse_list(s: str | None) -> tuple[float, ...]:
+    if not s:
+        return ()
+    return tuple(float(v) for v in s.replace(" ", "").strip("[]").split(",") if v)
+
+
+def options_from_args(a: argparse.Namespace) -> BenchOptions:
+    """BenchOptions from `shoal bench allreduce` flags. Raises ValueError on inconsistent lists."""
+    link = _parse_list(a.link_mbit)
+    up, down = _parse_list(a.up_mbit), _parse_list(a.down_mbit)
+    if link and (up or down):
+        raise ValueError("give either --link-mbit or --up-mbit/--down-mbit")
+    if link:
+        up = down = link
+    if bool(up) != bool(down):
+        raise ValueError("--up-mbit and --down-mbit go together")
+    if len(up) == 1:
+        up, down = up * a.peers, down * a.peers
+    if up and (len(up) != a.peers or len(down) != a.peers):
+        raise ValueError(f"link lists need 1 or {a.peers} entries")
+    return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
+                        repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
+                        workdir=a.workdir)
+
+
+def add_bench_parser(sub) -> None:
+    """Register `shoal bench allreduce` on the CLI's subparsers."""
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("allreduce", help="time the all-reduce against the bound and against gloo")
+    b.add_argument("--peers", type=int, default=4)
+    b.add_argument("--size-mb", type=float, default=64.0, help="tensor size in MB (10^6 bytes), float32")
+    b.add_argument("--link-mbit", help="per-peer up and down Mbit/s: one value or a comma list (shaped netns)")
+    b.add_argument("--up-mbit", help="per-peer upload Mbit/s (comma list)")
+    b.add_argument("--down-mbit", help="per-peer download Mbit/s (comma list)")
+    b.add_argument("--baseline", choices=["gloo"], help="also run torch.distributed gloo all_reduce")
+    b.add_argument("--repeat", type=int, default=3, help="timed rounds (after one warm-up round)")
+    b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly"])
+    b.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    b.add_argument("--workdir", help="keep logs and reports here")
+    b.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
+    b.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    b.add_argument("--log-format", default="text", choices=["text", "json"])
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    try:
+        opts = options_from_args(a)
+    except ValueError as exc:
+        print(f"shoal bench: {exc}", file=sys.stderr)
+        return 2
+    def _interrupt(signum, frame):  # SIGTERM: unwind like Ctrl-C, so processes and namespaces go
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        report = run_bench(opts)
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(report, indent=None if a.json else 2))
+    return 0
+
+
+def _worker_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master", required=True)
+    ap.add_argument("--size", type=int, required=True)
+    ap.add_argument("--repeat", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    gloo_worker(a.rank, a.world, a.master, a.size, a.repeat, a.out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "gloo-worker":
+        _worker_main(sys.argv[2:])
+    else:
+        sys.exit("usage: python -m shoal.bench gloo-worker ...  (or: shoal bench allreduce ...)")

@@ -1,0 +1,82 @@
+"""`shoal bench allreduce`: one JSON object with consistent fields, on loopback and on shaped links.
+
+Benchmarks measure; these tests only check that the report is complete and self-consistent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from shoal.netbed import NetBed
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+FIELDS = ("algorithm", "seconds_median", "algbw_GBps", "busbw_GBps", "bound_seconds", "efficiency")
+
+
+def bench(*flags: str, timeout: float = 120) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", *flags, "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stdout  # exactly one JSON object
+    return json.loads(lines[0])
+
+
+def check(rep: dict, peers: int, size_bytes: int) -> None:
+    for k in FIELDS:
+        assert k in rep, k
+    p = peers
+    assert rep["peers"] == p and rep["size_bytes"] == size_bytes
+    assert rep["seconds_median"] > 0
+    assert rep["algbw_GBps"] == pytest.approx(size_bytes / rep["seconds_median"] / 1e9)
+    assert rep["busbw_GBps"] == pytest.approx(rep["algbw_GBps"] * 2 * (p - 1) / p)
+    assert rep["efficiency"] == pytest.approx(rep["bound_seconds"] / rep["seconds_median"])
+
+
+@pytest.mark.timeout(150)
+def test_loopback_report_fields_and_baseline():
+    flags = ["--peers", "3", "--size-mb", "0.3", "--repeat", "2"]
+    if HAVE_TORCH:
+        flags += ["--baseline", "gloo"]
+    rep = bench(*flags)
+    check(rep, 3, 300_000 // 4 * 4)
+    assert rep["algorithm"] in ("butterfly", "ring")
+    assert rep["bound_seconds"] == 0.0  # loopback: the links are not known
+    assert len(rep["seconds_all"]) == 2
+    if HAVE_TORCH:
+        assert rep["baseline"]["algorithm"] == "gloo"
+        check(rep["baseline"], 3, 300_000 // 4 * 4)
+
+
+def test_bad_link_lists_are_usage_errors():
+    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--peers", "3", "--up-mbit",
+                           "10,20", "--down-mbit", "10,20,30", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "entries" in proc.stderr
+
+
+_OK, _WHY = NetBed.available()
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not _OK, reason=f"network namespaces unavailable: {_WHY}")
+def test_shaped_run_reports_the_bound():
+    flags = ["--peers", "2", "--size-mb", "0.5", "--up-mbit", "40,20", "--down-mbit", "40,40", "--repeat", "1"]
+    if HAVE_TORCH:
+        flags += ["--baseline", "gloo"]
+    rep = bench(*flags, timeout=180)
+    check(rep, 2, 500_000)
+    # The floor for these links: the slower upload must carry the whole 0.5 MB.
+    assert rep["bound_seconds"] == pytest.approx(500_000 / (20e6 / 8))
+    assert rep["network"] == "shaped" and rep["up_mbit"] == [40, 20]
+    assert 0 < rep["efficiency"] <= 1.05  # nothing beats the bound (a little timing slack)
+    if HAVE_TORCH:
+        check(rep["baseline"], 2, 500_000)

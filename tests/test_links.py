@@ -1,0 +1,64 @@
+"""Link measurement: pure LinkMeter arithmetic, and probes of a real peer over real gRPC."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.dataplane import Inbox, PeerService, Transport, serve_data_plane
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from peer.links import LinkMeter, probe_missing
+from peer.security import Security
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_probe_sets_capacity_and_passive_only_raises_it():
+    clock = Clock()
+    m = LinkMeter(alpha=0.5, probe_interval=60.0, clock=clock)
+    assert m.needs_probe("b")
+    m.observe_probe("b", rtt=0.01, up=100.0e6, down=50.0e6)
+    assert not m.needs_probe("b")
+    # A slow passive stream (shared upload, waiting for others) is a lower bound: no change.
+    m.observe_send("b", 10_000_000, 1.0)
+    (v,) = m.links()
+    assert v.up_bytes_per_s == 100.0e6 and v.down_bytes_per_s == 50.0e6 and v.rtt_seconds == 0.01
+    # A faster real transfer raises the estimate.
+    m.observe_receive("b", 80_000_000, 1.0)
+    assert m.links()[0].down_bytes_per_s == 80.0e6
+    clock.t = 61.0
+    assert m.needs_probe("b")  # probes are refreshed: only they can lower an estimate
+
+
+def test_aggregate_is_the_fastest_path_and_tiny_samples_are_ignored():
+    m = LinkMeter()
+    m.observe_probe("b", rtt=0.02, up=10e6, down=30e6)
+    m.observe_probe("c", rtt=0.04, up=20e6, down=5e6)
+    m.observe_send("d", 100, 1.0)  # too few bytes to say anything
+    m.observe_collective(sent=50_000_000, received=10_000_000, seconds=1.0)
+    up, down, rtt = m.aggregate()
+    assert up == 50e6 and down == 30e6 and rtt == pytest.approx(0.03)
+    rep = m.report("me")
+    assert rep.peer_id == "me" and rep.up_bytes_per_s == 50e6
+    assert [l.peer_id for l in rep.links] == ["b", "c"]
+
+
+async def test_probes_measure_a_real_peer_and_fill_the_report():
+    security = Security(insecure=True)
+    server, address = await serve_data_plane(PeerService(Inbox()), "127.0.0.1:0", security)
+    transport = Transport(security, Ed25519PrivateKey.generate())
+    try:
+        m = LinkMeter()
+        peers = [("me", "127.0.0.1:1"), ("other", address)]
+        assert await probe_missing(m, transport, peers, "me", nbytes=256 * 1024) == 1
+        (v,) = m.links()
+        assert v.peer_id == "other" and v.up_bytes_per_s > 0 and v.down_bytes_per_s > 0 and v.rtt_seconds > 0
+        assert await probe_missing(m, transport, peers, "me") == 0  # history now: no probe
+    finally:
+        await transport.close()
+        await server.stop(None)
