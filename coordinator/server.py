@@ -170,7 +170,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elif isinstance(a, SendCommit):
                 r = a.record
                 self.store.save_commit(r)
-                self.metrics.on_commit(r.seconds, self.vote_bytes.pop((r.round, r.attempt), 0))
+                self.metrics.on_commit(r.seconds, self.vote_bytes.pop((r.round, r.attempt), 0),
+                                       rounds_committed=self.engine.committed_rounds)
                 self.vote_bytes = {k: v for k, v in self.vote_bytes.items() if k[0] > r.round}
                 log.info("round %d committed (attempt %d, %d participants, %.3fs, loss %.4f)",
                          r.round, r.attempt, len(r.participants), r.seconds, r.train_loss)
@@ -194,7 +195,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a.round, a.state_digest, a.donors,
                                                                           to=a.peer_id)))
             elif isinstance(a, SendFinished):
-                log.info("run finished after %d committed rounds", a.rounds_committed)
+                # The engine answers every late Ready with SendFinished again; say it once.
+                if self.finished_event is None:
+                    log.info("run finished after %d committed rounds", a.rounds_committed)
                 self.finished_event = pb.RoundEvent(finished=pb.Finished(rounds_committed=a.rounds_committed,
                                                                            reason=a.reason))
                 for p in list(self.watchers):

@@ -175,7 +175,8 @@ class PeerAgent(StateSource):
                 if exc.code() not in RETRYABLE or time.monotonic() > end:
                     raise
                 log.debug("%s: %s; retrying in %.2fs", what, exc.code().name, delay)
-            await asyncio.sleep(random.uniform(0, delay))
+            # Never sleep past the deadline: the last try is at `end`, not a backoff later.
+            await asyncio.sleep(min(random.uniform(0, delay), max(0.0, end - time.monotonic())))
             delay = min(self.config.backoff_max, delay * 2)
 
     # ------------------------------------------------------------ membership

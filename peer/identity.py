@@ -51,11 +51,15 @@ def load_or_create_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """Load the Ed25519 private key at `path`, creating it (mode 0600) when absent.
 
     Raises:
-        ValueError: the file exists but does not hold an Ed25519 private key.
+        ValueError: the file exists but does not hold an unencrypted PEM Ed25519 private key.
+        OSError: the file cannot be read or created (e.g. its directory cannot be created).
     """
     p = pathlib.Path(path)
     if p.exists():
-        key = serialization.load_pem_private_key(p.read_bytes(), password=None)
+        try:
+            key = serialization.load_pem_private_key(p.read_bytes(), password=None)
+        except (ValueError, TypeError):  # not PEM, or encrypted
+            raise ValueError(f"{p}: not a PEM Ed25519 private key without passphrase") from None
         if not isinstance(key, Ed25519PrivateKey):
             raise ValueError(f"{p}: not an Ed25519 private key")
         return key

@@ -54,12 +54,13 @@ class Security:
         """Refuse a configuration that is neither TLS nor explicitly insecure; warn on plaintext.
 
         Raises:
-            ValueError: neither `tls_dir` nor `insecure` is set, or both are.
+            ValueError: neither `tls_dir` nor `insecure` is set, or both are (the message does
+                not name `who`; the caller prefixes it).
         """
         if self.tls_dir and self.insecure:
             raise ValueError("--tls-dir and --insecure exclude each other")
         if not self.tls_dir and not self.insecure:
-            raise ValueError(f"{who}: pass --tls-dir DIR (see `shoal certs init`) or --insecure for plaintext")
+            raise ValueError("pass --tls-dir DIR (made by `shoal certs init`) or --insecure for plaintext")
         if self.insecure:
             log.warning("%s: --insecure: plaintext gRPC; anyone on the path can read and alter traffic", who)
 

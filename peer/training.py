@@ -72,6 +72,16 @@ class RunConfig:
             raise InvalidArgument(f"algorithm: {self.algorithm!r} is not diloco or fedavg")
         if self.inner_steps < 1:
             raise InvalidArgument("inner_steps: must be >= 1")
+        if self.batch_size < 1:
+            raise InvalidArgument("batch_size: must be >= 1")
+        if self.hidden < 1:
+            raise InvalidArgument("hidden: must be >= 1")
+        if not (self.lr > 0):
+            raise InvalidArgument("lr: must be > 0")
+        if not (0 <= self.seed < 2 ** 32):
+            raise InvalidArgument("seed: must be in 0..2**32-1")
+        if self.num_shards < 1:
+            raise InvalidArgument("num_shards: must be >= 1")
         if not (self.fedprox_mu >= 0):
             raise InvalidArgument("fedprox_mu: must be >= 0")
         self.reduction_spec().check()

@@ -201,7 +201,7 @@ def _read(tls_dir: pathlib.Path, name: str) -> bytes:
     try:
         return p.read_bytes()
     except FileNotFoundError:
-        raise FileNotFoundError(f"{p}: missing TLS file (create it with init_certs)") from None
+        raise FileNotFoundError(f"{p}: missing TLS file (create the directory with `shoal certs init`)") from None
 
 
 def server_credentials(

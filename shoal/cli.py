@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import pathlib
 import signal
 import sys
 
@@ -56,32 +57,100 @@ def _run(coro) -> None:
         uvloop.run(coro)
 
 
+class UsageError(Exception):
+    """A user error found before anything starts (a missing file, an unusable path): the CLI
+    prints it as one line, `shoal <command>: <message>`, and exits 2."""
+
+
+def _rpc_error(exc: BaseException):
+    """The grpc.aio.AioRpcError behind `exc` (also inside an exception group), or None."""
+    import grpc
+
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _rpc_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
 def _is_unavailable(exc: BaseException) -> bool:
     import grpc
 
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
-        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    rpc = _rpc_error(exc)
+    return rpc is not None and rpc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _is_refused(exc: BaseException) -> bool:
+    import grpc
+
+    rpc = _rpc_error(exc)
+    return rpc is not None and rpc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+# ------------------------------------------------------------------------------ pre-flight checks
+
+
+def _parent_dir(flag: str, path: str | None) -> None:
+    """`path`'s directory must exist (we never create directories for a file setting)."""
+    if not path:
+        return
+    parent = pathlib.Path(path).expanduser().parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{flag} {path}: directory {parent} is not writable")
+
+
+def _tls_dir(tls_dir: str | None, files: tuple[str, ...]) -> None:
+    """The TLS directory exists and holds `files` (made by `shoal certs init`)."""
+    if not tls_dir:
+        return
+    hint = f"create it with `shoal certs init --out {tls_dir}`"
+    d = pathlib.Path(tls_dir)
+    if not d.is_dir():
+        raise UsageError(f"--tls-dir {tls_dir}: no such directory ({hint})")
+    missing = [f for f in files if not (d / f).is_file()]
+    if missing:
+        raise UsageError(f"--tls-dir {tls_dir}: missing {', '.join(missing)} ({hint})")
+
+
+def _security(tls_dir: str | None, mtls: bool, insecure: bool, who: str, files: tuple[str, ...]):
+    """The TLS/plaintext choice of a process, its files checked; raises UsageError."""
+    from peer.security import Security
+
+    sec = Security(tls_dir=tls_dir, mtls=mtls, insecure=insecure)
+    try:
+        sec.check(who)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    _tls_dir(tls_dir, files)
+    return sec
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc)
 
 
 # ------------------------------------------------------------------------------ subcommands
 
 
-def _security(tls_dir: str | None, mtls: bool, insecure: bool, who: str):
-    """The TLS/plaintext choice of a process; raises ValueError when neither is given."""
-    from peer.security import Security
-
-    sec = Security(tls_dir=tls_dir, mtls=mtls, insecure=insecure)
-    sec.check(who)
-    return sec
-
-
 def cmd_certs_init(a: argparse.Namespace) -> int:
-    from shoal.certs import init_certs
+    from shoal.certs import CA_KEY, init_certs
 
     try:
         paths = init_certs(a.out, hosts=a.host or ("127.0.0.1", "localhost"), days=a.days, overwrite=a.force)
-    except (FileExistsError, ValueError) as exc:
+    except FileExistsError:
+        print(f"shoal certs init: {pathlib.Path(a.out) / CA_KEY} already exists; pass --force to replace the CA "
+              f"(certificates made from the old one stop working)", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:
         print(f"shoal certs init: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"shoal certs init: --out {a.out}: {_why(exc)}", file=sys.stderr)
         return EXIT_USAGE
     print(f"wrote {paths.dir}: ca.pem ca.key coordinator.pem coordinator.key peer.pem peer.key "
           f"(keys 0600; keep ca.key offline)")
@@ -89,17 +158,68 @@ def cmd_certs_init(a: argparse.Namespace) -> int:
 
 
 def cmd_token_create(a: argparse.Namespace) -> int:
-    import pathlib
-
     from coordinator.admission import create_secret, create_token, load_secret
 
     try:
-        secret = load_secret(a.secret) if pathlib.Path(a.secret).exists() else create_secret(a.secret)
+        if pathlib.Path(a.secret).exists():
+            secret = load_secret(a.secret)
+        else:
+            _parent_dir("--secret", a.secret)
+            secret = create_secret(a.secret)
         print(create_token(secret, a.ttl, a.label))
+    except UsageError as exc:
+        print(f"shoal token create: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except ValueError as exc:
         print(f"shoal token create: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as exc:
+        print(f"shoal token create: --secret {a.secret}: {_why(exc)}", file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
+
+
+def _key_file(path: str) -> None:
+    """An Ed25519 key file that loads, or one that can be created."""
+    from peer.identity import load_or_create_key
+
+    if not pathlib.Path(path).exists():
+        try:  # like load_or_create_key, which makes the key's directory (e.g. ~/.shoal)
+            pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--key {path}: {_why(exc)}") from None
+        _parent_dir("--key", path)
+        return
+    try:
+        load_or_create_key(path)
+    except ValueError as exc:
+        raise UsageError(f"--key: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"--key {path}: {_why(exc)}") from None
+
+
+def _coordinator_files(c) -> None:
+    """Every file the coordinator reads or writes is usable before it starts; raises UsageError."""
+    from coordinator.admission import AllowList, load_secret
+
+    _parent_dir("--state", c.state)
+    key = c.key or str(pathlib.Path(c.state).with_suffix(".key"))
+    _key_file(key)
+    _parent_dir("--ready-file", c.ready_file)
+    for flag, path, load, hint in (
+            ("--join-token-secret", c.join_token_secret, load_secret,
+             f" (create it with `shoal token create --secret {c.join_token_secret}`)"),
+            ("--allow-list", c.allow_list, AllowList.from_file, "")):
+        if not path:
+            continue
+        try:
+            load(path)
+        except FileNotFoundError:
+            raise UsageError(f"{flag} {path}: no such file{hint}") from None
+        except OSError as exc:
+            raise UsageError(f"{flag} {path}: {_why(exc)}") from None
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
 
 
 def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
@@ -108,11 +228,9 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> in
     from coordinator.server import CoordinatorConfig, serve
 
     c = cfg.coordinator
-    try:
-        security = _security(c.tls_dir, c.mtls, c.insecure, "coordinator")
-    except ValueError as exc:
-        log.error("coordinator: %s", exc)
-        return EXIT_USAGE
+    _coordinator_files(c)
+    security = _security(c.tls_dir, c.mtls, c.insecure, "coordinator",
+                         ("coordinator.pem", "coordinator.key") + (("ca.pem",) if c.mtls else ()))
     server_cfg = CoordinatorConfig(
         listen=c.listen, state_path=c.state, engine=cfg.rounds.to_engine_config(cfg.run),
         run_config=dataclasses.asdict(cfg.run.to_run_config(c.num_shards)), ready_file=c.ready_file,
@@ -140,15 +258,19 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> in
     return EXIT_INTERRUPTED if signal.SIGINT in got else EXIT_OK
 
 
+def _peer_files(p) -> None:
+    """The identity key loads (or can be created) and the output files' directories exist."""
+    _parent_dir("--events", p.events)
+    _parent_dir("--ready-file", p.ready_file)
+    _key_file(p.key)
+
+
 def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from peer.agent import PeerConfig, run_peer
 
     p = cfg.peer
-    try:
-        security = _security(p.tls_dir, p.mtls, p.insecure, "peer")
-    except ValueError as exc:
-        log.error("peer: %s", exc)
-        return EXIT_USAGE
+    _peer_files(p)
+    security = _security(p.tls_dir, p.mtls, p.insecure, "peer", ("ca.pem", "peer.pem", "peer.key"))
     peer_cfg = PeerConfig(security=security, join_token=p.join_token or os.environ.get("SHOAL_JOIN_TOKEN", ""),
                           attack=p.attack, attack_scale=p.attack_scale,
                           coordinator=p.coordinator, listen=p.listen, key_path=p.key, shard=p.shard,
@@ -165,8 +287,16 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     try:
         _run(main())
     except Exception as exc:  # noqa: BLE001 - mapped to an exit code, then reported
-        if _is_unavailable(exc) or isinstance(exc, OSError):
-            log.error("peer: coordinator %s unreachable or address unavailable: %s", p.coordinator, exc)
+        if _is_unavailable(exc):
+            log.error("peer: coordinator %s unreachable (gave up after --connect-timeout %gs)", p.coordinator,
+                      p.connect_timeout)
+            return EXIT_UNAVAILABLE
+        if _is_refused(exc):
+            rpc = _rpc_error(exc)
+            log.error("peer: coordinator %s refused this peer: %s", p.coordinator, rpc.details())
+            return EXIT_USAGE
+        if isinstance(exc, OSError):
+            log.error("peer: address unavailable: %s", exc)
             return EXIT_UNAVAILABLE
         log.exception("peer failed")
         return EXIT_FAILED
@@ -174,7 +304,26 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     return EXIT_OK
 
 
+def _swarm_files(s) -> None:
+    """The workdir can be created, the summary and plot can be written (matplotlib installed)."""
+    if s.workdir:
+        try:
+            pathlib.Path(s.workdir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--workdir {s.workdir}: {_why(exc)}") from None
+        if not os.access(s.workdir, os.W_OK):
+            raise UsageError(f"--workdir {s.workdir}: not writable")
+    _parent_dir("--summary", s.summary)
+    if s.plot:
+        _parent_dir("--plot", s.plot)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError('--plot needs matplotlib: pip install -e ".[plot]"') from None
+
+
 CHAOS_ROUNDS = 150
+
 _SWARM_RUN_FIELDS = ("algorithm", "seed", "inner_steps", "lr", "non_iid")
 _SWARM_ROUNDS_FIELDS = ("rounds", "min_peers", "initial_peers", "straggler_timeout")
 
@@ -186,9 +335,15 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
 
     s, r, run = cfg.swarm, cfg.rounds, cfg.run
     run.to_run_config(s.peers)  # validate before starting anything (exit 2 naming the setting)
-    if not 0 <= s.byzantine <= s.peers or (s.byzantine and not s.attack):
-        log.error("swarm: byzantine needs 0 <= K <= peers and an attack")
-        return EXIT_USAGE
+    # A quorum larger than the swarm could never open a round; the default (2) shrinks to fit
+    # a one-peer swarm, a value someone set is an error.
+    min_peers = r.min_peers
+    if min_peers > s.peers:
+        if "rounds.min_peers" in given:
+            raise UsageError(f"--min-peers {min_peers} is greater than --peers {s.peers}: the quorum could "
+                             f"never be reached")
+        min_peers = s.peers
+    _swarm_files(s)
     attack_args: tuple[str, ...] = ()
     if s.byzantine:
         attack_args = ("--attack", s.attack) + (("--attack-scale", str(s.attack_scale)) if s.attack_scale else ())
@@ -206,7 +361,7 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     opts = SwarmOptions(peers=s.peers, rounds=rounds, chaos=s.chaos, chaos_interval=s.chaos_interval, algorithm=run.algorithm, seed=run.seed,
                         inner_steps=run.inner_steps, lr=run.lr, non_iid=run.non_iid, summary_path=s.summary,
                         workdir=s.workdir, progress=s.progress, straggler_timeout=r.straggler_timeout,
-                        min_peers=r.min_peers, timeout=s.timeout, plot_path=s.plot, metrics=s.metrics,
+                        min_peers=min_peers, timeout=s.timeout, plot_path=s.plot, metrics=s.metrics,
                         run_extra=run_extra, extra_coordinator_args=tuple(extra),
                         log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls,
                         byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
@@ -219,11 +374,14 @@ def cmd_status(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from shoal.status import fetch_status, render_table
 
     st = cfg.status
+    security = _security(st.tls_dir, st.mtls, st.insecure, "status",
+                         ("ca.pem",) + (("peer.pem", "peer.key") if st.mtls else ()))
     try:
-        status = fetch_status(st.coordinator, recent=st.recent, timeout=st.timeout)
+        status = fetch_status(st.coordinator, recent=st.recent, timeout=st.timeout, security=security)
     except Exception as exc:  # noqa: BLE001
         if _is_unavailable(exc):
-            print(f"shoal status: coordinator {st.coordinator} unreachable ({exc.code().name})", file=sys.stderr)
+            print(f"shoal status: coordinator {st.coordinator} unreachable ({_rpc_error(exc).code().name})",
+                  file=sys.stderr)
             return EXIT_UNAVAILABLE
         raise
     print(json.dumps(status, indent=2) if st.json else render_table(status))
@@ -264,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="directory to write (ca.pem, ca.key, coordinator.*, peer.*)")
     c.add_argument("--host", action="append", default=None,
                    help="hostname or IP the certificates are valid for (repeat; default 127.0.0.1 and localhost)")
-    c.add_argument("--days", type=int, default=365)
+    c.add_argument("--days", type=int, default=365, help="days the certificates are valid (default 365)")
     c.add_argument("--force", action="store_true", help="overwrite existing material (invalidates old certificates)")
     c.set_defaults(tool=cmd_certs_init)
 
@@ -286,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config(a: argparse.Namespace, environ=None, sources: dict[str, str] | None = None) -> ShoalConfig:
     """The configuration of a parsed command line (file < environment < flags); `sources`, when
     given, receives "section.key" -> "file" | "env" | "flag" for every setting a layer set."""
-    return config_mod.load(a.config, environ, config_mod.flags_from_args(a), sources=sources)
+    return config_mod.load(a.config, environ, config_mod.flags_from_args(a), sources=sources, command=a.command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,6 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         return a.fn(cfg, frozenset(sources))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except UsageError as exc:
+        print(f"shoal {a.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except (ConfigError, InvalidArgument) as exc:
         print(f"shoal {a.command}: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE

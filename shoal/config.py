@@ -34,7 +34,32 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 class ConfigError(ValueError):
-    """A setting is unknown, has the wrong type, or cannot be parsed (exit code 2)."""
+    """A setting is unknown, has the wrong type, cannot be parsed, or is out of range (exit code 2).
+
+    `setting` is "section.key" when the error is about one setting's value (set by `validate`),
+    so `load` can name the layer (flag, environment variable or file) it came from."""
+
+    def __init__(self, message: str, setting: str | None = None):
+        super().__init__(message)
+        self.setting = setting
+
+
+def _check(ok: bool, section: str, key: str, rule: str, value: Any) -> None:
+    """Raise ConfigError "must be <rule>, got <value>" for `section.key` unless `ok`."""
+    if not ok:
+        raise ConfigError(f"must be {rule}, got {value!r}", setting=f"{section}.{key}")
+
+
+def _finite(x: float) -> bool:
+    return x == x and x not in (float("inf"), float("-inf"))
+
+
+def check_address(section: str, key: str, value: str, *, port_zero: bool = True) -> None:
+    """HOST:PORT with a non-empty host and a port in 0..65535 (1..65535 without `port_zero`)."""
+    host, sep, port = value.rpartition(":")
+    lo = 0 if port_zero else 1
+    rule = f"HOST:PORT with PORT in {lo}..65535"
+    _check(bool(sep) and bool(host) and port.isdigit() and lo <= int(port) <= 65535, section, key, rule, value)
 
 
 def setting(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
@@ -59,6 +84,9 @@ class LogSection:
     format: str = setting("text", "log record format: text, or one JSON object per line", flag="--log-format",
                           choices=("text", "json"))
 
+    def validate(self) -> None:
+        """Choices are checked on load; nothing else to check."""
+
 
 @dataclass(frozen=True)
 class CoordinatorSection:
@@ -81,6 +109,17 @@ class CoordinatorSection:
     join_burst: int = setting(50, "join burst per host")
     rate_limit: float = setting(500.0, "control-plane calls per second per host (burst 2x)")
 
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range setting."""
+        c = "coordinator"
+        check_address(c, "listen", self.listen)
+        _check(bool(self.state), c, "state", "a file path", self.state)
+        _check(0 <= self.metrics_port <= 65535, c, "metrics_port", "in 0..65535", self.metrics_port)
+        _check(self.num_shards >= 1, c, "num_shards", ">= 1", self.num_shards)
+        _check(self.join_rate > 0 and _finite(self.join_rate), c, "join_rate", "> 0", self.join_rate)
+        _check(self.join_burst >= 1, c, "join_burst", ">= 1", self.join_burst)
+        _check(self.rate_limit > 0 and _finite(self.rate_limit), c, "rate_limit", "> 0", self.rate_limit)
+
 
 @dataclass(frozen=True)
 class RoundsSection:
@@ -102,6 +141,21 @@ class RoundsSection:
                                         choices=("ring", "butterfly", "auto"))
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range setting."""
+        r = "rounds"
+        _check(self.rounds >= 0, r, "rounds", ">= 0 (0 = run forever)", self.rounds)
+        _check(self.min_peers >= 1, r, "min_peers", ">= 1", self.min_peers)
+        _check(self.initial_peers >= 0, r, "initial_peers", ">= 0 (0 = min_peers)", self.initial_peers)
+        for key in ("lease_seconds", "collective_timeout", "chunk_timeout", "chunk_safety"):
+            v = getattr(self, key)
+            _check(v > 0 and _finite(v), r, key, "> 0", v)
+        for key in ("straggler_timeout", "retry_backoff"):
+            v = getattr(self, key)
+            _check(v >= 0 and _finite(v), r, key, ">= 0", v)
+        _check(self.chunk_bytes >= 1024, r, "chunk_bytes", ">= 1024", self.chunk_bytes)
+        _check(self.max_attempts >= 1, r, "max_attempts", ">= 1", self.max_attempts)
 
     def to_engine_config(self, run: "RunSection | None" = None):
         """The engine's settings; `run` adds the aggregator and codec the plans carry."""
@@ -149,6 +203,33 @@ class RunSection:
                                     "beta2, tau)")
     compression: str = setting("none", "per-hop wire codec (int8: blockwise absmax with error feedback)",
                                choices=("none", "fp16", "bf16", "int8"))
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range setting (the outer optimizer's own
+        parameters are checked when the RunConfig is built)."""
+        r = "run"
+        _check(0 <= self.seed < 2 ** 32, r, "seed", "in 0..2**32-1", self.seed)
+        _check(self.inner_steps >= 1, r, "inner_steps", ">= 1", self.inner_steps)
+        _check(self.batch_size >= 1, r, "batch_size", ">= 1", self.batch_size)
+        _check(self.lr > 0 and _finite(self.lr), r, "lr", "> 0", self.lr)
+        _check(self.hidden >= 1, r, "hidden", ">= 1", self.hidden)
+        _check(self.fedprox_mu >= 0 and _finite(self.fedprox_mu), r, "fedprox_mu", ">= 0", self.fedprox_mu)
+        if self.trim_beta is not None:
+            _check(0 <= self.trim_beta < 0.5, r, "trim_beta", "in [0, 0.5)", self.trim_beta)
+        if self.krum_f is not None:
+            _check(self.krum_f >= 0, r, "krum_f", ">= 0", self.krum_f)
+        if self.krum_m is not None:
+            _check(self.krum_m >= 1, r, "krum_m", ">= 1", self.krum_m)
+        if self.clip_tau is not None:
+            _check(self.clip_tau > 0 and _finite(self.clip_tau), r, "clip_tau", "> 0", self.clip_tau)
+        if self.clip_iters is not None:
+            _check(self.clip_iters >= 1, r, "clip_iters", ">= 1", self.clip_iters)
+        _check(self.max_norm >= 0 and _finite(self.max_norm), r, "max_norm", ">= 0 (0 = none)", self.max_norm)
+        _check(self.dp_sigma >= 0 and _finite(self.dp_sigma), r, "dp_sigma", ">= 0", self.dp_sigma)
+        _check(self.dp_sigma == 0 or self.max_norm > 0, r, "dp_sigma", "0 unless max_norm is set", self.dp_sigma)
+        if self.outer_lr is not None:
+            _check(self.outer_lr > 0 and _finite(self.outer_lr), r, "outer_lr", "> 0", self.outer_lr)
+        self.outer_param_dict()
 
     def aggregator_params(self) -> dict:
         names = {"trim_beta": ("trimmed-mean", "beta"), "clip_tau": ("centered-clip", "tau"),
@@ -218,6 +299,24 @@ class PeerSection:
                           choices=("", "sign-flip", "scale", "nan", "random"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
 
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range setting."""
+        p = "peer"
+        check_address(p, "coordinator", self.coordinator, port_zero=False)
+        check_address(p, "listen", self.listen)
+        if self.advertise is not None:
+            check_address(p, "advertise", self.advertise, port_zero=False)
+        _check(bool(self.key), p, "key", "a file path", self.key)
+        _check(self.shard >= 0, p, "shard", ">= 0", self.shard)
+        _check(0 <= self.metrics_port <= 65535, p, "metrics_port", "in 0..65535", self.metrics_port)
+        for key in ("rpc_timeout", "connect_timeout", "round_silence"):
+            v = getattr(self, key)
+            _check(v > 0 and _finite(v), p, key, "> 0", v)
+        _check(self.sync_donors >= 1, p, "sync_donors", ">= 1", self.sync_donors)
+        _check(self.sync_range_bytes >= 1024, p, "sync_range_bytes", ">= 1024", self.sync_range_bytes)
+        if self.attack_scale is not None:
+            _check(_finite(self.attack_scale), p, "attack_scale", "a finite number", self.attack_scale)
+
 
 @dataclass(frozen=True)
 class SwarmSection:
@@ -239,6 +338,20 @@ class SwarmSection:
     tls: bool = setting(False, "secure swarm: mutual TLS on both planes (certificates made in the workdir) and "
                                "admission by join token; without it the swarm runs plaintext (--insecure)")
 
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range setting."""
+        w = "swarm"
+        _check(self.peers >= 1, w, "peers", ">= 1", self.peers)
+        _check(self.timeout > 0 and _finite(self.timeout), w, "timeout", "> 0 seconds", self.timeout)
+        _check(self.chaos_interval > 0 and _finite(self.chaos_interval), w, "chaos_interval", "> 0 seconds",
+               self.chaos_interval)
+        _check(0 <= self.byzantine <= self.peers, w, "byzantine", f"in 0..peers ({self.peers})", self.byzantine)
+        _check(not self.byzantine or bool(self.attack), w, "attack", "set when byzantine > 0", self.attack)
+        if self.attack_scale is not None:
+            _check(_finite(self.attack_scale), w, "attack_scale", "a finite number", self.attack_scale)
+        for key in ("summary", "workdir", "plot"):
+            _check(getattr(self, key) != "", w, key, "a path (or unset)", "")
+
 
 @dataclass(frozen=True)
 class StatusSection:
@@ -248,6 +361,16 @@ class StatusSection:
     json: bool = setting(False, "print JSON instead of tables")
     recent: int = setting(10, "recent rounds to list")
     timeout: float = setting(5.0, "deadline of the GetStatus call, seconds")
+    tls_dir: str | None = setting(None, "TLS directory made by `shoal certs init` (ca.pem; peer.* for mutual TLS)")
+    mtls: bool = setting(False, "mutual TLS: present peer.pem (needed against a coordinator started with mtls)")
+    insecure: bool = setting(False, "plaintext gRPC; required when there is no tls_dir")
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range setting."""
+        s = "status"
+        check_address(s, "coordinator", self.coordinator, port_zero=False)
+        _check(self.recent >= 1, s, "recent", ">= 1", self.recent)
+        _check(self.timeout > 0 and _finite(self.timeout), s, "timeout", "> 0 seconds", self.timeout)
 
 
 @dataclass(frozen=True)
@@ -261,6 +384,12 @@ class ShoalConfig:
     peer: PeerSection = PeerSection()
     swarm: SwarmSection = SwarmSection()
     status: StatusSection = StatusSection()
+
+    def validate(self, command: str | None = None) -> None:
+        """Check the sections `command` reads (every section when None); raise ConfigError
+        (with `.setting`) naming the first out-of-range value."""
+        for section in COMMAND_SECTIONS.get(command or "", tuple(SECTIONS)):
+            getattr(self, section).validate()
 
 
 SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else globals()[f.type]
@@ -379,18 +508,45 @@ def merge(base: ShoalConfig, overrides: Mapping[str, Mapping[str, Any]]) -> Shoa
 
 
 def load(config_path: str | None = None, environ: Mapping[str, str] | None = None,
-         flags: Mapping[str, Mapping[str, Any]] | None = None, *, sources: dict[str, str] | None = None) -> ShoalConfig:
-    """Defaults < file < environment < flags. Raises ConfigError on any bad setting.
-    `sources`, when given, receives "section.key" -> the layer ("file", "env", "flag") that set it."""
+         flags: Mapping[str, Mapping[str, Any]] | None = None, *, sources: dict[str, str] | None = None,
+         command: str | None = None) -> ShoalConfig:
+    """Defaults < file < environment < flags, then `ShoalConfig.validate(command)`.
+
+    Raises ConfigError on any bad setting; a value out of range is reported as the layer that
+    set it ("--peers: must be >= 1, got 0", "env SHOAL_SWARM_PEERS: ...", "file x.toml:
+    swarm.peers: ..."). `sources`, when given, receives "section.key" -> the layer ("file",
+    "env", "flag") that set it."""
     layers = [("file", read_file(config_path) if config_path else {}),
               ("env", read_env(os.environ if environ is None else environ)),
               ("flag", dict(flags or {}))]
     cfg = ShoalConfig()
+    where: dict[str, str] = {}
     for layer, overrides in layers:
         cfg = merge(cfg, overrides)
-        if sources is not None:
-            sources.update({f"{sec}.{key}": layer for sec, values in overrides.items() for key in values})
+        where.update({f"{sec}.{key}": layer for sec, values in overrides.items() for key in values})
+    if sources is not None:
+        sources.update(where)
+    try:
+        cfg.validate(command)
+    except ConfigError as exc:
+        if exc.setting is None:
+            raise
+        raise ConfigError(f"{describe(exc.setting, where.get(exc.setting), config_path)}: {exc}",
+                          setting=exc.setting) from None
     return cfg
+
+
+def describe(setting: str, layer: str | None, config_path: str | None = None) -> str:
+    """How the user spelled `setting` ("section.key") in `layer`: the flag, the environment
+    variable, or the file and key; the flag and the key for a default."""
+    section, key = setting.split(".", 1)
+    if layer == "flag":
+        return flag_name(section, key)
+    if layer == "env":
+        return f"env {env_name(section, key)}"
+    if layer == "file":
+        return f"file {config_path}: {setting}"
+    return f"{flag_name(section, key)} ({setting})"
 
 
 # ---------------------------------------------------------------------------------- argparse
@@ -411,7 +567,13 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
         for f in dataclasses.fields(cls):
             t, _ = _base_type(cls, f.name)
             meta = f.metadata
-            text = f"{meta['help']} (default: {f.default!r}; env {env_name(section, f.name)})"
+            env = env_name(section, f.name)
+            if meta["negate"]:  # the flag turns the setting off: say what the flag does
+                text = f"do not {meta['help']} (env {env}=false)"
+            elif f.default is None:  # unset: the help says what happens then
+                text = f"{meta['help']} (env {env})"
+            else:
+                text = f"{meta['help']} (default: {f.default!r}; env {env})"
             kw: dict[str, Any] = {"dest": _dest(section, f.name), "default": argparse.SUPPRESS, "help": text}
             if t is bool:
                 kw.update(action="store_const", const=not meta["negate"])

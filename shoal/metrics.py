@@ -107,8 +107,12 @@ class CoordinatorMetrics(_Metrics):
 
     specs = COORDINATOR_METRICS
 
-    def on_commit(self, seconds: float, bytes_sent: int = 0) -> None:
+    def on_commit(self, seconds: float, bytes_sent: int = 0, *, rounds_committed: int | None = None) -> None:
+        """A round committed; `rounds_committed` (the engine's count) moves the round gauge at once
+        instead of at the next `observe_members`."""
         self.m["shoal_coordinator_rounds_committed_total"].inc()
+        if rounds_committed is not None:
+            self.m["shoal_coordinator_round"].set(rounds_committed)
         self.m["shoal_coordinator_round_duration_seconds"].observe(max(0.0, seconds))
         if bytes_sent:
             self.m["shoal_coordinator_round_bytes_sent_total"].inc(bytes_sent)

@@ -1,8 +1,10 @@
 """`shoal status`: the operator's view of a coordinator (members, their links, recent rounds).
 
-One GetStatus call (bounded by `timeout`), rendered either as JSON (stable keys, for scripts
-and tests) or as plain-text tables for humans. Failure: an unreachable coordinator raises the
-grpc.aio.AioRpcError (UNAVAILABLE / DEADLINE_EXCEEDED), which the CLI maps to exit code 3.
+One GetStatus call (bounded by `timeout`) over TLS or explicit plaintext (`peer.security
+.Security`, like every other connection), rendered either as JSON (stable keys, for scripts and
+tests) or as plain-text tables for humans. Failure: an unreachable coordinator (or a TLS
+handshake that fails) raises the grpc.aio.AioRpcError (UNAVAILABLE / DEADLINE_EXCEEDED), which
+the CLI maps to exit code 3.
 """
 
 from __future__ import annotations
@@ -10,15 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 
-import grpc
-
+from peer.security import Security, open_channel
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
 
-async def fetch_status_async(address: str, *, recent: int = 10, timeout: float = 5.0) -> dict:
+async def fetch_status_async(address: str, *, recent: int = 10, timeout: float = 5.0,
+                             security: Security = Security(insecure=True)) -> dict:
     """GetStatus as a JSON-ready dict: epoch, round, counts, run_config, members, rounds."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, security, options=[]) as channel:
         resp: pb.StatusResponse = await pb_grpc.CoordinatorStub(channel).GetStatus(
             pb.StatusRequest(recent_rounds=recent), timeout=timeout, wait_for_ready=False)
     try:
@@ -48,8 +50,9 @@ async def fetch_status_async(address: str, *, recent: int = 10, timeout: float =
     }
 
 
-def fetch_status(address: str, *, recent: int = 10, timeout: float = 5.0) -> dict:
-    return asyncio.run(fetch_status_async(address, recent=recent, timeout=timeout))
+def fetch_status(address: str, *, recent: int = 10, timeout: float = 5.0,
+                 security: Security = Security(insecure=True)) -> dict:
+    return asyncio.run(fetch_status_async(address, recent=recent, timeout=timeout, security=security))
 
 
 def _rate(bps: float) -> str:
@@ -81,6 +84,6 @@ def render_table(s: dict) -> str:
     rounds = _table(
         ["round", "attempt", "status", "peers", "seconds", "loss", "reason"],
         [[str(r["round"]), str(r["attempt"]), r["status"], str(r["participants"]),
-          f"{r['seconds']:.3f}" if r["seconds"] else "-", f"{r['train_loss']:.4f}" if r["train_loss"] else "-",
+          f"{r['seconds']:.3f}" if r["seconds"] else "-", f"{r['train_loss']:.4f}" if r["status"] == "committed" else "-",
           r["reason"][:60]] for r in s["rounds"]])
     return f"{head}\n\nmembers ({len(s['members'])})\n{members}\n\nrecent rounds\n{rounds}"

@@ -172,7 +172,7 @@ class Swarm:
         o = self.opts
         return [sys.executable, "-m", "shoal.cli", "coordinator", "--listen", "127.0.0.1:0",
                 "--state", str(self.workdir / "coordinator.db"), "--ready-file", str(self.workdir / "coordinator.addr"),
-                "--rounds", str(o.rounds), "--min-peers", str(min(o.min_peers, o.peers)),
+                "--rounds", str(o.rounds), "--min-peers", str(o.min_peers),
                 "--initial-peers", str(o.peers), "--num-shards", str(o.peers),
                 "--straggler-timeout", str(o.straggler_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
                 "--inner-steps", str(o.inner_steps), "--lr", str(o.lr),

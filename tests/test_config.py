@@ -117,7 +117,8 @@ def test_every_subcommand_has_help_and_logging_flags():
 def test_status_exit_code_3_when_unreachable():
     from shoal.swarm import free_port
 
-    assert cli.main(["status", "--coordinator", f"127.0.0.1:{free_port()}", "--timeout", "1"]) == cli.EXIT_UNAVAILABLE
+    assert cli.main(["status", "--insecure", "--coordinator", f"127.0.0.1:{free_port()}", "--timeout", "1"]) == \
+        cli.EXIT_UNAVAILABLE
 
 
 def test_to_flags_round_trips():

@@ -96,7 +96,7 @@ def test_metrics_of_coordinator_and_peer(swarm):
 
 
 def test_status_json_lists_the_members(swarm):
-    out = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "--coordinator", swarm.address, "--json"],
+    out = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "--insecure", "--coordinator", swarm.address, "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     st = json.loads(out.stdout)
@@ -106,7 +106,7 @@ def test_status_json_lists_the_members(swarm):
     assert st["rounds_committed"] >= 1 and any(r["status"] == "committed" for r in st["rounds"])
     assert st["run_config"]["algorithm"] == "diloco"
 
-    out = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "--coordinator", swarm.address],
+    out = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "--insecure", "--coordinator", swarm.address],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "members (3)" in out.stdout and "recent rounds" in out.stdout
