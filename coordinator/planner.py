@@ -1,6 +1,6 @@
 """Collective planning: which all-reduce to run, in which order, with which shard sizes.
 
-This module is the pure core of round planning (DESIGN.md §4). Given one `LinkSpec` per
+This module is the pure core of round planning (the design notes (§4)). Given one `LinkSpec` per
 participant (upload and download bandwidth in bytes/s and a typical round-trip time) and the size
 of the tensor, `plan_collective` chooses the algorithm (ring, butterfly or tree / recursive
 doubling), the participant order, the shard boundaries and owners, and predicts how long the
@@ -25,7 +25,7 @@ in_i/d_i)``. For a payload of ``n`` bytes over ``p`` peers:
   shard fractions ``w`` (Σw = 1). Peer *i* uploads ``n(1-w_i)`` and downloads ``n(p-1)w_i`` in the
   reduce-scatter, uploads ``n(p-1)w_i`` and downloads ``n(1-w_i)`` in the all-gather.
 
-  - phased (``overlap=False``; the LP of DESIGN.md §4, literally): the all-gather starts after the
+  - phased (``overlap=False``; the LP of the design notes (§4), literally): the all-gather starts after the
     reduce-scatter, ``T = T_rs + T_ag + 2(p-1)·α_max`` with
     ``T_rs = max_i max(n(1-w_i)/u_i, n(p-1)w_i/d_i)`` and
     ``T_ag = max_i max(n(p-1)w_i/u_i, n(1-w_i)/d_i)``;
@@ -51,7 +51,7 @@ all-reduce obeys (derivation in `allreduce_lower_bound`)::
 
     T ≥ max( n / min_i u_i,  n / min_i d_i,  2(p-1)n / Σ_i u_i,  2(p-1)n / Σ_i d_i )
 
-The first two terms are DESIGN.md's floor ``n / min_i min(u_i, d_i)`` (every peer must send its
+The first two terms are the design notes' floor ``n / min_i min(u_i, d_i)`` (every peer must send its
 whole input and receive the whole result at least once); the last two are Patarasuk & Yuan's
 ``2(p-1)/p · n`` bytes per peer, generalised to unequal links by summing over peers. The
 pipelined butterfly with a non-owner slowest peer reaches the floor; with uniform links, ring and
@@ -120,7 +120,7 @@ class CollectivePlan:
     shard i+1, as `peer.collectives` runs it); for "tree" there is one shard, owned by ``order[0]`` (every
     peer computes the same sum; the owner matters only for aggregators other than a sum).
     ``predicted_seconds``: model time of the chosen algorithm. ``bound_seconds``: the lower bound
-    of `allreduce_lower_bound` (no algorithm can beat it); ``floor_seconds``: DESIGN.md's simple
+    of `allreduce_lower_bound` (no algorithm can beat it); ``floor_seconds``: the design notes' simple
     floor ``n / min_i min(u_i, d_i)`` (≤ bound). ``demoted``: participants that send and receive
     but own no shard because any shard would raise the time.
     """
@@ -194,7 +194,7 @@ def _off_diagonal_max(a: np.ndarray) -> float:
 
 
 def simple_floor(up: Sequence[float], down: Sequence[float], n_bytes: float) -> float:
-    """DESIGN.md's floor ``n / min_i min(u_i, d_i)`` (0 for a single participant)."""
+    """the design notes' floor ``n / min_i min(u_i, d_i)`` (0 for a single participant)."""
     u, d = _as_rates(up, down)
     if u.size < 2:
         return 0.0
@@ -210,7 +210,7 @@ def allreduce_lower_bound(up: Sequence[float], down: Sequence[float], n_bytes: f
 
     * Cut around one peer *i*: the others' results depend on all of ``x_i``, so ``n`` bytes must
       leave *i* (``T ≥ n/u_i``); *i*'s result depends on all of the others' inputs, so ``n`` bytes
-      must reach *i* (``T ≥ n/d_i``). This is DESIGN.md's floor ``n / min_i min(u_i, d_i)``.
+      must reach *i* (``T ≥ n/d_i``). This is the design notes' floor ``n / min_i min(u_i, d_i)``.
     * Whole system (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters
       of workstations"): every element needs ``p-1`` transfers to combine the ``p`` inputs into one
       sum and ``p-1`` more to bring that sum to the other peers, ``2(p-1)n`` bytes in all. With
@@ -409,7 +409,7 @@ def butterfly_fractions(
 ) -> np.ndarray:
     """Optimal butterfly shard fractions: shape (p,), float64, ≥ 0, summing to 1.
 
-    Phased (``overlap=False``), DESIGN.md §4 (n = 1 without loss of generality)::
+    Phased (``overlap=False``), the design notes (§4) (n = 1 without loss of generality)::
 
         min T_rs + T_ag  s.t.  (1-w_i) ≤ T_rs·u_i,  (p-1)w_i ≤ T_rs·d_i,
                                (p-1)w_i ≤ T_ag·u_i,  (1-w_i) ≤ T_ag·d_i,   Σw = 1, w ≥ 0

@@ -3,7 +3,7 @@
 This module is pure: `RoundEngine` holds the coordinator's in-memory state and every method takes
 the current time explicitly and returns the `Action`s the server must carry out (persist a
 commit, send an event to some peers). It never touches sockets, clocks or files, so the whole
-protocol of DESIGN.md §3 is tested without a network (tests/test_rounds.py).
+protocol of the design notes (§3) is tested without a network (tests/test_rounds.py).
 
 It is not responsible for moving tensors (peers do that), for admission (coordinator.admission)
 or for durability (the server persists `PersistCommit`/`PersistAbort` before it sends events).

@@ -1,4 +1,4 @@
-"""Link measurement: what this peer knows of its links to the other peers (DESIGN.md §4).
+"""Link measurement: what this peer knows of its links to the other peers (the design notes, §4).
 
 `LinkMeter` keeps, per remote peer, estimates of the throughput this → remote ("up") and
 remote → this ("down") in bytes/s and of the round-trip time, from two sources:

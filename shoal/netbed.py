@@ -1,4 +1,4 @@
-"""A network test bed of Linux network namespaces with kernel-shaped links (DESIGN.md §8).
+"""A network test bed of Linux network namespaces with kernel-shaped links (the design notes (§8)).
 
 `NetBed` builds, in the root namespace, one Linux bridge and, per host, a network namespace joined
 to the bridge by a veth pair. Host *i* gets ``10.<x>.0.<i+1>/24`` on its ``eth0`` (``x`` is picked

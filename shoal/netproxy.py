@@ -1,4 +1,4 @@
-"""A user-space TCP proxy that adds latency and stalls, for tests (DESIGN.md §8).
+"""A user-space TCP proxy that adds latency and stalls, for tests (the design notes (§8)).
 
 The kernel's ``netem`` qdisc is not available on our test machines, so latency and faults are
 injected here: `DelayProxy` listens on one address and forwards every accepted connection to a

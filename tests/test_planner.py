@@ -143,7 +143,7 @@ def test_one_slow_peer_pipelined_gets_no_shard_and_beats_uniform() -> None:
     t_opt = predict_butterfly(rates, rates, n, w, overlap=True)
     t_uniform = predict_butterfly(rates, rates, n, None, overlap=True)
     assert t_opt < t_uniform
-    assert t_opt == pytest.approx(n / (10 * MBIT))  # reaches DESIGN.md's floor exactly
+    assert t_opt == pytest.approx(n / (10 * MBIT))  # reaches the simple floor n / min(u, d) exactly
     assert t_opt == pytest.approx(simple_floor(rates, rates, n))
     plan = plan_collective([LinkSpec(f"p{i}", r, r) for i, r in enumerate(rates)], 25_000_000)
     assert plan.algorithm == "butterfly" and plan.demoted == (3,)
