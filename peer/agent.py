@@ -243,6 +243,13 @@ class PeerAgent(StateSource):
 
     # ------------------------------------------------------------ rounds
 
+    async def _announce(self, round_: int, n: int) -> None:
+        """Say ready; a sync order in the reply is handled like one on the event stream (which may
+        be reconnecting at that moment, and is closed once the run finished)."""
+        resp = await self._ready(round_, n)
+        if resp is not None and resp.HasField("sync") and resp.sync.donors:
+            self.events.put_nowait(pb.RoundEvent(sync=resp.sync))
+
     async def _ready(self, round_: int, n: int) -> pb.ReadyResponse:
         assert self.stub is not None and self.workload is not None
         st = self.workload.state
@@ -272,15 +279,28 @@ class PeerAgent(StateSource):
         except grpc.aio.AioRpcError as exc:
             log.warning("vote for round %d.%d not delivered: %s", req.round, req.attempt, exc.code().name)
 
-    async def _sync(self, order: pb.SyncOrder) -> None:
-        """Adopt the committed state named by `order`: from a matching tentative state, or by download."""
+    def _already_holds(self, order: pb.SyncOrder) -> bool:
+        """True when `order` names the state this peer holds or an older one (nothing to do)."""
+        held = self.workload.state.rounds
+        return order.round < held or (order.round == held and order.state_digest == self.committed_state()[2])
+
+    async def _sync(self, order: pb.SyncOrder) -> bool:
+        """Adopt the committed state named by `order`: from a matching tentative state, or by download.
+
+        An order for a state this peer already holds, or for an older one (a duplicate or late
+        order), is ignored: a peer never moves back to an older committed state.
+        """
         assert self.workload is not None
+        if self._already_holds(order):
+            log.debug("sync order for round %d ignored: this peer holds round %d", order.round,
+                      self.workload.state.rounds)
+            return False
         for key, st in list(self.tentative.items()):
             if st.rounds == order.round and st.digest() == order.state_digest:
                 self.workload.apply(st)
                 self.tentative.clear()
                 log.info("state for round %d adopted from the local tentative copy", order.round)
-                return
+                return True
         t0 = time.monotonic()
         res = await download_state(order, me=self.peer_id, transport=self.transport, k=self.config.sync_donors,
                                    range_bytes=self.config.sync_range_bytes)
@@ -295,6 +315,7 @@ class PeerAgent(StateSource):
                  len(res.blob), len(res.donors_used), res.seconds, len(res.donors_failed))
         self._emit("state_sync", round=st.rounds, bytes=len(res.blob), seconds=time.monotonic() - t0,
                    donors=list(res.donors_used), donors_failed=list(res.donors_failed))
+        return True
 
     async def _play_round(self, update_grad: np.ndarray, loss: float) -> str:
         """Play the current round until it commits or this peer must resync.
@@ -316,18 +337,18 @@ class PeerAgent(StateSource):
                     await collective
 
         t_ready = time.monotonic()
-        await self._ready(r, update_grad.size)
+        await self._announce(r, update_grad.size)
         try:
             while True:
                 try:
                     ev = await asyncio.wait_for(self.events.get(), timeout=self.config.round_silence)
                 except TimeoutError:
                     log.info("no round event for %.0fs; announcing readiness again", self.config.round_silence)
-                    await self._ready(r, update_grad.size)
+                    await self._announce(r, update_grad.size)
                     continue
                 if isinstance(ev, _Reconnected):
                     await stop_collective()
-                    await self._ready(r, update_grad.size)
+                    await self._announce(r, update_grad.size)
                     continue
                 kind = ev.WhichOneof("event")
                 if kind == "finished":
@@ -337,15 +358,18 @@ class PeerAgent(StateSource):
                     self.finished = True
                     return "finished"
                 if kind == "sync":
+                    if self._already_holds(ev.sync):
+                        continue  # a duplicate or late order: nothing to do, a running collective goes on
                     await stop_collective()
                     try:
-                        await self._sync(ev.sync)
+                        if not await self._sync(ev.sync):
+                            continue  # a duplicate or late order: nothing to do
                     except SyncError as exc:
                         log.warning("state sync failed: %s; asking for another order", exc)
                         self._emit("state_sync_failed", round=ev.sync.round, reason=str(exc),
                                    donors_failed=list(exc.donors_failed))
                         await asyncio.sleep(random.uniform(0.05, 0.2))
-                        await self._ready(r + 1, update_grad.size)
+                        await self._announce(r + 1, update_grad.size)
                         continue
                     return "synced"
                 if kind == "plan" and ev.plan.round == r:
@@ -374,7 +398,7 @@ class PeerAgent(StateSource):
                     # state is stale. Announce it at once; the coordinator answers with a sync order.
                     await stop_collective()
                     log.info("round %d committed without this peer; asking for state sync", r)
-                    await self._ready(r + 1, update_grad.size)
+                    await self._announce(r + 1, update_grad.size)
                 elif kind == "abort" and ev.abort.round == r:
                     if ev.abort.attempt == attempt:
                         await stop_collective()
@@ -383,7 +407,7 @@ class PeerAgent(StateSource):
                     self._emit("abort", round=r, attempt=ev.abort.attempt, reason=ev.abort.reason,
                                excluded=list(ev.abort.excluded), will_retry=ev.abort.will_retry)
                     if self.peer_id in ev.abort.excluded or not ev.abort.will_retry:
-                        await self._ready(r, update_grad.size)
+                        await self._announce(r, update_grad.size)
         finally:
             await stop_collective()
 
