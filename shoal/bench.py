@@ -316,20 +316,22 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
     b = bsub.add_parser("allreduce", help="time the all-reduce against the bound and against gloo")
-    b.add_argument("--peers", type=int, default=4)
+    b.add_argument("--peers", type=int, default=4, help="peer processes (and gloo ranks) (default 4)")
     b.add_argument("--size-mb", type=float, default=64.0, help="tensor size in MB (10^6 bytes), float32")
     b.add_argument("--link-mbit", help="per-peer up and down Mbit/s: one value or a comma list (shaped netns)")
     b.add_argument("--up-mbit", help="per-peer upload Mbit/s (comma list)")
     b.add_argument("--down-mbit", help="per-peer download Mbit/s (comma list)")
     b.add_argument("--baseline", choices=["gloo"], help="also run torch.distributed gloo all_reduce")
-    b.add_argument("--repeat", type=int, default=3, help="timed rounds (after one warm-up round)")
-    b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly"])
-    b.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    b.add_argument("--repeat", type=int, default=3, help="timed rounds after one warm-up round (default 3)")
+    b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly"],
+                   help="collective; auto = the planner's choice from measured links (default)")
+    b.add_argument("--chunk-bytes", type=int, default=1 << 20, help="largest chunk on the wire, bytes (default 1 MiB)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     b.add_argument("--workdir", help="keep logs and reports here")
     b.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
-    b.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    b.add_argument("--log-format", default="text", choices=["text", "json"])
+    b.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="log level (default warning: stdout stays one JSON object)")
+    b.add_argument("--log-format", default="text", choices=["text", "json"], help="log record format")
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
