@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import random
 import time
@@ -44,10 +43,9 @@ from peer.compression import ErrorFeedback
 from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options, serve_data_plane
 from peer.identity import load_or_create_key, public_bytes
 from peer.links import LinkMeter, probe_missing
-from peer.reduction import OwnerReduction, ReductionSpec
+from peer.reduction import OwnerReduction
 from peer.security import Security, open_channel, signing_interceptors
 from peer.state_sync import SyncError, download_state
-from peer.tensors import digest, dtype_code
 from peer.training import CommittedState, DigitsWorkload, RunConfig
 from peer.workload import Workload, WorkloadClosed
 from shoal.health import PEER_SERVICE, attach
@@ -136,7 +134,6 @@ class PeerAgent(StateSource):
         self.state_syncs = 0
         self.finished = False
         self.service: PeerService | None = None
-        self._blob_cache: tuple[int, bytes, bytes] | None = None
         self._held: dict[int, tuple[bytes, bytes]] = {}
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
 
@@ -145,13 +142,12 @@ class PeerAgent(StateSource):
     def committed_state(self) -> tuple[int, bytes, bytes]:
         assert self.workload is not None
         st = self.workload.state
-        if self._blob_cache is None or self._blob_cache[0] != st.rounds:
-            blob = st.to_bytes()
-            self._blob_cache = (st.rounds, blob, digest(blob))
-            self._held[st.rounds] = (blob, self._blob_cache[2])
+        blob, dig = st.to_bytes(), st.digest()  # computed once per state object
+        if self._held.get(st.rounds, (None, None))[1] != dig:
+            self._held[st.rounds] = (blob, dig)
             for old in sorted(self._held)[:-HELD_STATES]:
                 del self._held[old]
-        return self._blob_cache
+        return st.rounds, blob, dig
 
     def state_for(self, rounds: int) -> tuple[bytes, bytes] | None:
         self.committed_state()

@@ -116,14 +116,26 @@ def make_outer_for(cfg: RunConfig) -> OuterOptimizer:
 
 @dataclass
 class CommittedState:
-    """params (n,) float32, the outer optimizer, and the number of committed rounds it reflects."""
+    """params (n,) float32, the outer optimizer, and the number of committed rounds it reflects.
+
+    Treated as immutable once built (training copies `params`; the outer step runs on a copy of
+    `outer`), so its serialization and digest are computed once and reused: the vote, the commit
+    check, readiness and every donor request all ask for them.
+    """
 
     params: np.ndarray
     outer: OuterOptimizer
     rounds: int
+    _blob: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    _digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def to_bytes(self) -> bytes:
         """Deterministic serialization: magic | u32 header length | JSON header | raw arrays."""
+        if self._blob is None:
+            self._blob = self._serialize()
+        return self._blob
+
+    def _serialize(self) -> bytes:
         arrays = {"params": self.params, **{f"outer.{k}": v for k, v in sorted(self.outer.state().items())}}
         header = {"rounds": self.rounds, "outer": self.outer.name,
                   "arrays": [[k, str(v.dtype), list(v.shape)] for k, v in arrays.items()]}
@@ -131,7 +143,10 @@ class CommittedState:
         return b"".join([_MAGIC, struct.pack("<I", len(h)), h] + [np.ascontiguousarray(v).tobytes() for v in arrays.values()])
 
     def digest(self) -> bytes:
-        return digest(self.to_bytes())
+        """BLAKE2b-256 of `to_bytes()`."""
+        if self._digest is None:
+            self._digest = digest(self.to_bytes())
+        return self._digest
 
     @staticmethod
     def from_bytes(blob: bytes, cfg: RunConfig) -> "CommittedState":
