@@ -475,8 +475,6 @@ def butterfly_fractions(
     first = scipy.optimize.linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[1.0], bounds=bounds, method="highs")
     if first.status != 0:
         raise RuntimeError(f"butterfly LP failed: {first.message}")
-    t_star = float(first.fun)
-
     w_lp = np.clip(np.asarray(first.x[:p], dtype=np.float64), 0.0, 1.0)
     if pairwise is not None:
         w = w_lp

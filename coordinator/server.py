@@ -20,7 +20,6 @@ served on `metrics_port` when it is set (0 = off).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -54,8 +53,6 @@ from peer.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COOR
                          RateLimiter)
 from peer.security import Security, SignedCalls, add_port
 from peer.tickets import SYNC_ATTEMPT, issue_ticket, plan_digest
-from peer.errors import FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
-from peer.identity import load_or_create_key, peer_id_of, public_bytes
 from shoal.health import COORDINATOR_SERVICE, attach
 from shoal.metrics import CoordinatorMetrics
 from shoal.v1 import shoal_pb2 as pb
@@ -256,7 +253,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         async with grpc_errors(context):
             try:
-                m = self.engine.heartbeat(request.peer_id, self.clock())
+                self.engine.heartbeat(request.peer_id, self.clock())
             except RoundError as exc:
                 raise _raise(exc) from None
             return pb.HeartbeatResponse(lease_seconds=self.engine.config.lease_seconds, epoch=self.engine.epoch,

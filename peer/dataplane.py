@@ -33,7 +33,7 @@ from peer.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, Inv
                          ResourceExhausted, ShoalError, grpc_errors, require)
 from peer.identity import RequestVerifier
 from peer.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
-from peer.security import (FETCH_STATE, MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
+from peer.security import (MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
                            push_metadata, signing_interceptors)
 from peer.tensors import decode_chunk, to_numpy_dtype
 from peer.tickets import plan_digest, verify_membership, verify_ticket

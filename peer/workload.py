@@ -14,7 +14,6 @@ outer optimizer, so the outer step is the same numpy code, bit-identical on ever
 
 from __future__ import annotations
 
-import copy
 from typing import Protocol, runtime_checkable
 
 import numpy as np

@@ -167,10 +167,7 @@ def cmd_token_create(a: argparse.Namespace) -> int:
             _parent_dir("--secret", a.secret)
             secret = create_secret(a.secret)
         print(create_token(secret, a.ttl, a.label))
-    except UsageError as exc:
-        print(f"shoal token create: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except ValueError as exc:
+    except (UsageError, ValueError) as exc:
         print(f"shoal token create: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:

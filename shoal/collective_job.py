@@ -32,7 +32,7 @@ from peer.reduction import OwnerReduction, ReductionSpec
 from peer.identity import load_or_create_key, public_bytes
 from peer.links import LinkMeter, probe_missing
 from peer.security import Security, open_channel, signing_interceptors
-from peer.tensors import digest, dtype_code
+from peer.tensors import dtype_code
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
