@@ -126,6 +126,9 @@ class Swarm:
     peers: list[_Proc] = field(default_factory=list)
     address: str = ""
     join_token: str = ""
+    # Per slot: (bytes of the events file already parsed, the events parsed so far). The files
+    # only grow (a restarted peer appends), so each monitor tick reads just the new lines.
+    _events: dict[int, tuple[int, list[dict]]] = field(default_factory=dict)
 
     def secure(self) -> None:
         """With `opts.tls`: create the CA and certificates, the join-token secret and one token
@@ -230,14 +233,20 @@ class Swarm:
             self.coordinator.stop()
 
     def events(self, i: int) -> list[dict]:
+        """Events of peer slot `i` so far (every process that ran in the slot), in file order."""
         path = self.workdir / f"peer-{i}.jsonl"
+        done, parsed = self._events.get(i, (0, []))
         if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
+            return list(parsed)
+        with open(path, "rb") as f:
+            f.seek(done)
+            new = f.read()
+        complete = new[:new.rfind(b"\n") + 1]  # a line still being written is read next time
+        for line in complete.splitlines():
             with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-        return out
+                parsed.append(json.loads(line))
+        self._events[i] = (done + len(complete), parsed)
+        return list(parsed)
 
     def all_events(self) -> list[dict]:
         return [e for i in range(len(self.peers)) for e in self.events(i)]
