@@ -377,6 +377,10 @@ class RoundEngine:
     def last_state_digest(self) -> bytes:
         return self.commits[-1].state_digest if self.commits else b""
 
+    def holds_ready(self, peer_id: str) -> bool:
+        """Whether this peer's Ready for the current round is recorded, or it plays the running attempt."""
+        return peer_id in self.ready or (self.running is not None and peer_id in self.running.plan.participants)
+
     def live(self, now: float) -> list[Member]:
         return [m for m in self.members.values() if m.lease_expiry > now]
 

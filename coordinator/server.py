@@ -257,7 +257,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except RoundError as exc:
                 raise _raise(exc) from None
             return pb.HeartbeatResponse(lease_seconds=self.engine.config.lease_seconds, epoch=self.engine.epoch,
-                                        round=self.engine.committed_rounds)
+                                        round=self.engine.committed_rounds,
+                                        ready=self.engine.holds_ready(request.peer_id))
 
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
         async with grpc_errors(context):

@@ -101,6 +101,11 @@ class _Reconnected:
     """Marker event: the watch stream was re-established (the coordinator may have restarted)."""
 
 
+class _Forgotten:
+    """Marker event: two heartbeats in a row say the coordinator does not hold this waiting peer's
+    Ready (or has committed past its round): the Ready or the events that answer it were lost."""
+
+
 class PeerAgent(StateSource):
     """One peer of a swarm; see the module docstring."""
 
@@ -133,6 +138,8 @@ class PeerAgent(StateSource):
         self.bytes_received = 0
         self.state_syncs = 0
         self.finished = False
+        self.waiting_round: int | None = None  # the round _play_round waits in, None elsewhere
+        self.last_announce = 0.0  # monotonic time of the last Ready sent
         self.service: PeerService | None = None
         self._held: dict[int, tuple[bytes, bytes]] = {}
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
@@ -194,11 +201,27 @@ class PeerAgent(StateSource):
         return resp
 
     async def _heartbeat_loop(self) -> None:
+        """Renew the lease; also the safety net for a lost Ready: a peer waiting in a round that
+        the coordinator does not count as ready (or that it has committed past) twice in a row,
+        with no Ready of its own in between, gets a `_Forgotten` event and announces again (so a
+        lost message costs one or two heartbeats, not `round_silence`)."""
         assert self.stub is not None
+        suspicious: int | None = None  # the waiting round the previous heartbeat found forgotten
         while not self.finished:
             await asyncio.sleep(self.heartbeat_interval)
             try:
-                await self.stub.Heartbeat(pb.HeartbeatRequest(peer_id=self.peer_id), timeout=self.config.rpc_timeout)
+                sent = time.monotonic()
+                resp = await self.stub.Heartbeat(pb.HeartbeatRequest(peer_id=self.peer_id),
+                                                 timeout=self.config.rpc_timeout)
+                r = self.waiting_round
+                forgotten = r is not None and self.last_announce < sent and (resp.round > r or not resp.ready)
+                if forgotten and suspicious == r:
+                    log.info("the coordinator holds no Ready of this peer for round %d (it is at %d); "
+                             "announcing again", r, resp.round)
+                    self.events.put_nowait(_Forgotten())
+                    suspicious = None
+                else:
+                    suspicious = r if forgotten else None
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning("lease lost; joining again")
@@ -222,6 +245,9 @@ class PeerAgent(StateSource):
                     delay = self.config.backoff_initial
                     if first:
                         first = False
+                    if ev.HasField("commit") and faults.dropped("commit-event", ev.commit.round):
+                        log.warning("fault injection: commit of round %d lost", ev.commit.round)
+                        continue
                     await self.events.put(ev)
                     if ev.HasField("finished"):
                         return
@@ -242,7 +268,9 @@ class PeerAgent(StateSource):
     async def _announce(self, round_: int, n: int) -> None:
         """Say ready; a sync order in the reply is handled like one on the event stream (which may
         be reconnecting at that moment, and is closed once the run finished)."""
+        self.last_announce = time.monotonic()
         resp = await self._ready(round_, n)
+        self.last_announce = time.monotonic()
         if resp is not None and resp.HasField("sync") and resp.sync.donors:
             self.events.put_nowait(pb.RoundEvent(sync=resp.sync))
 
@@ -333,6 +361,7 @@ class PeerAgent(StateSource):
                     await collective
 
         t_ready = time.monotonic()
+        self.waiting_round = r
         await self._announce(r, update_grad.size)
         try:
             while True:
@@ -345,6 +374,10 @@ class PeerAgent(StateSource):
                 if isinstance(ev, _Reconnected):
                     await stop_collective()
                     await self._announce(r, update_grad.size)
+                    continue
+                if isinstance(ev, _Forgotten):
+                    if collective is None or collective.done():
+                        await self._announce(r, update_grad.size)
                     continue
                 kind = ev.WhichOneof("event")
                 if kind == "finished":
@@ -395,6 +428,13 @@ class PeerAgent(StateSource):
                     await stop_collective()
                     log.info("round %d committed without this peer; asking for state sync", r)
                     await self._announce(r + 1, update_grad.size)
+                elif kind == "commit" and ev.commit.round > r:
+                    # A later round committed: this peer missed the commit of its own round (or
+                    # was left out since). It is behind; the coordinator answers with a sync order.
+                    await stop_collective()
+                    log.info("round %d committed while this peer waits in round %d; asking for state sync",
+                             ev.commit.round, r)
+                    await self._announce(r, update_grad.size)
                 elif kind == "abort" and ev.abort.round == r:
                     if ev.abort.attempt == attempt:
                         await stop_collective()
@@ -405,6 +445,7 @@ class PeerAgent(StateSource):
                     if self.peer_id in ev.abort.excluded or not ev.abort.will_retry:
                         await self._announce(r, update_grad.size)
         finally:
+            self.waiting_round = None
             await stop_collective()
 
     async def _final_sync(self, rounds: int, n: int) -> None:

@@ -281,3 +281,17 @@ def test_peer_behind_at_the_end_can_still_fetch_the_final_state():
     (sync,) = of(e.ready_("c", 1, info(rounds=0), 0.5), SendSync)
     assert set(sync.donors) == {"a", "b"} and sync.state_digest == b"s1"
     assert of(e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.5), SendFinished)
+
+
+def test_holds_ready_covers_the_ready_set_and_the_running_attempt_only():
+    e = engine()
+    joined(e, "a", "b", "c")
+    assert not e.holds_ready("a")
+    e.ready_("a", 0, info(), 0.1)
+    assert e.holds_ready("a") and not e.holds_ready("b")
+    e.ready_("b", 0, info(), 0.2)
+    of(e.tick(5.1), SendPlan)  # c missed the ready deadline: a and b play
+    assert e.holds_ready("a") and e.holds_ready("b") and not e.holds_ready("c")
+    e.vote("a", 0, 0, True, b"r", b"s", 5.2)
+    e.vote("b", 0, 0, True, b"r", b"s", 5.3)  # committed: a new round, nobody is ready for it yet
+    assert e.committed_rounds == 1 and not any(e.holds_ready(p) for p in "abc")

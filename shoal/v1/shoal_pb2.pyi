@@ -80,14 +80,16 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_seconds", "epoch", "round")
+    __slots__ = ("lease_seconds", "epoch", "round", "ready")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     epoch: int
     round: int
-    def __init__(self, lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    ready: bool
+    def __init__(self, lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("peer_id",)
