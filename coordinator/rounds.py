@@ -55,7 +55,10 @@ class EngineConfig:
     max_attempts: int = 5
     retry_backoff: float = 0.05
     total_rounds: int = 0
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 1 << 20  # largest chunk through sockets; see plan_layout
+    # Chunk size when every participant reaches every other through shared memory (peer.shm):
+    # no socket to keep busy, and every chunk costs CPU on both sides.
+    shm_chunk_bytes: int = 4 << 20
     algorithm: str = "auto"  # "auto" (planner), "ring" or "butterfly"; see plan_layout
     link_cap_bytes_per_s: float = 100e6  # measured rates above this count as this (plan_layout)
     plan_min_gain: float = 0.25  # uneven shards only when predicted this much faster (plan_layout)
@@ -77,6 +80,7 @@ class Member:
     connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
     lagging: bool = False  # missed a ready deadline: not waited on until it says ready again
     catching_up: bool = False  # a syncing peer that has shown it is alive: waited on
+    shm_peers: frozenset[str] = frozenset()  # reached through shared memory (LinkReport.shm_peers)
 
 
 @dataclass(frozen=True)
@@ -202,10 +206,10 @@ class _Running:
     votes: dict[str, tuple[bool, bytes, bytes, float, tuple[str, ...], tuple[str, ...], str]] = field(default_factory=dict)
 
 
-def chunk_deadline(members: list[Member], config: EngineConfig) -> float:
+def chunk_deadline(members: list[Member], config: EngineConfig, chunk_bytes: int | None = None) -> float:
     """Per-chunk deadline (seconds) from the slowest measured link of the participants.
 
-    A chunk of `chunk_bytes` must arrive within chunk_safety times its transfer time at the
+    A chunk of `chunk_bytes` (the plan's; default the configured largest) must arrive within chunk_safety times its transfer time at the
     slowest measured rate, plus two round trips; never less than the `chunk_timeout` floor (also
     the value when no link has been measured yet).
     """
@@ -213,7 +217,8 @@ def chunk_deadline(members: list[Member], config: EngineConfig) -> float:
     rtt = max((m.rtt_seconds for m in members), default=0.0)
     if not rates:
         return config.chunk_timeout
-    return max(config.chunk_timeout, config.chunk_safety * config.chunk_bytes / min(rates) + 2 * rtt)
+    size = config.chunk_bytes if chunk_bytes is None else chunk_bytes
+    return max(config.chunk_timeout, config.chunk_safety * size / min(rates) + 2 * rtt)
 
 
 # Bytes per element of each shoal.v1.DType code (FLOAT32, FLOAT16, BFLOAT16, INT8, FLOAT64, UINT8).
@@ -431,11 +436,16 @@ class RoundEngine:
         self.members[peer_id].lease_expiry = now
         return self._expire(now)
 
-    def report_links(self, peer_id: str, up: float, down: float, rtt: float) -> None:
+    def report_links(self, peer_id: str, up: float, down: float, rtt: float,
+                     shm_peers: tuple[str, ...] | None = None) -> None:
+        """Record a peer's measured links (bytes/s, seconds) and, when given, the peers it reaches
+        through shared memory."""
         m = self.members.get(peer_id)
         if m is None:
             raise RoundError("not_found", f"peer_id: unknown peer {peer_id[:8]}")
         m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds = up, down, rtt
+        if shm_peers is not None:
+            m.shm_peers = frozenset(shm_peers)
 
     def connected(self, peer_id: str, now: float) -> list[Action]:
         """The peer opened its round-event stream."""
@@ -609,6 +619,11 @@ class RoundEngine:
         layout = plan_layout(self.config.algorithm, [self.members[p] for p in participants], n,
                              _ITEMSIZE.get(info.dtype, 4), owner_reduces=self.config.aggregator not in ("mean", "fedavg"),
                              link_cap=self.config.link_cap_bytes_per_s, min_gain=self.config.plan_min_gain)
+        members = [self.members[p] for p in participants]
+        if len(members) > 1 and all(q.peer_id in m.shm_peers for m in members for q in members if q is not m):
+            chunk = self.config.shm_chunk_bytes  # one host: every pair on the shared-memory lane
+        else:
+            chunk = min(self.config.chunk_bytes, layout.chunk_bytes or self.config.chunk_bytes)
         plan = PlanSpec(
             round=self.committed_rounds,
             attempt=self.attempt,
@@ -622,8 +637,8 @@ class RoundEngine:
             num_elements=n,
             dtype=info.dtype,
             deadline_seconds=self.config.collective_timeout,
-            chunk_timeout_seconds=chunk_deadline([self.members[p] for p in participants], self.config),
-            chunk_bytes=min(self.config.chunk_bytes, layout.chunk_bytes or self.config.chunk_bytes),
+            chunk_timeout_seconds=chunk_deadline([self.members[p] for p in participants], self.config, chunk),
+            chunk_bytes=chunk,
             aggregator=self.config.aggregator,
             compression=self.config.compression,
             predicted_seconds=layout.predicted_seconds,

@@ -325,8 +325,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         async with grpc_errors(context):
             rtts = [l.rtt_seconds for l in request.links if l.rtt_seconds > 0]
             try:
+                require(len(request.shm_peers) <= 4096, "shm_peers", "at most 4096 peers")
                 self.engine.report_links(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
-                                         sum(rtts) / len(rtts) if rtts else 0.0)
+                                         sum(rtts) / len(rtts) if rtts else 0.0,
+                                         tuple(request.shm_peers))
             except RoundError as exc:
                 raise _raise(exc) from None
             log.info("links of %s: up %.2f Mbit/s, down %.2f Mbit/s, rtt %.2f ms (%d remote peers)",

@@ -93,6 +93,7 @@ class PeerConfig:
     advertise: str | None = None
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
+    shared_memory: bool = True  # the shared-memory lane to peers on this host (peer.shm)
     attack: str = ""  # testing only: send forged updates (peer.byzantine); "" = honest
     attack_scale: float | None = None
 
@@ -118,7 +119,7 @@ class PeerAgent(StateSource):
         self.public_key = public_bytes(self.key)
         self.peer_id = ""
         self.inbox = Inbox()
-        self.transport = Transport(config.security, self.key)
+        self.transport = Transport(config.security, self.key, shared_memory=config.shared_memory)
         self.links = LinkMeter()  # passive from the collectives' streams, probes when no history
         self._last_plan: CollectivePlan | None = None
         self.coordinator_public_key = b""
@@ -503,10 +504,16 @@ class PeerAgent(StateSource):
         """Tell the coordinator the passive link estimates (best effort: never fails a round)."""
         assert self.stub is not None
         try:
-            await self.stub.ReportLinks(pb.LinkReport(peer_id=self.peer_id, up_bytes_per_s=up, down_bytes_per_s=down),
+            await self.stub.ReportLinks(pb.LinkReport(peer_id=self.peer_id, up_bytes_per_s=up, down_bytes_per_s=down,
+                                                      shm_peers=self._shm_peers()),
                                         timeout=self.config.rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             log.debug("link report not delivered: %s", exc.code().name)
+    def _shm_peers(self) -> list[str]:
+        """Participants of the last plan this peer reaches through shared memory."""
+        plan = self._last_plan
+        return self.transport.shm_peers(zip(plan.participants, plan.addresses)) if plan is not None else []
+
     def _contribution(self, plan: pb.Plan, cp: CollectivePlan, update_grad: np.ndarray) -> tuple[np.ndarray, OwnerReduction | None]:
         """What this peer sends, and the owner-side reduction (docs/aggregation.md).
 
@@ -539,7 +546,8 @@ class PeerAgent(StateSource):
 
     async def run(self) -> dict:
         """Join, train until the coordinator finishes the run, leave. Returns a summary dict."""
-        self.service = PeerService(self.inbox, self, on_bytes=self._count_received, links=self.links)
+        self.service = PeerService(self.inbox, self, on_bytes=self._count_received, links=self.links,
+                                   shared_memory=self.config.shared_memory)
         health_box: list = []
         server, bound = await serve_data_plane(
             self.service, self.config.listen, self.config.security,
@@ -586,6 +594,7 @@ class PeerAgent(StateSource):
             await self.transport.close()
             await self.channel.close()
             await server.stop(grace=0.5)
+            self.service.close()
             self.metrics.close()
 
     def _count_received(self, n: int) -> None:
@@ -633,7 +642,9 @@ class PeerAgent(StateSource):
         try:
             async with asyncio.timeout(LINK_MEASURE_SECONDS):
                 await probe_missing(self.links, self.transport, zip(plan.participants, plan.addresses), self.peer_id)
-                await self.stub.ReportLinks(self.links.report(self.peer_id), timeout=self.config.rpc_timeout)
+                report = self.links.report(self.peer_id)
+                report.shm_peers.extend(self._shm_peers())
+                await self.stub.ReportLinks(report, timeout=self.config.rpc_timeout)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             log.debug("link report not delivered: %s", exc)
 

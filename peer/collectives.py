@@ -43,6 +43,7 @@ from peer import faults
 from peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
 from peer.dataplane import Inbox, Payload, SenderGone, Transport
 from peer.errors import InvalidArgument
+from peer.shm import SegmentWriter
 from peer.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
 
@@ -162,7 +163,12 @@ def _values(payload: Payload, sender: str, *, finite: bool = False) -> np.ndarra
 
 
 class _Stream:
-    """One outgoing PushChunks stream, fed through a bounded queue by the collective."""
+    """One outgoing PushChunks stream, fed through a bounded queue by the collective.
+
+    `put` fixes a chunk's bytes at once (so later writes to the caller's buffer never reach the
+    wire): inline in `data`, or, on the shared-memory lane (a co-located receiver, see peer.shm
+    and `Transport.shm_lane`), copied once into a segment of a writer reused across streams.
+    """
 
     def __init__(self, transport: Transport, address: str, peer_id: str, plan: CollectivePlan, timeout: float,
                  links=None):
@@ -171,6 +177,33 @@ class _Stream:
         self.queue: asyncio.Queue[pb.Chunk | None] = asyncio.Queue(SEND_QUEUE_CHUNKS)
         self.bytes_sent = 0
         self.links = links  # peer.links.LinkMeter: one passive upload sample per stream
+        self.lane: str | None = None  # "shm" or "socket", chosen at the first chunk
+        self._choosing = asyncio.Lock()
+        self.writer: SegmentWriter | None = None
+
+    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None) -> None:
+        """Queue (chunk without data, its bytes), or None to close the stream."""
+        if item is None:
+            await self.queue.put(None)
+            return
+        msg, body = item
+        async with self._choosing:  # scatter and publish may both open the stream (butterfly)
+            if self.lane is None:
+                shared = await self.transport.shm_lane(self.address)
+                self.writer = self.transport.take_writer(self.address) if shared else None
+                self.lane = "shm" if shared else "socket"
+        if self.lane == "shm":
+            if self.writer is None:
+                raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id])
+            try:
+                msg.shm_name, msg.shm_offset = self.writer.put(body)
+            except OSError as exc:  # e.g. /dev/shm full: this and every later chunk inline
+                self.transport.lane_failed(self.address, exc)
+                self.lane = "socket"
+        if self.lane != "shm":
+            msg.data = body if isinstance(body, bytes) else body.tobytes()
+        self.bytes_sent += (len(body) if isinstance(body, bytes) else body.nbytes) + len(msg.scale)
+        await self.queue.put(msg)
 
     async def run(self) -> None:
         call = None
@@ -182,18 +215,24 @@ class _Stream:
                         timeout=self.timeout, metadata=self.transport.push_metadata(msg))
                     t0 = time.perf_counter()
                 await call.write(msg)
-                self.bytes_sent += len(msg.data) + len(msg.scale)
             if call is not None:
                 await call.done_writing()
-                await call
-                if self.links is not None:
+                await call  # the receiver took every chunk: the writer may be reused
+                if self.links is not None and self.lane != "shm":  # shared memory says nothing of links
                     self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0)
+            if self.writer is not None:
+                self.transport.give_back_writer(self.address, self.writer)
+                self.writer = None
         except grpc.aio.AioRpcError as exc:
             await self.transport.forget(self.address)
             raise CollectiveError(f"stream to {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
                                   [self.peer_id]) from None
         except asyncio.InvalidStateError:
             raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id]) from None
+        finally:
+            if self.writer is not None:  # a failed stream: its slabs are never written again
+                self.writer.close()
+                self.writer = None
 
 
 def _chunk_offsets(size: int, chunk_elems: int) -> range:
@@ -276,13 +315,15 @@ def _flatten(e: BaseException):
         yield e
 
 
-def _message(plan: CollectivePlan, me: str, phase: int, step: int, shard: int, off: int, values: Payload) -> pb.Chunk:
+def _message(plan: CollectivePlan, me: str, phase: int, step: int, shard: int, off: int,
+             values: Payload) -> tuple[pb.Chunk, bytes | np.ndarray]:
+    """The chunk header (data left for `_Stream.put`) and its bytes."""
     if isinstance(values, Encoded):
         return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=me, phase=phase, step=step, shard=shard,
-                        offset=off, dtype=pb.FLOAT32, shape=[values.count], data=values.data, scale=values.scale,
-                        codec=values.codec)
+                        offset=off, dtype=pb.FLOAT32, shape=[values.count], scale=values.scale,
+                        codec=values.codec), values.data
     return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=me, phase=phase, step=step, shard=shard,
-                    offset=off, dtype=dtype_code(values.dtype), shape=[values.size], data=values.tobytes())
+                    offset=off, dtype=dtype_code(values.dtype), shape=[values.size]), np.ascontiguousarray(values)
 
 
 async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int, int, str]) -> Payload:
@@ -314,7 +355,7 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
             hi = min(b[shard + 1], lo + ce)
             if payload is None:  # reduce-scatter: this peer's partial sum, compressed per hop
                 payload = codec.own(("rs", lo, hi), buf[lo:hi])
-            await out.queue.put(_message(plan, me, phase, step, shard, off, payload))
+            await out.put(_message(plan, me, phase, step, shard, off, payload))
 
         first = i % p
         for off in _chunk_offsets(b[first + 1] - b[first], ce):
@@ -348,7 +389,7 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
                 buf[lo:lo + v.size] = v
                 if s < p - 2:  # relay the exact bytes received
                     await send(AG, s + 1, shard, off, payload)
-        await out.queue.put(None)
+        await out.put(None)
 
     async with asyncio.TaskGroup() as tg:
         tg.create_task(out.run())
@@ -363,7 +404,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
     i = plan.participants.index(me)
     b = plan.shard_bounds
     ce = max(1, plan.chunk_bytes // x.itemsize)
-    buf = x.copy()
+    buf = np.empty_like(x)  # every element is written: own shards by publish, the others by gather
     streams = {j: _Stream(transport, plan.addresses[j], plan.participants[j], plan, plan.deadline_seconds, links)
                for j in range(p) if j != i}
     my_shards = [k for k, o in enumerate(plan.shard_owner) if o == i]
@@ -380,7 +421,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                 lo = b[k] + off
                 hi = min(b[k + 1], lo + ce)
                 payload = codec.own(("bf", lo, hi), x[lo:hi])
-                await streams[owner].queue.put(_message(plan, me, RS, 0, k, off, payload))
+                await streams[owner].put(_message(plan, me, RS, 0, k, off, payload))
 
     async def contributions(k: int, off: int) -> np.ndarray:
         """(p, m) rows of one chunk of shard k, plan order (this peer's own row uncompressed)."""
@@ -399,19 +440,40 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
             rows.append(v)
         return np.stack(rows)
 
+    async def summed(k: int, off: int) -> np.ndarray:
+        """The plain sum of one chunk of shard k, added in plan order (no (p, m) copy)."""
+        lo = b[k] + off
+        hi = min(b[k + 1], lo + ce)
+        red: np.ndarray | None = None
+        for j in range(p):
+            if j == i:
+                v = x[lo:hi]
+            else:
+                sender = plan.participants[j]
+                v = _values(await _receive(inbox, plan, (RS, 0, k, off, sender)), sender)
+                faults.hit("rs", plan.round)
+                if v.size != hi - lo:
+                    raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
+            if red is None:
+                red = v.astype(x.dtype, copy=True)
+            else:
+                red += v
+        assert red is not None
+        return red
+
     async def publish(k: int, off: int, red: np.ndarray) -> None:
         lo = b[k] + off
         hi = lo + red.size
         payload, buf[lo:hi] = codec.final(red.astype(x.dtype, copy=False))
         for st in streams.values():
-            await st.queue.put(_message(plan, me, AG, 0, k, off, payload))
+            await st.put(_message(plan, me, AG, 0, k, off, payload))
 
     async def summed_distances(mine: dict[int, np.ndarray]) -> np.ndarray:
         """Send my shards' partial matrices to the other owners; sum all of them in shard order."""
         owners = sorted({o for o in plan.shard_owner if o != i})
         for k, d in mine.items():
             for o in owners:
-                await streams[o].queue.put(_message(plan, me, DIST, 0, k, 0, np.ascontiguousarray(d, dtype="<f8")))
+                await streams[o].put(_message(plan, me, DIST, 0, k, 0, np.ascontiguousarray(d, dtype="<f8")))
         total = np.zeros((p, p), dtype=np.float64)
         for k, owner in enumerate(plan.shard_owner):
             if owner == i:
@@ -444,10 +506,10 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
             return
         for k in my_shards:
             for off in _chunk_offsets(b[k + 1] - b[k], ce):
-                rows = await contributions(k, off)
                 if reducer is None:
-                    red = rows.sum(axis=0, dtype=x.dtype)
+                    red = await summed(k, off)
                 else:
+                    rows = await contributions(k, off)
                     red, rejected = reducer.reduce(rows, b[k] + off, b[k] + off + rows.shape[1], None)
                     flagged.update(plan.participants[r] for r in rejected)
                 await publish(k, off, red)
@@ -472,7 +534,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
             tg.create_task(reduce_own())
             tg.create_task(gather())
         for st in streams.values():
-            await st.queue.put(None)
+            await st.put(None)
 
     async with asyncio.TaskGroup() as tg:
         for st in streams.values():

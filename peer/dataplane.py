@@ -18,6 +18,7 @@ requester (proof of membership); Probe a signed request.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,11 +28,12 @@ import grpc
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from peer import faults
+from peer import faults, shm
 from peer.compression import BLOCK, Encoded
 from peer.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
                          ResourceExhausted, ShoalError, grpc_errors, require)
-from peer.identity import RequestVerifier
+from peer.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public_bytes
+from peer.shm import SegmentReader
 from peer.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
 from peer.security import (MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
                            push_metadata, signing_interceptors)
@@ -47,6 +49,7 @@ STATE_CHUNK_BYTES = 1 << 20
 # A stream whose first chunk arrives before the local plan waits this long for it (seconds).
 SESSION_WAIT_SECONDS = 10.0
 MAX_WAITING_STREAMS = 64
+MAX_SHM_SENDERS = 64  # senders whose shared-memory segments stay mapped (least recently used dropped)
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
 # What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
@@ -107,14 +110,27 @@ class Session:
                    ticket_check, tuple(plan.shard_bounds), max(1, (plan.chunk_bytes or (1 << 20)) // itemsize),
                    plan.deadline_seconds)
 
-    def check_chunk(self, c: pb.Chunk) -> "Payload":
+    def check_chunk(self, c: pb.Chunk, shm: SegmentReader | None = None) -> "Payload":
         """Check `c` against the plan; returns its payload (an array, or an `Encoded` chunk).
+
+        A chunk on the shared-memory lane (`shm_name` set) has its bytes read from the sender's
+        segment through `shm` only after every structural check passed, and only as many as
+        the checked shape needs.
 
         Raises:
             PermissionDenied: the sender is not a participant.
             InvalidArgument: dtype, shape, phase, step, shard, offset, codec or lengths do not
-                fit the plan.
+                fit the plan; a shared-memory chunk on a stream without the lane, or whose
+                segment name or range is wrong.
         """
+
+        def data(n: int) -> bytes:
+            if not c.shm_name:
+                return c.data
+            require(not c.data, "data", "must be empty when shm_name is set")
+            require(shm is not None, "shm_name", "this peer does not accept the shared-memory lane")
+            return shm.read(c.shm_name, c.shm_offset, n)
+
         if c.sender not in self.participants:
             raise PermissionDenied(f"sender: {c.sender[:8]} is not a participant of round {c.round}")
         require(len(c.shape) == 1, "shape", "chunks are 1-D")
@@ -123,7 +139,7 @@ class Session:
             require(c.dtype == pb.FLOAT64 and c.codec == 0, "dtype", "distance matrices are raw float64")
             p = len(self.participants)
             require(count == p * p, "shape", f"[{count}] is not a {p}x{p} distance matrix")
-            return decode_chunk(c.data, c.dtype, count)
+            return decode_chunk(data(8 * count), c.dtype, count)
         require(c.dtype == self.dtype, "dtype", f"{c.dtype} differs from the plan's {self.dtype}")
         require(c.phase in (pb.REDUCE_SCATTER, pb.ALL_GATHER), "phase", f"unknown phase {c.phase}")
         require(c.step < max(1, len(self.participants) - 1), "step", f"{c.step} past the plan's steps")
@@ -137,9 +153,10 @@ class Session:
                     f"[{count}] at offset {c.offset} exceeds shard {c.shard} of {size} elements")
         if c.codec == 0:
             require(not c.scale, "scale", "must be empty for raw chunks")
-            return decode_chunk(c.data, c.dtype, count)
+            return decode_chunk(data(count * to_numpy_dtype(c.dtype).itemsize), c.dtype, count)
         require(c.dtype == pb.FLOAT32, "dtype", "compressed chunks carry float32 tensors")
-        return check_encoded(c.codec, count, c.data, c.scale)
+        require(c.codec in (1, 2, 3), "codec", f"unknown codec id {c.codec}")
+        return check_encoded(c.codec, count, data(count * (1 if c.codec == 3 else 2)), c.scale)
 
 
 class SenderGone(Exception):
@@ -274,8 +291,10 @@ class PeerService(pb_grpc.PeerServicer):
 
     def __init__(self, inbox: Inbox, state: StateSource | None = None, *, on_bytes: Callable[[int], None] | None = None,
                  verifier: RequestVerifier | None = None, coordinator_public_key: bytes = b"",
-                 session_wait: float = SESSION_WAIT_SECONDS, links=None):
+                 session_wait: float = SESSION_WAIT_SECONDS, links=None, shared_memory: bool = True):
         self.links = links  # peer.links.LinkMeter: one passive download sample per stream
+        self.shared_memory = shared_memory and shm.available()  # accept the shared-memory lane
+        self._readers: dict[str, SegmentReader] = {}  # per sender, kept across its streams
         self.inbox = inbox
         self.state = state
         self.on_bytes = on_bytes or (lambda n: None)
@@ -305,6 +324,7 @@ class PeerService(pb_grpc.PeerServicer):
         refused = False
         t_first = t_last = 0.0
         first_bytes = total_bytes = 0
+        reader: SegmentReader | None = None
         try:
             async with grpc_errors(context):
                 it = aiter(request_iterator)
@@ -326,6 +346,7 @@ class PeerService(pb_grpc.PeerServicer):
                     raise FailedPrecondition("round: the running session accepts no streams (no ticket check)")
                 s.ticket_check(first.ticket, first.sender)
                 origin = (first.round, first.attempt, first.sender)
+                reader = self._reader(first.sender) if self.shared_memory else None
                 try:
                     async with asyncio.timeout(s.deadline_seconds or None):
                         c = first
@@ -333,10 +354,10 @@ class PeerService(pb_grpc.PeerServicer):
                             if c is not first and (c.round, c.attempt, c.sender) != origin:
                                 raise InvalidArgument(
                                     "sender: one stream carries one sender's chunks of one round attempt")
-                            values = s.check_chunk(c)
+                            values = s.check_chunk(c, reader)
                             self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender),
                                                values)
-                            nb = len(c.data) + len(c.scale)
+                            nb = payload_nbytes(values)
                             self.on_bytes(nb)
                             t_last = time.perf_counter()
                             if n == 0:
@@ -359,10 +380,23 @@ class PeerService(pb_grpc.PeerServicer):
             raise
         finally:
             self.chunks_received += n
-        if self.links is not None and origin is not None and n > 1:
+        if self.links is not None and origin is not None and n > 1 and not first.shm_name:
             # The first chunk's own transfer time is unknown: count the bytes after it.
             self.links.observe_receive(origin[2], total_bytes - first_bytes, t_last - t_first)
         return pb.PushAck(chunks=n)
+
+    def _reader(self, sender: str) -> SegmentReader:
+        r = self._readers.pop(sender, None) or SegmentReader(sender)
+        self._readers[sender] = r  # most recently used last
+        while len(self._readers) > MAX_SHM_SENDERS:
+            self._readers.pop(next(iter(self._readers))).close()
+        return r
+
+    def close(self) -> None:
+        """Unmap every shared-memory segment this service still maps."""
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
 
     async def FetchState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.StateChunk]:
         async with grpc_errors(context):
@@ -390,7 +424,15 @@ class PeerService(pb_grpc.PeerServicer):
     async def Probe(self, request: pb.ProbeRequest, context) -> pb.ProbeResponse:
         async with grpc_errors(context):
             require(request.reply_bytes <= MAX_MESSAGE_BYTES // 2, "reply_bytes", f"at most {MAX_MESSAGE_BYTES // 2}")
-            return pb.ProbeResponse(payload=bytes(request.reply_bytes))
+            resp = pb.ProbeResponse(payload=bytes(request.reply_bytes))
+            if request.shm_name and self.shared_memory:
+                # The signature was verified by the interceptor: the key in it names the caller.
+                pub = next((v for k, v in (context.invocation_metadata() or ()) if k == MD_PUBKEY), "")
+                try:
+                    resp.shm_nonce = shm.answer_probe(request.shm_name, peer_id_of(bytes.fromhex(pub)))
+                except (InvalidArgument, ValueError):
+                    pass  # not readable from here: the caller keeps the socket lane
+            return resp
 
 
 async def serve_data_plane(service: PeerService, listen: str, security: Security, *,
@@ -433,12 +475,76 @@ class Transport:
     signed by their first chunk, `push_metadata`); `security` picks TLS or plaintext.
     """
 
-    def __init__(self, security: Security | None = None, key: Ed25519PrivateKey | None = None):
+    def __init__(self, security: Security | None = None, key: Ed25519PrivateKey | None = None, *,
+                 shared_memory: bool = True):
         self.security = security or Security(insecure=True)
         self.key = key
+        self.peer_id = peer_id_of(public_bytes(key)) if key is not None else ""
+        # The shared-memory lane needs an identity (segment names carry it, probes are signed).
+        self.shared_memory = shared_memory and key is not None and shm.available()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._lanes: dict[str, asyncio.Task[bool]] = {}  # probe result per address
+        self._chosen: dict[str, str] = {}  # lane of the last stream per address
+        self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
         self.bytes_sent = 0
         self.created = time.monotonic()
+        if self.shared_memory:
+            shm.remove_stale(self.peer_id)  # slabs a killed predecessor with this identity left
+
+    async def shm_lane(self, address: str) -> bool:
+        """Whether chunks to `address` go through shared memory (peer.shm): true once a probe
+        showed that the receiver reads this peer's segments. Cached per address; an RPC error
+        answers false without caching (the stream will tell what is wrong)."""
+        ok = False
+        if self.shared_memory:
+            task = self._lanes.get(address)
+            if task is None:
+                task = self._lanes[address] = asyncio.ensure_future(self._probe_lane(address))
+            try:
+                ok = await asyncio.shield(task)
+            except grpc.aio.AioRpcError:
+                if self._lanes.get(address) is task:
+                    del self._lanes[address]
+        self._chosen[address] = "shm" if ok else "socket"
+        return ok
+
+    def lane_failed(self, address: str, exc: OSError) -> None:
+        """Writing a segment failed (/dev/shm full?): this transport uses sockets from now on."""
+        log.warning("shared-memory lane to %s failed (%s); using the socket from now on", address, exc)
+        self.shared_memory = False
+        self._chosen[address] = "socket"
+
+    def lanes(self) -> dict[str, str]:
+        """The lane of the last stream per remote address: "shm" or "socket"."""
+        return dict(self._chosen)
+
+    def shm_peers(self, peers) -> list[str]:
+        """Of `peers` ((peer id, address) pairs), those reached through shared memory."""
+        return [pid for pid, addr in peers if self._chosen.get(addr) == "shm"]
+
+    def take_writer(self, address: str) -> shm.SegmentWriter:
+        """An idle shared-memory writer towards `address` (its slabs already touched), or a new one."""
+        pool = self._writers.get(address)
+        w = pool.pop() if pool else shm.SegmentWriter(self.peer_id)
+        w.rewind()
+        return w
+
+    def give_back_writer(self, address: str, writer: shm.SegmentWriter) -> None:
+        """Return a writer whose stream completed (the receiver copied every chunk out)."""
+        if address in self._lanes:
+            self._writers.setdefault(address, []).append(writer)
+        else:
+            writer.close()
+
+    async def _probe_lane(self, address: str) -> bool:
+        name, nonce, seg = shm.make_probe(self.peer_id)
+        try:
+            resp = await self.stub(address).Probe(pb.ProbeRequest(shm_name=name), timeout=5.0)
+        finally:
+            seg.close()
+        ok = hmac.compare_digest(resp.shm_nonce, nonce)
+        log.info("data lane to %s: %s", address, "shared memory" if ok else "socket")
+        return ok
 
     def push_metadata(self, first_chunk: pb.Chunk) -> tuple[tuple[str, str], ...] | None:
         """Signature metadata for a PushChunks stream opening with `first_chunk`."""
@@ -454,11 +560,18 @@ class Transport:
 
     async def forget(self, address: str) -> None:
         """Close the channel to `address` (after a failure, so the next use reconnects fresh)."""
+        self._lanes.pop(address, None)
+        for w in self._writers.pop(address, []):
+            w.close()
         ch = self._channels.pop(address, None)
         if ch is not None:
             await ch.close(grace=None)
 
     async def close(self) -> None:
+        for pool in self._writers.values():
+            for w in pool:
+                w.close()
+        self._writers.clear()
         for ch in self._channels.values():
             await ch.close(grace=None)
         self._channels.clear()

@@ -8,6 +8,11 @@ network. With link lists (``--link-mbit`` or ``--up-mbit``/``--down-mbit``) ever
 gloo rank) runs in its own network namespace behind kernel-shaped links (`shoal.netbed.NetBed`,
 needs root); without them everything runs on 127.0.0.1.
 
+On loopback the peers share a host, so chunks take the shared-memory lane (`peer.shm`, reported
+as ``lane``) unless ``--no-shared-memory``; ``--also-socket`` times the socket-only data plane
+too, in the same invocation (``socket_lane``). Shaped runs always use the sockets: their
+namespaces stand for separate hosts.
+
 The time of one round is the slowest participant's collective time (plan received → result
 ready); the time of one gloo all-reduce is the slowest rank's ``all_reduce`` call after a barrier.
 The report gives the median over the timed rounds, the algorithm bandwidth ``size/time``, the bus
@@ -57,6 +62,8 @@ class BenchOptions:
     chunk_bytes: int = 1 << 20
     timeout: float = 600.0
     workdir: str | None = None
+    shared_memory: bool = True  # loopback only: namespaces emulate separate hosts
+    also_socket: bool = False  # loopback: also time the socket-only data plane in the same run
 
     @property
     def shaped(self) -> bool:
@@ -137,7 +144,7 @@ def _wait_file(path: pathlib.Path, deadline: float, procs: _Procs, name: str, pr
 
 
 def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: float, hosts: list[str],
-               coord_host: str, bound: float) -> dict:
+               coord_host: str, bound: float, shared_memory: bool = True) -> dict:
     p = opts.peers
     n = opts.num_elements
     # Generous deadlines: the bench measures, it must not abort a slow (shaped) round.
@@ -159,6 +166,8 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
                 "--size", str(n), "--key", str(wd / f"job-{r}.key"), "--out", str(out),
                 "--listen", f"{hosts[r]}:0", "--timeout", str(max(60.0, deadline - time.monotonic())),
                 "--no-save", "--insecure"]
+        if opts.shaped or not shared_memory:  # shaped namespaces stand for separate hosts
+            argv.append("--no-shared-memory")
         name = f"job-{r}"
         jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None), out))
     for name, proc, _ in jobs:
@@ -180,6 +189,8 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     # CPU seconds (all threads) the participants spent per timed round, summed over them.
     result["cpu_seconds_median"] = statistics.median(sum(rd.get("cpu_seconds", 0.0) for rd in rounds[r]) for r in timed)
     result["links_reported"] = [rep.get("links") for rep in reports]
+    # The data lane the timed rounds used: "shm" (peers on one host, peer.shm), "socket" or both.
+    result["lane"] = "+".join(sorted({lane for r in timed for rd in rounds[r] for lane in rd.get("lanes", ())}))
     return result
 
 
@@ -246,7 +257,15 @@ def run_bench(opts: BenchOptions) -> dict:
         report: dict = {"peers": p, "size_bytes": size_bytes, "network": "shaped" if opts.shaped else "loopback"}
         if opts.shaped:
             report["up_mbit"], report["down_mbit"] = list(opts.up_mbit), list(opts.down_mbit)
-        report.update(_run_shoal(opts, procs, wd, deadline, hosts, coord_host, bound))
+        report.update(_run_shoal(opts, procs, wd, deadline, hosts, coord_host, bound,
+                                 shared_memory=opts.shared_memory))
+        if opts.also_socket and not opts.shaped and opts.shared_memory:
+            sub = wd / "socket-lane"
+            sub.mkdir(exist_ok=True)
+            sprocs = _Procs(sub, None)
+            stack.callback(sprocs.close)
+            report["socket_lane"] = _run_shoal(opts, sprocs, sub, deadline, hosts, coord_host, bound,
+                                               shared_memory=False)
         if opts.baseline == "gloo":
             report["baseline"] = _run_gloo(opts, procs, wd, deadline, hosts, bound)
             b = report["baseline"]["seconds_median"]
@@ -308,7 +327,7 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
         raise ValueError(f"link lists need 1 or {a.peers} entries")
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
                         repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
-                        workdir=a.workdir)
+                        workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket)
 
 
 def add_bench_parser(sub) -> None:
@@ -325,7 +344,12 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--repeat", type=int, default=3, help="timed rounds after one warm-up round (default 3)")
     b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly"],
                    help="collective; auto = the planner's choice from measured links (default)")
-    b.add_argument("--chunk-bytes", type=int, default=1 << 20, help="largest chunk on the wire, bytes (default 1 MiB)")
+    b.add_argument("--chunk-bytes", type=int, default=1 << 20,
+                   help="largest chunk through sockets, bytes (default 1 MiB, the coordinator's default)")
+    b.add_argument("--no-shared-memory", action="store_true",
+                   help="loopback: send every chunk through the socket (no shared-memory lane)")
+    b.add_argument("--also-socket", action="store_true",
+                   help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
     b.add_argument("--workdir", help="keep logs and reports here")
     b.add_argument("--json", action="store_true", help="print one JSON object (the default output)")

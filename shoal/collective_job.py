@@ -76,7 +76,7 @@ def _fractions(cp: CollectivePlan) -> list[float]:
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
                   listen: str = "127.0.0.1:0", timeout: float = 120.0, security: Security | None = None,
                   join_token: str = "", aggregators: tuple[str, ...] = (), attack: str = "",
-                  measure_links: bool = True, keep_results: bool = True) -> dict:
+                  measure_links: bool = True, keep_results: bool = True, shared_memory: bool = True) -> dict:
     """Play rounds until the coordinator finishes the run; returns a report dict.
 
     With `measure_links`, streams feed a LinkMeter, and after each commit the process probes the
@@ -87,9 +87,9 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     security = security or Security(insecure=True)
     key = load_or_create_key(key_path)
     inbox = Inbox()
-    transport = Transport(security, key)
+    transport = Transport(security, key, shared_memory=shared_memory)
     meter = LinkMeter() if measure_links else None
-    service = PeerService(inbox, links=meter)
+    service = PeerService(inbox, links=meter, shared_memory=shared_memory)
     server, address = await serve_data_plane(service, listen, security)
     channel = open_channel(coordinator, security, channel_options(), signing_interceptors(key))
     stub = pb_grpc.CoordinatorStub(channel)
@@ -135,6 +135,8 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                                                  "flagged": list(res.flagged),
                                                  "predicted_seconds": ev.plan.predicted_seconds,
                                                  "cpu_seconds": cpu, "shard_fractions": _fractions(cp),
+                                                 "lanes": sorted(set(transport.lanes().values())),
+                                                 "chunk_bytes": cp.chunk_bytes,
                                                  "aggregator": spec.aggregator if reducer else "sum"})
                     except CollectiveError as exc:
                         vote.ok, vote.error = False, str(exc)
@@ -155,7 +157,9 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     if meter is not None and last_plan is not None:
                         await probe_missing(meter, transport, zip(last_plan.participants, last_plan.addresses), me)
                         try:  # a lost report only leaves the coordinator with older estimates
-                            await stub.ReportLinks(meter.report(me))
+                            lr = meter.report(me)
+                            lr.shm_peers.extend(transport.shm_peers(zip(last_plan.participants, last_plan.addresses)))
+                            await stub.ReportLinks(lr)
                         except grpc.aio.AioRpcError:
                             pass
                         up, down, rtt = meter.aggregate()
@@ -171,6 +175,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
         await transport.close()
         await channel.close()
         await server.stop(grace=0.2)
+        service.close()
 
 
 def main() -> None:
@@ -190,6 +195,8 @@ def main() -> None:
     ap.add_argument("--aggregators", default="", help="comma-separated owner aggregators, one per round, cycled")
     ap.add_argument("--attack", default="", help="send forged tensors (peer.byzantine)")
     ap.add_argument("--no-save", action="store_true", help="write no results (.npy/.npz), only the JSON report")
+    ap.add_argument("--no-shared-memory", action="store_true",
+                    help="send every chunk through the socket, also to peers on this host")
     a = ap.parse_args()
     security = Security(tls_dir=a.tls_dir, insecure=a.insecure or not a.tls_dir)
     aggs = tuple(x for x in a.aggregators.split(",") if x)
@@ -201,7 +208,8 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         run = asyncio.run
     report = run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout, security,
-                         a.join_token, aggs, a.attack, keep_results=not a.no_save))
+                         a.join_token, aggs, a.attack, keep_results=not a.no_save,
+                         shared_memory=not a.no_shared_memory))
     result = report.pop("last_result", None)
     results = report.pop("results")
     if result is not None and not a.no_save:

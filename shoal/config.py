@@ -135,7 +135,10 @@ class RoundsSection:
     chunk_timeout: float = setting(2.0, "floor of the per-chunk deadline: max(this, chunk_safety * chunk_bytes / "
                                         "slowest measured link + 2 * max RTT) (detects a silent peer)")
     chunk_safety: float = setting(4.0, "safety factor of the per-chunk deadline over the measured transfer time")
-    chunk_bytes: int = setting(1 << 20, "bytes of one tensor chunk on the data plane")
+    chunk_bytes: int = setting(1 << 20, "largest tensor chunk through sockets, bytes (the planner sends ~0.15 s "
+                                        "of the slowest measured link per chunk)")
+    shm_chunk_bytes: int = setting(4 << 20, "tensor chunk when all participants reach each other through shared "
+                                            "memory (one host), bytes")
     algorithm_collective: str = setting("auto", "all-reduce algorithm (auto: chosen by the planner from the peers' "
                                         "measured links; butterfly with equal shards until links are known)",
                                         choices=("ring", "butterfly", "auto"))
@@ -155,6 +158,8 @@ class RoundsSection:
             v = getattr(self, key)
             _check(v >= 0 and _finite(v), r, key, ">= 0", v)
         _check(self.chunk_bytes >= 1024, r, "chunk_bytes", ">= 1024", self.chunk_bytes)
+        _check(1024 <= self.shm_chunk_bytes <= 256 << 20, r, "shm_chunk_bytes", "in 1024..268435456",
+               self.shm_chunk_bytes)
         _check(self.max_attempts >= 1, r, "max_attempts", ">= 1", self.max_attempts)
 
     def to_engine_config(self, run: "RunSection | None" = None):
@@ -167,6 +172,7 @@ class RoundsSection:
                             lease_seconds=self.lease_seconds, ready_timeout=self.straggler_timeout,
                             collective_timeout=self.collective_timeout, chunk_timeout=self.chunk_timeout,
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
+                            shm_chunk_bytes=self.shm_chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
                             total_rounds=self.rounds, algorithm=algorithm)
 
@@ -290,6 +296,9 @@ class PeerSection:
     round_silence: float = setting(15.0, "no round event for this long: announce readiness again")
     sync_donors: int = setting(3, "donors a state sync downloads from in parallel")
     sync_range_bytes: int = setting(256 << 10, "byte range fetched per state-sync request")
+    shared_memory: bool = setting(True, "move tensor chunks to peers on this host through /dev/shm (after a "
+                                        "probe proves they can read it) instead of the socket",
+                                  flag="--no-shared-memory", negate=True)
     tls_dir: str | None = setting(None, "TLS directory made by `shoal certs init` (ca.pem, peer.*)")
     mtls: bool = setting(False, "mutual TLS: present peer.pem to the coordinator and demand client certificates "
                                 "on the data plane")

@@ -141,3 +141,34 @@ def test_odd_measurements_never_break_planning():
     assert sorted(lay.participants) == ["a", "b", "c"]
     assert lay.shard_bounds[0] == 0 and lay.shard_bounds[-1] == 10
     assert math.isfinite(lay.predicted_seconds)
+
+
+def test_chunk_size_follows_the_slowest_link_and_one_host_gets_big_chunks():
+    fast = {p: (2e9, 2e9, 1e-4) for p in "abcd"}
+    assert open_round(engine(), {}, n=4_000_000).chunk_bytes == 1 << 20  # links unknown: the configured size
+    assert open_round(engine(), fast, n=4_000_000).chunk_bytes == 1 << 20  # capped by the configured size
+    slow = {p: (10 * MBIT, 10 * MBIT, 0.0) for p in "abcd"}
+    plan = open_round(engine(), slow, n=4_000_000)
+    assert plan.chunk_bytes == int(10 * MBIT * 0.15)
+    # The chunk deadline uses the plan's chunk, not the configured largest one.
+    assert plan.chunk_timeout_seconds == pytest.approx(max(2.0, 4.0 * plan.chunk_bytes / (10 * MBIT)))
+    # Every participant reaches every other through shared memory: the shared-memory chunk size.
+    e = engine()
+    for p in "abcd":
+        e.join(p, KEY, f"10.0.0.{ord(p)}:1", 1, 0.0)
+        e.connected(p, 0.0)
+    for p in "abcd":
+        e.report_links(p, 2e9, 2e9, 1e-4, tuple(q for q in "abcd" if q != p))
+    acts = [a for p in "abcd" for a in e.ready_(p, 0, ReadyInfo(4_000_000, 1, 1, b"", 0, 0.0), 0.1)]
+    (plan,) = [a.plan for a in acts if isinstance(a, SendPlan)]
+    assert plan.chunk_bytes == EngineConfig().shm_chunk_bytes == 4 << 20
+    # One pair through a socket (d cannot read a's segments): back to the socket rule.
+    e2 = engine()
+    for p in "abcd":
+        e2.join(p, KEY, f"10.0.0.{ord(p)}:1", 1, 0.0)
+        e2.connected(p, 0.0)
+    for p in "abcd":
+        e2.report_links(p, 2e9, 2e9, 1e-4, tuple(q for q in "abcd" if q != p and (p, q) != ("d", "a")))
+    acts = [a for p in "abcd" for a in e2.ready_(p, 0, ReadyInfo(4_000_000, 1, 1, b"", 0, 0.0), 0.1)]
+    (plan,) = [a.plan for a in acts if isinstance(a, SendPlan)]
+    assert plan.chunk_bytes == 1 << 20

@@ -298,16 +298,18 @@ class LinkEstimate(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class LinkReport(_message.Message):
-    __slots__ = ("peer_id", "links", "up_bytes_per_s", "down_bytes_per_s")
+    __slots__ = ("peer_id", "links", "up_bytes_per_s", "down_bytes_per_s", "shm_peers")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SHM_PEERS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     links: _containers.RepeatedCompositeFieldContainer[LinkEstimate]
     up_bytes_per_s: float
     down_bytes_per_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEstimate, _Mapping]]] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ...) -> None: ...
+    shm_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEstimate, _Mapping]]] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., shm_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LinkReportResponse(_message.Message):
     __slots__ = ()
@@ -380,7 +382,7 @@ class StatusResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., rounds_committed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., run_config_json: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("round", "attempt", "sender", "phase", "step", "shard", "offset", "dtype", "shape", "data", "ticket", "scale", "codec")
+    __slots__ = ("round", "attempt", "sender", "phase", "step", "shard", "offset", "dtype", "shape", "data", "ticket", "scale", "codec", "shm_name", "shm_offset")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +396,8 @@ class Chunk(_message.Message):
     TICKET_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
     round: int
     attempt: int
     sender: str
@@ -407,7 +411,9 @@ class Chunk(_message.Message):
     ticket: bytes
     scale: bytes
     codec: int
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., sender: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., scale: _Optional[bytes] = ..., codec: _Optional[int] = ...) -> None: ...
+    shm_name: str
+    shm_offset: int
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., sender: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., scale: _Optional[bytes] = ..., codec: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks",)
@@ -442,18 +448,22 @@ class StateChunk(_message.Message):
     def __init__(self, round: _Optional[int] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ...) -> None: ...
 
 class ProbeRequest(_message.Message):
-    __slots__ = ("payload", "reply_bytes")
+    __slots__ = ("payload", "reply_bytes", "shm_name")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     reply_bytes: int
-    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
+    shm_name: str
+    def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
-    __slots__ = ("payload",)
+    __slots__ = ("payload", "shm_nonce")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
-    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+    shm_nonce: bytes
+    def __init__(self, payload: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
 
 class RoundTicket(_message.Message):
     __slots__ = ("round", "attempt", "participants", "plan_digest", "expires_unix")

@@ -1,0 +1,199 @@
+"""The shared-memory lane of the data plane: tensor chunks between peers on the same host.
+
+Two peers on one machine (several GPUs per box, each with its own peer; a test swarm on
+loopback) need not push tensor bytes through gRPC and the kernel's socket buffers: the sender
+writes each chunk's bytes once into a segment in /dev/shm and sends, on the usual PushChunks
+stream, a chunk message whose `shm_name`/`shm_offset` say where they are (`data` left empty).
+Everything else is unchanged: the stream is signed and ticketed, and every chunk is checked
+against the plan before its bytes are looked at. This is the intra-node transport NCCL calls SHM; the lane is chosen per remote
+address, only after a probe proved that the receiver reads this sender's segments (same host and
+same /dev/shm, e.g. not two containers with private /dev/shm), and otherwise the bytes go inline.
+
+Segments: a `SegmentWriter` per receiver allocates slabs of `SLAB_BYTES` (or one chunk, if
+larger) named `shoal-<sender id, 16 hex>-<random, 16 hex>`, mode 0600, and reuses them stream
+after stream (fresh tmpfs pages cost a page fault each: rewriting touched pages is several times
+faster). A writer goes back to its pool only after a stream completed (the receiver acknowledged
+every chunk); after a failed stream it is closed, never rewritten. Slabs are unlinked when the transport closes. The
+receiver (`SegmentReader`, one per sender) maps a slab read-only, never following links, after
+checking that it is a regular file of bounded size whose name carries the sender's id and owned by the same user. A peer
+killed with SIGKILL leaves its slabs in /dev/shm; `remove_stale` deletes them when a process
+with the same identity starts again.
+
+Raises (receiver side) `InvalidArgument` naming the field (`shm_name`, `shm_offset`) for a name,
+size or range that does not fit; the caller turns it into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import stat
+
+from peer.errors import InvalidArgument, require
+
+SHM_DIR = "/dev/shm"
+SLAB_BYTES = 64 << 20  # one slab holds 64 chunks of the default 1 MiB
+MAX_SEGMENT_BYTES = 1 << 30  # a receiver refuses to map anything larger
+NONCE_BYTES = 32
+_NAME = re.compile(r"^shoal-([0-9a-f]{16})-[0-9a-f]{16}$")
+
+
+def available() -> bool:
+    """True where POSIX shared memory is a directory we can write (Linux /dev/shm)."""
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK)
+
+
+def _prefix(peer_id: str) -> str:
+    return peer_id[:16].lower()
+
+
+def _create(peer_id: str, size: int) -> tuple[str, mmap.mmap]:
+    name = f"shoal-{_prefix(peer_id)}-{secrets.token_hex(8)}"
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return name, mmap.mmap(fd, size)
+    except BaseException:
+        _unlink(name)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        pass
+
+
+def remove_stale(peer_id: str) -> int:
+    """Delete this identity's slabs left by a previous process (killed mid-stream); returns how many."""
+    if not peer_id or not available():
+        return 0
+    removed = 0
+    prefix = f"shoal-{_prefix(peer_id)}-"
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(prefix) and _NAME.match(name):
+            _unlink(name)
+            removed += 1
+    return removed
+
+
+class SegmentWriter:
+    """The sender's slabs towards one receiver: `put(buffer) -> (name, offset)` copies the bytes
+    once into a slab. A writer is reused stream after stream (`rewind()`), so its pages are
+    touched once, not per round; `close()` unmaps and unlinks every slab (idempotent)."""
+
+    def __init__(self, peer_id: str, slab_bytes: int = SLAB_BYTES):
+        self.peer_id = peer_id
+        self.slab_bytes = slab_bytes
+        self._slabs: list[tuple[str, mmap.mmap]] = []
+        self._slab = 0  # index of the slab being filled
+        self._used = 0  # bytes used in it
+
+    def rewind(self) -> None:
+        """Start over at the first slab (the receiver has read everything written so far)."""
+        self._slab = self._used = 0
+
+    def put(self, data) -> tuple[str, int]:
+        """Copy `data` (any C-contiguous buffer) into a slab; returns (segment name, byte offset)."""
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        while self._slab < len(self._slabs) and self._used + n > len(self._slabs[self._slab][1]):
+            self._slab, self._used = self._slab + 1, 0
+        if self._slab == len(self._slabs):
+            self._slabs.append(_create(self.peer_id, max(self.slab_bytes, n)))
+        name, mm = self._slabs[self._slab]
+        off = self._used
+        mm[off:off + n] = view
+        self._used += n
+        return name, off
+
+    def close(self) -> None:
+        for name, mm in self._slabs:
+            _unlink(name)
+            mm.close()
+        self._slabs.clear()
+        self.rewind()
+
+
+class SegmentReader:
+    """The receiver's mappings of one sender's slabs: `read(name, offset, n)` -> read-only view.
+
+    Views, not copies: the sender rewrites a slab only in a later stream to this receiver, which
+    it opens only after this receiver's collective consumed the earlier one (the next round
+    needs this receiver's vote; a retry follows an abort that makes the old attempt's chunks
+    void). A slab must belong to this process's user: a process of the same user on the same
+    host could read and write this peer's memory anyway, so sharing pages with it adds no
+    exposure. Mappings are kept for the sender's next streams, at most `max_maps`, least
+    recently used dropped first.
+    """
+
+    def __init__(self, sender: str, max_maps: int = 4):
+        self.sender = sender
+        self.max_maps = max_maps
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def _open(self, name: str) -> mmap.mmap:
+        m = _NAME.match(name)
+        require(m is not None, "shm_name", f"{name[:60]!r} is not a shoal segment name")
+        require(m.group(1) == _prefix(self.sender), "shm_name", "names a segment of another peer")
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise InvalidArgument(f"shm_name: cannot open {name}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            require(stat.S_ISREG(st.st_mode), "shm_name", "is not a regular file")
+            require(st.st_uid == os.geteuid(), "shm_name", "belongs to another user")
+            require(0 < st.st_size <= MAX_SEGMENT_BYTES, "shm_name", f"segment of {st.st_size} bytes")
+            mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        while len(self._maps) >= self.max_maps:
+            _close(self._maps.pop(next(iter(self._maps))))
+        self._maps[name] = mm
+        return mm
+
+    def read(self, name: str, offset: int, n: int) -> memoryview:
+        """A read-only view of `n` bytes at `offset` of segment `name` (mapped on first use)."""
+        mm = self._maps.pop(name, None) or self._open(name)
+        self._maps[name] = mm  # most recently used last
+        require(offset + n <= len(mm), "shm_offset", f"{offset} + {n} bytes past the segment's {len(mm)}")
+        return memoryview(mm)[offset:offset + n]
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            _close(mm)
+        self._maps.clear()
+
+
+def _close(mm: mmap.mmap) -> None:
+    """Unmap now, or, while views of it are still alive, when the last one goes."""
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
+def make_probe(peer_id: str) -> tuple[str, bytes, SegmentWriter]:
+    """A one-slab segment holding a random nonce: (name, nonce, writer to close afterwards)."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    w = SegmentWriter(peer_id, slab_bytes=NONCE_BYTES)
+    name, _ = w.put(nonce)
+    return name, nonce, w
+
+
+def answer_probe(name: str, sender: str) -> bytes:
+    """The receiver's side of the probe: the nonce read from `sender`'s segment `name`."""
+    r = SegmentReader(sender)
+    try:
+        view = r.read(name, 0, NONCE_BYTES)
+        nonce = bytes(view)
+        view.release()
+        return nonce
+    finally:
+        r.close()
