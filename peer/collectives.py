@@ -94,7 +94,8 @@ class CollectivePlan:
 
 @dataclass(frozen=True)
 class CollectiveResult:
-    """values: (n,) array, same dtype as the input; digest: BLAKE2b-256 of its bytes."""
+    """values: (n,) array, same dtype as the input; digest: `peer.tensors.digest` of it (BLAKE3-256,
+    the vote digest); seconds: the whole collective, digest included."""
 
     values: np.ndarray
     digest: bytes
@@ -272,11 +273,11 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
     try:
         async with asyncio.timeout(plan.deadline_seconds):
             if plan.algorithm == "butterfly":
-                out, sent, flagged = await _butterfly(x, plan, me, transport, inbox, reducer, codec, links)
+                out, sent, flagged, dig = await _butterfly(x, plan, me, transport, inbox, reducer, codec, links)
             else:
                 if reducer is not None:
                     raise CollectiveError("ring all-reduce supports only the sum; use butterfly for aggregators")
-                out, sent = await _ring(x, plan, me, transport, inbox, codec, links)
+                out, sent, dig = await _ring(x, plan, me, transport, inbox, codec, links)
                 flagged = ()
     except TimeoutError:
         raise CollectiveError(f"collective deadline of {plan.deadline_seconds:.1f}s passed", []) from None
@@ -288,7 +289,7 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
     if links is not None:
         received = sent if plan.algorithm != "butterfly" else _butterfly_received(plan, me, x.itemsize)
         links.observe_collective(sent, received, seconds)
-    return CollectiveResult(out, digest(out), sent, seconds, flagged, tuple(codec.pending))
+    return CollectiveResult(out, dig, sent, seconds, flagged, tuple(codec.pending))
 
 
 def _butterfly_received(plan: CollectivePlan, me: str, itemsize: int) -> int:
@@ -339,7 +340,7 @@ async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int,
 
 
 async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                codec: _Codec, links=None) -> tuple[np.ndarray, int]:
+                codec: _Codec, links=None) -> tuple[np.ndarray, int, bytes]:
     p = len(plan.participants)
     i = plan.participants.index(me)
     nxt, prv = (i + 1) % p, (i - 1) % p
@@ -394,11 +395,12 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
     async with asyncio.TaskGroup() as tg:
         tg.create_task(out.run())
         tg.create_task(schedule())
-    return buf, out.bytes_sent
+    return buf, out.bytes_sent, digest(buf)
 
 
 async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                     reducer: OwnerReducer | None, codec: _Codec, links=None) -> tuple[np.ndarray, int, tuple[str, ...]]:
+                     reducer: OwnerReducer | None, codec: _Codec,
+                     links=None) -> tuple[np.ndarray, int, tuple[str, ...], bytes]:
     """Direct reduce-scatter to shard owners, owner-side reduction, direct all-gather."""
     p = len(plan.participants)
     i = plan.participants.index(me)
@@ -540,4 +542,4 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
         for st in streams.values():
             tg.create_task(st.run())
         tg.create_task(work())
-    return buf, sum(s.bytes_sent for s in streams.values()), tuple(sorted(flagged))
+    return buf, sum(s.bytes_sent for s in streams.values()), tuple(sorted(flagged)), digest(buf)

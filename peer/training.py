@@ -10,7 +10,7 @@ One round of DiLoCo (Douillard et al. 2023) or FedAvg (McMahan et al. 2017), see
 4. `apply(tentative)` makes it the committed state, only after the coordinator committed it.
 
 The committed state (parameters, outer optimizer state, committed round count) serializes to a
-deterministic byte string; its BLAKE2b-256 digest is what peers vote on and joiners verify.
+deterministic byte string; its BLAKE3-256 digest (peer.tensors.digest) is what peers vote on and joiners verify.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class CommittedState:
         return b"".join([_MAGIC, struct.pack("<I", len(h)), h] + [np.ascontiguousarray(v).tobytes() for v in arrays.values()])
 
     def digest(self) -> bytes:
-        """BLAKE2b-256 of `to_bytes()`."""
+        """BLAKE3-256 of `to_bytes()` (peer.tensors.digest)."""
         if self._digest is None:
             self._digest = digest(self.to_bytes())
         return self._digest

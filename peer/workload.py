@@ -30,7 +30,7 @@ class Workload(Protocol):
     """The contract between the agent and a model. All methods are called from the agent.
 
     state: the committed state; `state.rounds` is the number of committed rounds it reflects,
-        `state.to_bytes()` its deterministic serialization, `state.digest()` BLAKE2b-256 of it.
+        `state.to_bytes()` its deterministic serialization, `state.digest()` BLAKE3-256 of it.
     num_samples: this peer's training samples (the FedAvg weight).
     local_update(): blocking (run in a worker thread); inner training from the committed
         parameters; returns the pseudo-gradient (n,) float32 and the mean loss. It must not

@@ -1,0 +1,195 @@
+"""The shared-memory lane (peer/shm.py): segments, checks, and all-reduces that use it.
+
+Segments are real files in /dev/shm; the all-reduces run over real gRPC streams on loopback in
+this event loop, with real Ed25519 identities and coordinator-signed tickets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from peer import shm
+from peer.collectives import CollectivePlan, all_reduce
+from peer.dataplane import Inbox, PeerService, Session, Transport
+from peer.errors import InvalidArgument
+from peer.identity import peer_id_of, public_bytes
+from peer.tensors import digest
+from peer.tickets import issue_ticket, verify_ticket
+from shoal.v1 import shoal_pb2 as pb
+from shoal.v1 import shoal_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine")
+
+ALICE = "a1" * 16
+BOB = "b2" * 16
+
+
+def _mine(peer_id: str) -> set[str]:
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"shoal-{peer_id[:16]}-")}
+
+
+def test_writer_reader_roundtrip_and_reuse():
+    w = shm.SegmentWriter(ALICE, slab_bytes=4096)
+    try:
+        a = np.arange(300, dtype=np.float32)  # 1200 bytes
+        n1, o1 = w.put(a)
+        n2, o2 = w.put(a[::-1].copy())
+        n3, o3 = w.put(np.zeros(1000, dtype=np.float32))  # 4000 bytes: a second slab
+        assert (n1, o1, n2, o2) == (n1, 0, n1, 1200) and n3 != n1 and o3 == 0
+        r = shm.SegmentReader(ALICE)
+        assert np.array_equal(np.frombuffer(r.read(n1, 0, 1200), np.float32), a)
+        view = np.frombuffer(r.read(n2, 1200, 1200), np.float32)
+        assert np.array_equal(view, a[::-1]) and not view.flags.writeable
+        w.rewind()  # the next stream reuses the slabs: same names, no new files
+        assert w.put(a) == (n1, 0)
+        assert _mine(ALICE) == {n1, n3}
+        del view
+        r.close()
+    finally:
+        w.close()
+    assert _mine(ALICE) == set()
+
+
+@pytest.mark.parametrize("name, offset, n, field", [
+    ("../etc/passwd", 0, 4, "shm_name"),
+    ("shoal-zz-zz", 0, 4, "shm_name"),
+    (None, 0, 1 << 20, "shm_offset"),  # past the end of the segment
+    ("other", 0, 4, "shm_name"),  # a well-formed name of another peer
+    ("gone", 0, 4, "shm_name"),  # a name that does not exist
+])
+def test_reader_refuses_bad_names_and_ranges(name, offset, n, field):
+    w = shm.SegmentWriter(ALICE, slab_bytes=4096)
+    try:
+        real, _ = w.put(np.zeros(8, np.float32))
+        name = {None: real, "other": f"shoal-{BOB[:16]}-{'0' * 16}",
+                "gone": f"shoal-{ALICE[:16]}-{'f' * 16}"}.get(name, name)
+        with pytest.raises(InvalidArgument, match=field):
+            shm.SegmentReader(ALICE).read(name, offset, n)
+    finally:
+        w.close()
+
+
+def test_remove_stale_deletes_only_this_identity():
+    wa, wb = shm.SegmentWriter(ALICE, 4096), shm.SegmentWriter(BOB, 4096)
+    try:
+        wa.put(b"x" * 10)
+        wb.put(b"y" * 10)
+        assert shm.remove_stale(ALICE) == 1
+        assert _mine(ALICE) == set() and len(_mine(BOB)) == 1
+    finally:
+        wa.close()
+        wb.close()
+
+
+def test_check_chunk_reads_shared_memory_only_with_a_reader():
+    w = shm.SegmentWriter(ALICE, 4096)
+    try:
+        name, off = w.put(np.arange(16, dtype=np.float32))
+        s = Session(0, 0, frozenset({ALICE}), pb.FLOAT32, None, (0, 16), 16)
+        c = pb.Chunk(round=0, attempt=0, sender=ALICE, phase=pb.REDUCE_SCATTER, shard=0, offset=0, dtype=pb.FLOAT32,
+                     shape=[16], shm_name=name, shm_offset=off)
+        assert np.array_equal(s.check_chunk(c, shm.SegmentReader(ALICE)), np.arange(16, dtype=np.float32))
+        with pytest.raises(InvalidArgument, match="shm_name"):
+            s.check_chunk(c, None)  # this receiver does not take the lane
+        c.data = b"\0" * 64
+        with pytest.raises(InvalidArgument, match="data"):
+            s.check_chunk(c, shm.SegmentReader(ALICE))  # both inline bytes and a segment
+    finally:
+        w.close()
+
+
+class Peers:
+    """p data planes in this event loop; `shared[i]` says whether peer i takes the lane."""
+
+    def __init__(self, shared: list[bool]):
+        self.p = len(shared)
+        self.shared = shared
+        self.coordinator_key = Ed25519PrivateKey.generate()
+        self.keys = [Ed25519PrivateKey.generate() for _ in range(self.p)]
+        self.ids = [peer_id_of(public_bytes(k)) for k in self.keys]
+
+    async def __aenter__(self):
+        self.servers, self.inboxes, self.addresses, self.transports, self.services = [], [], [], [], []
+        for i in range(self.p):
+            inbox = Inbox()
+            service = PeerService(inbox, coordinator_public_key=public_bytes(self.coordinator_key),
+                                  shared_memory=self.shared[i])
+            server = grpc.aio.server()
+            pb_grpc.add_PeerServicer_to_server(service, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            await server.start()
+            self.servers.append(server)
+            self.services.append(service)
+            self.inboxes.append(inbox)
+            self.addresses.append(f"127.0.0.1:{port}")
+            self.transports.append(Transport(key=self.keys[i], shared_memory=self.shared[i]))
+        return self
+
+    async def __aexit__(self, *exc):
+        for t in self.transports:
+            await t.close()
+        for s in self.servers:
+            await s.stop(grace=None)
+        for s in self.services:
+            s.close()
+
+    async def run(self, xs, attempt: int, algorithm: str, chunk_bytes: int):
+        n = xs[0].size
+        pub = public_bytes(self.coordinator_key)
+        plan = CollectivePlan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
+                              shard_bounds=tuple(n * i // self.p for i in range(self.p + 1)),
+                              shard_owner=tuple(range(self.p)), algorithm=algorithm, chunk_bytes=chunk_bytes,
+                              deadline_seconds=30.0, ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids,
+                                                                         bytes(32), 60.0))
+
+        def check(ticket: bytes, sender: str) -> None:
+            verify_ticket(pub, ticket, round=0, attempt=attempt, sender=sender)
+
+        for inbox in self.inboxes:
+            inbox.start(Session(0, attempt, frozenset(self.ids), pb.FLOAT32, check))
+        try:
+            return await asyncio.gather(*[all_reduce(xs[i], plan, me=self.ids[i], transport=self.transports[i],
+                                                     inbox=self.inboxes[i]) for i in range(self.p)])
+        finally:
+            for inbox in self.inboxes:
+                inbox.finish(0, attempt)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "butterfly"])
+async def test_all_reduce_over_the_lane_is_exact_bit_identical_and_leaves_no_segment(algorithm):
+    p, n = 4, 3_000_001  # several chunks per shard, n not divisible by p
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    async with Peers([True] * p) as peers:
+        for attempt in range(2):  # the second attempt reuses the slabs of the first
+            results = await peers.run(xs, attempt, algorithm, chunk_bytes=256 << 10)
+            assert all(set(t.lanes().values()) == {"shm"} for t in peers.transports)
+            assert len({r.values.tobytes() for r in results}) == 1
+            assert all(r.digest == digest(r.values) for r in results)
+            np.testing.assert_allclose(results[0].values, np.sum(np.stack(xs).astype(np.float64), axis=0),
+                                       rtol=1e-5, atol=1e-4)
+            assert all(r.bytes_sent > 0 for r in results)
+        ids = peers.ids
+    assert not any(_mine(i) for i in ids), "a segment outlived its transport"
+
+
+async def test_a_peer_without_the_lane_gets_sockets_and_the_result_is_the_same():
+    p, n = 3, 200_003
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    async with Peers([True, True, False]) as peers:
+        mixed = await peers.run(xs, 0, "butterfly", chunk_bytes=64 << 10)
+        lanes = [t.lanes() for t in peers.transports]
+    to_2 = peers.addresses[2]
+    assert lanes[0][to_2] == lanes[1][to_2] == "socket"  # peer 2 refused the probe
+    assert lanes[0][peers.addresses[1]] == "shm" and set(lanes[2].values()) == {"socket"}
+    async with Peers([False] * p) as peers:
+        plain = await peers.run(xs, 0, "butterfly", chunk_bytes=64 << 10)
+    assert mixed[0].values.tobytes() == plain[0].values.tobytes()
+    assert mixed[0].digest == plain[0].digest
