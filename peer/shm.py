@@ -82,6 +82,22 @@ def remove_stale(peer_id: str) -> int:
     return removed
 
 
+def remove_stale_of_keys(directory) -> int:
+    """`remove_stale` for the identity of every Ed25519 key file (*.key) in `directory`: what a
+    launcher (`shoal swarm`, the tests) calls after killing its peers. Returns slabs removed."""
+    import pathlib
+
+    from peer.identity import load_or_create_key, peer_id_of, public_bytes
+
+    removed = 0
+    for path in sorted(pathlib.Path(directory).glob("*.key")):
+        try:
+            removed += remove_stale(peer_id_of(public_bytes(load_or_create_key(path))))
+        except (ValueError, OSError):
+            continue  # not a key of ours
+    return removed
+
+
 class SegmentWriter:
     """The sender's slabs towards one receiver: `put(buffer) -> (name, offset)` copies the bytes
     once into a slab. A writer is reused stream after stream (`rewind()`), so its pages are

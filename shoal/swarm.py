@@ -231,6 +231,9 @@ class Swarm:
             p.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
+        from peer.shm import remove_stale_of_keys
+
+        remove_stale_of_keys(self.workdir)  # slabs of peers the chaos monkey killed
 
     def events(self, i: int) -> list[dict]:
         """Events of peer slot `i` so far (every process that ran in the slot), in file order."""

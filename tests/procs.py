@@ -44,6 +44,10 @@ class Procs:
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
+        # Shared-memory slabs of peers killed with SIGKILL (their identities' keys are here).
+        from peer.shm import remove_stale_of_keys
+
+        remove_stale_of_keys(self.workdir)
 
     def wait_file(self, path: pathlib.Path, timeout: float, proc: subprocess.Popen | None = None) -> str:
         end = time.monotonic() + timeout
