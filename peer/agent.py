@@ -642,6 +642,8 @@ class PeerAgent(StateSource):
         try:
             async with asyncio.timeout(LINK_MEASURE_SECONDS):
                 await probe_missing(self.links, self.transport, zip(plan.participants, plan.addresses), self.peer_id)
+                await self.transport.probe_lanes(a for pid, a in zip(plan.participants, plan.addresses)
+                                                 if pid != self.peer_id)
                 report = self.links.report(self.peer_id)
                 report.shm_peers.extend(self._shm_peers())
                 await self.stub.ReportLinks(report, timeout=self.config.rpc_timeout)

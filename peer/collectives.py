@@ -149,18 +149,18 @@ class _Codec:
         return enc, decode(enc)
 
 
-def _values(payload: Payload, sender: str, *, finite: bool = False) -> np.ndarray:
-    """Decode a received payload; raises CollectiveError blaming `sender` if malformed (or non-finite)."""
+def _values(payload: Payload, sender: str) -> np.ndarray:
+    """Decode a received payload; raises CollectiveError blaming `sender` if malformed.
+
+    A raw payload may be a view of the sender's shared-memory slab (peer.shm): value checks
+    (finiteness) belong on this peer's own copy, after the values were added or copied into it.
+    """
     if isinstance(payload, Encoded):
         try:
-            v = decode(payload)
+            return decode(payload)
         except InvalidArgument as exc:
             raise CollectiveError(f"chunk from {sender[:8]} is malformed: {exc}", [sender]) from None
-    else:
-        v = payload
-    if finite and not np.isfinite(v).all():
-        raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
-    return v
+    return payload
 
 
 class _Stream:
@@ -364,15 +364,20 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
         for s in range(p - 1):  # reduce-scatter
             shard = (i - s - 1) % p
             for off in _chunk_offsets(b[shard + 1] - b[shard], ce):
-                # An honest peer never forwards a non-finite partial sum, so the first peer that
-                # sees one blames its predecessor: the peer that introduced it.
-                v = _values(await _receive(inbox, plan, (RS, s, shard, off, prv_id)), prv_id, finite=True)
+                v = _values(await _receive(inbox, plan, (RS, s, shard, off, prv_id)), prv_id)
                 faults.hit("rs", plan.round)
                 lo = b[shard] + off
                 hi = min(b[shard + 1], lo + ce)
                 if v.size != hi - lo:
                     raise CollectiveError(f"chunk from {prv_id[:8]} has {v.size} elements", [prv_id])
-                buf[lo:hi] += v
+                part = buf[lo:hi]
+                part += v
+                # An honest peer never forwards a non-finite partial sum, so the first peer that
+                # sees one blames its predecessor: the peer that introduced it. Checked on the sum
+                # in this peer's memory (a received view may still change: peer.shm). A peer whose
+                # own input is non-finite forwards it, and the next peer blames it.
+                if not np.isfinite(part).all() and np.isfinite(x[lo:hi]).all():
+                    raise CollectiveError(f"chunk from {prv_id[:8]} holds non-finite values", [prv_id])
                 if s < p - 2:
                     await send(RS, s + 1, shard, off)
                 else:  # this shard is final here: encode it once and start the all-gather with it
@@ -382,14 +387,17 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
             shard = (i - s) % p
             for off in _chunk_offsets(b[shard + 1] - b[shard], ce):
                 payload = await _receive(inbox, plan, (AG, s, shard, off, prv_id))
-                v = _values(payload, prv_id, finite=True)
+                v = _values(payload, prv_id)
                 faults.hit("ag", plan.round)
                 lo = b[shard] + off
                 if v.size != min(b[shard + 1], lo + ce) - lo:
                     raise CollectiveError(f"chunk from {prv_id[:8]} has {v.size} elements", [prv_id])
-                buf[lo:lo + v.size] = v
-                if s < p - 2:  # relay the exact bytes received
-                    await send(AG, s + 1, shard, off, payload)
+                final = buf[lo:lo + v.size]
+                final[:] = v
+                if not np.isfinite(final).all():  # checked in this peer's memory, as in the reduce-scatter
+                    raise CollectiveError(f"chunk from {prv_id[:8]} holds non-finite values", [prv_id])
+                if s < p - 2:  # relay the exact bytes received (raw: this peer's copy of them)
+                    await send(AG, s + 1, shard, off, payload if isinstance(payload, Encoded) else final)
         await out.put(None)
 
     async with asyncio.TaskGroup() as tg:
@@ -482,7 +490,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                 part = mine[k]
             else:
                 sender = plan.participants[owner]
-                part = _values(await _receive(inbox, plan, (DIST, 0, k, 0, sender)), sender)
+                part = np.array(_values(await _receive(inbox, plan, (DIST, 0, k, 0, sender)), sender))  # own copy
                 if part.size != p * p or part.dtype != np.float64 or np.isnan(part).any() or (part < 0).any():
                     raise CollectiveError(f"distance matrix from {sender[:8]} is malformed", [sender])
                 part = part.reshape(p, p)
@@ -524,11 +532,14 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
             for off in _chunk_offsets(b[k + 1] - b[k], ce):
                 lo = b[k] + off
                 hi = min(b[k + 1], lo + ce)
-                v = _values(await _receive(inbox, plan, (AG, 0, k, off, sender)), sender, finite=reducer is not None)
+                v = _values(await _receive(inbox, plan, (AG, 0, k, off, sender)), sender)
                 faults.hit("ag", plan.round)
                 if v.size != hi - lo:
                     raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
                 buf[lo:hi] = v
+                # A robust owner never publishes a non-finite value; checked in this peer's memory.
+                if reducer is not None and not np.isfinite(buf[lo:hi]).all():
+                    raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
 
     async def work() -> None:
         async with asyncio.TaskGroup() as tg:

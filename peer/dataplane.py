@@ -156,7 +156,8 @@ class Session:
             return decode_chunk(data(count * to_numpy_dtype(c.dtype).itemsize), c.dtype, count)
         require(c.dtype == pb.FLOAT32, "dtype", "compressed chunks carry float32 tensors")
         require(c.codec in (1, 2, 3), "codec", f"unknown codec id {c.codec}")
-        return check_encoded(c.codec, count, data(count * (1 if c.codec == 3 else 2)), c.scale)
+        # Compressed bytes are relayed verbatim on the ring: copied out of a shared segment (small).
+        return check_encoded(c.codec, count, bytes(data(count * (1 if c.codec == 3 else 2))), c.scale)
 
 
 class SenderGone(Exception):
@@ -325,6 +326,7 @@ class PeerService(pb_grpc.PeerServicer):
         t_first = t_last = 0.0
         first_bytes = total_bytes = 0
         reader: SegmentReader | None = None
+        any_shm = False  # a stream that used shared memory says nothing about the link
         try:
             async with grpc_errors(context):
                 it = aiter(request_iterator)
@@ -355,6 +357,7 @@ class PeerService(pb_grpc.PeerServicer):
                                 raise InvalidArgument(
                                     "sender: one stream carries one sender's chunks of one round attempt")
                             values = s.check_chunk(c, reader)
+                            any_shm = any_shm or bool(c.shm_name)
                             self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender),
                                                values)
                             nb = payload_nbytes(values)
@@ -380,7 +383,7 @@ class PeerService(pb_grpc.PeerServicer):
             raise
         finally:
             self.chunks_received += n
-        if self.links is not None and origin is not None and n > 1 and not first.shm_name:
+        if self.links is not None and origin is not None and n > 1 and not any_shm:
             # The first chunk's own transfer time is unknown: count the bytes after it.
             self.links.observe_receive(origin[2], total_bytes - first_bytes, t_last - t_first)
         return pb.PushAck(chunks=n)
@@ -484,7 +487,7 @@ class Transport:
         self.shared_memory = shared_memory and key is not None and shm.available()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._lanes: dict[str, asyncio.Task[bool]] = {}  # probe result per address
-        self._chosen: dict[str, str] = {}  # lane of the last stream per address
+        self._chosen: dict[str, str] = {}  # lane chosen per address
         self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
         self.bytes_sent = 0
         self.created = time.monotonic()
@@ -508,6 +511,11 @@ class Transport:
         self._chosen[address] = "shm" if ok else "socket"
         return ok
 
+    async def probe_lanes(self, addresses) -> None:
+        """Choose the lane to each of `addresses` now (probes are cached), so that this peer can
+        report every peer it reaches through shared memory, not only those it streamed to."""
+        await asyncio.gather(*(self.shm_lane(a) for a in addresses), return_exceptions=True)
+
     def lane_failed(self, address: str, exc: OSError) -> None:
         """Writing a segment failed (/dev/shm full?): this transport uses sockets from now on."""
         log.warning("shared-memory lane to %s failed (%s); using the socket from now on", address, exc)
@@ -515,7 +523,7 @@ class Transport:
         self._chosen[address] = "socket"
 
     def lanes(self) -> dict[str, str]:
-        """The lane of the last stream per remote address: "shm" or "socket"."""
+        """The lane chosen per remote address so far: "shm" or "socket"."""
         return dict(self._chosen)
 
     def shm_peers(self, peers) -> list[str]:

@@ -193,11 +193,13 @@ async def probe_peer(meter: LinkMeter, stub, peer_id: str, *, nbytes: int = PROB
                 rtt = min(rtt, time.perf_counter() - t0)
             t0 = time.perf_counter()
             await stub.Probe(pb.ProbeRequest(reply_bytes=nbytes))
-            down = nbytes / max(time.perf_counter() - t0 - rtt, 1e-6)
+            t = time.perf_counter() - t0
+            down = nbytes / max(t - rtt, t / 2, 1e-6)  # an RTT close to t must not make the rate absurd
             payload = bytes(nbytes)
             t0 = time.perf_counter()
             await stub.Probe(pb.ProbeRequest(payload=payload, reply_bytes=0))
-            up = nbytes / max(time.perf_counter() - t0 - rtt, 1e-6)
+            t = time.perf_counter() - t0
+            up = nbytes / max(t - rtt, t / 2, 1e-6)
     except (grpc.aio.AioRpcError, TimeoutError) as exc:
         log.debug("probe of %s failed: %s", peer_id[:8], exc)
         return False

@@ -9,15 +9,21 @@ against the plan before its bytes are looked at. This is the intra-node transpor
 address, only after a probe proved that the receiver reads this sender's segments (same host and
 same /dev/shm, e.g. not two containers with private /dev/shm), and otherwise the bytes go inline.
 
-Segments: a `SegmentWriter` per receiver allocates slabs of `SLAB_BYTES` (or one chunk, if
-larger) named `shoal-<sender id, 16 hex>-<random, 16 hex>`, mode 0600, and reuses them stream
-after stream (fresh tmpfs pages cost a page fault each: rewriting touched pages is several times
-faster). A writer goes back to its pool only after a stream completed (the receiver acknowledged
-every chunk); after a failed stream it is closed, never rewritten. Slabs are unlinked when the transport closes. The
-receiver (`SegmentReader`, one per sender) maps a slab read-only, never following links, after
-checking that it is a regular file of bounded size whose name carries the sender's id and owned by the same user. A peer
-killed with SIGKILL leaves its slabs in /dev/shm; `remove_stale` deletes them when a process
-with the same identity starts again.
+Segments: a `SegmentWriter` per receiver allocates slabs named `shoal-<first 16 hex of the
+sender id>-<random, 16 hex>`, mode 0600, growing 1, 2, 4, ... MiB up to `SLAB_BYTES` (or one
+chunk, if larger), and reuses them stream after stream (fresh tmpfs pages cost a page fault each:
+rewriting touched pages is several times faster). A slab's pages are reserved when it is created
+(posix_fallocate), so a full /dev/shm is an OSError there, and the stream falls back to the socket;
+a host needs about 2(p-1) x the tensor size of /dev/shm per peer for the lane (Docker's default of
+64 MB is too small for large models: the lane then simply is not used). A writer goes back to its
+pool only after a stream completed (the receiver acknowledged every chunk); after a failed stream
+it is closed, never rewritten. Slabs are unlinked when the transport closes. The receiver
+(`SegmentReader`, one per sender) opens a slab without following links and without blocking
+(a FIFO planted under a valid name cannot stall it), checks that it is a regular file of bounded
+size named with the sender's id and owned by the same user, and maps it read-only. A peer killed
+with SIGKILL leaves its slabs in /dev/shm; `remove_stale` deletes them when a process with the
+same identity starts again, and launchers (`shoal swarm`, `shoal bench`, the tests) call
+`remove_stale_of_keys` for the peers they killed.
 
 Raises (receiver side) `InvalidArgument` naming the field (`shm_name`, `shm_offset`) for a name,
 size or range that does not fit; the caller turns it into INVALID_ARGUMENT.
@@ -34,10 +40,11 @@ import stat
 from peer.errors import InvalidArgument, require
 
 SHM_DIR = "/dev/shm"
-SLAB_BYTES = 64 << 20  # one slab holds 64 chunks of the default 1 MiB
+FIRST_SLAB_BYTES = 1 << 20  # slabs grow 1, 2, 4, ... MiB (or one chunk), up to SLAB_BYTES
+SLAB_BYTES = 64 << 20
 MAX_SEGMENT_BYTES = 1 << 30  # a receiver refuses to map anything larger
 NONCE_BYTES = 32
-_NAME = re.compile(r"^shoal-([0-9a-f]{16})-[0-9a-f]{16}$")
+_NAME = re.compile(r"shoal-([0-9a-f]{16})-[0-9a-f]{16}")  # used with fullmatch
 
 
 def available() -> bool:
@@ -50,10 +57,12 @@ def _prefix(peer_id: str) -> str:
 
 
 def _create(peer_id: str, size: int) -> tuple[str, mmap.mmap]:
+    """A new slab of `size` bytes, its pages reserved now: a full /dev/shm raises OSError (ENOSPC)
+    here, where the caller falls back to the socket, instead of SIGBUS on a later write."""
     name = f"shoal-{_prefix(peer_id)}-{secrets.token_hex(8)}"
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
         return name, mmap.mmap(fd, size)
     except BaseException:
         _unlink(name)
@@ -76,7 +85,7 @@ def remove_stale(peer_id: str) -> int:
     removed = 0
     prefix = f"shoal-{_prefix(peer_id)}-"
     for name in os.listdir(SHM_DIR):
-        if name.startswith(prefix) and _NAME.match(name):
+        if name.startswith(prefix) and _NAME.fullmatch(name):
             _unlink(name)
             removed += 1
     return removed
@@ -103,9 +112,10 @@ class SegmentWriter:
     once into a slab. A writer is reused stream after stream (`rewind()`), so its pages are
     touched once, not per round; `close()` unmaps and unlinks every slab (idempotent)."""
 
-    def __init__(self, peer_id: str, slab_bytes: int = SLAB_BYTES):
+    def __init__(self, peer_id: str, slab_bytes: int = SLAB_BYTES, first_slab_bytes: int = FIRST_SLAB_BYTES):
         self.peer_id = peer_id
         self.slab_bytes = slab_bytes
+        self.first_slab_bytes = min(first_slab_bytes, slab_bytes)
         self._slabs: list[tuple[str, mmap.mmap]] = []
         self._slab = 0  # index of the slab being filled
         self._used = 0  # bytes used in it
@@ -121,7 +131,8 @@ class SegmentWriter:
         while self._slab < len(self._slabs) and self._used + n > len(self._slabs[self._slab][1]):
             self._slab, self._used = self._slab + 1, 0
         if self._slab == len(self._slabs):
-            self._slabs.append(_create(self.peer_id, max(self.slab_bytes, n)))
+            grown = min(self.slab_bytes, self.first_slab_bytes << len(self._slabs))
+            self._slabs.append(_create(self.peer_id, max(grown, n)))
         name, mm = self._slabs[self._slab]
         off = self._used
         mm[off:off + n] = view
@@ -142,10 +153,11 @@ class SegmentReader:
     Views, not copies: the sender rewrites a slab only in a later stream to this receiver, which
     it opens only after this receiver's collective consumed the earlier one (the next round
     needs this receiver's vote; a retry follows an abort that makes the old attempt's chunks
-    void). A slab must belong to this process's user: a process of the same user on the same
-    host could read and write this peer's memory anyway, so sharing pages with it adds no
-    exposure. Mappings are kept for the sender's next streams, at most `max_maps`, least
-    recently used dropped first.
+    void). A misbehaving sender of the same user can still change or truncate its slab while
+    the receiver reads it, so the collectives check received values only after copying them into
+    their own memory (see peer.collectives), and a truncated slab is at worst a SIGBUS, which a
+    process of the same user can cause anyway (kill(2)). Mappings are kept for the sender's next
+    streams, at most `max_maps`, least recently used dropped first.
     """
 
     def __init__(self, sender: str, max_maps: int = 4):
@@ -154,11 +166,11 @@ class SegmentReader:
         self._maps: dict[str, mmap.mmap] = {}
 
     def _open(self, name: str) -> mmap.mmap:
-        m = _NAME.match(name)
+        m = _NAME.fullmatch(name)
         require(m is not None, "shm_name", f"{name[:60]!r} is not a shoal segment name")
         require(m.group(1) == _prefix(self.sender), "shm_name", "names a segment of another peer")
-        try:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+        try:  # O_NONBLOCK: opening a FIFO planted under a valid name must not block the event loop
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as exc:
             raise InvalidArgument(f"shm_name: cannot open {name}: {exc.strerror}") from None
         try:

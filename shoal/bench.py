@@ -17,8 +17,8 @@ The time of one round is the slowest participant's collective time (plan receive
 ready); the time of one gloo all-reduce is the slowest rank's ``all_reduce`` call after a barrier.
 The report gives the median over the timed rounds, the algorithm bandwidth ``size/time``, the bus
 bandwidth ``algbw·2(p-1)/p`` (the nccl-tests convention), the lower bound of
-`coordinator.planner.allreduce_lower_bound` for the shaped links (0 on loopback, where the links
-are not known) and the efficiency ``bound/measured``.
+`coordinator.planner.allreduce_lower_bound` for the shaped links (0 on loopback: no shaped links
+to bound it) and the efficiency ``bound/measured``.
 
 Every process it starts is killed and every namespace deleted when it returns, also on failure.
 """
@@ -131,6 +131,9 @@ class _Procs:
         for _, p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
+        from peer.shm import remove_stale_of_keys
+
+        remove_stale_of_keys(self.workdir)  # shared-memory slabs of jobs killed at the deadline
 
 
 def _wait_file(path: pathlib.Path, deadline: float, procs: _Procs, name: str, proc: subprocess.Popen) -> str:

@@ -156,6 +156,8 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                     x = make_input(seed, rank, state_round, size, dtype)
                     if meter is not None and last_plan is not None:
                         await probe_missing(meter, transport, zip(last_plan.participants, last_plan.addresses), me)
+                        await transport.probe_lanes(a for pid, a in zip(last_plan.participants, last_plan.addresses)
+                                                    if pid != me)
                         try:  # a lost report only leaves the coordinator with older estimates
                             lr = meter.report(me)
                             lr.shm_peers.extend(transport.shm_peers(zip(last_plan.participants, last_plan.addresses)))

@@ -193,3 +193,77 @@ async def test_a_peer_without_the_lane_gets_sockets_and_the_result_is_the_same()
         plain = await peers.run(xs, 0, "butterfly", chunk_bytes=64 << 10)
     assert mixed[0].values.tobytes() == plain[0].values.tobytes()
     assert mixed[0].digest == plain[0].digest
+
+
+def test_a_fifo_under_a_valid_name_is_refused_without_blocking():
+    import threading
+
+    name = f"shoal-{ALICE[:16]}-{'e' * 16}"
+    path = os.path.join(shm.SHM_DIR, name)
+    os.mkfifo(path, 0o600)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            shm.SegmentReader(ALICE).read(name, 0, 4)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            outcome.append(exc)
+
+    t = threading.Thread(target=read, daemon=True)
+    try:
+        t.start()
+        t.join(5)
+        if t.is_alive():  # release the blocked open before failing
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            t.join(5)
+            pytest.fail("opening a FIFO named like a segment blocked")
+        assert isinstance(outcome[0], InvalidArgument) and "shm_name" in str(outcome[0])
+    finally:
+        os.unlink(path)
+
+
+async def test_ring_peers_probe_every_participant_so_they_can_report_all_shm_peers():
+    p, n = 3, 30_000
+    xs = [np.full(n, i, dtype=np.float32) for i in range(p)]
+    async with Peers([True] * p) as peers:
+        await peers.run(xs, 0, "ring", chunk_bytes=16 << 10)
+        t = peers.transports[0]
+        assert set(t.lanes()) == {peers.addresses[1]}  # the ring streams only to the successor
+        await t.probe_lanes(peers.addresses[1:])
+        assert t.shm_peers(zip(peers.ids, peers.addresses)) == peers.ids[1:]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("unshare"),
+                    reason="needs root and unshare(1) to mount a tiny private /dev/shm")
+def test_a_full_dev_shm_falls_back_to_the_socket_instead_of_crashing(tmp_path):
+    # A 1 MiB tmpfs in a private mount namespace (Docker's /dev/shm is 64 MB): the first slab
+    # fits, the next ones do not; posix_fallocate says ENOSPC and the streams continue inline.
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "small_shm.py"
+    script.write_text(textwrap.dedent("""
+        import asyncio, os, sys
+        sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+        import numpy as np
+        from test_shm_lane import Peers
+
+        async def main():
+            n = 1_000_000  # 4 MB per peer
+            xs = [np.full(n, i + 1, dtype=np.float32) for i in range(2)]
+            async with Peers([True, True]) as peers:
+                res = await peers.run(xs, 0, "butterfly", chunk_bytes=256 << 10)
+                lanes = [t.lanes() for t in peers.transports]
+            assert all(np.array_equal(r.values, np.full(n, 3, np.float32)) for r in res), "wrong sum"
+            print("LANES", sorted(v for l in lanes for v in l.values()))
+
+        asyncio.run(main())
+    """))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = f"mount -t tmpfs -o size=1m tmpfs {shm.SHM_DIR} && exec {sys.executable} {script} {root}"
+    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "LANES ['socket', 'socket']" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "shared-memory lane to" in out.stderr and "No space left" in out.stderr, out.stderr[-2000:]
