@@ -63,6 +63,7 @@ class EngineConfig:
     link_cap_bytes_per_s: float = 100e6  # measured rates above this count as this (plan_layout)
     plan_min_gain: float = 0.25  # uneven shards only when predicted this much faster (plan_layout)
     aggregator: str = "mean"
+    audit_owners: bool = False  # a second owner recomputes every shard's aggregate (butterfly)
     compression: str = "none"
 
 
@@ -114,6 +115,7 @@ class PlanSpec:
     predicted_seconds: float = 0.0
     bound_seconds: float = 0.0  # lower bound for these links (0 when links are unknown)
     demoted: tuple[str, ...] = ()  # participants that own no shard (too slow to own one)
+    audit_owners: bool = False
 
 
 @dataclass(frozen=True)
@@ -338,6 +340,18 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
     )
 
 
+def _without_untrusted_owners(layout: Layout, untrusted: set[str]) -> Layout:
+    """Give the shards of untrusted owners to the trusted owner after them (cyclically). Unchanged
+    when no trusted owner would be left."""
+    trusted = [i for i, p in enumerate(layout.participants) if p not in untrusted]
+    owners = sorted({o for o in layout.shard_owner if o in trusted}) or trusted
+    if not owners:
+        return layout
+    moved = tuple(o if o in owners else next((q for q in owners if q > o), owners[0]) for o in layout.shard_owner)
+    dropped = tuple(layout.participants[o] for o in sorted(set(layout.shard_owner) - set(owners)))
+    return dataclasses.replace(layout, shard_owner=moved, demoted=tuple(dict.fromkeys((*layout.demoted, *dropped))))
+
+
 class RoundEngine:
     """The coordinator's state and the protocol's rules; see the module docstring.
 
@@ -367,6 +381,7 @@ class RoundEngine:
         self.attempt = attempt_base
         self.tries = 0  # attempts in the current try cycle (bounded by max_attempts)
         self.excluded: set[str] = set()
+        self.untrusted: set[str] = set()  # never shard owners again (failed owner audits, see vote)
         self.running: _Running | None = None
         self.not_before = 0.0
         self.finished = False
@@ -520,8 +535,13 @@ class RoundEngine:
 
     def vote(self, peer_id: str, round_: int, attempt: int, ok: bool, result_digest: bytes,
              state_digest: bytes, now: float, *, loss: float = 0.0, suspects: tuple[str, ...] = (),
-             flagged: tuple[str, ...] = (), error: str = "") -> list[Action]:
-        """Record a participant's vote; commit when all agree, abort on any failure."""
+             flagged: tuple[str, ...] = (), error: str = "", audit: bool = False) -> list[Action]:
+        """Record a participant's vote; commit when all agree, abort on any failure.
+
+        A failed owner audit (`audit`) also costs the accused owner and the accusing auditor
+        their shard ownership for the rest of the run (`untrusted`): a lying owner is caught once,
+        not every round, and a false accuser pays as much as its victim.
+        """
         run = self.running
         if run is None or run.plan.round != round_ or run.plan.attempt != attempt:
             return []  # a late vote for an attempt already decided
@@ -530,6 +550,9 @@ class RoundEngine:
         run.votes[peer_id] = (ok, result_digest, state_digest, loss, suspects, flagged, error)
         if not ok:
             blamed = tuple(s for s in suspects if s in run.plan.participants) or (peer_id,)
+            if audit and run.plan.audit_owners:
+                blamed = tuple(dict.fromkeys((*blamed, peer_id)))
+                self.untrusted.update(blamed)
             return self._abort(now, f"{peer_id[:8]} failed: {error or 'collective error'}", blamed)
         if len(run.votes) < len(run.plan.participants):
             return []
@@ -617,8 +640,11 @@ class RoundEngine:
         info = self.ready[participants[0]]
         n = info.num_elements
         layout = plan_layout(self.config.algorithm, [self.members[p] for p in participants], n,
-                             _ITEMSIZE.get(info.dtype, 4), owner_reduces=self.config.aggregator not in ("mean", "fedavg"),
+                             _ITEMSIZE.get(info.dtype, 4),
+                             owner_reduces=self.config.aggregator not in ("mean", "fedavg") or self.config.audit_owners,
                              link_cap=self.config.link_cap_bytes_per_s, min_gain=self.config.plan_min_gain)
+        if layout.algorithm == "butterfly" and self.untrusted:
+            layout = _without_untrusted_owners(layout, self.untrusted)
         members = [self.members[p] for p in participants]
         if len(members) > 1 and all(q.peer_id in m.shm_peers for m in members for q in members if q is not m):
             chunk = self.config.shm_chunk_bytes  # one host: every pair on the shared-memory lane
@@ -640,6 +666,7 @@ class RoundEngine:
             chunk_timeout_seconds=chunk_deadline([self.members[p] for p in participants], self.config, chunk),
             chunk_bytes=chunk,
             aggregator=self.config.aggregator,
+            audit_owners=self.config.audit_owners and layout.algorithm == "butterfly",
             compression=self.config.compression,
             predicted_seconds=layout.predicted_seconds,
             bound_seconds=layout.bound_seconds,

@@ -143,6 +143,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             num_elements=plan.num_elements, dtype=plan.dtype, deadline_seconds=plan.deadline_seconds,
             chunk_timeout_seconds=plan.chunk_timeout_seconds, chunk_bytes=plan.chunk_bytes,
             aggregator=plan.aggregator, compression=plan.compression, predicted_seconds=plan.predicted_seconds,
+            audit_owners=plan.audit_owners,
         )
 
     def apply(self, actions: list[Action]) -> None:
@@ -316,7 +317,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.apply(self.engine.vote(
                     request.peer_id, request.round, request.attempt, request.ok, request.result_digest,
                     request.state_digest, self.clock(), loss=request.train_loss, suspects=tuple(request.suspects),
-                    flagged=tuple(request.flagged), error=request.error))
+                    flagged=tuple(request.flagged), error=request.error, audit=request.audit_failure))
             except RoundError as exc:
                 raise _raise(exc) from None
             return pb.VoteResponse()

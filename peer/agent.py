@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
@@ -37,7 +38,7 @@ import grpc
 import numpy as np
 
 from peer import faults
-from peer.byzantine import forge
+from peer.byzantine import ATTACKS, OWNER_ATTACKS, forge, tamper
 from peer.collectives import CollectiveError, CollectivePlan, all_reduce
 from peer.compression import ErrorFeedback
 from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options, serve_data_plane
@@ -475,8 +476,11 @@ class PeerAgent(StateSource):
         vote = pb.VoteRequest(peer_id=self.peer_id, round=plan.round, attempt=plan.attempt, train_loss=loss)
         received_before = self.bytes_received
         try:
+            owner_attack = None
+            if self.config.attack in OWNER_ATTACKS:
+                owner_attack = functools.partial(tamper, scale=self.config.attack_scale)
             res = await all_reduce(contribution, cp, me=self.peer_id, transport=self.transport, inbox=self.inbox,
-                                   reducer=reducer, feedback=self.feedback, links=self.links)
+                                   reducer=reducer, feedback=self.feedback, links=self.links, tamper=owner_attack)
             if not np.isfinite(res.values).all():  # never reached with honest owners; never applied
                 raise CollectiveError("the aggregate holds non-finite values")
             st = wl.tentative(res.values)
@@ -496,6 +500,7 @@ class PeerAgent(StateSource):
             vote.ok = False
             vote.error = str(exc)[:500]
             vote.suspects.extend(exc.suspects)
+            vote.audit_failure = exc.audit
         finally:
             self.inbox.finish(plan.round, plan.attempt)
         await self._vote(vote)
@@ -523,7 +528,7 @@ class PeerAgent(StateSource):
         """
         cfg = self.workload.cfg
         grad = update_grad.astype(np.float32)
-        if self.config.attack:
+        if self.config.attack in ATTACKS:
             grad = forge(self.config.attack, grad, self.attack_rng, self.config.attack_scale)
         if cp.algorithm == "butterfly":
             name = plan.aggregator or cfg.aggregator

@@ -1,8 +1,9 @@
 """Malicious contributions, for testing robust aggregation (`shoal peer --attack NAME`).
 
-A Byzantine peer plays the protocol normally (joins, votes, owns its shard honestly) but sends
-a forged pseudo-gradient in place of its real one. The honest peers are not told which peers
-attack. This module is pure: a pseudo-gradient in, the forged one out.
+A Byzantine peer plays the protocol normally (joins, votes) but sends a forged pseudo-gradient
+in place of its real one, or, with "owner", sends its real one and corrupts the aggregate of the
+shards it owns before publishing it (the attack `--audit-owners` catches; docs/aggregation.md).
+The honest peers are not told which peers attack. This module is pure: values in, forged out.
 
 | attack      | what is sent                                                              |
 | ----------- | ------------------------------------------------------------------------- |
@@ -10,9 +11,9 @@ attack. This module is pure: a pseudo-gradient in, the forged one out.
 | "scale"     | `scale * x` (scale defaults to 50): a huge step in the honest direction  |
 | "nan"       | all NaN: must be dropped by validation, never reach a model               |
 | "random"    | Gaussian noise with `scale` times the honest norm (scale defaults to 10) |
+| "owner"     | honest contribution; as a shard owner it publishes `-scale * aggregate` (scale 10) |
 
-Not modelled: a malicious *owner* (one that corrupts the aggregate of the shard it owns) or
-colluding attackers that adapt to the aggregator (e.g. "a little is enough"); see
+Not modelled: colluding attackers that adapt to the aggregator (e.g. "a little is enough"); see
 docs/aggregation.md.
 """
 
@@ -22,8 +23,9 @@ import numpy as np
 
 from peer.errors import InvalidArgument
 
-ATTACKS = ("sign-flip", "scale", "nan", "random")
-DEFAULT_SCALE = {"sign-flip": 4.0, "scale": 50.0, "nan": 1.0, "random": 10.0}
+ATTACKS = ("sign-flip", "scale", "nan", "random")  # forged contributions
+OWNER_ATTACKS = ("owner",)  # corrupted aggregates, published by a shard owner
+DEFAULT_SCALE = {"sign-flip": 4.0, "scale": 50.0, "nan": 1.0, "random": 10.0, "owner": 10.0}
 
 
 def forge(attack: str, x: np.ndarray, rng: np.random.Generator, scale: float | None = None) -> np.ndarray:
@@ -43,3 +45,9 @@ def forge(attack: str, x: np.ndarray, rng: np.random.Generator, scale: float | N
     norm = float(np.linalg.norm(x.astype(np.float64))) or 1.0
     noise = rng.standard_normal(x.shape[0])
     return (noise * (s * norm / np.sqrt(max(1, x.shape[0])))).astype(np.float32)
+
+
+def tamper(values: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """The "owner" attack: the `(m,)` aggregate a malicious owner publishes instead of `values`."""
+    s = np.float32(DEFAULT_SCALE["owner"] if scale is None else scale)
+    return (-s * values).astype(values.dtype)

@@ -40,7 +40,7 @@ import grpc
 import numpy as np
 
 from peer import faults
-from peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
+from peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode, max_abs_error
 from peer.dataplane import Inbox, Payload, SenderGone, Transport
 from peer.errors import InvalidArgument
 from peer.shm import SegmentWriter
@@ -54,11 +54,13 @@ SEND_QUEUE_CHUNKS = 16
 
 
 class CollectiveError(Exception):
-    """A collective attempt failed; `suspects` are the peer ids blamed for it."""
+    """A collective attempt failed; `suspects` are the peer ids blamed for it; `audit` marks an
+    owner audit that failed (suspects: the owner and the auditor)."""
 
-    def __init__(self, message: str, suspects: Sequence[str] = ()):
+    def __init__(self, message: str, suspects: Sequence[str] = (), *, audit: bool = False):
         super().__init__(message)
         self.suspects = tuple(suspects)
+        self.audit = audit
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,15 @@ class CollectivePlan:
     deadline_seconds: float = 30.0
     ticket: bytes = b""
     compression: str = "none"
+    audit: bool = False  # butterfly: a second owner recomputes each shard's aggregate
+
+    def auditors(self) -> tuple[int, ...]:
+        """Per shard, the participant index that audits its owner: the next owner after it (in
+        participant order, cyclically); -1 for every shard when fewer than two peers own shards."""
+        owners = sorted(set(self.shard_owner))
+        if not self.audit or len(owners) < 2:
+            return tuple(-1 for _ in self.shard_owner)
+        return tuple(owners[(owners.index(o) + 1) % len(owners)] for o in self.shard_owner)
 
     @staticmethod
     def from_proto(plan: pb.Plan) -> "CollectivePlan":
@@ -88,7 +99,7 @@ class CollectivePlan:
             algorithm=plan.algorithm or "ring", chunk_bytes=plan.chunk_bytes or (1 << 20),
             chunk_timeout_seconds=plan.chunk_timeout_seconds or 5.0,
             deadline_seconds=plan.deadline_seconds or 30.0, ticket=plan.ticket,
-            compression=plan.compression or "none",
+            compression=plan.compression or "none", audit=plan.audit_owners,
         )
 
 
@@ -242,15 +253,16 @@ def _chunk_offsets(size: int, chunk_elems: int) -> range:
 
 async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport: Transport, inbox: Inbox,
                      reducer: OwnerReducer | None = None, feedback: ErrorFeedback | None = None,
-                     links=None) -> CollectiveResult:
+                     links=None, tamper=None) -> CollectiveResult:
     """Sum `x` (1-D, float32 or float16) across the plan's participants; see the module docstring.
 
     `reducer` (butterfly only) replaces the plain sum at the shard owner, e.g. a robust
     aggregator; its rejections come back as `flagged`. `feedback` is read (never written): the
     pending updates are returned in `CollectiveResult.feedback`. `links` (a peer.links.LinkMeter)
     receives the passive throughput of every outgoing stream and of the whole collective (see
-    peer.links; measurement never changes the result). Returns the result and its
-    digest. Raises CollectiveError on any failure; `x` and `feedback` are never modified.
+    peer.links; measurement never changes the result). `tamper` (testing only: the "owner"
+    attack of peer.byzantine) replaces what this peer publishes as a butterfly shard owner; an
+    audited plan (`plan.audit`) catches it. Returns the result and its digest. Raises CollectiveError on any failure; `x` and `feedback` are never modified.
     """
     t0 = time.monotonic()
     if x.ndim != 1:
@@ -273,7 +285,8 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
     try:
         async with asyncio.timeout(plan.deadline_seconds):
             if plan.algorithm == "butterfly":
-                out, sent, flagged, dig = await _butterfly(x, plan, me, transport, inbox, reducer, codec, links)
+                out, sent, flagged, dig = await _butterfly(x, plan, me, transport, inbox, reducer, codec, links,
+                                                           tamper)
             else:
                 if reducer is not None:
                     raise CollectiveError("ring all-reduce supports only the sum; use butterfly for aggregators")
@@ -407,9 +420,17 @@ async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transpo
 
 
 async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                     reducer: OwnerReducer | None, codec: _Codec,
-                     links=None) -> tuple[np.ndarray, int, tuple[str, ...], bytes]:
-    """Direct reduce-scatter to shard owners, owner-side reduction, direct all-gather."""
+                     reducer: OwnerReducer | None, codec: _Codec, links=None,
+                     tamper=None) -> tuple[np.ndarray, int, tuple[str, ...], bytes]:
+    """Direct reduce-scatter to shard owners, owner-side reduction, direct all-gather.
+
+    With `plan.audit`, every peer also sends its part of shard k to the shard's auditor (the
+    next owner, `CollectivePlan.auditors`), which recomputes the aggregate from the same rows
+    (its own and the owner's row as the others see them: encoded once) and compares it with what
+    the owner publishes, and checks the owner's partial distance matrix the same way; a
+    difference blames the owner and the auditor (one of the two lies; both sit out the retry).
+    `tamper` (testing only, peer.byzantine "owner") corrupts what this peer publishes as owner.
+    """
     p = len(plan.participants)
     i = plan.participants.index(me)
     b = plan.shard_bounds
@@ -420,27 +441,50 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
     my_shards = [k for k, o in enumerate(plan.shard_owner) if o == i]
     flagged: set[str] = set()
     with_distances = reducer is not None and reducer.needs_distances and p > 1
+    auditor = plan.auditors()
+    audited = [k for k, a in enumerate(auditor) if a == i]
+    loop = asyncio.get_running_loop()
+    expected = {(k, off): loop.create_future() for k in audited for off in _chunk_offsets(b[k + 1] - b[k], ce)}
+    owner_parts = {k: loop.create_future() for k in audited}  # distance matrices the audited owners sent
+    total_distances: asyncio.Future[np.ndarray] = loop.create_future()
+    own_sent: dict[tuple[int, int], Payload] = {}
+    # An audit that fails lets the collective finish (so that the other peers, seeing nothing
+    # wrong, vote normally and no broken stream shifts the blame to this auditor), then fails it.
+    mismatches: list[CollectiveError] = []
+
+    def span(k: int, off: int) -> tuple[int, int]:
+        lo = b[k] + off
+        return lo, min(b[k + 1], lo + ce)
+
+    def own(k: int, off: int) -> Payload:
+        """This peer's contribution to one chunk, encoded once (error feedback registered once)."""
+        if (k, off) not in own_sent:
+            lo, hi = span(k, off)
+            own_sent[(k, off)] = codec.own(("bf", lo, hi), x[lo:hi])
+        return own_sent[(k, off)]
+
+    def own_row(k: int, off: int) -> np.ndarray:
+        lo, hi = span(k, off)
+        if not plan.audit:
+            return x[lo:hi]  # this peer's own row, uncompressed
+        return _values(own(k, off), me)  # as the auditor sees it, so that it can recompute exactly
 
     async def scatter() -> None:
         # Start with the owner after this peer (i+1, i+2, ...): owners are not all hit at once.
         for k in sorted(range(len(plan.shard_owner)), key=lambda k: ((plan.shard_owner[k] - i) % p, k)):
-            owner = plan.shard_owner[k]
-            if owner == i:
-                continue
-            for off in _chunk_offsets(b[k + 1] - b[k], ce):
-                lo = b[k] + off
-                hi = min(b[k + 1], lo + ce)
-                payload = codec.own(("bf", lo, hi), x[lo:hi])
-                await streams[owner].put(_message(plan, me, RS, 0, k, off, payload))
+            targets = [t for t in dict.fromkeys((plan.shard_owner[k], auditor[k])) if t not in (i, -1)]
+            for off in _chunk_offsets(b[k + 1] - b[k], ce) if targets else ():
+                payload = own(k, off)
+                for t in targets:
+                    await streams[t].put(_message(plan, me, RS, 0, k, off, payload))
 
     async def contributions(k: int, off: int) -> np.ndarray:
-        """(p, m) rows of one chunk of shard k, plan order (this peer's own row uncompressed)."""
-        lo = b[k] + off
-        hi = min(b[k + 1], lo + ce)
+        """(p, m) rows of one chunk of shard k, plan order."""
+        lo, hi = span(k, off)
         rows = []
         for j in range(p):
             if j == i:
-                rows.append(x[lo:hi])
+                rows.append(own_row(k, off))
                 continue
             sender = plan.participants[j]
             v = _values(await _receive(inbox, plan, (RS, 0, k, off, sender)), sender)
@@ -457,7 +501,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
         red: np.ndarray | None = None
         for j in range(p):
             if j == i:
-                v = x[lo:hi]
+                v = own_row(k, off)
             else:
                 sender = plan.participants[j]
                 v = _values(await _receive(inbox, plan, (RS, 0, k, off, sender)), sender)
@@ -474,6 +518,8 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
     async def publish(k: int, off: int, red: np.ndarray) -> None:
         lo = b[k] + off
         hi = lo + red.size
+        if tamper is not None:
+            red = tamper(red)
         payload, buf[lo:hi] = codec.final(red.astype(x.dtype, copy=False))
         for st in streams.values():
             await st.put(_message(plan, me, AG, 0, k, off, payload))
@@ -494,7 +540,10 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                 if part.size != p * p or part.dtype != np.float64 or np.isnan(part).any() or (part < 0).any():
                     raise CollectiveError(f"distance matrix from {sender[:8]} is malformed", [sender])
                 part = part.reshape(p, p)
+                if k in owner_parts:
+                    owner_parts[k].set_result(part)
             total = total + part
+        total_distances.set_result(total)
         return total
 
     async def reduce_own() -> None:
@@ -524,6 +573,32 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                     flagged.update(plan.participants[r] for r in rejected)
                 await publish(k, off, red)
 
+    async def audit() -> None:
+        """Recompute the aggregate of every shard this peer audits (see the docstring)."""
+        for k in audited:
+            owner = plan.participants[plan.shard_owner[k]]
+            offs = list(_chunk_offsets(b[k + 1] - b[k], ce))
+            total = None
+            if with_distances:
+                assert reducer is not None
+                held = {off: await contributions(k, off) for off in offs}
+                d = np.zeros((p, p), dtype=np.float64)
+                for off, rows in held.items():
+                    d = d + reducer.partial_distances(rows, b[k] + off, b[k] + off + rows.shape[1])
+                theirs = await owner_parts[k]
+                if not np.allclose(theirs, d, rtol=1e-6, atol=1e-9 * (1.0 + float(np.abs(d).max()))):
+                    mismatches.append(CollectiveError(
+                        f"owner {owner[:8]} sent distances of shard {k} that differ from the audit by "
+                        f"{float(np.abs(theirs - d).max()):.3g}", [owner, me], audit=True))
+                total = await total_distances
+            for off in offs:
+                if reducer is None:
+                    red = await summed(k, off)
+                else:
+                    rows = held[off] if with_distances else await contributions(k, off)
+                    red, _ = reducer.reduce(rows, b[k] + off, b[k] + off + rows.shape[1], total)
+                expected[(k, off)].set_result(codec.final(red.astype(x.dtype, copy=False))[1])
+
     async def gather() -> None:
         for k, owner in enumerate(plan.shard_owner):
             if owner == i:
@@ -540,12 +615,25 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                 # A robust owner never publishes a non-finite value; checked in this peer's memory.
                 if reducer is not None and not np.isfinite(buf[lo:hi]).all():
                     raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
+                if (k, off) in expected:
+                    want = await expected[(k, off)]
+                    # Same rows, same code: equal bits on one platform; the slack covers another
+                    # CPU's float rounding (and with it, one quantization step of the codec).
+                    slack = 1e-5 * np.abs(want) + 1e-6
+                    if codec.on:
+                        slack = slack + 2 * max_abs_error(np.abs(want), codec.name)
+                    if not (np.abs(buf[lo:hi] - want) <= slack).all():
+                        mismatches.append(CollectiveError(
+                            f"owner {sender[:8]} published an aggregate of shard {k} that differs from the audit by "
+                            f"{float(np.abs(buf[lo:hi] - want).max()):.3g}", [sender, me], audit=True))
 
     async def work() -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(scatter())
             tg.create_task(reduce_own())
             tg.create_task(gather())
+            if audited:
+                tg.create_task(audit())
         for st in streams.values():
             await st.put(None)
 
@@ -553,4 +641,6 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
         for st in streams.values():
             tg.create_task(st.run())
         tg.create_task(work())
+    if mismatches:
+        raise mismatches[0]
     return buf, sum(s.bytes_sent for s in streams.values()), tuple(sorted(flagged)), digest(buf)

@@ -168,7 +168,8 @@ class RoundsSection:
 
         run = run or RunSection()
         algorithm = "butterfly" if run.needs_butterfly() else self.algorithm_collective
-        return EngineConfig(aggregator=run.aggregator, compression=run.compression,min_peers=self.min_peers, initial_peers=self.initial_peers,
+        return EngineConfig(aggregator=run.aggregator, compression=run.compression, audit_owners=run.audit_owners,
+                            min_peers=self.min_peers, initial_peers=self.initial_peers,
                             lease_seconds=self.lease_seconds, ready_timeout=self.straggler_timeout,
                             collective_timeout=self.collective_timeout, chunk_timeout=self.chunk_timeout,
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
@@ -209,6 +210,9 @@ class RunSection:
                                     "beta2, tau)")
     compression: str = setting("none", "per-hop wire codec (int8: blockwise absmax with error feedback)",
                                choices=("none", "fp16", "bf16", "int8"))
+    audit_owners: bool = setting(False, "a second shard owner recomputes every shard's aggregate and blames an "
+                                        "owner that publishes another one (butterfly; doubles the reduce-scatter "
+                                        "bytes; not with dp_sigma)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting (the outer optimizer's own
@@ -233,6 +237,8 @@ class RunSection:
         _check(self.max_norm >= 0 and _finite(self.max_norm), r, "max_norm", ">= 0 (0 = none)", self.max_norm)
         _check(self.dp_sigma >= 0 and _finite(self.dp_sigma), r, "dp_sigma", ">= 0", self.dp_sigma)
         _check(self.dp_sigma == 0 or self.max_norm > 0, r, "dp_sigma", "0 unless max_norm is set", self.dp_sigma)
+        _check(not (self.audit_owners and self.dp_sigma > 0), r, "audit_owners",
+               "false when dp_sigma > 0 (an owner's noise cannot be recomputed)", self.audit_owners)
         if self.outer_lr is not None:
             _check(self.outer_lr > 0 and _finite(self.outer_lr), r, "outer_lr", "> 0", self.outer_lr)
         self.outer_param_dict()
@@ -264,7 +270,8 @@ class RunSection:
 
     def needs_butterfly(self) -> bool:
         """Robust aggregators, norm bounds and DP noise need an owner that sees every contribution."""
-        return self.aggregator not in ("mean", "fedavg") or self.max_norm > 0 or self.dp_sigma > 0
+        return (self.aggregator not in ("mean", "fedavg") or self.max_norm > 0 or self.dp_sigma > 0
+                or self.audit_owners)
 
     def to_run_config(self, num_shards: int):
         from peer.training import RunConfig
@@ -304,8 +311,9 @@ class PeerSection:
                                 "on the data plane")
     insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
     join_token: str = setting("", "join token from the operator (also read from $SHOAL_JOIN_TOKEN)")
-    attack: str = setting("", "testing only: send forged updates (peer.byzantine); empty = honest",
-                          choices=("", "sign-flip", "scale", "nan", "random"))
+    attack: str = setting("", "testing only: send forged updates, or corrupt owned aggregates with owner "
+                              "(peer.byzantine); empty = honest",
+                          choices=("", "sign-flip", "scale", "nan", "random", "owner"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
 
     def validate(self) -> None:
@@ -342,7 +350,8 @@ class SwarmSection:
     chaos_interval: float = setting(2.0, "seconds between chaos actions")
     timeout: float = setting(600.0, "give up (exit 1) when the run has not finished after this many seconds")
     byzantine: int = setting(0, "how many peers (the last K) send forged updates; needs attack")
-    attack: str = setting("", "what the Byzantine peers send", choices=("", "sign-flip", "scale", "nan", "random"))
+    attack: str = setting("", "what the Byzantine peers send (owner: honest updates, corrupted owned aggregates)",
+                          choices=("", "sign-flip", "scale", "nan", "random", "owner"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
     tls: bool = setting(False, "secure swarm: mutual TLS on both planes (certificates made in the workdir) and "
                                "admission by join token; without it the swarm runs plaintext (--insecure)")

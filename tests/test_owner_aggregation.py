@@ -4,6 +4,7 @@ without compression, a NaN-sending peer, multi-chunk shards; plus the pure piece
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import numpy as np
@@ -70,12 +71,13 @@ class Swarmlet:
 
     async def run(self, xs, *, attempt: int, algorithm: str = "butterfly", compression: str = "none",
                   reducers=None, feedback=None, chunk_bytes: int = 64, return_exceptions: bool = False,
-                  chunk_timeout: float = 5.0):
+                  chunk_timeout: float = 5.0, audit: bool = False, tampers=None):
         n = xs[0].size
         plan = CollectivePlan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
                               shard_bounds=tuple(n * i // self.p for i in range(self.p + 1)),
                               shard_owner=tuple(range(self.p)), algorithm=algorithm, chunk_bytes=chunk_bytes,
                               chunk_timeout_seconds=chunk_timeout, deadline_seconds=20.0, compression=compression,
+                              audit=audit,
                               ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids, bytes(32), 60.0))
         for inbox in self.inboxes:
             inbox.start(self.session(attempt))
@@ -84,7 +86,8 @@ class Swarmlet:
         try:
             return await asyncio.gather(*[
                 all_reduce(xs[i], plan, me=self.ids[i], transport=self.transports[i], inbox=self.inboxes[i],
-                           reducer=reducers[i], feedback=feedback[i]) for i in range(self.p)],
+                           reducer=reducers[i], feedback=feedback[i], tamper=(tampers or {}).get(i))
+                for i in range(self.p)],
                 return_exceptions=return_exceptions)
         finally:
             for inbox in self.inboxes:
@@ -220,3 +223,42 @@ def test_malformed_compressed_chunk_is_refused():
     chunk.codec, chunk.scale = 0, b""
     with pytest.raises(InvalidArgument, match="data"):
         session.check_chunk(chunk)  # raw float32 needs 1200 bytes
+
+
+def test_auditors_are_the_next_owner_and_absent_with_one_owner():
+    plan = CollectivePlan(round=0, attempt=0, participants=("a", "b", "c", "d"), addresses=("",) * 4,
+                          shard_bounds=(0, 1, 2, 3, 4), shard_owner=(0, 1, 2, 3), algorithm="butterfly", audit=True)
+    assert plan.auditors() == (1, 2, 3, 0)
+    demoted = dataclasses.replace(plan, shard_bounds=(0, 2, 3, 4), shard_owner=(0, 1, 3))  # c owns nothing
+    assert demoted.auditors() == (1, 3, 0)
+    assert dataclasses.replace(plan, shard_bounds=(0, 4), shard_owner=(2,)).auditors() == (-1,)
+    assert dataclasses.replace(plan, audit=False).auditors() == (-1, -1, -1, -1)
+
+
+@pytest.mark.parametrize("aggregator, compression", [("mean", "none"), ("trimmed-mean", "int8"), ("krum", "none"),
+                                                     ("krum", "int8")])
+async def test_audit_blames_a_malicious_owner_and_never_an_honest_one(aggregator, compression):
+    p, n = 5, 203  # several chunks per shard
+    xs = _inputs(p, n, seed=2)
+    spec = ReductionSpec(aggregator, PARAMS.get(aggregator, {}))
+    weights = np.ones(p)
+
+    def reducers():
+        return None if aggregator == "mean" else [OwnerReduction(spec, weights, n) for _ in range(p)]
+
+    async with Swarmlet(p) as sw:
+        honest = await sw.run(xs, attempt=0, compression=compression, reducers=reducers(), audit=True)
+        assert len({r.digest for r in honest}) == 1  # audited, all honest: commits, no false alarm
+        # Peer 2 corrupts the aggregate of the shard it owns. Unaudited, every peer accepts the same
+        # corrupted bytes (equal digests: the vote cannot see it) ...
+        bad = {2: lambda v: (-10 * v).astype(v.dtype)}
+        silent = await sw.run(xs, attempt=1, compression=compression, reducers=reducers(), tampers=bad)
+        assert len({r.digest for r in silent}) == 1 and silent[0].digest != honest[0].digest
+        # ... audited, its auditor (the next owner, peer 3) blames it.
+        out = await sw.run(xs, attempt=2, compression=compression, reducers=reducers(), audit=True, tampers=bad,
+                           return_exceptions=True)
+    # Only the auditor fails, after the collective completed (nobody else sees a broken stream
+    # that would shift the blame), naming the owner and itself: both sit out the retry.
+    errors = {j: r for j, r in enumerate(out) if isinstance(r, CollectiveError)}
+    assert list(errors) == [3], out
+    assert set(errors[3].suspects) == {sw.ids[2], sw.ids[3]}

@@ -295,3 +295,29 @@ def test_holds_ready_covers_the_ready_set_and_the_running_attempt_only():
     e.vote("a", 0, 0, True, b"r", b"s", 5.2)
     e.vote("b", 0, 0, True, b"r", b"s", 5.3)  # committed: a new round, nobody is ready for it yet
     assert e.committed_rounds == 1 and not any(e.holds_ready(p) for p in "abc")
+
+
+def test_failed_owner_audit_strips_owner_and_auditor_of_ownership_for_the_run():
+    e = engine(audit_owners=True, algorithm="butterfly")
+    joined(e, "a", "b", "c", "d")
+    acts = [a for p in "abcd" for a in e.ready_(p, 0, info(), 0.1)]
+    (plan,) = of(acts, SendPlan)
+    assert plan.plan.audit_owners and plan.plan.shard_owner == (0, 1, 2, 3)
+    # c's auditor (d) blames c: both are excluded from the retry and never own a shard again.
+    (abort,) = of(e.vote("d", 0, plan.plan.attempt, False, b"", b"", 0.2, suspects=("c",), audit=True), SendAbort)
+    assert set(abort.record.excluded) == {"c", "d"} and e.untrusted == {"c", "d"}
+    (retry,) = of(e.tick(1.0), SendPlan)
+    assert set(retry.plan.participants) == {"a", "b"}
+    for p in ("a", "b"):
+        e.vote(p, 0, retry.plan.attempt, True, b"r", b"s", 1.1)
+    acts = [a for p in "abcd" for a in e.ready_(p, 1, info(digest=b"s", rounds=1), 1.2)]
+    (nxt,) = of(acts, SendPlan)
+    owners = {nxt.plan.participants[o] for o in nxt.plan.shard_owner}
+    assert set(nxt.plan.participants) == {"a", "b", "c", "d"} and owners == {"a", "b"}
+    assert set(nxt.plan.demoted) >= {"c", "d"}
+    # A failed vote that is not an audit strips nobody.
+    e2 = engine(audit_owners=True, algorithm="butterfly")
+    joined(e2, "a", "b", "c")
+    (p2,) = of([a for p in "abc" for a in e2.ready_(p, 0, info(), 0.1)], SendPlan)
+    e2.vote("a", 0, p2.plan.attempt, False, b"", b"", 0.2, suspects=("b",))
+    assert e2.untrusted == set()

@@ -25,3 +25,25 @@ def test_swarm_with_a_nan_peer_and_int8(tmp_path):
     # The flagged peer is the attacker (the swarm gives the attack to the last peer).
     attacker = [json.loads(line) for line in (wd / "peer-3.jsonl").read_text().splitlines()][-1]["peer"]
     assert s["flagged_peers"] == [attacker]
+
+
+def test_swarm_with_a_malicious_owner_is_caught_by_the_audit(tmp_path):
+    # The last peer contributes honestly but, as a shard owner, publishes -10 x its shard's
+    # aggregate. Its auditor catches it in round 0; from then on it owns no shard.
+    summary, wd = tmp_path / "s.json", tmp_path / "wd"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "4", "--rounds", "4", "--byzantine", "1",
+         "--attack", "owner", "--aggregator", "trimmed-mean", "--audit-owners",
+         "--summary", str(summary), "--no-progress", "--workdir", str(wd)],
+        capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["rounds_committed"] == 4 and s["digest_mismatches"] == 0
+    assert s["abort_reasons"] == {"owner": 1} and s["rounds_retried"] == 1
+    attacker = [json.loads(line) for line in (wd / "peer-3.jsonl").read_text().splitlines()][-1]["peer"]
+    commits = [json.loads(line) for line in (wd / "peer-0.jsonl").read_text().splitlines()
+               if json.loads(line)["event"] == "commit"]
+    assert commits[0]["participants"] == 2  # round 0 retried without the owner and its accuser
+    assert all(c["participants"] == 4 for c in commits[1:])  # back in, as non-owners
+    assert "differs from the audit" in (wd / "coordinator.log").read_text()
+    assert s["test_accuracy"] > 0.8, attacker

@@ -148,7 +148,7 @@ class Participant(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("round", "attempt", "epoch", "participants", "algorithm", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds")
+    __slots__ = ("round", "attempt", "epoch", "participants", "algorithm", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class Plan(_message.Message):
     AGGREGATOR_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_OWNERS_FIELD_NUMBER: _ClassVar[int]
     round: int
     attempt: int
     epoch: int
@@ -181,7 +182,8 @@ class Plan(_message.Message):
     aggregator: str
     compression: str
     predicted_seconds: float
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., algorithm: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ...) -> None: ...
+    audit_owners: bool
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., algorithm: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("round", "attempt", "result_digest", "state_digest", "epoch", "participants", "flagged")
@@ -252,7 +254,7 @@ class RoundEvent(_message.Message):
     def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class VoteRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "attempt", "ok", "result_digest", "state_digest", "error", "suspects", "flagged", "train_loss", "bytes_sent", "collective_seconds")
+    __slots__ = ("peer_id", "round", "attempt", "ok", "result_digest", "state_digest", "error", "suspects", "flagged", "train_loss", "bytes_sent", "collective_seconds", "audit_failure")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +267,7 @@ class VoteRequest(_message.Message):
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FAILURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     attempt: int
@@ -277,7 +280,8 @@ class VoteRequest(_message.Message):
     train_loss: float
     bytes_sent: int
     collective_seconds: float
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., error: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ..., train_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., collective_seconds: _Optional[float] = ...) -> None: ...
+    audit_failure: bool
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., error: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ..., train_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., collective_seconds: _Optional[float] = ..., audit_failure: _Optional[bool] = ...) -> None: ...
 
 class VoteResponse(_message.Message):
     __slots__ = ()
