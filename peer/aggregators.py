@@ -48,7 +48,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from peer.errors import InvalidArgument
+from peer.errors import InvalidArgument, construct
 
 __all__ = [
     "AggregateResult",
@@ -659,10 +659,4 @@ def make_aggregator(name: str, **params: object) -> Aggregator:
     Raises:
         InvalidArgument: unknown name ("aggregator"), unknown or out-of-range parameter (named).
     """
-    cls = AGGREGATORS.get("mean" if name == "fedavg" else name)
-    if cls is None:
-        raise InvalidArgument(f"aggregator: unknown {name!r}; expected one of {sorted(AGGREGATORS)}")
-    try:
-        return cls(**params)
-    except TypeError as exc:
-        raise InvalidArgument(f"aggregator: bad parameters for {name!r}: {exc}") from None
+    return construct(AGGREGATORS, name, "aggregator", {"fedavg": "mean"}, **params)

@@ -15,9 +15,12 @@ limit, message too large, buffers full), FAILED_PRECONDITION (wrong round/state)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TypeVar
 
 import grpc
+
+T = TypeVar("T")
 
 
 class ShoalError(Exception):
@@ -139,3 +142,19 @@ def require(condition: bool, field: str, why: str) -> None:
     """Raise InvalidArgument("<field>: <why>") unless `condition` holds."""
     if not condition:
         raise InvalidArgument(f"{field}: {why}")
+
+
+def construct(registry: Mapping[str, Callable[..., T]], name: str, field: str, aliases: Mapping[str, str] | None = None,
+              **params: object) -> T:
+    """`registry[name](**params)`, with `aliases` applied to `name` first.
+
+    Raises InvalidArgument naming `field`: unknown name, or parameters the constructor refuses
+    (a TypeError: unknown keyword) — the class raises InvalidArgument itself for bad values.
+    """
+    cls = registry.get((aliases or {}).get(name, name))
+    if cls is None:
+        raise InvalidArgument(f"{field}: unknown {name!r}; expected one of {sorted(registry)}")
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise InvalidArgument(f"{field}: bad parameters for {name!r}: {exc}") from None

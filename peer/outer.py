@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from peer.errors import InvalidArgument
+from peer.errors import InvalidArgument, construct
 
 __all__ = [
     "DiLoCo",
@@ -328,13 +328,7 @@ def make_outer(name: str, **params: object) -> OuterOptimizer:
     Raises:
         InvalidArgument: unknown name ("outer") or bad parameter (named).
     """
-    cls = OUTER_OPTIMIZERS.get("sgd" if name == "fedavg" else name)
-    if cls is None:
-        raise InvalidArgument(f"outer: unknown {name!r}; expected one of {sorted(OUTER_OPTIMIZERS)}")
-    try:
-        return cls(**params)
-    except TypeError as exc:
-        raise InvalidArgument(f"outer: bad parameters for {name!r}: {exc}") from None
+    return construct(OUTER_OPTIMIZERS, name, "outer", {"fedavg": "sgd"}, **params)
 
 
 def fedprox_grad(params: np.ndarray, global_params: np.ndarray, mu: float) -> np.ndarray:
