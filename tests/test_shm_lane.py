@@ -6,23 +6,17 @@ this event loop, with real Ed25519 identities and coordinator-signed tickets.
 
 from __future__ import annotations
 
-import asyncio
 import os
 
-import grpc
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from peer import shm
-from peer.collectives import CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, Transport
+from peer.dataplane import Session
 from peer.errors import InvalidArgument
-from peer.identity import peer_id_of, public_bytes
 from peer.tensors import digest
-from peer.tickets import issue_ticket, verify_ticket
 from shoal.v1 import shoal_pb2 as pb
-from shoal.v1 import shoal_pb2_grpc as pb_grpc
+from swarmlet import Swarmlet
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine")
 
@@ -104,71 +98,14 @@ def test_check_chunk_reads_shared_memory_only_with_a_reader():
         w.close()
 
 
-class Peers:
-    """p data planes in this event loop; `shared[i]` says whether peer i takes the lane."""
-
-    def __init__(self, shared: list[bool]):
-        self.p = len(shared)
-        self.shared = shared
-        self.coordinator_key = Ed25519PrivateKey.generate()
-        self.keys = [Ed25519PrivateKey.generate() for _ in range(self.p)]
-        self.ids = [peer_id_of(public_bytes(k)) for k in self.keys]
-
-    async def __aenter__(self):
-        self.servers, self.inboxes, self.addresses, self.transports, self.services = [], [], [], [], []
-        for i in range(self.p):
-            inbox = Inbox()
-            service = PeerService(inbox, coordinator_public_key=public_bytes(self.coordinator_key),
-                                  shared_memory=self.shared[i])
-            server = grpc.aio.server()
-            pb_grpc.add_PeerServicer_to_server(service, server)
-            port = server.add_insecure_port("127.0.0.1:0")
-            await server.start()
-            self.servers.append(server)
-            self.services.append(service)
-            self.inboxes.append(inbox)
-            self.addresses.append(f"127.0.0.1:{port}")
-            self.transports.append(Transport(key=self.keys[i], shared_memory=self.shared[i]))
-        return self
-
-    async def __aexit__(self, *exc):
-        for t in self.transports:
-            await t.close()
-        for s in self.servers:
-            await s.stop(grace=None)
-        for s in self.services:
-            s.close()
-
-    async def run(self, xs, attempt: int, algorithm: str, chunk_bytes: int):
-        n = xs[0].size
-        pub = public_bytes(self.coordinator_key)
-        plan = CollectivePlan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
-                              shard_bounds=tuple(n * i // self.p for i in range(self.p + 1)),
-                              shard_owner=tuple(range(self.p)), algorithm=algorithm, chunk_bytes=chunk_bytes,
-                              deadline_seconds=30.0, ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids,
-                                                                         bytes(32), 60.0))
-
-        def check(ticket: bytes, sender: str) -> None:
-            verify_ticket(pub, ticket, round=0, attempt=attempt, sender=sender)
-
-        for inbox in self.inboxes:
-            inbox.start(Session(0, attempt, frozenset(self.ids), pb.FLOAT32, check))
-        try:
-            return await asyncio.gather(*[all_reduce(xs[i], plan, me=self.ids[i], transport=self.transports[i],
-                                                     inbox=self.inboxes[i]) for i in range(self.p)])
-        finally:
-            for inbox in self.inboxes:
-                inbox.finish(0, attempt)
-
-
 @pytest.mark.parametrize("algorithm", ["ring", "butterfly"])
 async def test_all_reduce_over_the_lane_is_exact_bit_identical_and_leaves_no_segment(algorithm):
     p, n = 4, 3_000_001  # several chunks per shard, n not divisible by p
     rng = np.random.default_rng(7)
     xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
-    async with Peers([True] * p) as peers:
+    async with Swarmlet(p, [True] * p) as peers:
         for attempt in range(2):  # the second attempt reuses the slabs of the first
-            results = await peers.run(xs, attempt, algorithm, chunk_bytes=256 << 10)
+            results = await peers.run(xs, attempt=attempt, algorithm=algorithm, chunk_bytes=256 << 10)
             assert all(set(t.lanes().values()) == {"shm"} for t in peers.transports)
             assert len({r.values.tobytes() for r in results}) == 1
             assert all(r.digest == digest(r.values) for r in results)
@@ -183,14 +120,14 @@ async def test_a_peer_without_the_lane_gets_sockets_and_the_result_is_the_same()
     p, n = 3, 200_003
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
-    async with Peers([True, True, False]) as peers:
-        mixed = await peers.run(xs, 0, "butterfly", chunk_bytes=64 << 10)
+    async with Swarmlet(3, [True, True, False]) as peers:
+        mixed = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
         lanes = [t.lanes() for t in peers.transports]
     to_2 = peers.addresses[2]
     assert lanes[0][to_2] == lanes[1][to_2] == "socket"  # peer 2 refused the probe
     assert lanes[0][peers.addresses[1]] == "shm" and set(lanes[2].values()) == {"socket"}
-    async with Peers([False] * p) as peers:
-        plain = await peers.run(xs, 0, "butterfly", chunk_bytes=64 << 10)
+    async with Swarmlet(p, [False] * p) as peers:
+        plain = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
     assert mixed[0].values.tobytes() == plain[0].values.tobytes()
     assert mixed[0].digest == plain[0].digest
 
@@ -226,8 +163,8 @@ def test_a_fifo_under_a_valid_name_is_refused_without_blocking():
 async def test_ring_peers_probe_every_participant_so_they_can_report_all_shm_peers():
     p, n = 3, 30_000
     xs = [np.full(n, i, dtype=np.float32) for i in range(p)]
-    async with Peers([True] * p) as peers:
-        await peers.run(xs, 0, "ring", chunk_bytes=16 << 10)
+    async with Swarmlet(p, [True] * p) as peers:
+        await peers.run(xs, attempt=0, algorithm="ring", chunk_bytes=16 << 10)
         t = peers.transports[0]
         assert set(t.lanes()) == {peers.addresses[1]}  # the ring streams only to the successor
         await t.probe_lanes(peers.addresses[1:])
@@ -248,13 +185,13 @@ def test_a_full_dev_shm_falls_back_to_the_socket_instead_of_crashing(tmp_path):
         import asyncio, os, sys
         sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
         import numpy as np
-        from test_shm_lane import Peers
+        from swarmlet import Swarmlet
 
         async def main():
             n = 1_000_000  # 4 MB per peer
             xs = [np.full(n, i + 1, dtype=np.float32) for i in range(2)]
-            async with Peers([True, True]) as peers:
-                res = await peers.run(xs, 0, "butterfly", chunk_bytes=256 << 10)
+            async with Swarmlet(2, [True, True]) as peers:
+                res = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=256 << 10)
                 lanes = [t.lanes() for t in peers.transports]
             assert all(np.array_equal(r.values, np.full(n, 3, np.float32)) for r in res), "wrong sum"
             print("LANES", sorted(v for l in lanes for v in l.values()))
