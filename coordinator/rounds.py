@@ -190,7 +190,15 @@ class PersistEpoch:
     epoch: int
 
 
-Action = SendPlan | SendCommit | SendAbort | SendSync | SendFinished | PersistMember | ForgetMember | PersistEpoch
+@dataclass(frozen=True)
+class PersistUntrusted:
+    """Peers that may never own a shard again (failed owner audits): kept across restarts."""
+
+    peers: tuple[str, ...]
+
+
+Action = (SendPlan | SendCommit | SendAbort | SendSync | SendFinished | PersistMember | ForgetMember | PersistEpoch
+          | PersistUntrusted)
 
 
 class RoundError(Exception):
@@ -361,7 +369,7 @@ class RoundEngine:
 
     def __init__(self, config: EngineConfig, *, committed: list[CommitRecord] | None = None,
                  members: list[Member] | None = None, epoch: int = 0, aborted: int = 0, now: float = 0.0,
-                 attempt_base: int = 0):
+                 attempt_base: int = 0, untrusted: tuple[str, ...] = ()):
         self.config = config
         self.members: dict[str, Member] = {}
         for m in members or []:
@@ -381,7 +389,7 @@ class RoundEngine:
         self.attempt = attempt_base
         self.tries = 0  # attempts in the current try cycle (bounded by max_attempts)
         self.excluded: set[str] = set()
-        self.untrusted: set[str] = set()  # never shard owners again (failed owner audits, see vote)
+        self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
         self.running: _Running | None = None
         self.not_before = 0.0
         self.finished = False
@@ -550,10 +558,12 @@ class RoundEngine:
         run.votes[peer_id] = (ok, result_digest, state_digest, loss, suspects, flagged, error)
         if not ok:
             blamed = tuple(s for s in suspects if s in run.plan.participants) or (peer_id,)
+            persist: list[Action] = []
             if audit and run.plan.audit_owners:
                 blamed = tuple(dict.fromkeys((*blamed, peer_id)))
                 self.untrusted.update(blamed)
-            return self._abort(now, f"{peer_id[:8]} failed: {error or 'collective error'}", blamed)
+                persist.append(PersistUntrusted(tuple(sorted(self.untrusted))))
+            return persist + self._abort(now, f"{peer_id[:8]} failed: {error or 'collective error'}", blamed)
         if len(run.votes) < len(run.plan.participants):
             return []
         digests = Counter((v[1], v[2]) for v in run.votes.values())

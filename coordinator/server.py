@@ -34,6 +34,7 @@ from coordinator.rounds import (
     EngineConfig,
     ForgetMember,
     PersistEpoch,
+    PersistUntrusted,
     PersistMember,
     PlanSpec,
     ReadyInfo,
@@ -156,6 +157,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 log.info("member %s dropped (lease expired or left)", a.peer_id[:8])
             elif isinstance(a, PersistEpoch):
                 self.store.save_epoch(a.epoch)
+            elif isinstance(a, PersistUntrusted):
+                self.store.set_meta("untrusted", json.dumps(list(a.peers)))
+                log.warning("peers that may no longer own shards (failed owner audits): %s",
+                            [p[:8] for p in a.peers])
             elif isinstance(a, SendPlan):
                 plan = self._ticketed(self._render_plan(a.plan))
                 log.info("round %d.%d planned: %d participants, %s, predicted %.3fs (bound %.3fs)%s", plan.round,
@@ -398,7 +403,8 @@ def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Stor
     store.set_meta("incarnation", str(incarnation))
     engine = RoundEngine(config.engine, committed=commits, members=store.load_members(),
                          epoch=store.load_epoch(), aborted=store.count_aborts(), now=now,
-                         attempt_base=(incarnation % 4000) * 1000)
+                         attempt_base=(incarnation % 4000) * 1000,
+                         untrusted=tuple(json.loads(store.get_meta("untrusted") or "[]")))
     if commits:
         log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path, len(commits),
                  len(engine.members), engine.epoch)

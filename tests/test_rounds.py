@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.rounds import (
-    EngineConfig, ReadyInfo, RoundEngine, RoundError, SendAbort, SendCommit, SendFinished, SendPlan, SendSync,
+    EngineConfig, PersistUntrusted, ReadyInfo, RoundEngine, RoundError, SendAbort, SendCommit, SendFinished, SendPlan,
+    SendSync,
 )
 
 KEY = bytes(32)
@@ -304,8 +305,11 @@ def test_failed_owner_audit_strips_owner_and_auditor_of_ownership_for_the_run():
     (plan,) = of(acts, SendPlan)
     assert plan.plan.audit_owners and plan.plan.shard_owner == (0, 1, 2, 3)
     # c's auditor (d) blames c: both are excluded from the retry and never own a shard again.
-    (abort,) = of(e.vote("d", 0, plan.plan.attempt, False, b"", b"", 0.2, suspects=("c",), audit=True), SendAbort)
+    acts = e.vote("d", 0, plan.plan.attempt, False, b"", b"", 0.2, suspects=("c",), audit=True)
+    (abort,) = of(acts, SendAbort)
     assert set(abort.record.excluded) == {"c", "d"} and e.untrusted == {"c", "d"}
+    assert of(acts, PersistUntrusted)[0].peers == ("c", "d")  # durable: a restarted coordinator keeps it
+    assert RoundEngine(EngineConfig(), untrusted=("c", "d")).untrusted == {"c", "d"}
     (retry,) = of(e.tick(1.0), SendPlan)
     assert set(retry.plan.participants) == {"a", "b"}
     for p in ("a", "b"):
