@@ -25,9 +25,12 @@ Protocol summary:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+
+log = logging.getLogger("shoal.coordinator")
 
 
 @dataclass(frozen=True)
@@ -348,16 +351,16 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
     )
 
 
-def _without_untrusted_owners(layout: Layout, untrusted: set[str]) -> Layout:
-    """Give the shards of untrusted owners to the trusted owner after them (cyclically). Unchanged
-    when no trusted owner would be left."""
+def _without_untrusted_owners(layout: Layout, untrusted: set[str]) -> Layout | None:
+    """Give the shards of untrusted owners to the trusted owner after them (cyclically; to the
+    trusted non-owners when no owner is trusted). None when no participant is trusted."""
     trusted = [i for i, p in enumerate(layout.participants) if p not in untrusted]
     owners = sorted({o for o in layout.shard_owner if o in trusted}) or trusted
     if not owners:
-        return layout
+        return None
     moved = tuple(o if o in owners else next((q for q in owners if q > o), owners[0]) for o in layout.shard_owner)
-    dropped = tuple(layout.participants[o] for o in sorted(set(layout.shard_owner) - set(owners)))
-    return dataclasses.replace(layout, shard_owner=moved, demoted=tuple(dict.fromkeys((*layout.demoted, *dropped))))
+    demoted = tuple(p for i, p in enumerate(layout.participants) if i not in set(moved))
+    return dataclasses.replace(layout, shard_owner=moved, demoted=demoted)
 
 
 class RoundEngine:
@@ -390,6 +393,7 @@ class RoundEngine:
         self.tries = 0  # attempts in the current try cycle (bounded by max_attempts)
         self.excluded: set[str] = set()
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
+        self._no_trusted_logged = False
         self.running: _Running | None = None
         self.not_before = 0.0
         self.finished = False
@@ -559,8 +563,9 @@ class RoundEngine:
         if not ok:
             blamed = tuple(s for s in suspects if s in run.plan.participants) or (peer_id,)
             persist: list[Action] = []
-            if audit and run.plan.audit_owners:
-                blamed = tuple(dict.fromkeys((*blamed, peer_id)))
+            accused = self._audited_owner(run.plan, peer_id, suspects) if audit else None
+            if accused is not None:
+                blamed = (accused, peer_id)
                 self.untrusted.update(blamed)
                 persist.append(PersistUntrusted(tuple(sorted(self.untrusted))))
             return persist + self._abort(now, f"{peer_id[:8]} failed: {error or 'collective error'}", blamed)
@@ -572,6 +577,25 @@ class RoundEngine:
             dissent = tuple(p for p, v in run.votes.items() if (v[1], v[2]) != majority)
             return self._abort(now, "digest mismatch", dissent)
         return self._commit(now)
+
+    @staticmethod
+    def _audited_owner(plan: "PlanSpec", voter: str, suspects: tuple[str, ...]) -> str | None:
+        """The owner a failed audit vote accuses, if the claim fits the plan: an audited plan, one
+        accused peer besides the voter, and the voter audits a shard that peer owns. Otherwise
+        None: the vote counts as an ordinary failure (no peer loses ownership on a peer's say-so
+        beyond what the plan lets that peer check)."""
+        from peer.collectives import auditor_positions
+
+        if not plan.audit_owners or voter not in plan.participants:
+            return None
+        accused = [s for s in dict.fromkeys(suspects) if s != voter]
+        if len(accused) != 1 or accused[0] not in plan.participants:
+            return None
+        me, owner = plan.participants.index(voter), plan.participants.index(accused[0])
+        audits = auditor_positions(plan.shard_owner)
+        if any(o == owner and a == me for o, a in zip(plan.shard_owner, audits)):
+            return accused[0]
+        return None
 
     def tick(self, now: float) -> list[Action]:
         """Apply deadlines: lease expiry, the ready deadline, the collective deadline, retries."""
@@ -653,8 +677,23 @@ class RoundEngine:
                              _ITEMSIZE.get(info.dtype, 4),
                              owner_reduces=self.config.aggregator not in ("mean", "fedavg") or self.config.audit_owners,
                              link_cap=self.config.link_cap_bytes_per_s, min_gain=self.config.plan_min_gain)
-        if layout.algorithm == "butterfly" and self.untrusted:
-            layout = _without_untrusted_owners(layout, self.untrusted)
+        audit = self.config.audit_owners and layout.algorithm == "butterfly"
+        if layout.algorithm == "butterfly" and self.untrusted & set(participants):
+            stripped = _without_untrusted_owners(layout, self.untrusted)
+            if stripped is None:
+                # Every candidate lost ownership in an owner audit (e.g. two peers, one of them
+                # lying: nobody can tell which). No round until a trusted peer is among them.
+                if not self._no_trusted_logged:
+                    log.warning("no trusted shard owner among %s: waiting for another peer",
+                                [p[:8] for p in participants])
+                    self._no_trusted_logged = True
+                self.not_before = now + self.config.ready_timeout
+                return actions
+            layout = stripped
+        self._no_trusted_logged = False
+        if audit and len(set(layout.shard_owner)) < 2:
+            audit = False  # one owner has nobody to audit it
+            log.warning("round %d is not audited: fewer than two shard owners", self.committed_rounds)
         members = [self.members[p] for p in participants]
         if len(members) > 1 and all(q.peer_id in m.shm_peers for m in members for q in members if q is not m):
             chunk = self.config.shm_chunk_bytes  # one host: every pair on the shared-memory lane
@@ -676,7 +715,7 @@ class RoundEngine:
             chunk_timeout_seconds=chunk_deadline([self.members[p] for p in participants], self.config, chunk),
             chunk_bytes=chunk,
             aggregator=self.config.aggregator,
-            audit_owners=self.config.audit_owners and layout.algorithm == "butterfly",
+            audit_owners=audit,
             compression=self.config.compression,
             predicted_seconds=layout.predicted_seconds,
             bound_seconds=layout.bound_seconds,

@@ -82,12 +82,9 @@ class CollectivePlan:
     audit: bool = False  # butterfly: a second owner recomputes each shard's aggregate
 
     def auditors(self) -> tuple[int, ...]:
-        """Per shard, the participant index that audits its owner: the next owner after it (in
-        participant order, cyclically); -1 for every shard when fewer than two peers own shards."""
-        owners = sorted(set(self.shard_owner))
-        if not self.audit or len(owners) < 2:
-            return tuple(-1 for _ in self.shard_owner)
-        return tuple(owners[(owners.index(o) + 1) % len(owners)] for o in self.shard_owner)
+        """Per shard, the participant index that audits its owner (`auditor_positions`); all -1
+        when the plan is not audited."""
+        return auditor_positions(self.shard_owner) if self.audit else tuple(-1 for _ in self.shard_owner)
 
     @staticmethod
     def from_proto(plan: pb.Plan) -> "CollectivePlan":
@@ -101,6 +98,16 @@ class CollectivePlan:
             deadline_seconds=plan.deadline_seconds or 30.0, ticket=plan.ticket,
             compression=plan.compression or "none", audit=plan.audit_owners,
         )
+
+
+def auditor_positions(shard_owner: Sequence[int]) -> tuple[int, ...]:
+    """Per shard, the participant index that audits its owner: the next owner after it (in
+    participant order, cyclically); -1 for every shard when fewer than two peers own shards.
+    The coordinator uses the same function to check that an audit vote comes from the auditor."""
+    owners = sorted(set(shard_owner))
+    if len(owners) < 2:
+        return tuple(-1 for _ in shard_owner)
+    return tuple(owners[(owners.index(o) + 1) % len(owners)] for o in shard_owner)
 
 
 @dataclass(frozen=True)
@@ -547,6 +554,8 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
         return total
 
     async def reduce_own() -> None:
+        if not my_shards:
+            return  # a non-owner reduces nothing (and gets no distance matrices: owners send them to owners)
         if with_distances:
             assert reducer is not None
             held: dict[tuple[int, int], np.ndarray] = {}

@@ -63,11 +63,13 @@ class Swarmlet:
 
     async def run(self, xs, *, attempt: int, algorithm: str = "butterfly", compression: str = "none",
                   reducers=None, feedback=None, chunk_bytes: int = 64, return_exceptions: bool = False,
-                  chunk_timeout: float = 5.0, audit: bool = False, tampers=None):
+                  chunk_timeout: float = 5.0, audit: bool = False, tampers=None, shard_owner=None):
         n = xs[0].size
+        shard_owner = tuple(range(self.p)) if shard_owner is None else tuple(shard_owner)
+        shards = len(shard_owner)
         plan = CollectivePlan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
-                              shard_bounds=tuple(n * i // self.p for i in range(self.p + 1)),
-                              shard_owner=tuple(range(self.p)), algorithm=algorithm, chunk_bytes=chunk_bytes,
+                              shard_bounds=tuple(n * i // shards for i in range(shards + 1)),
+                              shard_owner=shard_owner, algorithm=algorithm, chunk_bytes=chunk_bytes,
                               chunk_timeout_seconds=chunk_timeout, deadline_seconds=30.0, compression=compression,
                               audit=audit,
                               ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids, bytes(32), 60.0))

@@ -3,6 +3,7 @@ without compression, a NaN-sending peer, multi-chunk shards; plus the pure piece
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
@@ -193,3 +194,19 @@ async def test_audit_blames_a_malicious_owner_and_never_an_honest_one(aggregator
     errors = {j: r for j, r in enumerate(out) if isinstance(r, CollectiveError)}
     assert list(errors) == [3], out
     assert set(errors[3].suspects) == {sw.ids[2], sw.ids[3]}
+
+
+@pytest.mark.parametrize("audit", [False, True])
+async def test_distance_aggregators_with_a_non_owner_participant(audit):
+    # Participant 4 owns no shard (a demoted slow peer, or one stripped by an audit): it still
+    # contributes and receives the result, and waits for no distance matrix (only owners need them).
+    p, n = 5, 160
+    xs = _inputs(p, n, seed=4)
+    spec = ReductionSpec("krum", {"f": 1})
+    async with Swarmlet(p) as sw:
+        res = await asyncio.wait_for(sw.run(xs, attempt=0, reducers=[OwnerReduction(spec, np.ones(p), n)
+                                                                     for _ in range(p)],
+                                            shard_owner=(0, 1, 2, 3), audit=audit), 30)
+    assert len({r.digest for r in res}) == 1
+    reference = make_aggregator("krum", f=1).reduce(np.stack(xs), np.ones(p)).values
+    np.testing.assert_allclose(res[0].values, reference, rtol=1e-5, atol=1e-5)

@@ -325,3 +325,39 @@ def test_failed_owner_audit_strips_owner_and_auditor_of_ownership_for_the_run():
     (p2,) = of([a for p in "abc" for a in e2.ready_(p, 0, info(), 0.1)], SendPlan)
     e2.vote("a", 0, p2.plan.attempt, False, b"", b"", 0.2, suspects=("b",))
     assert e2.untrusted == set()
+
+
+def test_an_audit_vote_strips_only_the_owner_its_voter_audits():
+    e = engine(audit_owners=True, algorithm="butterfly")
+    joined(e, "a", "b", "c", "d", "e", "f")
+    (plan,) = of([a for p in "abcdef" for a in e.ready_(p, 0, info(), 0.1)], SendPlan)
+    # a audits f's shard (the next owner after f, cyclically): naming b..e is not an audit claim.
+    e.vote("a", 0, plan.plan.attempt, False, b"", b"", 0.2, suspects=tuple("bcde"), audit=True)
+    assert e.untrusted == set()
+    e2 = engine(audit_owners=True, algorithm="butterfly")
+    joined(e2, "a", "b", "c", "d", "e", "f")
+    (plan2,) = of([a for p in "abcdef" for a in e2.ready_(p, 0, info(), 0.1)], SendPlan)
+    e2.vote("c", 0, plan2.plan.attempt, False, b"", b"", 0.2, suspects=("a",), audit=True)  # c does not audit a
+    assert e2.untrusted == set()
+    e2b = engine(audit_owners=True, algorithm="butterfly")
+    joined(e2b, "a", "b", "c", "d", "e", "f")
+    (plan3,) = of([a for p in "abcdef" for a in e2b.ready_(p, 0, info(), 0.1)], SendPlan)
+    e2b.vote("b", 0, plan3.plan.attempt, False, b"", b"", 0.2, suspects=("a", "b"), audit=True)  # b audits a
+    assert e2b.untrusted == {"a", "b"}
+
+
+def test_with_no_trusted_owner_left_no_round_opens():
+    # Two peers, one accused by the other: nobody can tell who lied. No round opens (instead of
+    # aborting in a loop) until a trusted peer joins.
+    e = engine(audit_owners=True, algorithm="butterfly", min_peers=2)
+    joined(e, "a", "b")
+    (plan,) = of([a for p in "ab" for a in e.ready_(p, 0, info(), 0.1)], SendPlan)
+    e.vote("b", 0, plan.plan.attempt, False, b"", b"", 0.2, suspects=("a", "b"), audit=True)
+    assert e.untrusted == {"a", "b"}
+    acts = [a for p in "ab" for a in e.ready_(p, 0, info(), 1.0)] + e.tick(2.0)
+    assert of(acts, SendPlan) == [] and e.running is None
+    joined(e, "c", now=3.0)
+    acts = [a for p in "abc" for a in e.ready_(p, 0, info(), 9.0)] + e.tick(14.5)
+    (nxt,) = of(acts, SendPlan)
+    assert {nxt.plan.participants[o] for o in nxt.plan.shard_owner} == {"c"}
+    assert not nxt.plan.audit_owners  # one owner: nobody to audit it, and the plan says so

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_swarm_with_a_nan_peer_and_int8(tmp_path):
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
@@ -27,25 +29,27 @@ def test_swarm_with_a_nan_peer_and_int8(tmp_path):
     assert s["flagged_peers"] == [attacker]
 
 
-def test_swarm_with_a_malicious_owner_is_caught_by_the_audit(tmp_path):
+@pytest.mark.parametrize("peers, aggregator", [(4, "trimmed-mean"), (6, "krum")])
+def test_swarm_with_a_malicious_owner_is_caught_by_the_audit(tmp_path, peers, aggregator):
     # The last peer contributes honestly but, as a shard owner, publishes -10 x its shard's
-    # aggregate. Its auditor catches it in round 0; from then on it owns no shard.
+    # aggregate. Its auditor catches it in round 0; from then on both own no shard (and Krum's
+    # distance matrices go to owners only: the non-owners must not wait for them).
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
     proc = subprocess.run(
-        [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "4", "--rounds", "4", "--byzantine", "1",
-         "--attack", "owner", "--aggregator", "trimmed-mean", "--audit-owners",
+        [sys.executable, "-m", "shoal.cli", "swarm", "--peers", str(peers), "--rounds", "4", "--byzantine", "1",
+         "--attack", "owner", "--aggregator", aggregator, "--audit-owners",
          "--summary", str(summary), "--no-progress", "--workdir", str(wd)],
         capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(summary.read_text())
     assert s["rounds_committed"] == 4 and s["digest_mismatches"] == 0
     assert s["abort_reasons"] == {"owner": 1} and s["rounds_retried"] == 1
-    attacker = [json.loads(line) for line in (wd / "peer-3.jsonl").read_text().splitlines()][-1]["peer"]
-    commits = [e for i in range(4) for e in map(json.loads, (wd / f"peer-{i}.jsonl").read_text().splitlines())
+    attacker = [json.loads(line) for line in (wd / f"peer-{peers - 1}.jsonl").read_text().splitlines()][-1]["peer"]
+    commits = [e for i in range(peers) for e in map(json.loads, (wd / f"peer-{i}.jsonl").read_text().splitlines())
                if e["event"] == "commit"]
     # Round 0 was retried without the owner and its accuser (which peer audits depends on the ids)...
-    assert sorted(c["participants"] for c in commits if c["round"] == 0) == [2, 2]
+    assert sorted(c["participants"] for c in commits if c["round"] == 0) == [peers - 2] * (peers - 2)
     # ... who are back later, as non-owners: no second audit failure (abort_reasons above).
-    assert any(c["participants"] == 4 for c in commits if c["round"] > 0)
+    assert any(c["participants"] == peers for c in commits if c["round"] > 0)
     assert "differs from the audit" in (wd / "coordinator.log").read_text()
     assert s["test_accuracy"] > 0.8, attacker
