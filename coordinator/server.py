@@ -349,7 +349,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             pb.MemberInfo(peer_id=m.peer_id, address=m.address, state=m.state,
                           lease_remaining_seconds=max(0.0, m.lease_expiry - now), num_samples=m.num_samples,
                           up_bytes_per_s=m.up_bytes_per_s, down_bytes_per_s=m.down_bytes_per_s,
-                          rtt_seconds=m.rtt_seconds)
+                          rtt_seconds=m.rtt_seconds, untrusted=m.peer_id in e.untrusted, shm_peers=len(m.shm_peers))
             for m in sorted(e.members.values(), key=lambda m: m.peer_id)
         ]
         k = request.recent_rounds or 10

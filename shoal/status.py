@@ -38,7 +38,8 @@ async def fetch_status_async(address: str, *, recent: int = 10, timeout: float =
             {"peer_id": m.peer_id, "address": m.address, "state": m.state,
              "lease_remaining_seconds": round(m.lease_remaining_seconds, 3), "num_samples": m.num_samples,
              "links": {"up_bytes_per_s": m.up_bytes_per_s, "down_bytes_per_s": m.down_bytes_per_s,
-                       "rtt_seconds": m.rtt_seconds}}
+                       "rtt_seconds": m.rtt_seconds},
+             "untrusted": m.untrusted, "shm_peers": m.shm_peers}
             for m in resp.members
         ],
         "rounds": [
@@ -77,10 +78,12 @@ def render_table(s: dict) -> str:
     head = (f"coordinator {s['coordinator']}  epoch {s['epoch']}  round {s['round']}  "
             f"committed {s['rounds_committed']}  aborted {s['rounds_aborted']}  algorithm {algo}")
     members = _table(
-        ["peer", "address", "state", "lease", "samples", "up", "down", "rtt"],
-        [[m["peer_id"][:12], m["address"], m["state"], f"{m['lease_remaining_seconds']:.1f}s", str(m["num_samples"]),
+        ["peer", "address", "state", "lease", "samples", "up", "down", "rtt", "shm peers"],
+        [[m["peer_id"][:12], m["address"], m["state"] + (" (untrusted)" if m["untrusted"] else ""),
+          f"{m['lease_remaining_seconds']:.1f}s", str(m["num_samples"]),
           _rate(m["links"]["up_bytes_per_s"]), _rate(m["links"]["down_bytes_per_s"]),
-          f"{m['links']['rtt_seconds'] * 1000:.1f}ms" if m["links"]["rtt_seconds"] else "-"] for m in s["members"]])
+          f"{m['links']['rtt_seconds'] * 1000:.1f}ms" if m["links"]["rtt_seconds"] else "-", str(m["shm_peers"])]
+         for m in s["members"]])
     rounds = _table(
         ["round", "attempt", "status", "peers", "seconds", "loss", "reason"],
         [[str(r["round"]), str(r["attempt"]), r["status"], str(r["participants"]),

@@ -105,11 +105,14 @@ def test_status_json_lists_the_members(swarm):
     assert all(":" in m["address"] and "up_bytes_per_s" in m["links"] for m in st["members"])
     assert st["rounds_committed"] >= 1 and any(r["status"] == "committed" for r in st["rounds"])
     assert st["run_config"]["algorithm"] == "diloco"
+    assert not any(m["untrusted"] for m in st["members"])
+    # The swarm's peers share this host: each reports the others as shared-memory peers (after a round).
+    assert all(m["shm_peers"] == PEERS - 1 for m in st["members"]), st["members"]
 
     out = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "--insecure", "--coordinator", swarm.address],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "members (3)" in out.stdout and "recent rounds" in out.stdout
+    assert "members (3)" in out.stdout and "recent rounds" in out.stdout and "shm peers" in out.stdout
     assert st["members"][0]["peer_id"][:12] in out.stdout
 
 

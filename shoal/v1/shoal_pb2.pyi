@@ -326,7 +326,7 @@ class StatusRequest(_message.Message):
     def __init__(self, recent_rounds: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds")
+    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "untrusted", "shm_peers")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,8 @@ class MemberInfo(_message.Message):
     UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNTRUSTED_FIELD_NUMBER: _ClassVar[int]
+    SHM_PEERS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     state: str
@@ -343,7 +345,9 @@ class MemberInfo(_message.Message):
     up_bytes_per_s: float
     down_bytes_per_s: float
     rtt_seconds: float
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ...) -> None: ...
+    untrusted: bool
+    shm_peers: int
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
     __slots__ = ("round", "attempt", "status", "state_digest", "participants", "seconds", "reason", "train_loss", "algorithm")
