@@ -219,19 +219,18 @@ class _Running:
     votes: dict[str, tuple[bool, bytes, bytes, float, tuple[str, ...], tuple[str, ...], str]] = field(default_factory=dict)
 
 
-def chunk_deadline(members: list[Member], config: EngineConfig, chunk_bytes: int | None = None) -> float:
+def chunk_deadline(members: list[Member], config: EngineConfig, chunk_bytes: int) -> float:
     """Per-chunk deadline (seconds) from the slowest measured link of the participants.
 
-    A chunk of `chunk_bytes` (the plan's; default the configured largest) must arrive within chunk_safety times its transfer time at the
-    slowest measured rate, plus two round trips; never less than the `chunk_timeout` floor (also
-    the value when no link has been measured yet).
+    A chunk of `chunk_bytes` (the plan's) must arrive within chunk_safety times its transfer time
+    at the slowest measured rate, plus two round trips; never less than the `chunk_timeout` floor
+    (also the value when no link has been measured yet).
     """
     rates = [r for m in members for r in (m.up_bytes_per_s, m.down_bytes_per_s) if r > 0]
     rtt = max((m.rtt_seconds for m in members), default=0.0)
     if not rates:
         return config.chunk_timeout
-    size = config.chunk_bytes if chunk_bytes is None else chunk_bytes
-    return max(config.chunk_timeout, config.chunk_safety * size / min(rates) + 2 * rtt)
+    return max(config.chunk_timeout, config.chunk_safety * chunk_bytes / min(rates) + 2 * rtt)
 
 
 # Bytes per element of each shoal.v1.DType code (FLOAT32, FLOAT16, BFLOAT16, INT8, FLOAT64, UINT8).
@@ -673,7 +672,8 @@ class RoundEngine:
             actions.append(PersistEpoch(self.epoch))
         info = self.ready[participants[0]]
         n = info.num_elements
-        layout = plan_layout(self.config.algorithm, [self.members[p] for p in participants], n,
+        members = [self.members[p] for p in participants]
+        layout = plan_layout(self.config.algorithm, members, n,
                              _ITEMSIZE.get(info.dtype, 4),
                              owner_reduces=self.config.aggregator not in ("mean", "fedavg") or self.config.audit_owners,
                              link_cap=self.config.link_cap_bytes_per_s, min_gain=self.config.plan_min_gain)
@@ -694,7 +694,6 @@ class RoundEngine:
         if audit and len(set(layout.shard_owner)) < 2:
             audit = False  # one owner has nobody to audit it
             log.warning("round %d is not audited: fewer than two shard owners", self.committed_rounds)
-        members = [self.members[p] for p in participants]
         if len(members) > 1 and all(q.peer_id in m.shm_peers for m in members for q in members if q is not m):
             chunk = self.config.shm_chunk_bytes  # one host: every pair on the shared-memory lane
         else:
@@ -712,7 +711,7 @@ class RoundEngine:
             num_elements=n,
             dtype=info.dtype,
             deadline_seconds=self.config.collective_timeout,
-            chunk_timeout_seconds=chunk_deadline([self.members[p] for p in participants], self.config, chunk),
+            chunk_timeout_seconds=chunk_deadline(members, self.config, chunk),
             chunk_bytes=chunk,
             aggregator=self.config.aggregator,
             audit_owners=audit,

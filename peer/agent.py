@@ -270,6 +270,8 @@ class PeerAgent(StateSource):
     async def _announce(self, round_: int, n: int) -> None:
         """Say ready; a sync order in the reply is handled like one on the event stream (which may
         be reconnecting at that moment, and is closed once the run finished)."""
+        # Stamped before and after the call: a heartbeat sent before the Ready was processed, or
+        # answered while it was in flight, must not count as "the coordinator forgot this peer".
         self.last_announce = time.monotonic()
         resp = await self._ready(round_, n)
         self.last_announce = time.monotonic()

@@ -503,8 +503,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
 
     async def summed(k: int, off: int) -> np.ndarray:
         """The plain sum of one chunk of shard k, added in plan order (no (p, m) copy)."""
-        lo = b[k] + off
-        hi = min(b[k + 1], lo + ce)
+        lo, hi = span(k, off)
         red: np.ndarray | None = None
         for j in range(p):
             if j == i:
@@ -614,8 +613,7 @@ async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Tr
                 continue
             sender = plan.participants[owner]
             for off in _chunk_offsets(b[k + 1] - b[k], ce):
-                lo = b[k] + off
-                hi = min(b[k + 1], lo + ce)
+                lo, hi = span(k, off)
                 v = _values(await _receive(inbox, plan, (AG, 0, k, off, sender)), sender)
                 faults.hit("ag", plan.round)
                 if v.size != hi - lo:
