@@ -4,10 +4,10 @@ A peer is admitted by a join token (an HMAC-signed, expiring bearer token the op
 out), by its Ed25519 public key being on the allow-list, or by both when both are configured
 (`Admission`). `RateLimiter` throttles callers before any expensive work. Everything here is
 pure and synchronous; the coordinator servicer maps the raised `ShoalError`s to gRPC status
-codes (`peer.errors.grpc_errors`).
+codes (`shoal.common.errors.grpc_errors`).
 
-This module does not verify request signatures (`peer.identity.RequestVerifier` does) nor
-transport security (`shoal.certs`).
+This module does not verify request signatures (`shoal.common.identity.RequestVerifier` does) nor
+transport security (`shoal.common.certs`).
 
 Join token format: `base64url_nopad(payload | tag)`, where `payload` is compact UTF-8 JSON
 `{"v": 1, "label": str, "exp": unix seconds (float), "id": 32 hex chars}` and `tag` is the
@@ -29,8 +29,8 @@ import pathlib
 import secrets
 import time
 
-from peer.errors import PermissionDenied, Unauthenticated
-from peer.limits import RateLimiter, host_of  # noqa: F401  (re-exported: admission's rate limits)
+from shoal.common.errors import PermissionDenied, Unauthenticated
+from shoal.common.limits import RateLimiter, host_of  # noqa: F401  (re-exported: admission's rate limits)
 
 TOKEN_DOMAIN = b"shoal.v1.join_token\x00"
 TAG_BYTES = 32

@@ -284,7 +284,7 @@ def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsi
     owners) forces the butterfly, the only algorithm with owner-side reduction. Never raises
     for bad measurements: it falls back to the static layout.
     """
-    from coordinator.planner import LinkSpec, allreduce_lower_bound, plan_collective, predict_butterfly
+    from shoal.coordinator.planner import LinkSpec, allreduce_lower_bound, plan_collective, predict_butterfly
 
     if owner_reduces:  # robust aggregators need every contribution at a shard owner
         algorithm = "butterfly"
@@ -583,7 +583,7 @@ class RoundEngine:
         accused peer besides the voter, and the voter audits a shard that peer owns. Otherwise
         None: the vote counts as an ordinary failure (no peer loses ownership on a peer's say-so
         beyond what the plan lets that peer check)."""
-        from peer.collectives import auditor_positions
+        from shoal.peer.collectives import auditor_positions
 
         if not plan.audit_owners or voter not in plan.participants:
             return None

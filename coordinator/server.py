@@ -7,10 +7,10 @@ peers' WatchRounds streams) and runs one ticker task that applies deadlines.
 Durability: a commit is written to the store (SQLite WAL, synchronous=FULL) before any peer is
 told about it, so a committed round is never lost by a coordinator crash.
 
-Security (docs/security.md): TLS or explicit plaintext (`peer.security.Security`); before any
+Security (docs/security.md): TLS or explicit plaintext (`shoal.common.security.Security`); before any
 handler, undecodable requests get INVALID_ARGUMENT, callers are rate limited per host (joins
 more strictly) and every call but GetStatus must carry a valid request signature
-(`peer.security.SignedCalls`); Join then applies admission (join token and/or allow-list). Every
+(`shoal.common.security.SignedCalls`); Join then applies admission (join token and/or allow-list). Every
 plan carries a round ticket signed with the coordinator's Ed25519 key, every sync order a permit.
 Operations: the server also carries gRPC health checking (grpc.health.v1; NOT_SERVING from the
 moment shutdown starts) and server reflection, and records shoal.metrics.CoordinatorMetrics,
@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from coordinator.rounds import (
+from shoal.coordinator.rounds import (
     Action,
     EngineConfig,
     ForgetMember,
@@ -46,16 +46,16 @@ from coordinator.rounds import (
     SendPlan,
     SendSync,
 )
-from coordinator.admission import Admission, AllowList, load_secret
-from coordinator.store import SQLiteStore, Store
-from peer.errors import DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
-from peer.identity import RequestVerifier, load_or_create_key, peer_id_of, public_bytes
-from peer.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
+from shoal.coordinator.admission import Admission, AllowList, load_secret
+from shoal.coordinator.store import SQLiteStore, Store
+from shoal.common.errors import DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
+from shoal.common.identity import RequestVerifier, load_or_create_key, peer_id_of, public_bytes
+from shoal.common.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
                          RateLimiter)
-from peer.security import Security, SignedCalls, add_port
-from peer.tickets import SYNC_ATTEMPT, issue_ticket, plan_digest
-from shoal.health import COORDINATOR_SERVICE, attach
-from shoal.metrics import CoordinatorMetrics
+from shoal.common.security import Security, SignedCalls, add_port
+from shoal.common.tickets import SYNC_ATTEMPT, issue_ticket, plan_digest
+from shoal.common.health import COORDINATOR_SERVICE, attach
+from shoal.common.metrics import CoordinatorMetrics
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 

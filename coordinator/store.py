@@ -13,7 +13,7 @@ import sqlite3
 import threading
 from typing import Protocol
 
-from coordinator.rounds import AbortRecord, CommitRecord, Member
+from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member
 
 
 class Store(Protocol):

@@ -48,8 +48,8 @@ def train(a: argparse.Namespace) -> dict:
     """One peer: an ordinary PyTorch loop plus the swarm optimizer wrapper."""
     import torch
 
-    import peer.torch_integration as shoal_torch
-    from peer.data import load_digits_split, partition
+    import shoal.peer.torch_integration as shoal_torch
+    from shoal.peer.data import load_digits_split, partition
 
     torch.set_num_threads(1)
     train_set, test_set = load_digits_split(a.seed)

@@ -37,20 +37,20 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from peer import faults
-from peer.byzantine import ATTACKS, OWNER_ATTACKS, forge, tamper
-from peer.collectives import CollectiveError, CollectivePlan, all_reduce
-from peer.compression import ErrorFeedback
-from peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options, serve_data_plane
-from peer.identity import load_or_create_key, public_bytes
-from peer.links import LinkMeter, probe_missing
-from peer.reduction import OwnerReduction
-from peer.security import Security, open_channel, signing_interceptors
-from peer.state_sync import SyncError, download_state
-from peer.training import CommittedState, DigitsWorkload, RunConfig
-from peer.workload import Workload, WorkloadClosed
-from shoal.health import PEER_SERVICE, attach
-from shoal.metrics import PeerMetrics
+from shoal.peer import faults
+from shoal.peer.byzantine import ATTACKS, OWNER_ATTACKS, forge, tamper
+from shoal.peer.collectives import CollectiveError, CollectivePlan, all_reduce
+from shoal.peer.compression import ErrorFeedback
+from shoal.peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options, serve_data_plane
+from shoal.common.identity import load_or_create_key, public_bytes
+from shoal.peer.links import LinkMeter, probe_missing
+from shoal.peer.reduction import OwnerReduction
+from shoal.common.security import Security, open_channel, signing_interceptors
+from shoal.peer.state_sync import SyncError, download_state
+from shoal.peer.training import CommittedState, DigitsWorkload, RunConfig
+from shoal.peer.workload import Workload, WorkloadClosed
+from shoal.common.health import PEER_SERVICE, attach
+from shoal.common.metrics import PeerMetrics
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 

@@ -14,7 +14,7 @@ Contract of every aggregator's `reduce`:
 - **Deterministic.** Same input bytes, same output bytes: float64 arithmetic in a fixed order, no
   BLAS reductions, stable sorts with ties broken by the lower row index.
 - **float64 inside, float32 out.**
-- **Raises** `peer.errors.InvalidArgument` (naming the field) only for malformed arguments:
+- **Raises** `shoal.common.errors.InvalidArgument` (naming the field) only for malformed arguments:
   wrong shape or dtype, negative or non-finite weights, a malformed distance matrix. Bad
   *values* in contributions are never an error; they are rejected.
 
@@ -48,7 +48,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from peer.errors import InvalidArgument, construct
+from shoal.common.errors import InvalidArgument, construct
 
 __all__ = [
     "AggregateResult",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from peer.errors import InvalidArgument
+from shoal.common.errors import InvalidArgument
 
 ATTACKS = ("sign-flip", "scale", "nan", "random")  # forged contributions
 OWNER_ATTACKS = ("owner",)  # corrupted aggregates, published by a shard owner

@@ -39,12 +39,12 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from peer import faults
-from peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode, max_abs_error
-from peer.dataplane import Inbox, Payload, SenderGone, Transport
-from peer.errors import InvalidArgument
-from peer.shm import SegmentWriter
-from peer.tensors import digest, dtype_code
+from shoal.peer import faults
+from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode, max_abs_error
+from shoal.peer.dataplane import Inbox, Payload, SenderGone, Transport
+from shoal.common.errors import InvalidArgument
+from shoal.peer.shm import SegmentWriter
+from shoal.common.tensors import digest, dtype_code
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
@@ -112,7 +112,7 @@ def auditor_positions(shard_owner: Sequence[int]) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class CollectiveResult:
-    """values: (n,) array, same dtype as the input; digest: `peer.tensors.digest` of it (BLAKE3-256,
+    """values: (n,) array, same dtype as the input; digest: `shoal.common.tensors.digest` of it (BLAKE3-256,
     the vote digest); seconds: the whole collective, digest included."""
 
     values: np.ndarray

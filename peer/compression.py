@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from peer.errors import InvalidArgument
+from shoal.common.errors import InvalidArgument
 
 __all__ = [
     "BLOCK",

@@ -7,7 +7,7 @@ hands it to the inbox; it serves committed state to joiners and answers link pro
 `Transport` owns the outgoing channels, one per remote address, reused across rounds.
 
 Who may push (docs/security.md): a PushChunks stream is accepted only when its first chunk is
-signed by the sender's key (metadata over the chunk, `peer.security.push_metadata`) and carries a
+signed by the sender's key (metadata over the chunk, `shoal.common.security.push_metadata`) and carries a
 coordinator-signed round ticket naming the sender, this round attempt and the plan this peer
 holds; every chunk must then match the plan (dtype, 1-D shape within the shard bounds, chunk
 size) and the first chunk's sender/round/attempt. Anything else is refused before a single value
@@ -28,17 +28,17 @@ import grpc
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from peer import faults, shm
-from peer.compression import BLOCK, Encoded
-from peer.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
+from shoal.peer import faults, shm
+from shoal.peer.compression import BLOCK, Encoded
+from shoal.common.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
                          ResourceExhausted, ShoalError, grpc_errors, require)
-from peer.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public_bytes
-from peer.shm import SegmentReader
-from peer.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
-from peer.security import (MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
+from shoal.common.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public_bytes
+from shoal.peer.shm import SegmentReader
+from shoal.common.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
+from shoal.common.security import (MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
                            push_metadata, signing_interceptors)
-from peer.tensors import decode_chunk, to_numpy_dtype
-from peer.tickets import plan_digest, verify_membership, verify_ticket
+from shoal.common.tensors import decode_chunk, to_numpy_dtype
+from shoal.common.tickets import plan_digest, verify_membership, verify_ticket
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 

@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from peer.errors import InvalidArgument, construct
+from shoal.common.errors import InvalidArgument, construct
 
 __all__ = [
     "DiLoCo",

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from peer.aggregators import add_dp_noise, bound_norms, make_aggregator, partial_sq_distances
-from peer.errors import InvalidArgument
+from shoal.peer.aggregators import add_dp_noise, bound_norms, make_aggregator, partial_sq_distances
+from shoal.common.errors import InvalidArgument
 
 
 @dataclass(frozen=True)

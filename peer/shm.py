@@ -37,7 +37,7 @@ import re
 import secrets
 import stat
 
-from peer.errors import InvalidArgument, require
+from shoal.common.errors import InvalidArgument, require
 
 SHM_DIR = "/dev/shm"
 FIRST_SLAB_BYTES = 1 << 20  # slabs grow 1, 2, 4, ... MiB (or one chunk), up to SLAB_BYTES
@@ -96,7 +96,7 @@ def remove_stale_of_keys(directory) -> int:
     launcher (`shoal swarm`, the tests) calls after killing its peers. Returns slabs removed."""
     import pathlib
 
-    from peer.identity import load_or_create_key, peer_id_of, public_bytes
+    from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes
 
     removed = 0
     for path in sorted(pathlib.Path(directory).glob("*.key")):

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from peer.dataplane import Transport
-from peer.security import MD_TICKET
-from peer.tensors import digest
+from shoal.peer.dataplane import Transport
+from shoal.common.security import MD_TICKET
+from shoal.common.tensors import digest
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.state_sync")

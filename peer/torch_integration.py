@@ -1,6 +1,6 @@
 """PyTorch integration: an existing training loop joins a Shoal swarm in a few lines.
 
-    import peer.torch_integration as shoal_torch
+    import shoal.peer.torch_integration as shoal_torch
 
     torch.manual_seed(0)                       # every peer must start from the same parameters
     model = Net()
@@ -52,9 +52,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from peer.agent import PeerAgent, PeerConfig
-from peer.training import CommittedState, LocalUpdate, RunConfig, make_outer_for
-from peer.workload import FlatStateWorkload, WorkloadClosed
+from shoal.peer.agent import PeerAgent, PeerConfig
+from shoal.peer.training import CommittedState, LocalUpdate, RunConfig, make_outer_for
+from shoal.peer.workload import FlatStateWorkload, WorkloadClosed
 
 log = logging.getLogger("shoal.torch")
 

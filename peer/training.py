@@ -10,7 +10,7 @@ One round of DiLoCo (Douillard et al. 2023) or FedAvg (McMahan et al. 2017), see
 4. `apply(tentative)` makes it the committed state, only after the coordinator committed it.
 
 The committed state (parameters, outer optimizer state, committed round count) serializes to a
-deterministic byte string; its BLAKE3-256 digest (peer.tensors.digest) is what peers vote on and joiners verify.
+deterministic byte string; its BLAKE3-256 digest (shoal.common.tensors.digest) is what peers vote on and joiners verify.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from peer.data import NUM_CLASSES, NUM_FEATURES, Dataset, load_digits_split, partition
-from peer.errors import InvalidArgument
-from peer.model import Adam, MLPShape, init_params, loss_and_grad, predict
-from peer.compression import codec_id
-from peer.outer import OuterOptimizer, fedprox_grad, make_outer
-from peer.reduction import ReductionSpec
-from peer.tensors import digest
+from shoal.peer.data import NUM_CLASSES, NUM_FEATURES, Dataset, load_digits_split, partition
+from shoal.common.errors import InvalidArgument
+from shoal.peer.model import Adam, MLPShape, init_params, loss_and_grad, predict
+from shoal.peer.compression import codec_id
+from shoal.peer.outer import OuterOptimizer, fedprox_grad, make_outer
+from shoal.peer.reduction import ReductionSpec
+from shoal.common.tensors import digest
 
 _MAGIC = b"SHOALST1"
 
@@ -143,7 +143,7 @@ class CommittedState:
         return b"".join([_MAGIC, struct.pack("<I", len(h)), h] + [np.ascontiguousarray(v).tobytes() for v in arrays.values()])
 
     def digest(self) -> bytes:
-        """BLAKE3-256 of `to_bytes()` (peer.tensors.digest)."""
+        """BLAKE3-256 of `to_bytes()` (shoal.common.tensors.digest)."""
         if self._digest is None:
             self._digest = digest(self.to_bytes())
         return self._digest

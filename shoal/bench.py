@@ -131,7 +131,7 @@ class _Procs:
         for _, p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
-        from peer.shm import remove_stale_of_keys
+        from shoal.peer.shm import remove_stale_of_keys
 
         remove_stale_of_keys(self.workdir)  # shared-memory slabs of jobs killed at the deadline
 
@@ -224,7 +224,7 @@ def run_bench(opts: BenchOptions) -> dict:
     Raises RuntimeError when a process fails or the run passes ``opts.timeout``; ValueError for
     inconsistent options. Every process and namespace is gone when it returns or raises.
     """
-    from coordinator.planner import allreduce_lower_bound
+    from shoal.coordinator.planner import allreduce_lower_bound
 
     p = opts.peers
     if p < 2:

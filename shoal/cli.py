@@ -24,7 +24,7 @@ import signal
 import sys
 
 from shoal import config as config_mod
-from peer.errors import InvalidArgument
+from shoal.common.errors import InvalidArgument
 from shoal.config import ConfigError, ShoalConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -119,7 +119,7 @@ def _tls_dir(tls_dir: str | None, files: tuple[str, ...]) -> None:
 
 def _security(tls_dir: str | None, mtls: bool, insecure: bool, who: str, files: tuple[str, ...]):
     """The TLS/plaintext choice of a process, its files checked; raises UsageError."""
-    from peer.security import Security
+    from shoal.common.security import Security
 
     sec = Security(tls_dir=tls_dir, mtls=mtls, insecure=insecure)
     try:
@@ -138,7 +138,7 @@ def _why(exc: OSError) -> str:
 
 
 def cmd_certs_init(a: argparse.Namespace) -> int:
-    from shoal.certs import CA_KEY, init_certs
+    from shoal.common.certs import CA_KEY, init_certs
 
     try:
         paths = init_certs(a.out, hosts=a.host or ("127.0.0.1", "localhost"), days=a.days, overwrite=a.force)
@@ -158,7 +158,7 @@ def cmd_certs_init(a: argparse.Namespace) -> int:
 
 
 def cmd_token_create(a: argparse.Namespace) -> int:
-    from coordinator.admission import create_secret, create_token, load_secret
+    from shoal.coordinator.admission import create_secret, create_token, load_secret
 
     try:
         if pathlib.Path(a.secret).exists():
@@ -178,7 +178,7 @@ def cmd_token_create(a: argparse.Namespace) -> int:
 
 def _key_file(path: str) -> None:
     """An Ed25519 key file that loads, or one that can be created."""
-    from peer.identity import load_or_create_key
+    from shoal.common.identity import load_or_create_key
 
     if not pathlib.Path(path).exists():
         try:  # like load_or_create_key, which makes the key's directory (e.g. ~/.shoal)
@@ -197,7 +197,7 @@ def _key_file(path: str) -> None:
 
 def _coordinator_files(c) -> None:
     """Every file the coordinator reads or writes is usable before it starts; raises UsageError."""
-    from coordinator.admission import AllowList, load_secret
+    from shoal.coordinator.admission import AllowList, load_secret
 
     _parent_dir("--state", c.state)
     key = c.key or str(pathlib.Path(c.state).with_suffix(".key"))
@@ -222,7 +222,7 @@ def _coordinator_files(c) -> None:
 def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     import dataclasses
 
-    from coordinator.server import CoordinatorConfig, serve
+    from shoal.coordinator.server import CoordinatorConfig, serve
 
     c = cfg.coordinator
     _coordinator_files(c)
@@ -263,7 +263,7 @@ def _peer_files(p) -> None:
 
 
 def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
-    from peer.agent import PeerConfig, run_peer
+    from shoal.peer.agent import PeerConfig, run_peer
 
     p = cfg.peer
     _peer_files(p)

@@ -25,14 +25,14 @@ import time
 import grpc
 import numpy as np
 
-from peer.byzantine import forge
-from peer.collectives import CollectiveError, CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
-from peer.reduction import OwnerReduction, ReductionSpec
-from peer.identity import load_or_create_key, public_bytes
-from peer.links import LinkMeter, probe_missing
-from peer.security import Security, open_channel, signing_interceptors
-from peer.tensors import dtype_code
+from shoal.peer.byzantine import forge
+from shoal.peer.collectives import CollectiveError, CollectivePlan, all_reduce
+from shoal.peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
+from shoal.peer.reduction import OwnerReduction, ReductionSpec
+from shoal.common.identity import load_or_create_key, public_bytes
+from shoal.peer.links import LinkMeter, probe_missing
+from shoal.common.security import Security, open_channel, signing_interceptors
+from shoal.common.tensors import dtype_code
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 

@@ -164,7 +164,7 @@ class RoundsSection:
 
     def to_engine_config(self, run: "RunSection | None" = None):
         """The engine's settings; `run` adds the aggregator and codec the plans carry."""
-        from coordinator.rounds import EngineConfig
+        from shoal.coordinator.rounds import EngineConfig
 
         run = run or RunSection()
         algorithm = "butterfly" if run.needs_butterfly() else self.algorithm_collective
@@ -274,7 +274,7 @@ class RunSection:
                 or self.audit_owners)
 
     def to_run_config(self, num_shards: int):
-        from peer.training import RunConfig
+        from shoal.peer.training import RunConfig
 
         return RunConfig(algorithm=self.algorithm, seed=self.seed, inner_steps=self.inner_steps,
                          batch_size=self.batch_size, lr=self.lr, hidden=self.hidden, outer=self.outer,

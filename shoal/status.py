@@ -1,6 +1,6 @@
 """`shoal status`: the operator's view of a coordinator (members, their links, recent rounds).
 
-One GetStatus call (bounded by `timeout`) over TLS or explicit plaintext (`peer.security
+One GetStatus call (bounded by `timeout`) over TLS or explicit plaintext (`shoal.common.security
 .Security`, like every other connection), rendered either as JSON (stable keys, for scripts and
 tests) or as plain-text tables for humans. Failure: an unreachable coordinator (or a TLS
 handshake that fails) raises the grpc.aio.AioRpcError (UNAVAILABLE / DEADLINE_EXCEEDED), which
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from peer.security import Security, open_channel
+from shoal.common.security import Security, open_channel
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 

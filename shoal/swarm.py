@@ -60,7 +60,7 @@ class SwarmOptions:
     compression: str = "none"
 
     def run_config(self):
-        from peer.training import RunConfig
+        from shoal.peer.training import RunConfig
 
         known = {f.name for f in dataclasses.fields(RunConfig)}
         return RunConfig(algorithm=self.algorithm, seed=self.seed, inner_steps=self.inner_steps, lr=self.lr,
@@ -135,8 +135,8 @@ class Swarm:
         (valid for the swarm's timeout) in the workdir; no-op otherwise."""
         if not self.opts.tls or self.join_token:
             return
-        from coordinator.admission import create_secret, create_token, load_secret
-        from shoal.certs import init_certs
+        from shoal.coordinator.admission import create_secret, create_token, load_secret
+        from shoal.common.certs import init_certs
 
         tls = self.workdir / "tls"
         if not (tls / "ca.key").exists():
@@ -231,7 +231,7 @@ class Swarm:
             p.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
-        from peer.shm import remove_stale_of_keys
+        from shoal.peer.shm import remove_stale_of_keys
 
         remove_stale_of_keys(self.workdir)  # slabs of peers the chaos monkey killed
 
@@ -459,7 +459,7 @@ def _terminate(signum, frame) -> None:
 
 def run_swarm(opts: SwarmOptions) -> dict:
     """Run a local swarm to completion; returns the summary (with "ok") and writes it if asked."""
-    from peer.training import baseline_accuracy
+    from shoal.peer.training import baseline_accuracy
 
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:

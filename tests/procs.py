@@ -45,7 +45,7 @@ class Procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
         # Shared-memory slabs of peers killed with SIGKILL (their identities' keys are here).
-        from peer.shm import remove_stale_of_keys
+        from shoal.peer.shm import remove_stale_of_keys
 
         remove_stale_of_keys(self.workdir)
 

@@ -8,10 +8,10 @@ import asyncio
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from peer.collectives import CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, Transport
-from peer.identity import peer_id_of, public_bytes
-from peer.tickets import issue_ticket, verify_ticket
+from shoal.peer.collectives import CollectivePlan, all_reduce
+from shoal.peer.dataplane import Inbox, PeerService, Session, Transport
+from shoal.common.identity import peer_id_of, public_bytes
+from shoal.common.tickets import issue_ticket, verify_ticket
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 

@@ -9,7 +9,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.admission import (
+from shoal.coordinator.admission import (
     Admission,
     AllowList,
     RateLimiter,
@@ -19,8 +19,8 @@ from coordinator.admission import (
     load_secret,
     verify_token,
 )
-from peer.errors import PermissionDenied, ResourceExhausted, Unauthenticated
-from peer.identity import public_bytes
+from shoal.common.errors import PermissionDenied, ResourceExhausted, Unauthenticated
+from shoal.common.identity import public_bytes
 
 T0 = 1_700_000_000.0
 SECRET = b"s" * 32

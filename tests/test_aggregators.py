@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.aggregators import (
+from shoal.peer.aggregators import (
     AGGREGATORS,
     AggregateResult,
     Aggregator,
@@ -20,7 +20,7 @@ from peer.aggregators import (
     partial_sq_distances,
     validate,
 )
-from peer.errors import InvalidArgument
+from shoal.common.errors import InvalidArgument
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True)
 

@@ -67,7 +67,7 @@ def test_butterfly_allreduce_equals_numpy_sum(procs, p, size):
 def test_nan_attacker_never_reaches_a_result_with_any_aggregator(procs):
     """Real processes, real gRPC: one process sends NaN every round; the owners run every
     aggregator in turn (one per round); every result is finite, identical and flags the attacker."""
-    from peer.aggregators import AGGREGATORS
+    from shoal.peer.aggregators import AGGREGATORS
 
     p, size, attacker = 4, 999, 3
     aggs = list(AGGREGATORS)

@@ -12,7 +12,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shoal.certs import CertPaths, channel_credentials, init_certs, server_credentials
+from shoal.common.certs import CertPaths, channel_credentials, init_certs, server_credentials
 
 RPC_TIMEOUT_S = 5.0
 pytestmark = pytest.mark.timeout(30)

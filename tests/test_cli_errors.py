@@ -90,8 +90,8 @@ def test_min_peers_above_peers_is_an_error_not_a_silent_cap(capsys):
 
 
 def test_run_config_checks_its_own_ranges():
-    from peer.errors import InvalidArgument
-    from peer.training import RunConfig
+    from shoal.common.errors import InvalidArgument
+    from shoal.peer.training import RunConfig
 
     for bad in ({"batch_size": 0}, {"hidden": 0}, {"lr": 0.0}, {"lr": float("nan")}, {"seed": -1}):
         with pytest.raises(InvalidArgument, match=next(iter(bad))):
@@ -173,7 +173,7 @@ def test_peer_gives_up_on_an_unreachable_coordinator_after_connect_timeout(tmp_p
 
 
 def test_peer_refused_by_the_coordinator_exits_2_with_the_reason(procs, tmp_path):
-    from coordinator.admission import create_secret, create_token
+    from shoal.coordinator.admission import create_secret, create_token
 
     secret = create_secret(tmp_path / "join.secret")
     _, addr = procs.coordinator("--join-token-secret", str(tmp_path / "join.secret"))
@@ -235,8 +235,8 @@ def test_help_says_what_each_flag_does_once():
 
 
 def test_run_finished_is_logged_once(caplog):
-    from coordinator.rounds import SendFinished
-    from coordinator.server import CoordinatorService
+    from shoal.coordinator.rounds import SendFinished
+    from shoal.coordinator.server import CoordinatorService
 
     service = CoordinatorService(None, None, "{}", None)  # apply(SendFinished) touches neither
     with caplog.at_level("INFO", logger="shoal.coordinator"):
@@ -246,7 +246,7 @@ def test_run_finished_is_logged_once(caplog):
 
 
 def test_round_gauge_moves_on_commit():
-    from shoal.metrics import CoordinatorMetrics
+    from shoal.common.metrics import CoordinatorMetrics
 
     m = CoordinatorMetrics()
     m.on_commit(0.1, rounds_committed=3)

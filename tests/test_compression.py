@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from peer.compression import (
+from shoal.peer.compression import (
     BLOCK,
     CODECS,
     Encoded,
@@ -21,7 +21,7 @@ from peer.compression import (
     max_abs_error,
     payload_bytes,
 )
-from peer.errors import InvalidArgument
+from shoal.common.errors import InvalidArgument
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True)
 

@@ -144,7 +144,7 @@ def test_deploy_example_config_is_valid():
 def test_observability_doc_lists_every_metric():
     import importlib.util
 
-    from shoal.metrics import COORDINATOR_METRICS, PEER_METRICS
+    from shoal.common.metrics import COORDINATOR_METRICS, PEER_METRICS
 
     spec = importlib.util.spec_from_file_location("gen_config_docs", ROOT / "scripts" / "gen_config_docs.py")
     gen = importlib.util.module_from_spec(spec)

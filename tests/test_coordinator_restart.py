@@ -7,8 +7,8 @@ import sys
 import grpc
 import pytest
 
-from peer.identity import load_or_create_key, peer_id_of, public_bytes
-from peer.security import signing_interceptors
+from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes
+from shoal.common.security import signing_interceptors
 from procs import read_json
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc

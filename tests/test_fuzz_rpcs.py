@@ -20,8 +20,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from coordinator.admission import create_secret, create_token
-from peer.identity import peer_id_of, public_bytes, sign_metadata
+from shoal.coordinator.admission import create_secret, create_token
+from shoal.common.identity import peer_id_of, public_bytes, sign_metadata
 from procs import read_json
 from shoal.collective_job import make_input
 from shoal.v1 import shoal_pb2 as pb

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hypothesis import strategies as st
 
-from peer.errors import ResourceExhausted, Unauthenticated, grpc_errors
-from peer.identity import (
+from shoal.common.errors import ResourceExhausted, Unauthenticated, grpc_errors
+from shoal.common.identity import (
     MD_NONCE,
     MD_PUBKEY,
     MD_SIG,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from peer.dataplane import Inbox, PeerService, Transport, serve_data_plane
+from shoal.peer.dataplane import Inbox, PeerService, Transport, serve_data_plane
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from peer.links import LinkMeter, probe_missing
-from peer.security import Security
+from shoal.peer.links import LinkMeter, probe_missing
+from shoal.common.security import Security
 
 
 class Clock:

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from shoal.metrics import COORDINATOR_METRICS, PEER_METRICS
+from shoal.common.metrics import COORDINATOR_METRICS, PEER_METRICS
 from shoal.swarm import Swarm, SwarmOptions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

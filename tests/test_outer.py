@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.errors import InvalidArgument
-from peer.outer import OUTER_OPTIMIZERS, OuterOptimizer, fedprox_grad, make_outer
+from shoal.common.errors import InvalidArgument
+from shoal.peer.outer import OUTER_OPTIMIZERS, OuterOptimizer, fedprox_grad, make_outer
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 NAMES = sorted(OUTER_OPTIMIZERS)

@@ -9,16 +9,16 @@ import dataclasses
 import numpy as np
 import pytest
 
-from coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendPlan
-from peer.aggregators import AGGREGATORS, make_aggregator
-from peer.byzantine import ATTACKS, forge
-from peer.collectives import CollectiveError, CollectivePlan
-from peer.compression import ErrorFeedback, max_abs_error
+from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendPlan
+from shoal.peer.aggregators import AGGREGATORS, make_aggregator
+from shoal.peer.byzantine import ATTACKS, forge
+from shoal.peer.collectives import CollectiveError, CollectivePlan
+from shoal.peer.compression import ErrorFeedback, max_abs_error
 
-from peer.dataplane import Session
-from peer.errors import InvalidArgument
-from peer.reduction import OwnerReduction, ReductionSpec
-from peer.training import RunConfig
+from shoal.peer.dataplane import Session
+from shoal.common.errors import InvalidArgument
+from shoal.peer.reduction import OwnerReduction, ReductionSpec
+from shoal.peer.training import RunConfig
 from swarmlet import Swarmlet
 from shoal.v1 import shoal_pb2 as pb
 

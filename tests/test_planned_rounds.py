@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from coordinator.planner import LinkSpec, plan_collective
-from coordinator.rounds import EngineConfig, Member, ReadyInfo, RoundEngine, SendPlan, plan_layout
+from shoal.coordinator.planner import LinkSpec, plan_collective
+from shoal.coordinator.rounds import EngineConfig, Member, ReadyInfo, RoundEngine, SendPlan, plan_layout
 
 KEY = bytes(32)
 MBIT = 1e6 / 8

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from coordinator.planner import (
+from shoal.coordinator.planner import (
     CollectivePlan,
     LinkSpec,
     allreduce_lower_bound,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.rounds import (
+from shoal.coordinator.rounds import (
     EngineConfig, PersistUntrusted, ReadyInfo, RoundEngine, RoundError, SendAbort, SendCommit, SendFinished, SendPlan,
     SendSync,
 )

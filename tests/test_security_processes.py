@@ -18,14 +18,14 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.admission import create_secret, create_token
-from peer.collectives import CollectivePlan, all_reduce
-from peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
-from peer.identity import load_or_create_key, peer_id_of, public_bytes, sign_metadata
-from peer.security import MD_TICKET, Security, open_channel, push_metadata, signing_interceptors
-from peer.tickets import issue_ticket, plan_digest
+from shoal.coordinator.admission import create_secret, create_token
+from shoal.peer.collectives import CollectivePlan, all_reduce
+from shoal.peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
+from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes, sign_metadata
+from shoal.common.security import MD_TICKET, Security, open_channel, push_metadata, signing_interceptors
+from shoal.common.tickets import issue_ticket, plan_digest
 from procs import read_json
-from shoal.certs import channel_credentials, init_certs
+from shoal.common.certs import channel_credentials, init_certs
 from shoal.collective_job import make_input
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc

@@ -11,10 +11,10 @@ import os
 import numpy as np
 import pytest
 
-from peer import shm
-from peer.dataplane import Session
-from peer.errors import InvalidArgument
-from peer.tensors import digest
+from shoal.peer import shm
+from shoal.peer.dataplane import Session
+from shoal.common.errors import InvalidArgument
+from shoal.common.tensors import digest
 from shoal.v1 import shoal_pb2 as pb
 from swarmlet import Swarmlet
 

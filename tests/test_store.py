@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.rounds import AbortRecord, CommitRecord, Member
-from coordinator.store import MemoryStore, SQLiteStore
+from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member
+from shoal.coordinator.store import MemoryStore, SQLiteStore
 
 
 @pytest.fixture(params=["memory", "sqlite"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from peer.errors import InvalidArgument, PermissionDenied
-from peer.identity import public_bytes
-from peer.tickets import MAX_TICKET_BYTES, issue_ticket, plan_digest, verify_ticket
+from shoal.common.errors import InvalidArgument, PermissionDenied
+from shoal.common.identity import public_bytes
+from shoal.common.tickets import MAX_TICKET_BYTES, issue_ticket, plan_digest, verify_ticket
 from shoal.v1 import shoal_pb2
 
 T0 = 1_700_000_000.0

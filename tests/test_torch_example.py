@@ -36,7 +36,7 @@ def test_flatten_round_trip():
     import numpy as np
     import torch
 
-    from peer.torch_integration import flatten, unflatten_into
+    from shoal.peer.torch_integration import flatten, unflatten_into
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))

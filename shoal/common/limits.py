@@ -3,7 +3,7 @@
 One place for the numbers every server and client of both planes uses (message sizes, concurrent
 calls) and for the per-caller token bucket (`RateLimiter`, keyed by `host_of(context.peer())`).
 Pure and synchronous; the servers map the raised `ShoalError`s to gRPC status codes
-(`peer.errors`). Who may call at all is `peer.security` / `coordinator.admission`.
+(`shoal.common.errors`). Who may call at all is `shoal.common.security` / `shoal.coordinator.admission`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import collections
 import math
 import time
 
-from peer.errors import ResourceExhausted
+from shoal.common.errors import ResourceExhausted
 
 # Control plane: requests are small (the largest is a Vote or a LinkReport); responses carry
 # plans and status listings, which grow with the swarm.

@@ -3,13 +3,13 @@
 `Security` says how a process talks: TLS from a directory made by `shoal certs init` (optionally
 mutual), or plaintext when the operator passed `--insecure`. `open_channel` / `add_port` turn it
 into gRPC channels and listening ports. `signing_interceptors` sign every unary and
-server-streaming call made on a channel with the caller's Ed25519 key (`peer.identity
+server-streaming call made on a channel with the caller's Ed25519 key (`shoal.common.identity
 .sign_metadata`); `SignedCalls` is the server side: a per-host rate limit, then the signature
-check (`peer.identity.RequestVerifier`), before any handler runs. `PushChunks` (a client stream)
+check (`shoal.common.identity.RequestVerifier`), before any handler runs. `PushChunks` (a client stream)
 is signed by its first chunk instead (`push_metadata`, checked in `peer.dataplane`).
 
-This module does not decide who is admitted (`coordinator.admission`) nor who may send tensors
-in a round (`peer.tickets`); it only makes sure a request comes from the key it names, once.
+This module does not decide who is admitted (`shoal.coordinator.admission`) nor who may send tensors
+in a round (`shoal.common.tickets`); it only makes sure a request comes from the key it names, once.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from collections.abc import Collection
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from peer.errors import ShoalError
-from peer.identity import RequestVerifier, sign_metadata
-from peer.limits import RateLimiter, host_of
-from shoal.certs import channel_credentials, server_credentials
+from shoal.common.errors import ShoalError
+from shoal.common.identity import RequestVerifier, sign_metadata
+from shoal.common.limits import RateLimiter, host_of
+from shoal.common.certs import channel_credentials, server_credentials
 
 log = logging.getLogger("shoal.security")
 

@@ -8,7 +8,7 @@ Control-plane requests are signed with that key (`sign_metadata`) and checked by
 coordinator (`RequestVerifier`): the signature covers the method, a timestamp, a single-use
 nonce and the serialized request, so it can be neither replayed nor moved to another call, and
 the request's `peer_id` / `public_key` must name the signer. This module does not do transport
-security (see `shoal.certs`) nor admission (see `coordinator.admission`).
+security (see `shoal.common.certs`) nor admission (see `shoal.coordinator.admission`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from google.protobuf.message import Message
 
-from peer.errors import ResourceExhausted, Unauthenticated
+from shoal.common.errors import ResourceExhausted, Unauthenticated
 
 PEER_ID_BYTES = 16
 

@@ -29,7 +29,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from google.protobuf.message import DecodeError
 
-from peer.errors import InvalidArgument, PermissionDenied
+from shoal.common.errors import InvalidArgument, PermissionDenied
 from shoal.v1 import shoal_pb2
 
 TICKET_DOMAIN = b"shoal.v1.ticket\x00"

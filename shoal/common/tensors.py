@@ -17,7 +17,7 @@ from __future__ import annotations
 import blake3
 import numpy as np
 
-from peer.errors import InvalidArgument
+from shoal.common.errors import InvalidArgument
 from shoal.v1 import shoal_pb2 as pb
 
 _TO_NUMPY = {

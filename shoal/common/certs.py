@@ -15,7 +15,7 @@ Layout of a TLS directory (all PEM):
     peer.key
 
 This module does not authenticate *who* a peer is beyond "holds a certificate from this CA";
-peer identity is the Ed25519 key (`peer.identity`), admission is `coordinator.admission`.
+peer identity is the Ed25519 key (`shoal.common.identity`), admission is `shoal.coordinator.admission`.
 """
 
 from __future__ import annotations
