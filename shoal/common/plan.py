@@ -1,0 +1,141 @@
+"""The plan of one collective attempt: the one type from the planner to the wire to the peers.
+
+The coordinator's planner lays a collective out (participants in collective order, the
+collective algorithm, tensor-shard bounds and owners, chunking, the prediction), the round
+engine stamps it with the round, attempt, epoch and deadlines, the server renders it to the wire
+(`to_proto`, then signs a round ticket over `shoal.common.tickets.plan_digest` of that message),
+and every peer reads it back with `from_proto`. Nothing else describes a plan.
+
+Vocabulary: the *collective* (collective algorithm) is "butterfly" (direct reduce-scatter to
+shard owners + all-gather, hivemind's butterfly all-reduce) or "ring" (Patarasuk & Yuan 2009);
+never to be confused with the *training* algorithm (DiLoCo, FedAvg). A *tensor shard* is the
+element range ``[shard_bounds[k], shard_bounds[k+1])`` reduced by its *shard owner*
+``participants[shard_owner[k]]``; a *data shard* is the part of the training data a peer holds
+(not described here).
+
+Pure: no grpc, no sockets; the wire module `shoal.v1.shoal_pb2` is plain protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shoal.v1 import shoal_pb2 as pb
+
+COLLECTIVES = ("butterfly", "ring")  # what the data plane runs (shoal.peer.collectives)
+
+
+def auditor_positions(shard_owner: Sequence[int]) -> tuple[int, ...]:
+    """Per tensor shard, the participant position that audits its owner: the next owner after it
+    (in participant order, cyclically); -1 for every shard when fewer than two peers own shards.
+
+    Peers (who audits what) and the coordinator (does an audit vote come from the auditor?) use
+    this same function.
+    """
+    owners = sorted(set(shard_owner))
+    if len(owners) < 2:
+        return tuple(-1 for _ in shard_owner)
+    return tuple(owners[(owners.index(o) + 1) % len(owners)] for o in shard_owner)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One collective attempt (docs/protocol.md, `Plan`).
+
+    participants: peer ids in collective order (ring order for "ring"). addresses, num_samples,
+    public_keys: per participant, same order (empty until the engine fills them in).
+    collective: "butterfly" | "ring". shard_bounds: element offsets ``(0, ..., num_elements)``,
+    one tensor shard per owner. shard_owner: per shard, the owner's position in `participants`.
+    demoted: participants that own no shard. chunk_bytes: largest chunk on the wire, bytes.
+    deadline_seconds: the whole attempt; chunk_timeout_seconds: one chunk (derived from the
+    slowest measured link, see `shoal.coordinator.planner.chunk_deadline`).
+    predicted_seconds / bound_seconds / floor_seconds: the planner's α-β prediction, the lower
+    bound of any all-reduce on these links and the simple floor (0 when links are unknown).
+    num_elements / dtype: the tensor (dtype: a `shoal.v1.DType` code). aggregator, compression:
+    what shard owners compute and how chunks are encoded. audit_owners: a second owner recomputes
+    every shard's aggregate (`auditor_positions`). ticket: the coordinator-signed round ticket
+    (empty before the server signs it).
+    """
+
+    participants: tuple[str, ...]
+    collective: str
+    shard_bounds: tuple[int, ...]
+    shard_owner: tuple[int, ...]
+    round: int = 0
+    attempt: int = 0
+    epoch: int = 0
+    addresses: tuple[str, ...] = ()
+    num_samples: tuple[int, ...] = ()
+    public_keys: tuple[bytes, ...] = ()
+    num_elements: int = 0
+    dtype: int = 0
+    deadline_seconds: float = 30.0
+    chunk_timeout_seconds: float = 5.0
+    chunk_bytes: int = 1 << 20
+    aggregator: str = ""  # "" = the run's aggregator (RunConfig)
+    compression: str = "none"
+    audit_owners: bool = False
+    predicted_seconds: float = 0.0
+    bound_seconds: float = 0.0
+    floor_seconds: float = 0.0
+    demoted: tuple[str, ...] = ()
+    ticket: bytes = b""
+
+    @property
+    def size(self) -> int:
+        """Number of participants."""
+        return len(self.participants)
+
+    def position(self, peer_id: str) -> int:
+        """`peer_id`'s position in `participants`; raises ValueError when it is not one."""
+        return self.participants.index(peer_id)
+
+    def owners(self) -> tuple[int, ...]:
+        """Positions that own at least one tensor shard, ascending."""
+        return tuple(sorted(set(self.shard_owner)))
+
+    def auditors(self) -> tuple[int, ...]:
+        """Per tensor shard, the position that audits its owner (`auditor_positions`); all -1
+        when the plan is not audited."""
+        return auditor_positions(self.shard_owner) if self.audit_owners else tuple(-1 for _ in self.shard_owner)
+
+    def to_proto(self) -> pb.Plan:
+        """The wire form (without demoted/bound/floor, which only the coordinator logs)."""
+        owners = set(self.shard_owner)
+        parts = [
+            pb.Participant(peer_id=p,
+                           address=self.addresses[i] if i < len(self.addresses) else "",
+                           num_samples=self.num_samples[i] if i < len(self.num_samples) else 0,
+                           owner=i in owners,
+                           public_key=self.public_keys[i] if i < len(self.public_keys) else b"")
+            for i, p in enumerate(self.participants)
+        ]
+        return pb.Plan(round=self.round, attempt=self.attempt, epoch=self.epoch, participants=parts,
+                       algorithm=self.collective, shard_bounds=self.shard_bounds, shard_owner=self.shard_owner,
+                       num_elements=self.num_elements, dtype=self.dtype, deadline_seconds=self.deadline_seconds,
+                       chunk_timeout_seconds=self.chunk_timeout_seconds, chunk_bytes=self.chunk_bytes,
+                       ticket=self.ticket, aggregator=self.aggregator, compression=self.compression,
+                       predicted_seconds=self.predicted_seconds, audit_owners=self.audit_owners)
+
+    @staticmethod
+    def from_proto(msg: pb.Plan) -> Plan:
+        """Read a wire plan (missing optional fields take the defaults above)."""
+        return Plan(
+            participants=tuple(p.peer_id for p in msg.participants),
+            collective=msg.algorithm or "ring",
+            shard_bounds=tuple(msg.shard_bounds),
+            shard_owner=tuple(msg.shard_owner),
+            round=msg.round, attempt=msg.attempt, epoch=msg.epoch,
+            addresses=tuple(p.address for p in msg.participants),
+            num_samples=tuple(p.num_samples for p in msg.participants),
+            public_keys=tuple(p.public_key for p in msg.participants),
+            num_elements=msg.num_elements, dtype=msg.dtype,
+            deadline_seconds=msg.deadline_seconds or 30.0,
+            chunk_timeout_seconds=msg.chunk_timeout_seconds or 5.0,
+            chunk_bytes=msg.chunk_bytes or (1 << 20),
+            aggregator=msg.aggregator, compression=msg.compression or "none",
+            audit_owners=msg.audit_owners, predicted_seconds=msg.predicted_seconds,
+            demoted=tuple(p.peer_id for i, p in enumerate(msg.participants) if i not in set(msg.shard_owner)),
+            ticket=msg.ticket,
+        )
