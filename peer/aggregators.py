@@ -399,7 +399,6 @@ class Mean:
 
     name = "mean"
     needs_distances = False
-    min_contributions = 1
 
     def reduce(self, contributions: np.ndarray, weights: np.ndarray, distances: np.ndarray | None = None) -> AggregateResult:
         """See the module docstring; `distances` only propagates rejections."""
@@ -422,7 +421,6 @@ class Median:
 
     name = "median"
     needs_distances = False
-    min_contributions = 1
 
     def reduce(self, contributions: np.ndarray, weights: np.ndarray, distances: np.ndarray | None = None) -> AggregateResult:
         """See the module docstring; weights are checked but unused."""
@@ -445,7 +443,6 @@ class TrimmedMean:
 
     name = "trimmed-mean"
     needs_distances = False
-    min_contributions = 1
 
     def __init__(self, beta: float = 0.2) -> None:
         self.beta = _check_float("beta", beta, 0.0, 0.5, high_open=True)
@@ -489,7 +486,6 @@ class CenteredClip:
 
     name = "centered-clip"
     needs_distances = True
-    min_contributions = 1
 
     def __init__(self, tau: float = 1.0, iterations: int = 5) -> None:
         self.tau = _check_float("tau", tau, 0.0, math.inf, low_open=True, high_open=True)
@@ -540,7 +536,6 @@ class Krum:
 
     def __init__(self, f: int = 1) -> None:
         self.f = _check_int("f", f, 0)
-        self.min_contributions = 2 * self.f + 3
 
     def select(self, d: np.ndarray) -> np.ndarray:
         """Indices (into the surviving rows) that are averaged; here exactly one."""
@@ -605,7 +600,6 @@ class Bulyan:
 
     def __init__(self, f: int = 1) -> None:
         self.f = _check_int("f", f, 0)
-        self.min_contributions = 4 * self.f + 3
 
     def select(self, d: np.ndarray) -> np.ndarray:
         """Indices (into the surviving rows) picked by iterated Krum, in pick order."""
@@ -652,9 +646,6 @@ def make_aggregator(name: str, **params: object) -> Aggregator:
     Names and parameters: "mean" (none; also "fedavg"), "median" (none), "trimmed-mean"
     (beta=0.2), "centered-clip" (tau=1.0, iterations=5), "krum" (f=1), "multi-krum" (f=1,
     m=None), "bulyan" (f=1).
-
-    Each instance also has `min_contributions`: the row count its robustness guarantee needs
-    (e.g. 2f+3 for Krum), for the coordinator to check when it plans the round.
 
     Raises:
         InvalidArgument: unknown name ("aggregator"), unknown or out-of-range parameter (named).

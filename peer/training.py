@@ -92,16 +92,8 @@ class RunConfig:
         return ReductionSpec(self.aggregator, dict(self.aggregator_params), self.max_norm, self.on_norm, self.dp_sigma)
 
     @property
-    def owner_reduction(self) -> bool:
-        """Whether shard owners must see every contribution (anything beyond a plain weighted sum)."""
-        return self.aggregator not in ("mean", "fedavg") or self.max_norm > 0 or self.dp_sigma > 0
-
-    @property
     def outer_name(self) -> str:
         return self.outer or ("diloco" if self.algorithm == "diloco" else "sgd")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "RunConfig":
@@ -235,10 +227,6 @@ class DigitsWorkload(FlatStateWorkload):
     def evaluate(self) -> float:
         """Held-out accuracy of the committed parameters, in [0, 1]."""
         return float((predict(self.shape, self.state.params, self.test.x) == self.test.y).mean())
-
-    def test_loss(self) -> float:
-        loss, _ = loss_and_grad(self.shape, self.state.params, self.test.x, self.test.y)
-        return loss
 
 
 def baseline_accuracy(cfg: RunConfig, total_steps: int) -> float:

@@ -377,12 +377,6 @@ def test_bad_arguments_raise_invalid_argument():
             call()
 
 
-def test_min_contributions():
-    assert make_aggregator("krum", f=2).min_contributions == 7
-    assert make_aggregator("bulyan", f=2).min_contributions == 11
-    assert make_aggregator("median").min_contributions == 1
-
-
 # --------------------------------------------------------------------------------------------
 # validate / bound_norms
 

@@ -30,8 +30,6 @@ from shoal.common.certs import channel_credentials, server_credentials
 log = logging.getLogger("shoal.security")
 
 PUSH_CHUNKS = "/shoal.v1.Peer/PushChunks"
-FETCH_STATE = "/shoal.v1.Peer/FetchState"
-PROBE = "/shoal.v1.Peer/Probe"
 # Metadata key carrying a round ticket or sync permit on FetchState ("-bin": raw bytes).
 MD_TICKET = "x-shoal-ticket-bin"
 
