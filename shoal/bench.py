@@ -157,9 +157,9 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         sys.executable, "-m", "shoal.cli", "coordinator", "--listen", f"{coord_host}:0",
         "--state", str(wd / "coordinator.db"), "--ready-file", str(ready),
         "--rounds", str(opts.repeat + 1), "--min-peers", str(p), "--initial-peers", str(p),
-        "--straggler-timeout", str(per_round), "--collective-timeout", str(per_round),
+        "--ready-timeout", str(per_round), "--collective-timeout", str(per_round),
         "--chunk-timeout", str(per_round), "--lease-seconds", str(max(30.0, per_round)), "--max-attempts", "1",
-        "--algorithm-collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes), "--log-level", "warning",
+        "--collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes), "--log-level", "warning",
         "--insecure"])  # plaintext on both planes, like the gloo baseline
     addr = _wait_file(ready, deadline, procs, "coordinator", coord)
     jobs = []

@@ -230,7 +230,7 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> in
                          ("coordinator.pem", "coordinator.key") + (("ca.pem",) if c.mtls else ()))
     server_cfg = CoordinatorConfig(
         listen=c.listen, state_path=c.state, engine=cfg.rounds.to_engine_config(cfg.run),
-        run_config=dataclasses.asdict(cfg.run.to_run_config(c.num_shards)), ready_file=c.ready_file,
+        run_config=dataclasses.asdict(cfg.run.to_run_config(c.num_data_shards)), ready_file=c.ready_file,
         key_path=c.key, metrics_port=c.metrics_port, metrics_host=c.metrics_host,
         security=security, join_token_secret=c.join_token_secret, allow_list=c.allow_list,
         join_rate=c.join_rate, join_burst=c.join_burst, request_rate=c.rate_limit,
@@ -270,7 +270,7 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     security = _security(p.tls_dir, p.mtls, p.insecure, "peer", ("ca.pem", "peer.pem", "peer.key"))
     peer_cfg = PeerConfig(security=security, join_token=p.join_token or os.environ.get("SHOAL_JOIN_TOKEN", ""),
                           attack=p.attack, attack_scale=p.attack_scale,
-                          coordinator=p.coordinator, listen=p.listen, key_path=p.key, shard=p.shard,
+                          coordinator=p.coordinator, listen=p.listen, key_path=p.key, shard=p.data_shard,
                           events_path=p.events, ready_file=p.ready_file, rpc_timeout=p.rpc_timeout,
                           round_silence=p.round_silence, sync_donors=p.sync_donors,
                           sync_range_bytes=p.sync_range_bytes,
@@ -322,7 +322,7 @@ def _swarm_files(s) -> None:
 CHAOS_ROUNDS = 150
 
 _SWARM_RUN_FIELDS = ("algorithm", "seed", "inner_steps", "lr", "non_iid")
-_SWARM_ROUNDS_FIELDS = ("rounds", "min_peers", "initial_peers", "straggler_timeout")
+_SWARM_ROUNDS_FIELDS = ("rounds", "min_peers", "initial_peers", "ready_timeout")
 
 
 def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
@@ -357,7 +357,7 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     rounds = CHAOS_ROUNDS if s.chaos and "rounds.rounds" not in given else r.rounds
     opts = SwarmOptions(peers=s.peers, rounds=rounds, chaos=s.chaos, chaos_interval=s.chaos_interval, algorithm=run.algorithm, seed=run.seed,
                         inner_steps=run.inner_steps, lr=run.lr, non_iid=run.non_iid, summary_path=s.summary,
-                        workdir=s.workdir, progress=s.progress, straggler_timeout=r.straggler_timeout,
+                        workdir=s.workdir, progress=s.progress, ready_timeout=r.ready_timeout,
                         min_peers=min_peers, timeout=s.timeout, plot_path=s.plot, metrics=s.metrics,
                         run_extra=run_extra, extra_coordinator_args=tuple(extra),
                         log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import tomllib
 import types
@@ -28,7 +29,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+log = logging.getLogger("shoal.config")
+
 ENV_PREFIX = "SHOAL_"
+# Settings renamed so that one name means one thing (tensor shard vs data shard, collective vs
+# training algorithm, one name for the ready deadline). The old key, environment variable and flag
+# keep working until 0.3 with a warning: (section, old key) -> new key.
+RENAMED: dict[tuple[str, str], str] = {
+    ("coordinator", "num_shards"): "num_data_shards",
+    ("rounds", "straggler_timeout"): "ready_timeout",
+    ("rounds", "algorithm_collective"): "collective",
+    ("peer", "shard"): "data_shard",
+}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -98,7 +110,7 @@ class CoordinatorSection:
     ready_file: str | None = setting(None, "write the bound address to this file once serving")
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0 = off)")
     metrics_host: str = setting("0.0.0.0", "address the /metrics server binds")
-    num_shards: int = setting(4, "parts the default workload's training data is cut into")
+    num_data_shards: int = setting(4, "data shards: parts the default workload's training data is cut into")
     tls_dir: str | None = setting(None, "TLS directory made by `shoal certs init` (ca.pem, coordinator.*, peer.*)")
     mtls: bool = setting(False, "mutual TLS: demand a client certificate signed by ca.pem")
     insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
@@ -115,7 +127,7 @@ class CoordinatorSection:
         check_address(c, "listen", self.listen)
         _check(bool(self.state), c, "state", "a file path", self.state)
         _check(0 <= self.metrics_port <= 65535, c, "metrics_port", "in 0..65535", self.metrics_port)
-        _check(self.num_shards >= 1, c, "num_shards", ">= 1", self.num_shards)
+        _check(self.num_data_shards >= 1, c, "num_data_shards", ">= 1", self.num_data_shards)
         _check(self.join_rate > 0 and _finite(self.join_rate), c, "join_rate", "> 0", self.join_rate)
         _check(self.join_burst >= 1, c, "join_burst", ">= 1", self.join_burst)
         _check(self.rate_limit > 0 and _finite(self.rate_limit), c, "rate_limit", "> 0", self.rate_limit)
@@ -129,8 +141,8 @@ class RoundsSection:
     min_peers: int = setting(2, "quorum: fewest participants of a round")
     initial_peers: int = setting(0, "round 0 waits for this many ready peers (0 = min_peers)")
     lease_seconds: float = setting(10.0, "a peer silent (no heartbeat) this long is dropped; heartbeats every lease/4")
-    straggler_timeout: float = setting(5.0, "after the first ready of a round, wait at most this long for the "
-                                            "other members, then open the round with those ready")
+    ready_timeout: float = setting(5.0, "after the first ready of a round, wait at most this long for the other "
+                                        "members (stragglers), then open the round with those ready")
     collective_timeout: float = setting(30.0, "hard deadline of one collective attempt, plan to last vote")
     chunk_timeout: float = setting(2.0, "floor of the per-chunk deadline: max(this, chunk_safety * chunk_bytes / "
                                         "slowest measured link + 2 * max RTT) (detects a silent peer)")
@@ -139,9 +151,9 @@ class RoundsSection:
                                         "of the slowest measured link per chunk)")
     shm_chunk_bytes: int = setting(4 << 20, "tensor chunk when all participants reach each other through shared "
                                             "memory (one host), bytes")
-    algorithm_collective: str = setting("auto", "all-reduce algorithm (auto: chosen by the planner from the peers' "
-                                        "measured links; butterfly with equal shards until links are known)",
-                                        choices=("ring", "butterfly", "auto"))
+    collective: str = setting("auto", "collective algorithm of the all-reduce (auto: chosen by the planner from the "
+                                      "peers' measured links; butterfly with equal tensor shards until links are "
+                                      "known)", choices=("ring", "butterfly", "auto"))
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
 
@@ -154,7 +166,7 @@ class RoundsSection:
         for key in ("lease_seconds", "collective_timeout", "chunk_timeout", "chunk_safety"):
             v = getattr(self, key)
             _check(v > 0 and _finite(v), r, key, "> 0", v)
-        for key in ("straggler_timeout", "retry_backoff"):
+        for key in ("ready_timeout", "retry_backoff"):
             v = getattr(self, key)
             _check(v >= 0 and _finite(v), r, key, ">= 0", v)
         _check(self.chunk_bytes >= 1024, r, "chunk_bytes", ">= 1024", self.chunk_bytes)
@@ -167,10 +179,10 @@ class RoundsSection:
         from shoal.coordinator.rounds import EngineConfig
 
         run = run or RunSection()
-        algorithm = "butterfly" if run.needs_butterfly() else self.algorithm_collective
+        algorithm = "butterfly" if run.needs_butterfly() else self.collective
         return EngineConfig(aggregator=run.aggregator, compression=run.compression, audit_owners=run.audit_owners,
                             min_peers=self.min_peers, initial_peers=self.initial_peers,
-                            lease_seconds=self.lease_seconds, ready_timeout=self.straggler_timeout,
+                            lease_seconds=self.lease_seconds, ready_timeout=self.ready_timeout,
                             collective_timeout=self.collective_timeout, chunk_timeout=self.chunk_timeout,
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
                             shm_chunk_bytes=self.shm_chunk_bytes,
@@ -293,7 +305,8 @@ class PeerSection:
     advertise: str | None = setting(None, "data-plane HOST:PORT other peers dial (default: the bound address; "
                                           "set it behind NAT or in containers)")
     key: str = setting("shoal-peer.key", "Ed25519 identity key file (created if absent); peer id = hash of it")
-    shard: int = setting(0, "which part of the default workload's training data this peer holds")
+    data_shard: int = setting(0, "which data shard (part of the default workload's training data) this peer "
+                                 "holds")
     events: str | None = setting(None, "append JSON-lines round events (commit, abort, state_sync) here")
     ready_file: str | None = setting(None, "write the data-plane address here once joined")
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0 = off)")
@@ -324,7 +337,7 @@ class PeerSection:
         if self.advertise is not None:
             check_address(p, "advertise", self.advertise, port_zero=False)
         _check(bool(self.key), p, "key", "a file path", self.key)
-        _check(self.shard >= 0, p, "shard", ">= 0", self.shard)
+        _check(self.data_shard >= 0, p, "data_shard", ">= 0", self.data_shard)
         _check(0 <= self.metrics_port <= 65535, p, "metrics_port", "in 0..65535", self.metrics_port)
         for key in ("rpc_timeout", "connect_timeout", "round_silence"):
             v = getattr(self, key)
@@ -478,6 +491,24 @@ def flag_name(section: str, name: str) -> str:
 # ---------------------------------------------------------------------------------- layers
 
 
+def _renamed(section: str, old: str, spelled: str, instead: str) -> str:
+    """Warn that `spelled` (an old name of `section.old`) is deprecated; return the new key."""
+    log.warning("%s is deprecated and will be removed in 0.3; use %s", spelled, instead)
+    return RENAMED[section, old]
+
+
+class _DeprecatedFlag(argparse.Action):
+    """An old flag name: stores into the new setting's destination and warns once used."""
+
+    def __init__(self, option_strings, dest, *, instead: str, **kw):
+        self.instead = instead
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        log.warning("%s is deprecated and will be removed in 0.3; use %s", option_string, self.instead)
+        setattr(namespace, self.dest, values)
+
+
 def read_file(path: str) -> dict[str, dict[str, Any]]:
     """The overrides of a TOML file, checked: {section: {key: value}}. Raises ConfigError."""
     try:
@@ -493,6 +524,8 @@ def read_file(path: str) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"{path}: unknown table [{section}] (known: {', '.join(SECTIONS)})")
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key, value in table.items():
+            if (section, key) in RENAMED:
+                key = _renamed(section, key, f"{path}: {section}.{key}", f"{section}.{RENAMED[section, key]}")
             if key not in known:
                 raise ConfigError(f"{path}: unknown key {section}.{key}")
             out.setdefault(section, {})[key] = _coerce(section, key, value, f"file {path}")
@@ -503,12 +536,18 @@ def read_env(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """The overrides found in `environ` (SHOAL_<SECTION>_<KEY>). Unknown SHOAL_ names are errors
     only when they start with a known section (so SHOAL_HOME and the like stay usable)."""
     out: dict[str, dict[str, Any]] = {}
+    for (section, old), new in RENAMED.items():
+        name = env_name(section, old)
+        if name in environ and env_name(section, new) not in environ:
+            _renamed(section, old, f"env {name}", env_name(section, new))
+            out.setdefault(section, {})[new] = _coerce(section, new, environ[name], f"env {name}")
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             name = env_name(section, f.name)
             if name in environ:
                 out.setdefault(section, {})[f.name] = _coerce(section, f.name, environ[name], f"env {name}")
     known = {env_name(s, f.name) for s, c in SECTIONS.items() for f in dataclasses.fields(c)}
+    known |= {env_name(s, old) for s, old in RENAMED}
     for name in environ:
         if name.startswith(ENV_PREFIX) and name not in known and \
                 any(name.startswith(f"{ENV_PREFIX}{s.upper()}_") for s in SECTIONS):
@@ -601,6 +640,12 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
                     kw.update(choices=meta["choices"])
                     del kw["metavar"]
             group.add_argument(flag_name(section, f.name), **kw)
+        for (sec, old), new in RENAMED.items():
+            if sec == section:
+                t, _ = _base_type(cls, new)
+                group.add_argument("--" + old.replace("_", "-"), dest=_dest(section, new), type=t,
+                                   default=argparse.SUPPRESS, help=argparse.SUPPRESS, action=_DeprecatedFlag,
+                                   instead=flag_name(section, new))
 
 
 def flags_from_args(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -673,6 +718,12 @@ def render_markdown() -> str:
                 meaning += f" (one of: {', '.join(f.metadata['choices'])})"
             flag = flag_name(section, f.name)
             lines.append(f"| `{f.name}` | `{env_name(section, f.name)}` | `{flag}` | {default} | {meaning} |")
+    lines += ["", "## Renamed settings", "",
+              "These old names still work until 0.3 and log a deprecation warning when used:", "",
+              "| old | new |", "| --- | --- |"]
+    for (section, old), new in RENAMED.items():
+        lines.append(f"| `{section}.{old}` (`--{old.replace('_', '-')}`, `{env_name(section, old)}`) | "
+                     f"`{section}.{new}` (`{flag_name(section, new)}`) |")
     lines += ["", "Exit codes of every command are listed in `shoal --help` and in `shoal/cli.py`.", ""]
     return "\n".join(lines)
 

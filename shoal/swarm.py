@@ -41,7 +41,7 @@ class SwarmOptions:
     summary_path: str | None = None
     workdir: str | None = None
     progress: bool = True
-    straggler_timeout: float = 5.0
+    ready_timeout: float = 5.0
     min_peers: int = 2
     timeout: float = 600.0
     chaos: bool = False
@@ -176,8 +176,8 @@ class Swarm:
         return [sys.executable, "-m", "shoal.cli", "coordinator", "--listen", "127.0.0.1:0",
                 "--state", str(self.workdir / "coordinator.db"), "--ready-file", str(self.workdir / "coordinator.addr"),
                 "--rounds", str(o.rounds), "--min-peers", str(o.min_peers),
-                "--initial-peers", str(o.peers), "--num-shards", str(o.peers),
-                "--straggler-timeout", str(o.straggler_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
+                "--initial-peers", str(o.peers), "--num-data-shards", str(o.peers),
+                "--ready-timeout", str(o.ready_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
                 "--inner-steps", str(o.inner_steps), "--lr", str(o.lr),
                 *(["--non-iid"] if o.non_iid else []), *self._run_extra_args(), *self._common_args("coordinator"),
                 *self.security_args("coordinator"), *o.extra_coordinator_args]
@@ -215,7 +215,7 @@ class Swarm:
 
     def peer_argv(self, i: int) -> list[str]:
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", "127.0.0.1:0",
-                "--key", str(self.workdir / f"peer-{i}.key"), "--shard", str(i),
+                "--key", str(self.workdir / f"peer-{i}.key"), "--data-shard", str(i),
                 "--events", str(self.workdir / f"peer-{i}.jsonl"), *self._common_args(f"peer-{i}"),
                 *self.security_args("peer"), *self.opts.extra_peer_args,
                 *(self.opts.attack_args if i >= self.opts.peers - self.opts.byzantine else ())]
@@ -476,7 +476,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
         bar = _progress(opts)
         if bar is not None:
             stack.callback(bar.close)
-        chaos = Chaos(swarm, opts.seed, opts.chaos_interval, opts.straggler_timeout + 2.0) if opts.chaos else None
+        chaos = Chaos(swarm, opts.seed, opts.chaos_interval, opts.ready_timeout + 2.0) if opts.chaos else None
         ok, why = True, ""
         try:
             swarm.start_coordinator()

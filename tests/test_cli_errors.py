@@ -51,7 +51,7 @@ def one_line_error(out: subprocess.CompletedProcess | str) -> str:
     (["swarm", "--seed", "-1"], "--seed"),
     (["swarm", "--batch-size", "0"], "--batch-size"),
     (["swarm", "--byzantine", "1"], "--attack"),
-    (["peer", "--insecure", "--shard", "-1"], "--shard"),
+    (["peer", "--insecure", "--data-shard", "-1"], "--data-shard"),
     (["peer", "--insecure", "--advertise", "10.0.0.1:0"], "--advertise"),
     (["peer", "--insecure", "--listen", "127.0.0.1:99999"], "--listen"),
     (["peer", "--insecure", "--listen", "garbage"], "--listen"),

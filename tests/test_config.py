@@ -25,7 +25,7 @@ def toml(tmp_path):
     p = tmp_path / "shoal.toml"
     p.write_text('[rounds]\nrounds = 7\nmin_peers = 3\nlease_seconds = 4\n\n'
                  '[run]\nalgorithm = "fedavg"\nlr = 0.01\nnon_iid = true\n\n'
-                 '[peer]\ncoordinator = "file:1"\nshard = 2\n\n[log]\nlevel = "warning"\n')
+                 '[peer]\ncoordinator = "file:1"\ndata_shard = 2\n\n[log]\nlevel = "warning"\n')
     return str(p)
 
 
@@ -52,8 +52,8 @@ def test_file_then_env_then_flags(toml):
 
 
 def test_each_command_reads_its_sections(toml):
-    cfg = parse(["peer", "--config", toml, "--listen", "127.0.0.1:9"], {"SHOAL_PEER_SHARD": "5"})
-    assert (cfg.peer.coordinator, cfg.peer.shard, cfg.peer.listen) == ("file:1", 5, "127.0.0.1:9")
+    cfg = parse(["peer", "--config", toml, "--listen", "127.0.0.1:9"], {"SHOAL_PEER_DATA_SHARD": "5"})
+    assert (cfg.peer.coordinator, cfg.peer.data_shard, cfg.peer.listen) == ("file:1", 5, "127.0.0.1:9")
     cfg = parse(["status", "--coordinator", "x:1", "--json"])
     assert cfg.status.coordinator == "x:1" and cfg.status.json is True
     cfg = parse(["coordinator", "--metrics-port", "9100", "--inner-steps", "3"])
@@ -161,3 +161,29 @@ def test_sources_name_the_layer_of_each_setting(toml):
     cli.load_config(a, {"SHOAL_RUN_SEED": "4", "SHOAL_ROUNDS_ROUNDS": "8"}, sources=sources)
     assert sources["swarm.peers"] == "flag" and sources["run.seed"] == "env" and sources["rounds.rounds"] == "env"
     assert sources["rounds.min_peers"] == "file" and "run.hidden" not in sources
+
+
+@pytest.mark.parametrize("section,old,new,value", [
+    ("peer", "shard", "data_shard", 3),
+    ("coordinator", "num_shards", "num_data_shards", 6),
+    ("rounds", "straggler_timeout", "ready_timeout", 7.5),
+    ("rounds", "algorithm_collective", "collective", "ring"),
+])
+def test_renamed_settings_keep_working_with_a_warning(tmp_path, caplog, section, old, new, value):
+    """An old name (file key, environment variable or flag) sets the new setting and logs one
+    deprecation warning naming the new spelling."""
+    command = {"peer": "peer", "coordinator": "coordinator", "rounds": "coordinator"}[section]
+    toml = tmp_path / "old.toml"
+    literal = f'"{value}"' if isinstance(value, str) else repr(value)
+    toml.write_text(f"[{section}]\n{old} = {literal}\n")
+    for argv, env, spelled in [
+        ([command, "--config", str(toml)], {}, f"{section}.{old}"),
+        ([command], {config.env_name(section, old): str(value)}, config.env_name(section, old)),
+        ([command, "--" + old.replace("_", "-"), str(value)], {}, "--" + old.replace("_", "-")),
+    ]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="shoal.config"):
+            cfg = parse(argv + ["--insecure"], env)
+        assert getattr(getattr(cfg, section), new) == value
+        warnings = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+        assert len(warnings) == 1 and spelled in warnings[0], warnings

@@ -15,6 +15,7 @@ limit, message too large, buffers full), FAILED_PRECONDITION (wrong round/state)
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TypeVar
 
@@ -148,9 +149,14 @@ def construct(registry: Mapping[str, Callable[..., T]], name: str, field: str, a
               **params: object) -> T:
     """`registry[name](**params)`, with `aliases` applied to `name` first.
 
-    Raises InvalidArgument naming `field`: unknown name, or parameters the constructor refuses
-    (a TypeError: unknown keyword) — the class raises InvalidArgument itself for bad values.
+    `aliases` are deprecated spellings (e.g. aggregator "fedavg" for "mean": FedAvg names the
+    training algorithm); using one logs a warning. Raises InvalidArgument naming `field`: unknown
+    name, or parameters the constructor refuses (a TypeError: unknown keyword) — the class raises
+    InvalidArgument itself for bad values.
     """
+    if aliases and name in aliases:
+        logging.getLogger("shoal.config").warning("%s %r is deprecated and will be removed in 0.3; use %r",
+                                                  field, name, aliases[name])
     cls = registry.get((aliases or {}).get(name, name))
     if cls is None:
         raise InvalidArgument(f"{field}: unknown {name!r}; expected one of {sorted(registry)}")
