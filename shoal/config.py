@@ -167,7 +167,7 @@ class RoundsSection:
         from shoal.coordinator.rounds import EngineConfig
 
         run = run or RunSection()
-        algorithm = "butterfly" if run.needs_butterfly() else self.algorithm_collective
+        collective = "butterfly" if run.needs_butterfly() else self.algorithm_collective
         return EngineConfig(aggregator=run.aggregator, compression=run.compression, audit_owners=run.audit_owners,
                             min_peers=self.min_peers, initial_peers=self.initial_peers,
                             lease_seconds=self.lease_seconds, ready_timeout=self.straggler_timeout,
@@ -175,7 +175,7 @@ class RoundsSection:
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
                             shm_chunk_bytes=self.shm_chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
-                            total_rounds=self.rounds, algorithm=algorithm)
+                            total_rounds=self.rounds, collective=collective)
 
 
 @dataclass(frozen=True)
