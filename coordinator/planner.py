@@ -1,12 +1,21 @@
-"""Collective planning: which all-reduce to run, in which order, with which shard sizes.
+"""Round planning: which collective to run, in which order, with which tensor shards and chunks.
 
-This module is the pure core of round planning (the design notes (§4)). Given one `LinkSpec` per
-participant (upload and download bandwidth in bytes/s and a typical round-trip time) and the size
-of the tensor, `plan_collective` chooses the algorithm (ring, butterfly or tree / recursive
-doubling), the participant order, the shard boundaries and owners, and predicts how long the
-collective takes under an α-β cost model with asymmetric links. It opens no sockets, reads no
-clocks and keeps no state: arrays in, a frozen `CollectivePlan` out. Measuring links, choosing the
-participants and publishing the plan belong to the coordinator's round logic, not here.
+This module is the pure core of round planning (the design notes (§4)); it opens no sockets,
+reads no clocks and keeps no state. Two levels:
+
+* The model: given one `LinkSpec` per participant (upload and download bandwidth in bytes/s and
+  a typical round-trip time) and the size of the tensor, `plan_collective` shapes one collective
+  ("butterfly" or "ring", `shoal.common.plan.COLLECTIVES`): participant order, shard bounds and
+  owners, and the time it predicts under an α-β cost model with asymmetric links.
+* The policy: `plan_round` is what the coordinator's round engine calls when a round opens. From
+  the participants' *reported* links (noisy, partly unmeasured) and a `PlanPolicy` (the
+  coordinator's settings) it decides the collective ("auto": butterfly or ring, whichever the
+  model predicts clearly faster), damps measurement noise, keeps untrusted peers from owning
+  shards, sizes the chunks and their deadline, and returns the `shoal.common.plan.Plan` that goes
+  on the wire, or a `NoPlan` that says why no round can be planned.
+
+Measuring links, choosing the participants and stamping the plan with its round, attempt and
+deadline belong to the round engine (`shoal.coordinator.rounds`), not here.
 
 Cost model
 ----------
@@ -40,9 +49,9 @@ in_i/d_i)``. For a payload of ``n`` bytes over ``p`` peers:
   phased model a peer's own reduce-scatter and all-gather loads pull ``w_i`` in opposite
   directions, so a peer that is uniformly slow (``u_i = d_i``) still gets exactly ``1/p``; only
   the pipelined model shrinks (or zeroes) its shard. Use the model that matches the data plane.
-* **tree** (recursive doubling): ``⌈log2 p⌉`` exchange steps of the whole ``n`` bytes between
-  partners (plus one fold-in and one fold-out step when ``p`` is not a power of two), each step
-  costing ``max_pairs (α + n / min(u_a, d_b))``. Few steps, much traffic: for small payloads.
+
+There is no tree / recursive doubling: the data plane runs only the butterfly and the ring, and a
+planner path that production never takes would be a model nobody checks.
 
 Lower bound
 -----------
@@ -60,31 +69,38 @@ butterfly reach the ``2(p-1)n/(p·B)`` term.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import scipy.optimize
 
+from shoal.common.plan import COLLECTIVES, Plan
+
 __all__ = [
-    "ALGORITHMS",
-    "CollectivePlan",
+    "CHUNK_SECONDS",
+    "ITEMSIZE",
+    "MIN_CHUNK_BYTES",
     "LinkSpec",
+    "NoPlan",
+    "PlanPolicy",
     "allreduce_lower_bound",
     "best_ring_order",
     "butterfly_fractions",
+    "chunk_deadline",
     "plan_collective",
+    "plan_layout",
+    "plan_round",
     "predict_butterfly",
     "predict_ring",
-    "predict_tree",
     "ring_link_seconds",
     "shard_bounds_from_fractions",
     "simple_floor",
+    "without_untrusted_owners",
 ]
-
-ALGORITHMS = ("butterfly", "ring", "tree")  # also the tie-break preference, best first
 
 # Fractions below this are treated as zero (LP solvers return 1e-17 noise instead of 0).
 _FRACTION_EPS = 1e-9
@@ -96,51 +112,18 @@ _EXACT_RING_LIMIT = 8
 class LinkSpec:
     """What the planner knows about one participant's access link.
 
-    ``up_bytes_per_s``/``down_bytes_per_s`` must be finite and > 0 (a peer that cannot send or
-    receive cannot take part in an all-reduce; leave it out of the participants).
+    ``up_bytes_per_s``/``down_bytes_per_s``: for `plan_collective`, finite and > 0 (a peer that
+    cannot send or receive cannot take part in an all-reduce; leave it out of the participants);
+    for `plan_round`, as reported (0, NaN or negative = not measured yet).
     ``rtt_seconds`` is the peer's typical round trip to the other peers (0 if unknown).
+    ``shm_peers``: the participants it reaches through shared memory (same host).
     """
 
     peer_id: str
     up_bytes_per_s: float
     down_bytes_per_s: float
     rtt_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class CollectivePlan:
-    """The planner's answer. Indices refer to the ``links`` list given to `plan_collective`.
-
-    ``order``: all participants in collective order (ring order for "ring"; for "tree", the
-    recursive-doubling positions, slowest peers last so they are the ones folded in; identity for
-    "butterfly"). ``shard_bounds``: element offsets ``[0, ..., num_elements]``, one shard per
-    owner, possibly empty when ``num_elements`` is smaller than the number of owners.
-    ``shard_owner[k]``: participant owning ``[shard_bounds[k], shard_bounds[k+1])``. For "ring",
-    shard k is owned by ``order[k-1 mod p]`` (ring position i ends the reduce-scatter holding
-    shard i+1, as `peer.collectives` runs it); for "tree" there is one shard, owned by ``order[0]`` (every
-    peer computes the same sum; the owner matters only for aggregators other than a sum).
-    ``predicted_seconds``: model time of the chosen algorithm. ``bound_seconds``: the lower bound
-    of `allreduce_lower_bound` (no algorithm can beat it); ``floor_seconds``: the design notes' simple
-    floor ``n / min_i min(u_i, d_i)`` (≤ bound). ``demoted``: participants that send and receive
-    but own no shard because any shard would raise the time.
-    """
-
-    algorithm: str
-    order: tuple[int, ...]
-    shard_bounds: tuple[int, ...]
-    shard_owner: tuple[int, ...]
-    predicted_seconds: float
-    bound_seconds: float
-    demoted: tuple[int, ...]
-    floor_seconds: float = 0.0
-    overlap: bool = True
-
-    def owner_positions(self) -> tuple[int, ...]:
-        """``shard_owner`` as positions in ``order`` (the wire `Plan.shard_owner` convention,
-        where participants are listed in collective order)."""
-        pos = {idx: k for k, idx in enumerate(self.order)}
-        return tuple(pos[o] for o in self.shard_owner)
-
+    shm_peers: frozenset[str] = frozenset()
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -537,58 +520,9 @@ def shard_bounds_from_fractions(fractions: Sequence[float], num_elements: int) -
     return (0, *(int(x) for x in np.cumsum(counts)))
 
 
-# ---------------------------------------------------------------------------------------------
-# tree / recursive doubling
-
-
-def _tree_pairs(p: int) -> list[list[tuple[int, int]]]:
-    """Per step, the (sender, receiver) position pairs of recursive doubling with fold-in."""
-    q = 1 << (p.bit_length() - 1)  # largest power of two ≤ p
-    steps: list[list[tuple[int, int]]] = []
-    extras = list(range(q, p))
-    if extras:
-        steps.append([(k, k - q) for k in extras])
-    s = 1
-    while s < q:
-        steps.append([(k, k ^ s) for k in range(q)])  # both directions appear
-        s <<= 1
-    if extras:
-        steps.append([(k - q, k) for k in extras])
-    return steps
-
-
-def predict_tree(
-    up: Sequence[float],
-    down: Sequence[float],
-    n_bytes: float,
-    order: Sequence[int] | None = None,
-    rtt: Sequence[float] | None = None,
-    *,
-    pairwise: np.ndarray | None = None,
-) -> float:
-    """Recursive doubling: each step exchanges the whole ``n`` bytes between partners.
-
-    ``Σ_steps max_{(a→b) in step} (α_ab + n / bw_ab)`` over ``⌈log2 p⌉`` steps, plus a fold-in
-    step (positions ≥ 2^⌊log2 p⌋ send to a partner) and a fold-out step when p is not a power of
-    two. Positions are taken in ``order`` (default identity).
-    """
-    u, d = _as_rates(up, down)
-    p = u.size
-    if p < 2:
-        return 0.0
-    o = list(range(p)) if order is None else list(order)
-    _check_order(o, p)
-    bw = _link_bw(u, d, pairwise)
-    alpha = _alpha_matrix(rtt, p)
-    n = float(n_bytes)
-    total = 0.0
-    for step in _tree_pairs(p):
-        total += max(alpha[o[a], o[b]] + n / bw[o[a], o[b]] for a, b in step)
-    return float(total)
-
 
 # ---------------------------------------------------------------------------------------------
-# the plan
+# one collective
 
 
 def plan_collective(
@@ -596,99 +530,273 @@ def plan_collective(
     num_elements: int,
     itemsize: int = 4,
     *,
-    algorithm: str | None = None,
-    latency_threshold_bytes: int = 256 * 1024,
+    collective: str = "butterfly",
     overlap: bool = True,
     pairwise: np.ndarray | None = None,
-    algorithms: Sequence[str] = ALGORITHMS,
-) -> CollectivePlan:
-    """Choose and shape the all-reduce for these participants.
+) -> Plan:
+    """Shape the all-reduce `collective` ("butterfly" | "ring") for these participants.
 
-    ``algorithm=None`` picks the smallest predicted time among butterfly and ring, and also tree
-    when the payload ``num_elements * itemsize`` is at most ``latency_threshold_bytes``; ties go to
-    butterfly, then ring, then tree (owners make robust aggregators possible). ``algorithms``
-    limits the automatic choice to what the data plane implements (pass ``("butterfly", "ring")``
-    while it has no tree). A given ``algorithm`` is planned as asked. ``overlap`` selects the butterfly cost model (see the
-    module doc) and must match the data plane. ``pairwise`` (p×p bytes/s, i→j; NaN or ≤ 0 =
-    unknown) refines the link rates. Raises ValueError for an empty participant list, invalid
-    rates, negative sizes or an unknown algorithm; never returns a partial plan.
+    Returns a `shoal.common.plan.Plan` with ``participants`` (the links' peer ids) in collective
+    order: the bottleneck-optimal ring order (`best_ring_order`) for "ring", the given order for
+    "butterfly". ``shard_bounds``: element offsets ``(0, ..., num_elements)``, one tensor shard
+    per owner, possibly empty when ``num_elements`` is smaller than the number of owners.
+    ``shard_owner[k]``: the *position* in ``participants`` of the owner of shard k. For "ring",
+    shard k is owned by position k-1 (mod p): position i ends the reduce-scatter holding shard
+    i+1, as `shoal.peer.collectives` runs it. For "butterfly", the owners are the peers with a
+    non-zero LP fraction (`butterfly_fractions`); ``demoted`` lists the others (peer ids): they
+    send and receive but own no shard because any shard would raise the time.
+    ``predicted_seconds``: model time (with the rounded shards actually published);
+    ``bound_seconds``: `allreduce_lower_bound` (no collective can beat it); ``floor_seconds``: the
+    design notes' floor ``n / min_i min(u_i, d_i)`` (≤ bound). Every other field keeps `Plan`'s
+    default (the round engine stamps them).
+
+    ``overlap`` selects the butterfly cost model (see the module doc) and must match the data
+    plane. ``pairwise`` (p×p bytes/s, i→j; NaN or ≤ 0 = unknown) refines the link rates. Raises
+    ValueError for an empty participant list, invalid rates, negative sizes or an unknown
+    collective; RuntimeError when the LP solver fails; never returns a partial plan.
     """
-    if algorithm is not None and algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
     if num_elements < 0 or itemsize <= 0:
         raise ValueError("num_elements must be ≥ 0 and itemsize > 0")
-    up = [l.up_bytes_per_s for l in links]
-    down = [l.down_bytes_per_s for l in links]
-    u, d = _as_rates(up, down)
+    u, d = _as_rates([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links])
+    ids = tuple(l.peer_id for l in links)
     rtt = [l.rtt_seconds for l in links]
     p = u.size
-    n_bytes = float(num_elements) * itemsize
-    bound = allreduce_lower_bound(u, d, n_bytes)
-    floor = simple_floor(u, d, n_bytes)
-
     if p == 1:
-        return CollectivePlan(
-            algorithm=algorithm or "butterfly",
-            order=(0,),
-            shard_bounds=(0, num_elements),
-            shard_owner=(0,),
-            predicted_seconds=0.0,
-            bound_seconds=0.0,
-            demoted=(),
-            floor_seconds=0.0,
-            overlap=overlap,
-        )
-
-    allowed = tuple(algorithms)
-    if not allowed or any(a not in ALGORITHMS for a in allowed):
-        raise ValueError(f"algorithms must be a non-empty subset of {ALGORITHMS}, got {allowed}")
-    candidates = [algorithm] if algorithm else [
-        a for a in ALGORITHMS if a in allowed and (a != "tree" or n_bytes <= latency_threshold_bytes)
-    ] or [a for a in ALGORITHMS if a in allowed]
-    plans: list[CollectivePlan] = []
-    for alg in candidates:
-        if alg == "butterfly":
-            w = butterfly_fractions(u, d, overlap=overlap, pairwise=pairwise)
-            owners = [i for i in range(p) if w[i] > 0]
-            bounds = shard_bounds_from_fractions(w[owners], num_elements)
-            # Predict with the rounded shards actually published.
-            w_real = np.zeros(p)
-            if num_elements > 0:
-                w_real[owners] = np.diff(bounds) / num_elements
-            else:
-                w_real[owners] = w[owners]
-            t = predict_butterfly(u, d, n_bytes, w_real, rtt, overlap=overlap, pairwise=pairwise)
-            plans.append(
-                CollectivePlan(
-                    "butterfly",
-                    tuple(range(p)),
-                    bounds,
-                    tuple(owners),
-                    t,
-                    bound,
-                    tuple(i for i in range(p) if w[i] == 0),
-                    floor,
-                    overlap,
-                )
-            )
-        elif alg == "ring":
-            order = best_ring_order(u, d, rtt=rtt, segment_bytes=n_bytes / p, pairwise=pairwise)
-            t = predict_ring(u, d, n_bytes, order, rtt, pairwise=pairwise)
-            bounds = shard_bounds_from_fractions(np.full(p, 1.0 / p), num_elements)
-            # Position k finishes the reduce-scatter holding shard k+1 (peer.collectives' ring
-            # sends its own shard first), so shard k belongs to position k-1.
-            owners = tuple(order[(k - 1) % p] for k in range(p))
-            plans.append(CollectivePlan("ring", order, bounds, owners, t, bound, (), floor, overlap))
-        else:
-            # Fastest peers take the power-of-two core; the slowest are folded in.
-            order = tuple(sorted(range(p), key=lambda i: (-min(u[i], d[i]), i)))
-            t = predict_tree(u, d, n_bytes, order, rtt, pairwise=pairwise)
-            plans.append(CollectivePlan("tree", order, (0, num_elements), (order[0],), t, bound, (), floor, overlap))
-
-    best = plans[0]
-    for cand in plans[1:]:
-        if cand.predicted_seconds < best.predicted_seconds * (1 - 1e-9):
-            best = cand
-    if not math.isfinite(best.predicted_seconds):
+        return Plan(ids, collective, (0, num_elements), (0,), num_elements=num_elements)
+    n_bytes = float(num_elements) * itemsize
+    model = dict(num_elements=num_elements, bound_seconds=allreduce_lower_bound(u, d, n_bytes),
+                 floor_seconds=simple_floor(u, d, n_bytes))
+    if collective == "butterfly":
+        w = butterfly_fractions(u, d, overlap=overlap, pairwise=pairwise)
+        owners = [i for i in range(p) if w[i] > 0]
+        bounds = shard_bounds_from_fractions(w[owners], num_elements)
+        # Predict with the rounded shards actually published.
+        w_real = np.zeros(p)
+        w_real[owners] = np.diff(bounds) / num_elements if num_elements > 0 else w[owners]
+        t = predict_butterfly(u, d, n_bytes, w_real, rtt, overlap=overlap, pairwise=pairwise)
+        plan = Plan(ids, "butterfly", bounds, tuple(owners), predicted_seconds=t,
+                    demoted=tuple(ids[i] for i in range(p) if w[i] == 0), **model)
+    else:
+        order = best_ring_order(u, d, rtt=rtt, segment_bytes=n_bytes / p, pairwise=pairwise)
+        t = predict_ring(u, d, n_bytes, order, rtt, pairwise=pairwise)
+        bounds = shard_bounds_from_fractions(np.full(p, 1.0 / p), num_elements)
+        # Position k finishes the reduce-scatter holding shard k+1 (the data plane's ring sends
+        # its own shard first), so shard k belongs to position k-1.
+        plan = Plan(tuple(ids[i] for i in order), "ring", bounds, tuple((k - 1) % p for k in range(p)),
+                    predicted_seconds=t, **model)
+    if not math.isfinite(plan.predicted_seconds):
         raise ValueError("no finite plan")
-    return best
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# the coordinator's policy: reported links in, the wire plan out
+
+# Bytes per element of each shoal.v1.DType code (FLOAT32, FLOAT16, BFLOAT16, INT8, FLOAT64, UINT8).
+ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 1, 5: 8, 6: 1}
+# A chunk should cross the slowest link in about this long: the pipeline fills and drains one
+# chunk per hop, so big chunks on a slow link leave the other links idle at the start and end.
+CHUNK_SECONDS = 0.15
+MIN_CHUNK_BYTES = 64 * 1024
+# Aggregators that are a plain (weighted) mean: any collective can compute them; every other one
+# runs at the shard owners (the butterfly).
+_MEAN_AGGREGATORS = ("mean", "fedavg")
+
+
+@dataclass(frozen=True)
+class PlanPolicy:
+    """The coordinator's planning settings (built from `shoal.coordinator.rounds.EngineConfig`).
+
+    collective: "auto" (the model's choice, see `plan_layout`), "ring" or "butterfly".
+    aggregator, compression: what the plan's shard owners compute and how chunks are encoded; an
+        aggregator other than the plain mean runs at the shard owners, which forces the butterfly.
+    audit_owners: a second owner recomputes every shard's aggregate (butterfly only; forces it).
+    link_cap: rates above this (bytes/s) count as this (faster than the data plane moves bytes).
+    min_gain: uneven shards (or the butterfly over the ring) only when predicted this fraction faster.
+    noise: rates within this factor of the median count as the median.
+    chunk_bytes: the largest chunk through sockets, bytes; shm_chunk_bytes: the chunk when every
+        participant reaches every other through shared memory (one host).
+    chunk_timeout: floor of the per-chunk deadline, seconds; chunk_safety: its factor over the
+        chunk's transfer time on the slowest link (`chunk_deadline`).
+    """
+
+    collective: str = "auto"
+    aggregator: str = "mean"
+    compression: str = "none"
+    audit_owners: bool = False
+    link_cap: float = 100e6
+    min_gain: float = 0.25
+    noise: float = 1.5
+    chunk_bytes: int = 1 << 20
+    shm_chunk_bytes: int = 4 << 20
+    chunk_timeout: float = 2.0
+    chunk_safety: float = 4.0
+
+    @property
+    def owner_reduces(self) -> bool:
+        """Whether every contribution must reach a shard owner (robust aggregator or audit)."""
+        return self.aggregator not in _MEAN_AGGREGATORS or self.audit_owners
+
+
+@dataclass(frozen=True)
+class NoPlan:
+    """Why `plan_round` cannot plan a round for these participants (a sentence for operators)."""
+
+    reason: str
+
+
+def _denoised(links: Sequence[LinkSpec], cap: float, noise: float) -> list[LinkSpec] | None:
+    """The links as the model should see them, or None when none is measured (up and down > 0).
+
+    A link without a measurement gets the median of the measured ones; rates above `cap` count
+    as `cap`; rates within a factor `noise` of the median count as the median (probes of peers
+    probing each other at the same time share links, so small differences are noise).
+    """
+    known = [l for l in links if l.up_bytes_per_s > 0 and l.down_bytes_per_s > 0]
+    if not known:
+        return None
+    measured = {l.peer_id for l in known}
+    med_up = sorted(l.up_bytes_per_s for l in known)[len(known) // 2]
+    med_down = sorted(l.down_bytes_per_s for l in known)[len(known) // 2]
+    rtts = sorted(l.rtt_seconds for l in known if l.rtt_seconds > 0)
+    med_rtt = rtts[len(rtts) // 2] if rtts else 0.0
+
+    def denoise(rate: float, median: float) -> float:
+        rate = min(cap, rate)
+        return min(cap, median) if median / noise <= rate <= median * noise else rate
+
+    return [
+        LinkSpec(l.peer_id, denoise(l.up_bytes_per_s if l.peer_id in measured else med_up, med_up),
+                 denoise(l.down_bytes_per_s if l.peer_id in measured else med_down, med_down),
+                 l.rtt_seconds if l.rtt_seconds > 0 else med_rtt)
+        for l in links
+    ]
+
+
+def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
+                policy: PlanPolicy = PlanPolicy()) -> Plan:
+    """Lay out a collective over `links` (the participants, in the engine's order) as reported.
+
+    With no measured link among them, the layout is static: the given order, equal shards
+    ``n·i//p``, participant i owns shard i, "auto" means butterfly, chunks of
+    `policy.chunk_bytes`. Otherwise the links, denoised (`_denoised`), go to `plan_collective`:
+    "ring"/"butterfly" keep the collective and plan its order and shards; "auto" takes the
+    butterfly with LP shards when it is predicted `min_gain` faster than the ring ordered for the
+    bottleneck, else that ring (or, when every link is at `link_cap`, the butterfly with equal
+    shards); peers below the floor are demoted to non-owners. Uneven butterfly shards are used
+    only when predicted `min_gain` faster than equal ones on the same links. A planned layout's
+    chunk is what the slowest link carries in CHUNK_SECONDS (at least MIN_CHUNK_BYTES, at most
+    `policy.chunk_bytes`).
+
+    `policy.owner_reduces` forces the butterfly, the only collective with owner-side reduction.
+    Never raises for bad measurements: it falls back to the static layout.
+    """
+    collective = "butterfly" if policy.owner_reduces else policy.collective
+    ids = tuple(l.peer_id for l in links)
+    p = len(ids)
+    static = Plan(ids, "butterfly" if collective == "auto" else collective,
+                  tuple(num_elements * i // p for i in range(p + 1)), tuple(range(p)),
+                  num_elements=num_elements, chunk_bytes=policy.chunk_bytes)
+    model = _denoised(links, policy.link_cap, policy.noise) if p >= 2 else None
+    if model is None:
+        return static
+    up, down = [l.up_bytes_per_s for l in model], [l.down_bytes_per_s for l in model]
+    n_bytes = float(num_elements) * itemsize
+    try:
+        plan = _model_choice(model, num_elements, itemsize, collective, policy, static.shard_bounds)
+        if plan is None:  # the butterfly, and uneven shards are not worth it: equal ones
+            return dataclasses.replace(
+                static, collective="butterfly", bound_seconds=allreduce_lower_bound(up, down, n_bytes),
+                predicted_seconds=predict_butterfly(up, down, n_bytes, None, [l.rtt_seconds for l in model]))
+    except (ValueError, RuntimeError):
+        return static
+    slowest = min(min(l.up_bytes_per_s, l.down_bytes_per_s) for l in model)
+    return dataclasses.replace(plan, chunk_bytes=min(policy.chunk_bytes,
+                                                     max(MIN_CHUNK_BYTES, int(slowest * CHUNK_SECONDS))))
+
+
+def _model_choice(links: list[LinkSpec], num_elements: int, itemsize: int, collective: str, policy: PlanPolicy,
+                  equal_bounds: tuple[int, ...]) -> Plan | None:
+    """`plan_layout`'s choice on denoised links: the plan, or None for the equal-shard butterfly."""
+    n_bytes = float(num_elements) * itemsize
+    plan: Plan | None = plan_collective(links, num_elements, itemsize,
+                                        collective="ring" if collective == "ring" else "butterfly")
+    equal = math.inf
+    if plan.collective == "butterfly":
+        equal = predict_butterfly([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links], n_bytes,
+                                  None, [l.rtt_seconds for l in links])
+        if plan.shard_bounds != equal_bounds and plan.predicted_seconds > (1 - policy.min_gain) * equal:
+            plan = None  # not worth uneven shards
+    if collective == "auto":
+        # On (nearly) even links the ring moves the same bytes with one flow per direction per
+        # peer, which shaped links carry better than the butterfly's p-1 concurrent flows
+        # (measured in docs/performance.md). Where every link is at the cap, the data plane's CPU
+        # is the limit and the butterfly's parallel streams win.
+        all_fast = all(l.up_bytes_per_s >= policy.link_cap and l.down_bytes_per_s >= policy.link_cap for l in links)
+        ring = plan_collective(links, num_elements, itemsize, collective="ring")
+        best = plan.predicted_seconds if plan is not None else equal
+        if not all_fast and ring.predicted_seconds * (1 - policy.min_gain) <= best:
+            plan = ring
+    return plan
+
+
+def without_untrusted_owners(plan: Plan, untrusted: Collection[str]) -> Plan | None:
+    """`plan` with the shards of untrusted owners given to the trusted owner after them
+    (cyclically; to the trusted non-owners when no owner is trusted), `demoted` updated. None
+    when no participant is trusted."""
+    trusted = [i for i, p in enumerate(plan.participants) if p not in untrusted]
+    owners = sorted({o for o in plan.shard_owner if o in trusted}) or trusted
+    if not owners:
+        return None
+    moved = tuple(o if o in owners else next((q for q in owners if q > o), owners[0]) for o in plan.shard_owner)
+    demoted = tuple(p for i, p in enumerate(plan.participants) if i not in set(moved))
+    return dataclasses.replace(plan, shard_owner=moved, demoted=demoted)
+
+
+def chunk_deadline(links: Sequence[LinkSpec], policy: PlanPolicy, chunk_bytes: int) -> float:
+    """Per-chunk deadline (seconds) from the slowest reported link of the participants.
+
+    A chunk of `chunk_bytes` (the plan's) must arrive within `policy.chunk_safety` times its
+    transfer time at the slowest measured rate, plus two round trips; never less than the
+    `policy.chunk_timeout` floor (also the value when no link has been measured yet).
+    """
+    rates = [r for l in links for r in (l.up_bytes_per_s, l.down_bytes_per_s) if r > 0]
+    rtt = max((l.rtt_seconds for l in links), default=0.0)
+    if not rates:
+        return policy.chunk_timeout
+    return max(policy.chunk_timeout, policy.chunk_safety * chunk_bytes / min(rates) + 2 * rtt)
+
+
+def _one_host(links: Sequence[LinkSpec]) -> bool:
+    """Every participant reaches every other through shared memory."""
+    return len(links) > 1 and all(q.peer_id in l.shm_peers for l in links for q in links if q is not l)
+
+
+def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy: PlanPolicy, *,
+               untrusted: Collection[str] = frozenset()) -> Plan | NoPlan:
+    """The plan of one round's collective over these participants (in the engine's order). Pure.
+
+    `links` as reported by the peers; `num_elements` and `dtype` (a `shoal.v1.DType` code) of the
+    tensor. The layout is `plan_layout`'s. On a butterfly, `untrusted` peers (failed owner audits)
+    own no shard (`without_untrusted_owners`); when none of the participants is trusted, returns
+    `NoPlan` instead (nobody can tell which of them lied: no round until a trusted peer is among
+    them). The plan is audited (`audit_owners`) when the policy asks for it and at least two peers
+    own shards (one owner has nobody to audit it). Chunks: `policy.shm_chunk_bytes` when every
+    participant reaches every other through shared memory, else the layout's; the chunk deadline
+    is `chunk_deadline`'s. The result carries the collective, participants, tensor shards,
+    prediction, chunking, aggregator, compression and tensor; round, attempt, epoch, the attempt
+    deadline and the participants' addresses, sample counts and keys are the engine's to stamp.
+    """
+    plan = plan_layout(links, num_elements, ITEMSIZE.get(dtype, 4), policy)
+    if plan.collective == "butterfly" and set(untrusted) & set(plan.participants):
+        stripped = without_untrusted_owners(plan, untrusted)
+        if stripped is None:
+            return NoPlan("no trusted shard owner among the ready peers")
+        plan = stripped
+    chunk = policy.shm_chunk_bytes if _one_host(links) else plan.chunk_bytes
+    audit = policy.audit_owners and plan.collective == "butterfly" and len(set(plan.shard_owner)) >= 2
+    return dataclasses.replace(plan, dtype=dtype, chunk_bytes=chunk,
+                               chunk_timeout_seconds=chunk_deadline(links, policy, chunk),
+                               aggregator=policy.aggregator, compression=policy.compression, audit_owners=audit)

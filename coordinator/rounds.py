@@ -2,20 +2,24 @@
 
 This module is pure: `RoundEngine` holds the coordinator's in-memory state and every method takes
 the current time explicitly and returns the `Action`s the server must carry out (persist a
-commit, send an event to some peers). It never touches sockets, clocks or files, so the whole
-protocol of the design notes (§3) is tested without a network (tests/test_rounds.py).
+commit, send an event to some peers). It never touches sockets, clocks or files, and imports
+neither grpc nor the data plane, so the whole protocol of the design notes (§3) is tested
+without a network (tests/test_rounds.py).
 
-It is not responsible for moving tensors (peers do that), for admission (coordinator.admission)
-or for durability (the server persists `PersistCommit`/`PersistAbort` before it sends events).
+It is not responsible for moving tensors (peers do that), for laying out the collective
+(`shoal.coordinator.planner.plan_round`: the engine picks the participants and stamps the plan
+with round, attempt, epoch and deadline), for admission (coordinator.admission) or for
+durability (the server persists `PersistCommit`/`PersistAbort` before it sends events).
 
 Protocol summary:
-- A joiner is *pending*; it becomes a *member* only when a round opens (the epoch changes only
-  at round boundaries).
+- A joiner is *pending* (or *syncing* once a round has committed); it becomes a *member* only
+  when a round opens (the epoch changes only at round boundaries). `MemberState` names every
+  state and its transitions.
 - A peer says *ready* for round r with the digest of the committed state it holds. A peer whose
   state is not the last committed one gets a `SyncOrder` instead of a place in the round.
 - Round r opens when at least `min_peers` peers are ready and either every live member is ready
   or the ready deadline (`ready_timeout`, started by the first ready) has passed. Stragglers are
-  left out and keep their lease.
+  left out and keep their lease. While it does not open, `RoundEngine.waiting` says why.
 - The round commits when every participant voted ok with the same result and state digests.
   Any failed vote, a digest disagreement or the collective deadline aborts the attempt; the
   blamed peers are excluded and the survivors retry (same inputs) after a backoff, up to
@@ -25,10 +29,14 @@ Protocol summary:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+
+from shoal.common.plan import Plan, auditor_positions
+from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round
 
 log = logging.getLogger("shoal.coordinator")
 
@@ -46,6 +54,7 @@ class EngineConfig:
     max_attempts: attempts of one round (first try + retries) before it is given up.
     retry_backoff: delay before retry k is planned is retry_backoff * 2**(k-1).
     total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
+    The planning settings (collective .. compression) are `PlanPolicy`'s (`plan_policy`).
     """
 
     min_peers: int = 2
@@ -58,16 +67,86 @@ class EngineConfig:
     max_attempts: int = 5
     retry_backoff: float = 0.05
     total_rounds: int = 0
-    chunk_bytes: int = 1 << 20  # largest chunk through sockets; see plan_layout
+    chunk_bytes: int = 1 << 20  # largest chunk through sockets; see planner.plan_layout
     # Chunk size when every participant reaches every other through shared memory (peer.shm):
     # no socket to keep busy, and every chunk costs CPU on both sides.
     shm_chunk_bytes: int = 4 << 20
-    algorithm: str = "auto"  # "auto" (planner), "ring" or "butterfly"; see plan_layout
+    collective: str = "auto"  # "auto" (planner), "ring" or "butterfly"; see planner.plan_layout
     link_cap_bytes_per_s: float = 100e6  # measured rates above this count as this (plan_layout)
     plan_min_gain: float = 0.25  # uneven shards only when predicted this much faster (plan_layout)
     aggregator: str = "mean"
     audit_owners: bool = False  # a second owner recomputes every shard's aggregate (butterfly)
     compression: str = "none"
+
+    def plan_policy(self) -> PlanPolicy:
+        """The planner's view of these settings."""
+        return PlanPolicy(collective=self.collective, aggregator=self.aggregator, compression=self.compression,
+                          audit_owners=self.audit_owners, link_cap=self.link_cap_bytes_per_s,
+                          min_gain=self.plan_min_gain, chunk_bytes=self.chunk_bytes,
+                          shm_chunk_bytes=self.shm_chunk_bytes, chunk_timeout=self.chunk_timeout,
+                          chunk_safety=self.chunk_safety)
+
+
+class MemberState(enum.Enum):
+    """Where a peer stands in the membership, and whether the next round waits for it.
+
+    A round waits (up to the ready timeout) for every connected peer in a state that is
+    `waited_on`: a joiner before the first commit, a syncing peer that has shown it is alive (so
+    a fast swarm never outruns a joiner), and a member. It does not wait for a peer that must
+    sync and has not said ready, nor for a straggler that missed a ready deadline (so it delays
+    at most one round) until it says ready again.
+
+    Transitions (RoundEngine): join -> PENDING (no commit yet) | SYNCING | MEMBER (same member
+    process, same address); `after_ready` when it says ready; `after_missed_deadline` when a
+    round opens without it; MEMBER when it plays a round. The store keeps `label` (pending,
+    syncing, member), which `from_label` reads back.
+    """
+
+    PENDING = "pending"  # joined before the first commit: waited on
+    PENDING_LAGGING = "pending_lagging"  # a pending joiner that missed a ready deadline: not waited on
+    SYNCING = "syncing"  # must fetch the committed state (or missed a deadline syncing): not waited on
+    CATCHING_UP = "catching_up"  # a syncing peer that said ready (alive): waited on
+    MEMBER = "member"  # has played a round: waited on
+    LAGGING = "lagging"  # a member that missed a ready deadline: not waited on
+
+    @property
+    def is_member(self) -> bool:
+        return self in (MemberState.MEMBER, MemberState.LAGGING)
+
+    @property
+    def waited_on(self) -> bool:
+        return self in (MemberState.PENDING, MemberState.CATCHING_UP, MemberState.MEMBER)
+
+    @property
+    def label(self) -> str:
+        """The coarse state operators see and the store keeps: "pending", "syncing" or "member"."""
+        if self.is_member:
+            return "member"
+        return "pending" if self in (MemberState.PENDING, MemberState.PENDING_LAGGING) else "syncing"
+
+    @staticmethod
+    def from_label(label: str) -> MemberState:
+        """Read a stored state (a `label`, or any value of this enum); unknown -> SYNCING."""
+        try:
+            return MemberState(label)
+        except ValueError:
+            return MemberState.SYNCING
+
+    def after_ready(self, in_sync: bool) -> MemberState:
+        """The state after the peer said ready, holding the last committed state (`in_sync`) or
+        not (it gets a sync order, and is waited on while it downloads)."""
+        if not in_sync:
+            return MemberState.CATCHING_UP
+        if self.is_member:
+            return MemberState.MEMBER
+        if self in (MemberState.PENDING, MemberState.PENDING_LAGGING):
+            return MemberState.PENDING
+        return MemberState.CATCHING_UP
+
+    def after_missed_deadline(self) -> MemberState:
+        """The state of a peer a round opened without (it was waited on and did not say ready)."""
+        return {MemberState.MEMBER: MemberState.LAGGING, MemberState.PENDING: MemberState.PENDING_LAGGING,
+                MemberState.CATCHING_UP: MemberState.SYNCING}.get(self, self)
 
 
 @dataclass
@@ -77,14 +156,16 @@ class Member:
     address: str
     num_samples: int
     lease_expiry: float
-    state: str = "pending"  # "pending" | "syncing" | "member"
+    state: MemberState = MemberState.PENDING
     up_bytes_per_s: float = 0.0
     down_bytes_per_s: float = 0.0
     rtt_seconds: float = 0.0
     connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
-    lagging: bool = False  # missed a ready deadline: not waited on until it says ready again
-    catching_up: bool = False  # a syncing peer that has shown it is alive: waited on
     shm_peers: frozenset[str] = frozenset()  # reached through shared memory (LinkReport.shm_peers)
+
+    def link(self) -> LinkSpec:
+        """Its reported links, as the planner reads them."""
+        return LinkSpec(self.peer_id, self.up_bytes_per_s, self.down_bytes_per_s, self.rtt_seconds, self.shm_peers)
 
 
 @dataclass(frozen=True)
@@ -98,27 +179,27 @@ class ReadyInfo:
 
 
 @dataclass(frozen=True)
-class PlanSpec:
-    """A round attempt's plan, before it is rendered to the wire (shoal.v1.Plan)."""
+class Vote:
+    """One participant's vote on an attempt (shoal.v1.VoteRequest).
 
-    round: int
-    attempt: int
-    epoch: int
-    participants: tuple[str, ...]  # collective order
-    algorithm: str
-    shard_bounds: tuple[int, ...]
-    shard_owner: tuple[int, ...]
-    num_elements: int
-    dtype: int
-    deadline_seconds: float
-    chunk_timeout_seconds: float
-    chunk_bytes: int
-    aggregator: str
-    compression: str
-    predicted_seconds: float = 0.0
-    bound_seconds: float = 0.0  # lower bound for these links (0 when links are unknown)
-    demoted: tuple[str, ...] = ()  # participants that own no shard (too slow to own one)
-    audit_owners: bool = False
+    ok: the collective succeeded. result_digest / state_digest: BLAKE3-256 of the all-reduced
+    result and of the state it leads to. loss: mean inner training loss (may be non-finite: never
+    recorded). suspects: peers the failure points at. flagged: contributions rejected by the
+    aggregator. error: why it failed. audit: the failure is a failed owner audit.
+    """
+
+    ok: bool
+    result_digest: bytes = b""
+    state_digest: bytes = b""
+    loss: float = 0.0
+    suspects: tuple[str, ...] = ()
+    flagged: tuple[str, ...] = ()
+    error: str = ""
+    audit: bool = False
+
+    @property
+    def digests(self) -> tuple[bytes, bytes]:
+        return self.result_digest, self.state_digest
 
 
 @dataclass(frozen=True)
@@ -144,12 +225,45 @@ class AbortRecord:
     at: float = 0.0
 
 
+class WaitReason(enum.Enum):
+    """Why the next round is not open (`Waiting.reason`)."""
+
+    RUNNING = "running"  # an attempt is in flight
+    FINISHED = "finished"  # total_rounds committed
+    BACKOFF = "backoff"  # after an abort: the retry (or the fresh start) waits a moment
+    NO_TRUSTED_OWNER = "no_trusted_owner"  # every ready peer lost shard ownership in owner audits
+    QUORUM = "quorum"  # fewer ready peers than the quorum
+    STRAGGLERS = "stragglers"  # quorum reached: waiting (up to the ready timeout) for live members
+    SYNCING = "syncing"  # the same, and every peer waited for is fetching the committed state
+    OPENING = "opening"  # nothing holds it back: the next event or tick opens it
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Why the next round is not open, for operators (`shoal status`, a metric).
+
+    message: one sentence, e.g. "waiting for 2 more ready peers (3/5 ready, quorum 5)".
+    peers: whom it concerns (the stragglers or syncing members waited for, the participants of a
+    running attempt, the ready peers without a trusted owner). until: engine time at which this
+    wait ends at the latest (None: when something happens).
+    """
+
+    reason: WaitReason
+    message: str
+    peers: tuple[str, ...] = ()
+    until: float | None = None
+
+
+def _plural(k: int, noun: str) -> str:
+    return f"{k} {noun}" if k == 1 else f"{k} {noun}s"
+
+
 # ---------------------------------------------------------------- actions
 
 
 @dataclass(frozen=True)
 class SendPlan:
-    plan: PlanSpec
+    plan: Plan
 
 
 @dataclass(frozen=True)
@@ -204,162 +318,35 @@ Action = (SendPlan | SendCommit | SendAbort | SendSync | SendFinished | PersistM
           | PersistUntrusted)
 
 
+class ErrorKind(enum.Enum):
+    """What a refused request did wrong; coordinator.server maps each to one gRPC status."""
+
+    NOT_FOUND = "not_found"  # no live lease / unknown peer: join again
+    INVALID = "invalid"  # contradicts the round (wrong round, tensor size)
+    PRECONDITION = "precondition"  # fine, but not now (no live donor; not a participant)
+
+
 class RoundError(Exception):
     """A request that the engine refuses; `kind` picks the gRPC status (see coordinator.server)."""
 
-    def __init__(self, kind: str, message: str):
+    def __init__(self, kind: ErrorKind, message: str):
         super().__init__(message)
-        self.kind = kind  # "not_found" | "invalid" | "precondition"
+        self.kind = kind
 
 
 @dataclass
 class _Running:
-    plan: PlanSpec
+    plan: Plan
     started: float
-    votes: dict[str, tuple[bool, bytes, bytes, float, tuple[str, ...], tuple[str, ...], str]] = field(default_factory=dict)
-
-
-def chunk_deadline(members: list[Member], config: EngineConfig, chunk_bytes: int) -> float:
-    """Per-chunk deadline (seconds) from the slowest measured link of the participants.
-
-    A chunk of `chunk_bytes` (the plan's) must arrive within chunk_safety times its transfer time
-    at the slowest measured rate, plus two round trips; never less than the `chunk_timeout` floor
-    (also the value when no link has been measured yet).
-    """
-    rates = [r for m in members for r in (m.up_bytes_per_s, m.down_bytes_per_s) if r > 0]
-    rtt = max((m.rtt_seconds for m in members), default=0.0)
-    if not rates:
-        return config.chunk_timeout
-    return max(config.chunk_timeout, config.chunk_safety * chunk_bytes / min(rates) + 2 * rtt)
-
-
-# Bytes per element of each shoal.v1.DType code (FLOAT32, FLOAT16, BFLOAT16, INT8, FLOAT64, UINT8).
-_ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 1, 5: 8, 6: 1}
-# What the data plane (peer.collectives) implements; the planner's tree is not among them yet.
-DATA_PLANE_ALGORITHMS = ("butterfly", "ring")
+    votes: dict[str, Vote] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How one collective is laid out: participant order, algorithm, shards and their owners
-    (positions in `participants`), and the planner's prediction (0 when links are unknown)."""
+class _Opening:
+    """`RoundEngine._decide`'s answer when a round can open: with whom, and whom it leaves out."""
 
     participants: tuple[str, ...]
-    algorithm: str
-    shard_bounds: tuple[int, ...]
-    shard_owner: tuple[int, ...]
-    predicted_seconds: float = 0.0
-    bound_seconds: float = 0.0
-    demoted: tuple[str, ...] = ()
-    chunk_bytes: int = 0  # 0 = the configured size
-
-
-# A chunk should cross the slowest link in about this long: the pipeline fills and drains one
-# chunk per hop, so big chunks on a slow link leave the other links idle at the start and end.
-CHUNK_SECONDS = 0.15
-MIN_CHUNK_BYTES = 64 * 1024
-
-
-def plan_layout(algorithm: str, members: list[Member], num_elements: int, itemsize: int = 4, *,
-                owner_reduces: bool = False, link_cap: float = 100e6, min_gain: float = 0.25,
-                noise: float = 1.5) -> Layout:
-    """Lay out a collective over `members` (in the engine's participant order). Pure.
-
-    With no measured link among them (up and down both > 0), the layout is the static one: the
-    given order, equal shards ``n·i//p``, participant i owns shard i, and "auto" means butterfly.
-    Otherwise the links go to `coordinator.planner.plan_collective` (a member without a
-    measurement is assumed to have the median of the measured ones): "ring"/"butterfly" keep the
-    algorithm and plan its order and shard sizes; "auto" takes the butterfly with LP shards when
-    it is predicted `min_gain` faster than the ring ordered for the bottleneck, else that ring
-    (or, when every link is at `link_cap`, the butterfly with equal shards); peers below the
-    floor are demoted to non-owners.
-
-    Measurements are noisy (probes of peers probing each other at the same time share links),
-    so three guards keep noise from skewing the shards: rates above `link_cap` bytes/s (faster
-    than the data plane itself moves bytes, e.g. loopback or a fast LAN) count as `link_cap`;
-    rates within a factor `noise` of the median rate count as the median; and uneven butterfly shards are used only when the model predicts
-    them at least `min_gain` (a fraction) faster than equal shards on the same links.
-
-    `owner_reduces` (an aggregator other than the plain mean runs at the shard
-    owners) forces the butterfly, the only algorithm with owner-side reduction. Never raises
-    for bad measurements: it falls back to the static layout.
-    """
-    from shoal.coordinator.planner import LinkSpec, allreduce_lower_bound, plan_collective, predict_butterfly
-
-    if owner_reduces:  # robust aggregators need every contribution at a shard owner
-        algorithm = "butterfly"
-    ids = tuple(m.peer_id for m in members)
-    p = len(ids)
-    static = Layout(ids, "butterfly" if algorithm == "auto" else algorithm,
-                    tuple(num_elements * i // p for i in range(p + 1)), tuple(range(p)))
-    known = [m for m in members if m.up_bytes_per_s > 0 and m.down_bytes_per_s > 0]
-    measured = {m.peer_id for m in known}
-    if p < 2 or not known:
-        return static
-    med_up = sorted(m.up_bytes_per_s for m in known)[len(known) // 2]
-    med_down = sorted(m.down_bytes_per_s for m in known)[len(known) // 2]
-    rtts = sorted(m.rtt_seconds for m in known if m.rtt_seconds > 0)
-    med_rtt = rtts[len(rtts) // 2] if rtts else 0.0
-    def denoise(rate: float, median: float) -> float:
-        rate = min(link_cap, rate)
-        return min(link_cap, median) if median / noise <= rate <= median * noise else rate
-
-    links = [
-        LinkSpec(m.peer_id, denoise(m.up_bytes_per_s if m.peer_id in measured else med_up, med_up),
-                 denoise(m.down_bytes_per_s if m.peer_id in measured else med_down, med_down),
-                 m.rtt_seconds if m.rtt_seconds > 0 else med_rtt)
-        for m in members
-    ]
-    n_bytes = float(num_elements) * itemsize
-    try:
-        if algorithm in ("ring", "butterfly"):
-            plan = plan_collective(links, num_elements, itemsize, algorithm=algorithm)
-        else:
-            plan = plan_collective(links, num_elements, itemsize, algorithm="butterfly")
-        if plan.algorithm == "butterfly":
-            equal = predict_butterfly([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links], n_bytes,
-                                      None, [l.rtt_seconds for l in links])
-            if plan.shard_bounds != static.shard_bounds and plan.predicted_seconds > (1 - min_gain) * equal:
-                plan = None  # not worth uneven shards: equal ones
-        if algorithm == "auto" and not owner_reduces:
-            # On (nearly) even links the ring moves the same bytes with one flow per direction
-            # per peer, which shaped links carry better than the butterfly's p-1 concurrent flows
-            # (measured in docs/performance.md). Where every link is at the cap, the data plane's
-            # CPU is the limit and the butterfly's parallel streams win.
-            all_fast = all(l.up_bytes_per_s >= link_cap and l.down_bytes_per_s >= link_cap for l in links)
-            ring = plan_collective(links, num_elements, itemsize, algorithm="ring")
-            best = plan.predicted_seconds if plan is not None else equal
-            if not all_fast and ring.predicted_seconds * (1 - min_gain) <= best:
-                plan = ring
-        if plan is None:
-            bound = allreduce_lower_bound([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links],
-                                          n_bytes)
-            return dataclasses.replace(static, algorithm="butterfly", predicted_seconds=equal, bound_seconds=bound)
-    except (ValueError, RuntimeError):
-        return static
-    slowest = min(min(l.up_bytes_per_s, l.down_bytes_per_s) for l in links)
-    return Layout(
-        participants=tuple(ids[i] for i in plan.order),
-        algorithm=plan.algorithm,
-        shard_bounds=plan.shard_bounds,
-        shard_owner=plan.owner_positions(),
-        predicted_seconds=plan.predicted_seconds,
-        bound_seconds=plan.bound_seconds,
-        demoted=tuple(ids[i] for i in plan.demoted),
-        chunk_bytes=max(MIN_CHUNK_BYTES, int(slowest * CHUNK_SECONDS)),
-    )
-
-
-def _without_untrusted_owners(layout: Layout, untrusted: set[str]) -> Layout | None:
-    """Give the shards of untrusted owners to the trusted owner after them (cyclically; to the
-    trusted non-owners when no owner is trusted). None when no participant is trusted."""
-    trusted = [i for i, p in enumerate(layout.participants) if p not in untrusted]
-    owners = sorted({o for o in layout.shard_owner if o in trusted}) or trusted
-    if not owners:
-        return None
-    moved = tuple(o if o in owners else next((q for q in owners if q > o), owners[0]) for o in layout.shard_owner)
-    demoted = tuple(p for i, p in enumerate(layout.participants) if i not in set(moved))
-    return dataclasses.replace(layout, shard_owner=moved, demoted=demoted)
+    left_out: tuple[str, ...] = ()  # stragglers past the ready deadline
 
 
 class RoundEngine:
@@ -373,6 +360,7 @@ class RoundEngine:
                  members: list[Member] | None = None, epoch: int = 0, aborted: int = 0, now: float = 0.0,
                  attempt_base: int = 0, untrusted: tuple[str, ...] = ()):
         self.config = config
+        self.policy = config.plan_policy()
         self.members: dict[str, Member] = {}
         for m in members or []:
             # A restarted coordinator gives every known member a fresh lease to reconnect.
@@ -392,9 +380,11 @@ class RoundEngine:
         self.tries = 0  # attempts in the current try cycle (bounded by max_attempts)
         self.excluded: set[str] = set()
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
-        self._no_trusted_logged = False
         self.running: _Running | None = None
         self.not_before = 0.0
+        self._held = Waiting(WaitReason.BACKOFF, "backoff")  # why not_before is in the future
+        self._last_wait: WaitReason | None = None  # for logging changes only
+        self._no_trusted_logged = False
         self.finished = False
         self._donor_rotation = 0
 
@@ -429,15 +419,25 @@ class RoundEngine:
         self._donor_rotation += 1
         return tuple(alive[k:] + alive[:k])
 
+    def waiting(self, now: float) -> Waiting:
+        """Why the next round is not open at `now` (RUNNING while an attempt is in flight;
+        OPENING when nothing holds it back and the next event or tick opens it). Changes nothing."""
+        decision = self._decide(now)
+        if isinstance(decision, Waiting):
+            return decision
+        return Waiting(WaitReason.OPENING, f"opening round {self.committed_rounds} with "
+                                           f"{_plural(len(decision.participants), 'ready peer')}",
+                       decision.participants)
+
     # ------------------------------------------------------------ membership
 
     def join(self, peer_id: str, public_key: bytes, address: str, num_samples: int, now: float,
              up: float = 0.0, down: float = 0.0) -> list[Action]:
         """Admit (or re-admit, same identity) a peer with a fresh lease; pending until a boundary."""
         old = self.members.get(peer_id)
-        state = "syncing" if self.commits else "pending"
-        if old is not None and old.state == "member" and old.address == address:
-            state = "member"
+        state = MemberState.SYNCING if self.commits else MemberState.PENDING
+        if old is not None and old.state.is_member and old.address == address:
+            state = MemberState.MEMBER
         m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
                    connected=old.connected if old is not None else False)
         self.members[peer_id] = m
@@ -452,7 +452,7 @@ class RoundEngine:
         m = self.members.get(peer_id)
         if m is None or m.lease_expiry <= now:
             self.members.pop(peer_id, None)
-            raise RoundError("not_found", f"peer_id: no live lease for {peer_id[:8]}; join again")
+            raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
         return m
 
@@ -468,7 +468,7 @@ class RoundEngine:
         through shared memory."""
         m = self.members.get(peer_id)
         if m is None:
-            raise RoundError("not_found", f"peer_id: unknown peer {peer_id[:8]}")
+            raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: unknown peer {peer_id[:8]}")
         m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds = up, down, rtt
         if shm_peers is not None:
             m.shm_peers = frozenset(shm_peers)
@@ -501,8 +501,9 @@ class RoundEngine:
         """Record that `peer_id` is ready for `round_` holding the state `info.state_digest`.
 
         Returns a SendSync when the peer's state is not the last committed one (it must
-        download it first). Raises RoundError("not_found") without a lease, ("invalid") when the
-        tensor size disagrees with the round's.
+        download it first). Raises RoundError NOT_FOUND without a lease, INVALID when the round
+        or the tensor size disagrees with the round's, PRECONDITION when it must sync and no
+        donor is live.
         """
         m = self.members.get(peer_id)
         if self.finished:
@@ -513,32 +514,28 @@ class RoundEngine:
                 return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
             return [SendFinished(self.committed_rounds, "run complete")]
         if m is None or m.lease_expiry <= now:
-            raise RoundError("not_found", f"peer_id: no live lease for {peer_id[:8]}; join again")
+            raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
         m.num_samples = info.num_samples
-        up_to_date = info.state_round == self.committed_rounds and (
+        in_sync = info.state_round == self.committed_rounds and (
             not self.commits or info.state_digest == self.last_state_digest
         )
-        if not up_to_date:
+        if not in_sync:
             donors = self.donors(now, exclude=peer_id)
             if not donors:
-                raise RoundError("precondition", "state_round: no up-to-date donor is live; retry later")
-            m.state = "syncing"
-            m.catching_up = True
-            m.lagging = False
+                raise RoundError(ErrorKind.PRECONDITION, "state_round: no up-to-date donor is live; retry later")
+            m.state = m.state.after_ready(in_sync=False)
             return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
         if round_ != self.committed_rounds:
-            raise RoundError("invalid", f"round: expected {self.committed_rounds}, got {round_}")
+            raise RoundError(ErrorKind.INVALID, f"round: expected {self.committed_rounds}, got {round_}")
         others = [r for p, r in self.ready.items() if p != peer_id]
         if others and (others[0].num_elements != info.num_elements or others[0].dtype != info.dtype):
             raise RoundError(
-                "invalid",
+                ErrorKind.INVALID,
                 f"num_elements: {info.num_elements} (dtype {info.dtype}) disagrees with the round's "
                 f"{others[0].num_elements} (dtype {others[0].dtype})",
             )
-        m.lagging = False
-        if m.state != "member":
-            m.catching_up = True
+        m.state = m.state.after_ready(in_sync=True)
         self.ready[peer_id] = info
         if self.first_ready_at is None:
             self.first_ready_at = now
@@ -547,50 +544,53 @@ class RoundEngine:
     def vote(self, peer_id: str, round_: int, attempt: int, ok: bool, result_digest: bytes,
              state_digest: bytes, now: float, *, loss: float = 0.0, suspects: tuple[str, ...] = (),
              flagged: tuple[str, ...] = (), error: str = "", audit: bool = False) -> list[Action]:
-        """Record a participant's vote; commit when all agree, abort on any failure.
+        """Record a participant's vote (the fields of `Vote`); commit when all agree, abort on any failure.
 
-        A failed owner audit (`audit`) also costs the accused owner and the accusing auditor
-        their shard ownership for the rest of the run (`untrusted`): a lying owner is caught once,
-        not every round, and a false accuser pays as much as its victim.
+        A late vote for an attempt already decided is ignored. A failed vote blames its suspects
+        that are participants (or the voter, when it names none). A failed owner audit (`audit`)
+        also costs the accused owner and the accusing auditor their shard ownership for the rest
+        of the run (`untrusted`): a lying owner is caught once, not every round, and a false
+        accuser pays as much as its victim. Raises RoundError PRECONDITION when the voter is not a
+        participant of that attempt.
         """
         run = self.running
         if run is None or run.plan.round != round_ or run.plan.attempt != attempt:
             return []  # a late vote for an attempt already decided
         if peer_id not in run.plan.participants:
-            raise RoundError("precondition", f"peer_id: {peer_id[:8]} is not a participant of round {round_}.{attempt}")
-        run.votes[peer_id] = (ok, result_digest, state_digest, loss, suspects, flagged, error)
-        if not ok:
-            blamed = tuple(s for s in suspects if s in run.plan.participants) or (peer_id,)
+            raise RoundError(ErrorKind.PRECONDITION,
+                             f"peer_id: {peer_id[:8]} is not a participant of round {round_}.{attempt}")
+        v = Vote(ok, result_digest, state_digest, loss, suspects, flagged, error, audit)
+        run.votes[peer_id] = v
+        if not v.ok:
+            blamed = tuple(s for s in v.suspects if s in run.plan.participants) or (peer_id,)
             persist: list[Action] = []
-            accused = self._audited_owner(run.plan, peer_id, suspects) if audit else None
+            accused = self._audited_owner(run.plan, peer_id, v.suspects) if v.audit else None
             if accused is not None:
                 blamed = (accused, peer_id)
                 self.untrusted.update(blamed)
                 persist.append(PersistUntrusted(tuple(sorted(self.untrusted))))
-            return persist + self._abort(now, f"{peer_id[:8]} failed: {error or 'collective error'}", blamed)
+            return persist + self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}", blamed)
         if len(run.votes) < len(run.plan.participants):
             return []
-        digests = Counter((v[1], v[2]) for v in run.votes.values())
+        digests = Counter(v.digests for v in run.votes.values())
         if len(digests) > 1:
             majority, _ = digests.most_common(1)[0]
-            dissent = tuple(p for p, v in run.votes.items() if (v[1], v[2]) != majority)
+            dissent = tuple(p for p, v in run.votes.items() if v.digests != majority)
             return self._abort(now, "digest mismatch", dissent)
         return self._commit(now)
 
     @staticmethod
-    def _audited_owner(plan: "PlanSpec", voter: str, suspects: tuple[str, ...]) -> str | None:
+    def _audited_owner(plan: Plan, voter: str, suspects: tuple[str, ...]) -> str | None:
         """The owner a failed audit vote accuses, if the claim fits the plan: an audited plan, one
         accused peer besides the voter, and the voter audits a shard that peer owns. Otherwise
         None: the vote counts as an ordinary failure (no peer loses ownership on a peer's say-so
         beyond what the plan lets that peer check)."""
-        from shoal.peer.collectives import auditor_positions
-
         if not plan.audit_owners or voter not in plan.participants:
             return None
         accused = [s for s in dict.fromkeys(suspects) if s != voter]
         if len(accused) != 1 or accused[0] not in plan.participants:
             return None
-        me, owner = plan.participants.index(voter), plan.participants.index(accused[0])
+        me, owner = plan.position(voter), plan.position(accused[0])
         audits = auditor_positions(plan.shard_owner)
         if any(o == owner and a == me for o, a in zip(plan.shard_owner, audits)):
             return accused[0]
@@ -621,108 +621,110 @@ class RoundEngine:
                 actions += self._abort(now, "lease expired", hit)
         return actions
 
-    def _maybe_open(self, now: float) -> list[Action]:
-        if self.running is not None or self.finished or now < self.not_before:
-            return []
+    def _decide(self, now: float) -> Waiting | _Opening:
+        """Whether a round can open at `now` and with whom, or why not. Changes nothing."""
+        if self.running is not None:
+            plan = self.running.plan
+            return Waiting(WaitReason.RUNNING, f"round {plan.round} attempt {plan.attempt} is running with "
+                                               f"{_plural(plan.size, 'participant')}",
+                           plan.participants, self.running.started + plan.deadline_seconds)
+        done = Waiting(WaitReason.FINISHED, f"run finished: {_plural(self.committed_rounds, 'round')} committed")
+        if self.finished:
+            return done
+        if now < self.not_before:
+            return self._held
         if self.config.total_rounds and self.committed_rounds >= self.config.total_rounds:
-            self.finished = True
-            return [SendFinished(self.committed_rounds, "run complete")]
+            return done
         live = {m.peer_id for m in self.live(now)}
-        candidates = sorted(p for p in self.ready if p in live and p not in self.excluded)
+        candidates = tuple(sorted(p for p in self.ready if p in live and p not in self.excluded))
         quorum = max(1, self.config.min_peers)
         if not self.commits and self.tries == 0:
             quorum = max(quorum, self.config.initial_peers)
         if len(candidates) < quorum:
-            return []
+            return Waiting(WaitReason.QUORUM, f"waiting for {_plural(quorum - len(candidates), 'more ready peer')} "
+                                              f"({len(candidates)}/{len(live)} ready, quorum {quorum})",
+                           tuple(sorted(live - set(candidates))))
         # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
-        # joiner forever); the ready timeout bounds the wait for a straggler.
-        waiting_on = {p for p in live if p not in self.excluded and self._waited_on(self.members[p])} - set(candidates)
-        deadline_passed = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
-        if waiting_on and not deadline_passed and self.tries == 0:
+        # joiner forever); the ready timeout bounds the wait for a straggler. A retry waits for
+        # nobody: its participants are the survivors.
+        waiting_on = tuple(sorted(p for p in live if p not in self.excluded and p not in candidates
+                                  and self._waited_on(self.members[p])))
+        if not waiting_on or self.tries > 0:
+            return _Opening(candidates)
+        if self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout:
+            return _Opening(candidates, left_out=waiting_on)
+        until = (self.first_ready_at if self.first_ready_at is not None else now) + self.config.ready_timeout
+        syncing = sum(self.members[p].state is MemberState.CATCHING_UP for p in waiting_on)
+        if syncing == len(waiting_on):
+            return Waiting(WaitReason.SYNCING, f"syncing {_plural(syncing, 'member')}: waiting up to "
+                                                f"{until - now:.1f} s", waiting_on, until)
+        return Waiting(WaitReason.STRAGGLERS, f"waiting up to {until - now:.1f} s for "
+                                              f"{_plural(len(waiting_on), 'straggler')}", waiting_on, until)
+
+    @staticmethod
+    def _waited_on(m: Member) -> bool:
+        """Whether a round waits (up to the ready timeout) for this live peer to say ready
+        (`MemberState.waited_on`, and its round-event stream is open)."""
+        return m.connected and m.state.waited_on
+
+    def _maybe_open(self, now: float) -> list[Action]:
+        decision = self._decide(now)
+        if isinstance(decision, _Opening):
+            return self._open(now, decision)
+        if decision.reason is not self._last_wait:
+            self._last_wait = decision.reason
+            log.debug("round %d not open: %s", self.committed_rounds, decision.message)
+        if decision.reason is WaitReason.FINISHED and not self.finished:
+            self.finished = True
+            return [SendFinished(self.committed_rounds, "run complete")]
+        return []
+
+    def _open(self, now: float, opening: _Opening) -> list[Action]:
+        """Plan the round, apply the membership boundary, start the attempt; or hold when it
+        cannot be planned (no trusted shard owner: no round until a trusted peer is among them)."""
+        participants = opening.participants
+        info = self.ready[participants[0]]
+        planned = plan_round([self.members[p].link() for p in participants], info.num_elements, info.dtype,
+                             self.policy, untrusted=self.untrusted)
+        if isinstance(planned, NoPlan):
+            # E.g. two peers, one of them lying in an owner audit: nobody can tell which.
+            if not self._no_trusted_logged:
+                log.warning("%s %s: waiting for another peer", planned.reason, [p[:8] for p in participants])
+                self._no_trusted_logged = True
+            self._hold(now + self.config.ready_timeout, Waiting(WaitReason.NO_TRUSTED_OWNER, planned.reason,
+                                                                participants))
             return []
-        if deadline_passed and self.tries == 0:
-            for p in waiting_on:  # stragglers: left out, and not waited on until they say ready again
-                self.members[p].lagging = True
-        return self._open(now, tuple(candidates))
-
-    def _waited_on(self, m: Member) -> bool:
-        """Whether a round waits (up to the ready timeout) for this live peer to say ready.
-
-        Connected members are; a syncing peer is once it has shown it is alive (it said ready),
-        so a joiner is never outrun by a fast swarm; a straggler that missed a deadline is not,
-        until it says ready again, so it delays at most one round.
-        """
-        if not m.connected or m.lagging:
-            return False
-        return m.state != "syncing" or m.catching_up
-
-    def _open(self, now: float, participants: tuple[str, ...]) -> list[Action]:
+        self._no_trusted_logged = False
+        if self.config.audit_owners and not planned.audit_owners:
+            log.warning("round %d is not audited: fewer than two shard owners", self.committed_rounds)
+        for p in opening.left_out:  # stragglers: not waited on until they say ready again
+            self.members[p].state = self.members[p].state.after_missed_deadline()
         actions: list[Action] = []
-        # Round boundary: apply membership changes.
         changed = False
-        for p in participants:
+        for p in participants:  # the round boundary: joiners become members
             m = self.members[p]
-            m.catching_up = m.lagging = False
-            if m.state != "member":
-                m.state = "member"
+            joins = not m.state.is_member
+            m.state = MemberState.MEMBER
+            if joins:
                 changed = True
                 actions.append(PersistMember(m))
         if changed:
             self.epoch += 1
             actions.append(PersistEpoch(self.epoch))
-        info = self.ready[participants[0]]
-        n = info.num_elements
-        members = [self.members[p] for p in participants]
-        layout = plan_layout(self.config.algorithm, members, n,
-                             _ITEMSIZE.get(info.dtype, 4),
-                             owner_reduces=self.config.aggregator not in ("mean", "fedavg") or self.config.audit_owners,
-                             link_cap=self.config.link_cap_bytes_per_s, min_gain=self.config.plan_min_gain)
-        audit = self.config.audit_owners and layout.algorithm == "butterfly"
-        if layout.algorithm == "butterfly" and self.untrusted & set(participants):
-            stripped = _without_untrusted_owners(layout, self.untrusted)
-            if stripped is None:
-                # Every candidate lost ownership in an owner audit (e.g. two peers, one of them
-                # lying: nobody can tell which). No round until a trusted peer is among them.
-                if not self._no_trusted_logged:
-                    log.warning("no trusted shard owner among %s: waiting for another peer",
-                                [p[:8] for p in participants])
-                    self._no_trusted_logged = True
-                self.not_before = now + self.config.ready_timeout
-                return actions
-            layout = stripped
-        self._no_trusted_logged = False
-        if audit and len(set(layout.shard_owner)) < 2:
-            audit = False  # one owner has nobody to audit it
-            log.warning("round %d is not audited: fewer than two shard owners", self.committed_rounds)
-        if len(members) > 1 and all(q.peer_id in m.shm_peers for m in members for q in members if q is not m):
-            chunk = self.config.shm_chunk_bytes  # one host: every pair on the shared-memory lane
-        else:
-            chunk = min(self.config.chunk_bytes, layout.chunk_bytes or self.config.chunk_bytes)
-        plan = PlanSpec(
-            round=self.committed_rounds,
-            attempt=self.attempt,
-            epoch=self.epoch,
-            participants=layout.participants,
-            # Robust aggregators need every contribution at a shard owner: plan_layout keeps those
-            # on the butterfly (owner_reduces).
-            algorithm=layout.algorithm,
-            shard_bounds=layout.shard_bounds,
-            shard_owner=layout.shard_owner,
-            num_elements=n,
-            dtype=info.dtype,
+        plan = dataclasses.replace(
+            planned, round=self.committed_rounds, attempt=self.attempt, epoch=self.epoch,
             deadline_seconds=self.config.collective_timeout,
-            chunk_timeout_seconds=chunk_deadline(members, self.config, chunk),
-            chunk_bytes=chunk,
-            aggregator=self.config.aggregator,
-            audit_owners=audit,
-            compression=self.config.compression,
-            predicted_seconds=layout.predicted_seconds,
-            bound_seconds=layout.bound_seconds,
-            demoted=layout.demoted,
-        )
+            addresses=tuple(self.members[p].address for p in planned.participants),
+            num_samples=tuple(self.ready[p].num_samples for p in planned.participants),
+            public_keys=tuple(self.members[p].public_key for p in planned.participants))
         self.running = _Running(plan, now)
         actions.append(SendPlan(plan))
         return actions
+
+    def _hold(self, until: float, why: Waiting) -> None:
+        """No round opens before `until` (engine time), for the reason `why`."""
+        self.not_before = until
+        self._held = dataclasses.replace(why, until=until)
 
     def _commit(self, now: float) -> list[Action]:
         run = self.running
@@ -730,13 +732,13 @@ class RoundEngine:
         votes = run.votes
         any_vote = next(iter(votes.values()))
         # A peer may report a non-finite loss (diverged, or lying): it never reaches the record.
-        losses = [v[3] for v in votes.values() if math.isfinite(v[3])]
-        flagged = tuple(sorted({f for v in votes.values() for f in v[5]}))
+        losses = [v.loss for v in votes.values() if math.isfinite(v.loss)]
+        flagged = tuple(sorted({f for v in votes.values() for f in v.flagged}))
         rec = CommitRecord(
             round=run.plan.round,
             attempt=run.plan.attempt,
-            result_digest=any_vote[1],
-            state_digest=any_vote[2],
+            result_digest=any_vote.result_digest,
+            state_digest=any_vote.state_digest,
             participants=run.plan.participants,
             train_loss=float(sum(losses) / len(losses)) if losses else 0.0,
             seconds=now - run.started,
@@ -763,11 +765,15 @@ class RoundEngine:
         if will_retry:
             self.tries += 1
             self.rounds_retried += 1
-            self.not_before = now + self.config.retry_backoff * 2 ** (self.tries - 1)
+            self._hold(now + self.config.retry_backoff * 2 ** (self.tries - 1), Waiting(
+                WaitReason.BACKOFF, f"retry backoff: attempt {self.attempt} of round {run.plan.round} "
+                                    f"after an abort ({reason})", tuple(survivors)))
         else:
             # Give the round up: everyone (the excluded included) starts it over by saying ready.
             self._reset_round(next_attempt=self.attempt)
-            self.not_before = now + self.config.retry_backoff
+            self._hold(now + self.config.retry_backoff, Waiting(
+                WaitReason.BACKOFF, f"retry backoff: round {run.plan.round} given up after an abort ({reason}); "
+                                    f"it starts over when peers say ready"))
         return [SendAbort(rec, to)]
 
     def _reset_round(self, next_attempt: int | None = None) -> None:

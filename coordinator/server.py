@@ -29,14 +29,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from shoal.common.plan import Plan
 from shoal.coordinator.rounds import (
     Action,
     EngineConfig,
+    ErrorKind,
     ForgetMember,
     PersistEpoch,
-    PersistUntrusted,
     PersistMember,
-    PlanSpec,
+    PersistUntrusted,
     ReadyInfo,
     RoundEngine,
     RoundError,
@@ -45,6 +46,7 @@ from shoal.coordinator.rounds import (
     SendFinished,
     SendPlan,
     SendSync,
+    WaitReason,
 )
 from shoal.coordinator.admission import Admission, AllowList, load_secret
 from shoal.coordinator.store import SQLiteStore, Store
@@ -72,7 +74,9 @@ UNSIGNED_METHODS = frozenset({GET_STATUS})
 TICKET_SLACK_SECONDS = 60.0
 SYNC_PERMIT_SECONDS = 300.0
 METRICS_EVERY_SECONDS = 1.0
-_ERROR_KINDS = {"not_found": NotFound, "invalid": InvalidArgument, "precondition": FailedPrecondition}
+# The one place where the engine's refusals become gRPC status codes.
+_ERROR_KINDS = {ErrorKind.NOT_FOUND: NotFound, ErrorKind.INVALID: InvalidArgument,
+                ErrorKind.PRECONDITION: FailedPrecondition}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +101,7 @@ class CoordinatorConfig:
 
 
 def _raise(exc: RoundError) -> ShoalError:
-    return _ERROR_KINDS.get(exc.kind, FailedPrecondition)(str(exc))
+    return _ERROR_KINDS[exc.kind](str(exc))
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -130,22 +134,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                    plan_digest(plan), plan.deadline_seconds + TICKET_SLACK_SECONDS, now=self.clock())
         return plan
 
-    def _render_plan(self, plan: PlanSpec) -> pb.Plan:
-        parts = []
-        for i, p in enumerate(plan.participants):
-            m = self.engine.members.get(p)
-            parts.append(pb.Participant(
-                peer_id=p, address=m.address if m else "", num_samples=self.engine.ready[p].num_samples
-                if p in self.engine.ready else 0, owner=i in plan.shard_owner, public_key=m.public_key if m else b"",
-            ))
-        return pb.Plan(
-            round=plan.round, attempt=plan.attempt, epoch=plan.epoch, participants=parts,
-            algorithm=plan.algorithm, shard_bounds=plan.shard_bounds, shard_owner=plan.shard_owner,
-            num_elements=plan.num_elements, dtype=plan.dtype, deadline_seconds=plan.deadline_seconds,
-            chunk_timeout_seconds=plan.chunk_timeout_seconds, chunk_bytes=plan.chunk_bytes,
-            aggregator=plan.aggregator, compression=plan.compression, predicted_seconds=plan.predicted_seconds,
-            audit_owners=plan.audit_owners,
-        )
+    def _wire_plan(self, plan: Plan) -> pb.Plan:
+        """The engine's plan on the wire, with a fresh round ticket."""
+        return self._ticketed(plan.to_proto())
 
     def apply(self, actions: list[Action]) -> None:
         """Carry out engine actions: persist first, then notify."""
@@ -162,9 +153,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 log.warning("peers that may no longer own shards (failed owner audits): %s",
                             [p[:8] for p in a.peers])
             elif isinstance(a, SendPlan):
-                plan = self._ticketed(self._render_plan(a.plan))
+                plan = self._wire_plan(a.plan)
                 log.info("round %d.%d planned: %d participants, %s, predicted %.3fs (bound %.3fs)%s", plan.round,
-                         plan.attempt, len(plan.participants), plan.algorithm, a.plan.predicted_seconds,
+                         plan.attempt, len(plan.participants), plan.collective, a.plan.predicted_seconds,
                          a.plan.bound_seconds,
                          f", non-owners {[d[:8] for d in a.plan.demoted]}" if a.plan.demoted else "")
                 ev = pb.RoundEvent(plan=plan)
@@ -227,10 +218,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             await asyncio.sleep(TICK_SECONDS)
 
     def observe(self) -> None:
-        """Copy the engine's membership and link estimates into the metric gauges."""
+        """Copy the engine's membership, link estimates and wait reason into the metric gauges."""
         e = self.engine
         self.metrics.observe_members(e.epoch, e.committed_rounds, [
-            (m.peer_id, m.state, m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds) for m in e.members.values()])
+            (m.peer_id, m.state.label, m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds)
+            for m in e.members.values()])
+        self.metrics.observe_waiting(e.waiting(self.clock()).reason.value, [r.value for r in WaitReason])
 
     # ------------------------------------------------------------ RPCs
 
@@ -301,7 +294,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 return
             run = self.engine.running
             if run is not None and request.peer_id in run.plan.participants:
-                yield pb.RoundEvent(plan=self._ticketed(self._render_plan(run.plan)))
+                yield pb.RoundEvent(plan=self._wire_plan(run.plan))
             while True:
                 ev = await q.get()
                 yield ev
@@ -346,7 +339,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         now = self.clock()
         e = self.engine
         members = [
-            pb.MemberInfo(peer_id=m.peer_id, address=m.address, state=m.state,
+            pb.MemberInfo(peer_id=m.peer_id, address=m.address, state=m.state.label,
                           lease_remaining_seconds=max(0.0, m.lease_expiry - now), num_samples=m.num_samples,
                           up_bytes_per_s=m.up_bytes_per_s, down_bytes_per_s=m.down_bytes_per_s,
                           rtt_seconds=m.rtt_seconds, untrusted=m.peer_id in e.untrusted, shm_peers=len(m.shm_peers))
@@ -366,9 +359,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             rounds.append(pb.RoundInfo(round=e.running.plan.round, attempt=e.running.plan.attempt, status="running",
                                        participants=len(e.running.plan.participants)))
         rounds.sort(key=lambda r: (r.round, r.attempt, r.status != "aborted"))
+        w = e.waiting(now)
+        waiting = pb.Waiting(reason=w.reason.value, message=w.message, peers=w.peers,
+                             seconds_left=max(0.0, w.until - now) if w.until is not None else 0.0)
         return pb.StatusResponse(epoch=e.epoch, round=e.committed_rounds, members=members, rounds=rounds[-k:],
                                  rounds_committed=e.committed_rounds, rounds_aborted=e.rounds_aborted,
-                                 run_config_json=self.run_config_json)
+                                 run_config_json=self.run_config_json, waiting=waiting)
 
 
 def grpc_options() -> list[tuple[str, int]]:

@@ -4,16 +4,21 @@ Two backends share one contract (tests/test_store.py runs the same tests on both
 `MemoryStore` (tests, ephemeral runs) and `SQLiteStore` (WAL mode, synchronous=FULL, one
 transaction per write; a write returns only once it is durable, so the server may acknowledge
 what it has written). Model state never lives here: peers hold it.
+
+Other processes (`shoal swarm`, tests) read a live coordinator's state file through
+`SQLiteStore.reader` (read-only, never blocks the coordinator's writes), never with raw SQL.
+A member's state is stored as its `MemberState.label` ("pending", "syncing", "member").
 """
 
 from __future__ import annotations
 
 import json
+import pathlib
 import sqlite3
 import threading
 from typing import Protocol
 
-from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member
+from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
 
 
 class Store(Protocol):
@@ -24,6 +29,8 @@ class Store(Protocol):
     def save_epoch(self, epoch: int) -> None: ...
     def load_commits(self) -> list[CommitRecord]: ...
     def save_commit(self, rec: CommitRecord) -> None: ...
+    def count_commits(self) -> int: ...
+    def last_commit(self) -> CommitRecord | None: ...
     def count_aborts(self) -> int: ...
     def save_abort(self, rec: AbortRecord) -> None: ...
     def get_meta(self, key: str) -> str | None: ...
@@ -45,7 +52,9 @@ class MemoryStore:
         return list(self.members.values())
 
     def save_member(self, m: Member) -> None:
-        self.members[m.peer_id] = m
+        # What SQLiteStore keeps: the identity, the address and the state's label.
+        self.members[m.peer_id] = Member(m.peer_id, m.public_key, m.address, m.num_samples, 0.0,
+                                         MemberState.from_label(m.state.label))
 
     def forget_member(self, peer_id: str) -> None:
         self.members.pop(peer_id, None)
@@ -63,6 +72,12 @@ class MemoryStore:
         if any(c.round == rec.round for c in self.commits):
             raise ValueError(f"round {rec.round} already committed")
         self.commits.append(rec)
+
+    def count_commits(self) -> int:
+        return len(self.commits)
+
+    def last_commit(self) -> CommitRecord | None:
+        return max(self.commits, key=lambda c: c.round, default=None)
 
     def count_aborts(self) -> int:
         return len(self.aborts)
@@ -102,12 +117,30 @@ class SQLiteStore:
         sqlite3.DatabaseError: the file is not a SQLite database.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, read_only: bool = False):
         self._lock = threading.Lock()
+        if read_only:
+            self._db = sqlite3.connect(f"{pathlib.Path(path).absolute().as_uri()}?mode=ro", uri=True,
+                                       isolation_level=None, check_same_thread=False)
+            return
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+
+    @classmethod
+    def reader(cls, path: str) -> SQLiteStore:
+        """A read-only view of the state file at `path`, e.g. of a running coordinator's: reads
+        see the last committed transaction and never block its writes; writes raise
+        sqlite3.OperationalError. Raises sqlite3.OperationalError when the file does not exist.
+        Close it when done (it is a context manager)."""
+        return cls(path, read_only=True)
+
+    def __enter__(self) -> SQLiteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _write(self, sql: str, args: tuple) -> None:
         with self._lock:
@@ -121,12 +154,12 @@ class SQLiteStore:
 
     def load_members(self) -> list[Member]:
         rows = self._db.execute("SELECT peer_id, public_key, address, num_samples, state FROM members").fetchall()
-        return [Member(p, bytes(k), a, n, 0.0, s) for p, k, a, n, s in rows]
+        return [Member(p, bytes(k), a, n, 0.0, MemberState.from_label(s)) for p, k, a, n, s in rows]
 
     def save_member(self, m: Member) -> None:
         self._write(
             "INSERT OR REPLACE INTO members VALUES (?, ?, ?, ?, ?)",
-            (m.peer_id, m.public_key, m.address, m.num_samples, m.state),
+            (m.peer_id, m.public_key, m.address, m.num_samples, m.state.label),
         )
 
     def forget_member(self, peer_id: str) -> None:
@@ -140,7 +173,10 @@ class SQLiteStore:
         self.set_meta("epoch", str(epoch))
 
     def load_commits(self) -> list[CommitRecord]:
-        rows = self._db.execute("SELECT * FROM commits ORDER BY round").fetchall()
+        return self._commits(self._db.execute("SELECT * FROM commits ORDER BY round").fetchall())
+
+    @staticmethod
+    def _commits(rows: list[tuple]) -> list[CommitRecord]:
         return [
             CommitRecord(r, a, bytes(rd), bytes(sd), tuple(json.loads(ps)), loss, sec, tuple(json.loads(fl)), at)
             for r, a, rd, sd, ps, loss, sec, fl, at in rows
@@ -157,6 +193,13 @@ class SQLiteStore:
             if "UNIQUE" in str(exc) or "PRIMARY KEY" in str(exc):
                 raise ValueError(f"round {rec.round} already committed") from exc
             raise ValueError(f"commit of round {rec.round} refused by the store: {exc}") from exc
+
+    def count_commits(self) -> int:
+        return int(self._db.execute("SELECT COUNT(*) FROM commits").fetchone()[0])
+
+    def last_commit(self) -> CommitRecord | None:
+        rows = self._db.execute("SELECT * FROM commits ORDER BY round DESC LIMIT 1").fetchall()
+        return self._commits(rows)[0] if rows else None
 
     def count_aborts(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM aborts").fetchone()[0])

@@ -93,7 +93,7 @@ class CollectivePlan:
             participants=tuple(p.peer_id for p in plan.participants),
             addresses=tuple(p.address for p in plan.participants),
             shard_bounds=tuple(plan.shard_bounds), shard_owner=tuple(plan.shard_owner),
-            algorithm=plan.algorithm or "ring", chunk_bytes=plan.chunk_bytes or (1 << 20),
+            algorithm=plan.collective or "ring", chunk_bytes=plan.chunk_bytes or (1 << 20),
             chunk_timeout_seconds=plan.chunk_timeout_seconds or 5.0,
             deadline_seconds=plan.deadline_seconds or 30.0, ticket=plan.ticket,
             compression=plan.compression or "none", audit=plan.audit_owners,

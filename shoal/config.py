@@ -179,7 +179,7 @@ class RoundsSection:
         from shoal.coordinator.rounds import EngineConfig
 
         run = run or RunSection()
-        algorithm = "butterfly" if run.needs_butterfly() else self.collective
+        collective = "butterfly" if run.needs_butterfly() else self.collective
         return EngineConfig(aggregator=run.aggregator, compression=run.compression, audit_owners=run.audit_owners,
                             min_peers=self.min_peers, initial_peers=self.initial_peers,
                             lease_seconds=self.lease_seconds, ready_timeout=self.ready_timeout,
@@ -187,14 +187,15 @@ class RoundsSection:
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
                             shm_chunk_bytes=self.shm_chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
-                            total_rounds=self.rounds, algorithm=algorithm)
+                            total_rounds=self.rounds, collective=collective)
 
 
 @dataclass(frozen=True)
 class RunSection:
     """[run]: the training run, set on the coordinator and handed to every peer at join."""
 
-    algorithm: str = setting("diloco", "diloco (H inner steps + Nesterov outer step) or fedavg (weighted mean)",
+    algorithm: str = setting("diloco", "training algorithm: diloco (H inner steps + Nesterov outer step) or fedavg "
+                                       "(weighted mean)",
                              choices=("diloco", "fedavg"))
     seed: int = setting(0, "seed of the data split, the initial parameters and the inner batches")
     inner_steps: int = setting(50, "local optimizer steps per round (H)")

@@ -1,4 +1,5 @@
-"""`shoal status`: the operator's view of a coordinator (members, their links, recent rounds).
+"""`shoal status`: the operator's view of a coordinator (members, their links, recent rounds, and
+why the next round is not open).
 
 One GetStatus call (bounded by `timeout`) over TLS or explicit plaintext (`shoal.common.security
 .Security`, like every other connection), rendered either as JSON (stable keys, for scripts and
@@ -19,7 +20,8 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
 async def fetch_status_async(address: str, *, recent: int = 10, timeout: float = 5.0,
                              security: Security = Security(insecure=True)) -> dict:
-    """GetStatus as a JSON-ready dict: epoch, round, counts, run_config, members, rounds."""
+    """GetStatus as a JSON-ready dict: epoch, round, counts, run_config, members, rounds, and
+    `waiting` ({reason, message, peers, seconds_left}: why the next round is not open)."""
     async with open_channel(address, security, options=[]) as channel:
         resp: pb.StatusResponse = await pb_grpc.CoordinatorStub(channel).GetStatus(
             pb.StatusRequest(recent_rounds=recent), timeout=timeout, wait_for_ready=False)
@@ -34,6 +36,8 @@ async def fetch_status_async(address: str, *, recent: int = 10, timeout: float =
         "rounds_committed": resp.rounds_committed,
         "rounds_aborted": resp.rounds_aborted,
         "run_config": run_config,
+        "waiting": {"reason": resp.waiting.reason, "message": resp.waiting.message,
+                    "peers": list(resp.waiting.peers), "seconds_left": round(resp.waiting.seconds_left, 3)},
         "members": [
             {"peer_id": m.peer_id, "address": m.address, "state": m.state,
              "lease_remaining_seconds": round(m.lease_remaining_seconds, 3), "num_samples": m.num_samples,
@@ -89,4 +93,6 @@ def render_table(s: dict) -> str:
         [[str(r["round"]), str(r["attempt"]), r["status"], str(r["participants"]),
           f"{r['seconds']:.3f}" if r["seconds"] else "-", f"{r['train_loss']:.4f}" if r["status"] == "committed" else "-",
           r["reason"][:60]] for r in s["rounds"]])
-    return f"{head}\n\nmembers ({len(s['members'])})\n{members}\n\nrecent rounds\n{rounds}"
+    waiting = s.get("waiting") or {}
+    nxt = f"next round: {waiting['message']}\n\n" if waiting.get("message") else ""
+    return f"{head}\n\n{nxt}members ({len(s['members'])})\n{members}\n\nrecent rounds\n{rounds}"

@@ -19,12 +19,13 @@ import os
 import pathlib
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+from shoal.coordinator.store import SQLiteStore
 
 log = logging.getLogger("shoal.swarm")
 
@@ -255,23 +256,15 @@ class Swarm:
         return [e for i in range(len(self.peers)) for e in self.events(i)]
 
     def durable_counts(self) -> tuple[int, int]:
-        """(rounds committed, attempts aborted) read from the coordinator's SQLite state file."""
-        db = sqlite3.connect(self.workdir / "coordinator.db")
-        try:
-            c = db.execute("SELECT COUNT(*) FROM commits").fetchone()[0]
-            a = db.execute("SELECT COUNT(*) FROM aborts").fetchone()[0]
-            return int(c), int(a)
-        finally:
-            db.close()
+        """(rounds committed, attempts aborted) read from the coordinator's state file."""
+        with SQLiteStore.reader(str(self.workdir / "coordinator.db")) as store:
+            return store.count_commits(), store.count_aborts()
 
 
 def _last_commit_digest(swarm: "Swarm") -> str:
-    db = sqlite3.connect(swarm.workdir / "coordinator.db")
-    try:
-        row = db.execute("SELECT state_digest FROM commits ORDER BY round DESC LIMIT 1").fetchone()
-        return bytes(row[0]).hex() if row else ""
-    finally:
-        db.close()
+    with SQLiteStore.reader(str(swarm.workdir / "coordinator.db")) as store:
+        last = store.last_commit()
+    return last.state_digest.hex() if last is not None else ""
 
 
 def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | None" = None) -> dict:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import sys
 import time
 
 import pytest
+
+from shoal.coordinator.store import SQLiteStore
 
 ROUNDS = 10
 
@@ -29,11 +30,8 @@ def events(procs, name: str) -> list[dict]:
 
 
 def commits(procs) -> list[tuple[int, bytes]]:
-    db = sqlite3.connect(procs.workdir / "coordinator.db")
-    try:
-        return [(r, bytes(d)) for r, d in db.execute("SELECT round, state_digest FROM commits ORDER BY round")]
-    finally:
-        db.close()
+    with SQLiteStore.reader(str(procs.workdir / "coordinator.db")) as store:
+        return [(c.round, c.state_digest) for c in store.load_commits()]
 
 
 def start_swarm(procs, n: int, *, rounds: int = ROUNDS, inner_steps: int = 10, extra: tuple[str, ...] = ()) -> str:

@@ -84,6 +84,10 @@ def test_metrics_of_coordinator_and_peer(swarm):
     assert sample(text, "shoal_coordinator_rounds_committed_total") >= 1
     assert sample(text, "shoal_coordinator_round_duration_seconds_count") >= 1
     assert 'shoal_coordinator_members{state="member"} 3.0' in text
+    # Why the next round is not open: exactly one reason at 1 (the swarm runs rounds back to back).
+    waiting = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("shoal_coordinator_round_waiting{")}
+    assert sum(waiting.values()) == 1.0 and {"running", "quorum", "stragglers", "finished"} <= set(waiting)
 
     text = scrape(urls["peer-0"])
     for spec in PEER_METRICS:
@@ -108,11 +112,14 @@ def test_status_json_lists_the_members(swarm):
     assert not any(m["untrusted"] for m in st["members"])
     # The swarm's peers share this host: each reports the others as shared-memory peers (after a round).
     assert all(m["shm_peers"] == PEERS - 1 for m in st["members"]), st["members"]
+    assert st["waiting"]["reason"] in {"running", "quorum", "stragglers", "syncing", "backoff", "opening"}
+    assert st["waiting"]["message"]
 
     out = subprocess.run([sys.executable, "-m", "shoal.cli", "status", "--insecure", "--coordinator", swarm.address],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "members (3)" in out.stdout and "recent rounds" in out.stdout and "shm peers" in out.stdout
+    assert "next round: " in out.stdout
     assert st["members"][0]["peer_id"][:12] in out.stdout
 
 

@@ -135,14 +135,14 @@ def test_attacks():
 @pytest.mark.parametrize("aggregator,expected", [("mean", "ring"), ("fedavg", "ring"), ("krum", "butterfly"),
                                                  ("trimmed-mean", "butterfly")])
 def test_engine_plans_the_butterfly_for_robust_aggregators(aggregator, expected):
-    eng = RoundEngine(EngineConfig(min_peers=2, algorithm="ring", aggregator=aggregator, compression="int8"))
+    eng = RoundEngine(EngineConfig(min_peers=2, collective="ring", aggregator=aggregator, compression="int8"))
     for i, pid in enumerate(("a", "b")):
         eng.join(pid, b"k", f"127.0.0.1:{9000 + i}", 10, now=0.0)
     actions = []
     for pid in ("a", "b"):
         actions += eng.ready_(pid, 0, ReadyInfo(100, pb.FLOAT32, 10, b"", 0, 0.0), now=0.1)
     plans = [a.plan for a in actions if isinstance(a, SendPlan)]
-    assert plans and plans[0].algorithm == expected and plans[0].aggregator == aggregator
+    assert plans and plans[0].collective == expected and plans[0].aggregator == aggregator
     assert plans[0].compression == "int8"
 
 

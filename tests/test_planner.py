@@ -1,25 +1,31 @@
-"""The collective planner: LP optimality against brute force, closed forms, edge cases."""
+"""The collective planner: LP optimality against brute force, closed forms, edge cases, and the
+coordinator's planning policy (`plan_round`) on reported links. No sockets, no grpc."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 import numpy as np
 import pytest
 
+from shoal.common.plan import Plan
 from shoal.coordinator.planner import (
-    CollectivePlan,
     LinkSpec,
+    NoPlan,
+    PlanPolicy,
     allreduce_lower_bound,
     best_ring_order,
     butterfly_fractions,
+    chunk_deadline,
     plan_collective,
+    plan_round,
     predict_butterfly,
     predict_ring,
-    predict_tree,
     shard_bounds_from_fractions,
     simple_floor,
+    without_untrusted_owners,
 )
 
 MBIT = 1e6 / 8  # bytes/s
@@ -108,13 +114,6 @@ def test_closed_forms() -> None:
     assert predict_butterfly(u, d, n, w, rtt, overlap=False) == pytest.approx(t_rs + t_ag + lat)
     t_pipe = max(n * (1 + w) / np.minimum(u, d))
     assert predict_butterfly(u, d, n, w, rtt, overlap=True) == pytest.approx(t_pipe + lat)
-    # tree p=3: fold 2→0, exchange 0↔1, unfold 0→2
-    bw = np.minimum(u[:, None], d[None, :])
-    a = (rtt[:, None] / 2 + rtt[None, :] / 2) / 2
-    expected = (a[2, 0] + n / bw[2, 0]) + max(a[0, 1] + n / bw[0, 1], a[1, 0] + n / bw[1, 0]) + (a[0, 2] + n / bw[0, 2])
-    assert predict_tree(u, d, n, (0, 1, 2), rtt) == pytest.approx(expected)
-    # tree p=4, uniform B: two steps of n/B
-    assert predict_tree([5.0] * 4, [5.0] * 4, 10.0) == pytest.approx(2 * 10 / 5)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -146,7 +145,8 @@ def test_one_slow_peer_pipelined_gets_no_shard_and_beats_uniform() -> None:
     assert t_opt == pytest.approx(n / (10 * MBIT))  # reaches the simple floor n / min(u, d) exactly
     assert t_opt == pytest.approx(simple_floor(rates, rates, n))
     plan = plan_collective([LinkSpec(f"p{i}", r, r) for i, r in enumerate(rates)], 25_000_000)
-    assert plan.algorithm == "butterfly" and plan.demoted == (3,)
+    assert plan.collective == "butterfly" and plan.demoted == ("p3",)
+    assert plan.participants == ("p0", "p1", "p2", "p3")  # the butterfly keeps the given order
     assert plan.shard_owner == (0, 1, 2) and len(plan.shard_bounds) == 4
     assert plan.predicted_seconds == pytest.approx(plan.bound_seconds)
     assert plan.predicted_seconds < predict_ring(rates, rates, n)
@@ -171,21 +171,22 @@ def test_one_slow_peer_phased_model() -> None:
 
 def test_num_elements_smaller_than_participants() -> None:
     links = [LinkSpec(f"p{i}", (i + 1) * MBIT, (i + 1) * MBIT) for i in range(5)]
-    for algorithm in ("ring", "butterfly", "tree"):
-        plan = plan_collective(links, 3, algorithm=algorithm)
+    for collective in ("ring", "butterfly"):
+        plan = plan_collective(links, 3, collective=collective)
         b = plan.shard_bounds
         assert b[0] == 0 and b[-1] == 3 and all(x <= y for x, y in zip(b, b[1:]))
-        assert len(b) == len(plan.shard_owner) + 1
-        assert sorted(plan.order) == list(range(5))
+        assert len(b) == len(plan.shard_owner) + 1 and plan.num_elements == 3
+        assert sorted(plan.participants) == [f"p{i}" for i in range(5)]
+        assert all(0 <= o < 5 for o in plan.shard_owner)
     plan = plan_collective(links, 0)
     assert plan.shard_bounds[-1] == 0 and plan.predicted_seconds == 0.0
 
 
 def test_single_participant() -> None:
     plan = plan_collective([LinkSpec("solo", MBIT, MBIT, 0.1)], 1000)
-    assert plan.order == (0,) and plan.shard_bounds == (0, 1000) and plan.shard_owner == (0,)
+    assert plan.participants == ("solo",) and plan.shard_bounds == (0, 1000) and plan.shard_owner == (0,)
     assert plan.predicted_seconds == 0.0 and plan.bound_seconds == 0.0 and plan.demoted == ()
-    assert plan_collective([LinkSpec("solo", MBIT, MBIT)], 10, algorithm="ring").algorithm == "ring"
+    assert plan_collective([LinkSpec("solo", MBIT, MBIT)], 10, collective="ring").collective == "ring"
 
 
 def test_bound_below_every_prediction() -> None:
@@ -198,25 +199,29 @@ def test_bound_below_every_prediction() -> None:
         for overlap in (False, True):
             assert predict_butterfly(u, d, n, butterfly_fractions(u, d, overlap=overlap), overlap=overlap) >= lb * (1 - 1e-9)
         assert predict_ring(u, d, n) >= lb * (1 - 1e-9)
-        assert predict_tree(u, d, n) >= lb * (1 - 1e-9)
 
 
-def test_algorithm_choice() -> None:
-    far = [LinkSpec(f"p{i}", 100 * MBIT, 100 * MBIT, rtt_seconds=0.1) for i in range(8)]
-    small = plan_collective(far, 64)  # 256 bytes: latency dominates
-    assert small.algorithm == "tree" and small.shard_bounds == (0, 64)
-    big = plan_collective(far, 10_000_000)
-    assert big.algorithm == "butterfly"
-    preds = {
-        a: plan_collective(far, 64, algorithm=a).predicted_seconds for a in ("ring", "butterfly", "tree")
-    }
-    assert small.predicted_seconds == min(preds.values())
-    # Tree is only considered below the threshold, and only if the data plane has it.
-    assert plan_collective(far, 64, latency_threshold_bytes=0).algorithm != "tree"
-    assert plan_collective(far, 64, algorithms=("butterfly", "ring")).algorithm != "tree"
-    assert plan_collective(far, 10_000_000, algorithms=("ring",)).algorithm == "ring"
+def test_collective_is_planned_as_asked_and_predicted_by_its_model() -> None:
+    rng = np.random.default_rng(11)
+    u, d = _random_links(rng, 5)
+    rtt = rng.uniform(0, 0.1, 5)
+    links = [LinkSpec(f"p{i}", u[i], d[i], rtt[i]) for i in range(5)]
+    idx = {f"p{i}": i for i in range(5)}
+    n = 1_000_000
+    ring = plan_collective(links, n, collective="ring")
+    order = [idx[p] for p in ring.participants]
+    assert ring.collective == "ring" and ring.demoted == ()
+    assert ring.predicted_seconds == pytest.approx(predict_ring(u, d, 4 * n, order, rtt))
+    bfly = plan_collective(links, n, collective="butterfly")
+    w = np.zeros(5)
+    w[list(bfly.shard_owner)] = np.diff(bfly.shard_bounds) / n
+    assert bfly.collective == "butterfly"
+    assert bfly.predicted_seconds == pytest.approx(predict_butterfly(u, d, 4 * n, w, rtt))
+    for plan in (ring, bfly):
+        assert plan.bound_seconds == pytest.approx(allreduce_lower_bound(u, d, 4 * n))
+        assert plan.floor_seconds == pytest.approx(simple_floor(u, d, 4 * n))
     with pytest.raises(ValueError):
-        plan_collective(far, 64, algorithm="mesh")
+        plan_collective(links, 64, collective="tree")  # the data plane has no tree
     with pytest.raises(ValueError):
         plan_collective([LinkSpec("a", 0.0, 1.0), LinkSpec("b", 1.0, 1.0)], 10)
     with pytest.raises(ValueError):
@@ -225,13 +230,16 @@ def test_algorithm_choice() -> None:
 
 def test_ring_plan_shapes_and_owner_positions() -> None:
     links = [LinkSpec(f"p{i}", r * MBIT, r * MBIT, 0.01 * i) for i, r in enumerate([10, 20, 30, 40, 50])]
-    plan = plan_collective(links, 1003, algorithm="ring")
-    assert isinstance(plan, CollectivePlan)
-    assert plan.shard_owner == plan.order[-1:] + plan.order[:-1]
-    assert plan.owner_positions() == (4, 0, 1, 2, 3)
+    plan = plan_collective(links, 1003, collective="ring")
+    assert isinstance(plan, Plan)
+    # Shard k is owned by ring position k-1: the peer before it in collective order.
+    assert plan.shard_owner == (4, 0, 1, 2, 3)
+    assert tuple(plan.participants[o] for o in plan.shard_owner) == plan.participants[-1:] + plan.participants[:-1]
+    assert sorted(plan.participants) == [l.peer_id for l in links]
     assert np.diff(plan.shard_bounds).tolist() in ([201, 201, 201, 200, 200],)
-    bfly = plan_collective(links, 1003, algorithm="butterfly")
-    assert bfly.owner_positions() == bfly.shard_owner  # identity order
+    bfly = plan_collective(links, 1003, collective="butterfly")
+    assert bfly.participants == tuple(l.peer_id for l in links)  # the butterfly keeps the given order
+    assert bfly.shard_owner == tuple(i for i in range(5) if bfly.participants[i] not in bfly.demoted)
 
 
 def test_shard_bounds_from_fractions() -> None:
@@ -257,3 +265,58 @@ def test_pairwise_caps_butterfly() -> None:
         t = predict_butterfly(u, d, 1e7, w, overlap=overlap, pairwise=pairwise)
         t_uniform = predict_butterfly(u, d, 1e7, None, overlap=overlap, pairwise=pairwise)
         assert t < t_uniform
+
+
+# ---------------------------------------------------------------------------------------------
+# the coordinator's policy: plan_round over reported links
+
+
+def test_plan_round_without_measurements_is_static_and_carries_the_policy() -> None:
+    links = [LinkSpec(p, 0.0, 0.0) for p in "abc"]  # nothing measured yet
+    policy = PlanPolicy(collective="auto", aggregator="median", compression="int8", chunk_bytes=1 << 18)
+    plan = plan_round(links, 10, 1, policy)
+    assert isinstance(plan, Plan)
+    assert plan.participants == ("a", "b", "c") and plan.collective == "butterfly"  # median: owners reduce
+    assert plan.shard_bounds == (0, 3, 6, 10) and plan.shard_owner == (0, 1, 2) and plan.demoted == ()
+    assert (plan.aggregator, plan.compression, plan.dtype, plan.num_elements) == ("median", "int8", 1, 10)
+    assert plan.chunk_bytes == 1 << 18 and plan.chunk_timeout_seconds == policy.chunk_timeout
+    assert not plan.audit_owners and plan.predicted_seconds == 0.0
+    ring = plan_round(links, 10, 1, PlanPolicy(collective="ring"))
+    assert ring.collective == "ring" and ring.shard_bounds == (0, 3, 6, 10)
+
+
+def test_untrusted_peers_own_no_shard_and_none_trusted_is_no_plan() -> None:
+    links = [LinkSpec(p, 0.0, 0.0) for p in "abcd"]
+    policy = PlanPolicy(collective="butterfly", audit_owners=True)
+    plan = plan_round(links, 8, 1, policy, untrusted={"b", "d"})
+    assert plan.shard_owner == (0, 2, 2, 0)  # b's shard to c (the next trusted owner), d's to a (cyclically)
+    assert plan.demoted == ("b", "d") and plan.audit_owners  # two owners left: audited
+    one = plan_round(links, 8, 1, policy, untrusted={"a", "b", "c"})
+    assert set(one.shard_owner) == {3} and not one.audit_owners  # one owner has nobody to audit it
+    none = plan_round(links, 8, 1, policy, untrusted=set("abcd"))
+    assert isinstance(none, NoPlan) and "no trusted shard owner" in none.reason
+    # The ring has no owner-side reduction: untrusted peers play it unchanged.
+    ring = plan_round(links, 8, 1, PlanPolicy(collective="ring"), untrusted=set("abcd"))
+    assert isinstance(ring, Plan) and ring.collective == "ring"
+
+
+def test_without_untrusted_owners_moves_shards_to_trusted_peers() -> None:
+    plan = Plan(("p0", "p1", "p2", "p3"), "butterfly", (0, 1, 2), (0, 1))
+    moved = without_untrusted_owners(plan, {"p0", "p1"})  # no owner trusted: the trusted non-owners
+    assert moved is not None and moved.shard_owner == (2, 2) and moved.demoted == ("p0", "p1", "p3")
+    assert without_untrusted_owners(plan, {"p0", "p1", "p2", "p3"}) is None
+    assert without_untrusted_owners(plan, set()).shard_owner == (0, 1)
+
+
+def test_chunks_follow_the_slowest_link_or_shared_memory() -> None:
+    policy = PlanPolicy()
+    slow = [LinkSpec(p, 10 * MBIT, 10 * MBIT, 0.01) for p in "abcd"]
+    plan = plan_round(slow, 4_000_000, 1, policy)
+    assert plan.chunk_bytes == int(10 * MBIT * 0.15)
+    assert plan.chunk_timeout_seconds == pytest.approx(max(2.0, 4.0 * plan.chunk_bytes / (10 * MBIT) + 0.02))
+    assert plan.chunk_timeout_seconds == chunk_deadline(slow, policy, plan.chunk_bytes)
+    assert chunk_deadline([LinkSpec("a", 0.0, 0.0)], policy, 1 << 20) == policy.chunk_timeout
+    one_host = [LinkSpec(p, 2e9, 2e9, 1e-4, frozenset(set("abcd") - {p})) for p in "abcd"]
+    assert plan_round(one_host, 4_000_000, 1, policy).chunk_bytes == policy.shm_chunk_bytes
+    almost = [dataclasses.replace(l, shm_peers=l.shm_peers - {"a"}) if l.peer_id == "d" else l for l in one_host]
+    assert plan_round(almost, 4_000_000, 1, policy).chunk_bytes == policy.chunk_bytes

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shoal.coordinator.rounds import (
-    EngineConfig, PersistUntrusted, ReadyInfo, RoundEngine, RoundError, SendAbort, SendCommit, SendFinished, SendPlan,
-    SendSync,
+    EngineConfig, ErrorKind, MemberState, PersistUntrusted, ReadyInfo, RoundEngine, RoundError, SendAbort, SendCommit,
+    SendFinished, SendPlan, SendSync, WaitReason,
 )
 
 KEY = bytes(32)
@@ -116,7 +116,7 @@ def test_lease_expiry_drops_member_and_aborts_its_round():
     assert abort.record.excluded == ("c",) and "c" not in e.members
     with pytest.raises(RoundError) as err:
         e.heartbeat("c", 1.1)
-    assert err.value.kind == "not_found"
+    assert err.value.kind is ErrorKind.NOT_FOUND
 
 
 def test_stale_peer_gets_sync_order_from_last_committers():
@@ -127,7 +127,7 @@ def test_stale_peer_gets_sync_order_from_last_committers():
     e.vote("a", 0, 0, True, b"r", b"s1", 0.5)
     e.vote("b", 0, 0, True, b"r", b"s1", 0.5)
     joined(e, "c", now=0.6)
-    assert e.members["c"].state == "syncing"
+    assert e.members["c"].state is MemberState.SYNCING
     (sync,) = of(e.ready_("c", 1, info(rounds=0), 0.7), SendSync)
     assert sync.donors == ("a", "b") and sync.state_digest == b"s1" and sync.round == 1
     # After syncing it is ready like anyone else, and a wrong digest is another sync order.
@@ -147,7 +147,7 @@ def test_initial_peers_quorum_and_size_mismatch():
     joined(e, "c", now=6.0)
     with pytest.raises(RoundError) as err:
         e.ready_("c", 0, info(n=11), 6.0)
-    assert err.value.kind == "invalid" and "num_elements" in str(err.value)
+    assert err.value.kind is ErrorKind.INVALID and "num_elements" in str(err.value)
 
 
 def test_finishes_after_total_rounds_and_restart_keeps_commits():
@@ -214,7 +214,7 @@ def test_restarted_peer_with_same_identity_rejoins_through_sync():
     e.disconnected("c", 0.2)
     e.join("c", KEY, "127.0.0.1:9999", 1, 0.3)  # same identity, new process and address
     e.connected("c", 0.3)
-    assert e.members["c"].state == "syncing"
+    assert e.members["c"].state is MemberState.SYNCING
     e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.4)
     (plan,) = of(e.ready_("b", 1, info(rounds=1, digest=b"s1"), 0.4), SendPlan)  # not waited on before it is ready
     assert plan.plan.participants == ("a", "b")
@@ -299,7 +299,7 @@ def test_holds_ready_covers_the_ready_set_and_the_running_attempt_only():
 
 
 def test_failed_owner_audit_strips_owner_and_auditor_of_ownership_for_the_run():
-    e = engine(audit_owners=True, algorithm="butterfly")
+    e = engine(audit_owners=True, collective="butterfly")
     joined(e, "a", "b", "c", "d")
     acts = [a for p in "abcd" for a in e.ready_(p, 0, info(), 0.1)]
     (plan,) = of(acts, SendPlan)
@@ -320,7 +320,7 @@ def test_failed_owner_audit_strips_owner_and_auditor_of_ownership_for_the_run():
     assert set(nxt.plan.participants) == {"a", "b", "c", "d"} and owners == {"a", "b"}
     assert set(nxt.plan.demoted) >= {"c", "d"}
     # A failed vote that is not an audit strips nobody.
-    e2 = engine(audit_owners=True, algorithm="butterfly")
+    e2 = engine(audit_owners=True, collective="butterfly")
     joined(e2, "a", "b", "c")
     (p2,) = of([a for p in "abc" for a in e2.ready_(p, 0, info(), 0.1)], SendPlan)
     e2.vote("a", 0, p2.plan.attempt, False, b"", b"", 0.2, suspects=("b",))
@@ -328,18 +328,18 @@ def test_failed_owner_audit_strips_owner_and_auditor_of_ownership_for_the_run():
 
 
 def test_an_audit_vote_strips_only_the_owner_its_voter_audits():
-    e = engine(audit_owners=True, algorithm="butterfly")
+    e = engine(audit_owners=True, collective="butterfly")
     joined(e, "a", "b", "c", "d", "e", "f")
     (plan,) = of([a for p in "abcdef" for a in e.ready_(p, 0, info(), 0.1)], SendPlan)
     # a audits f's shard (the next owner after f, cyclically): naming b..e is not an audit claim.
     e.vote("a", 0, plan.plan.attempt, False, b"", b"", 0.2, suspects=tuple("bcde"), audit=True)
     assert e.untrusted == set()
-    e2 = engine(audit_owners=True, algorithm="butterfly")
+    e2 = engine(audit_owners=True, collective="butterfly")
     joined(e2, "a", "b", "c", "d", "e", "f")
     (plan2,) = of([a for p in "abcdef" for a in e2.ready_(p, 0, info(), 0.1)], SendPlan)
     e2.vote("c", 0, plan2.plan.attempt, False, b"", b"", 0.2, suspects=("a",), audit=True)  # c does not audit a
     assert e2.untrusted == set()
-    e2b = engine(audit_owners=True, algorithm="butterfly")
+    e2b = engine(audit_owners=True, collective="butterfly")
     joined(e2b, "a", "b", "c", "d", "e", "f")
     (plan3,) = of([a for p in "abcdef" for a in e2b.ready_(p, 0, info(), 0.1)], SendPlan)
     e2b.vote("b", 0, plan3.plan.attempt, False, b"", b"", 0.2, suspects=("a", "b"), audit=True)  # b audits a
@@ -349,7 +349,7 @@ def test_an_audit_vote_strips_only_the_owner_its_voter_audits():
 def test_with_no_trusted_owner_left_no_round_opens():
     # Two peers, one accused by the other: nobody can tell who lied. No round opens (instead of
     # aborting in a loop) until a trusted peer joins.
-    e = engine(audit_owners=True, algorithm="butterfly", min_peers=2)
+    e = engine(audit_owners=True, collective="butterfly", min_peers=2)
     joined(e, "a", "b")
     (plan,) = of([a for p in "ab" for a in e.ready_(p, 0, info(), 0.1)], SendPlan)
     e.vote("b", 0, plan.plan.attempt, False, b"", b"", 0.2, suspects=("a", "b"), audit=True)
@@ -361,3 +361,101 @@ def test_with_no_trusted_owner_left_no_round_opens():
     (nxt,) = of(acts, SendPlan)
     assert {nxt.plan.participants[o] for o in nxt.plan.shard_owner} == {"c"}
     assert not nxt.plan.audit_owners  # one owner: nobody to audit it, and the plan says so
+
+
+# ---------------------------------------------------------------- why a round does not open
+
+
+def test_waiting_for_the_quorum_then_for_a_straggler_then_running():
+    e = engine(initial_peers=5)
+    joined(e, "a", "b", "c", "d", "e")
+    for p in "abc":
+        e.ready_(p, 0, info(), 1.0)
+    w = e.waiting(1.5)
+    assert w.reason is WaitReason.QUORUM and w.peers == ("d", "e")
+    assert w.message == "waiting for 2 more ready peers (3/5 ready, quorum 5)"
+    e.ready_("d", 0, info(), 2.0)
+    e.ready_("e", 0, info(), 2.0)
+    assert e.waiting(2.0).reason is WaitReason.RUNNING
+    # A quorum of 2 out of 3 live members: the round waits up to the ready timeout for the third.
+    e = engine()
+    joined(e, "a", "b", "c")
+    e.ready_("a", 0, info(), 1.0)
+    e.ready_("b", 0, info(), 1.5)
+    w = e.waiting(2.8)
+    assert w.reason is WaitReason.STRAGGLERS and w.peers == ("c",) and w.until == 6.0
+    assert w.message == "waiting up to 3.2 s for 1 straggler"
+    assert e.waiting(6.0).reason is WaitReason.OPENING and e.running is None  # a query changes nothing
+    (plan,) = of(e.tick(6.0), SendPlan)
+    w = e.waiting(6.1)
+    assert w.reason is WaitReason.RUNNING and w.peers == ("a", "b") and w.until == 36.0
+    assert w.message == "round 0 attempt 0 is running with 2 participants"
+
+
+def test_waiting_for_a_syncing_member():
+    e = engine()
+    joined(e, "a", "b")
+    e.ready_("a", 0, info(), 0.0)
+    e.ready_("b", 0, info(), 0.0)
+    commit_all(e, 0.5, b"s1")
+    joined(e, "c", now=1.0)
+    assert e.members["c"].state is MemberState.SYNCING
+    assert of(e.ready_("c", 1, info(rounds=0), 1.0), SendSync)  # alive: it is waited on while it downloads
+    assert e.members["c"].state is MemberState.CATCHING_UP
+    e.ready_("a", 1, info(rounds=1, digest=b"s1"), 2.0)
+    e.ready_("b", 1, info(rounds=1, digest=b"s1"), 2.0)
+    w = e.waiting(3.0)
+    assert w.reason is WaitReason.SYNCING and w.peers == ("c",) and w.message == "syncing 1 member: waiting up to 4.0 s"
+    # It does not finish in time: the round opens without it, and the next one does not wait for it.
+    (plan,) = of(e.tick(7.0), SendPlan)
+    assert plan.plan.participants == ("a", "b") and e.members["c"].state is MemberState.SYNCING
+
+
+def test_waiting_out_the_retry_backoff():
+    e = engine(retry_backoff=1.0)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    e.vote("a", 0, 0, False, b"", b"", 2.0, suspects=("c",), error="stream broke")
+    w = e.waiting(2.5)
+    assert w.reason is WaitReason.BACKOFF and w.until == 3.0 and w.peers == ("a", "b")
+    assert "retry backoff" in w.message and "stream broke" in w.message
+    assert of(e.tick(2.9), SendPlan) == []
+    assert e.waiting(3.0).reason is WaitReason.OPENING
+    (plan,) = of(e.tick(3.0), SendPlan)
+    assert plan.plan.participants == ("a", "b")
+
+
+def test_waiting_for_a_trusted_owner_and_for_nothing_once_finished():
+    e = engine(audit_owners=True, collective="butterfly", total_rounds=1)
+    joined(e, "a", "b")
+    (plan,) = of([a for p in "ab" for a in e.ready_(p, 0, info(), 0.1)], SendPlan)
+    e.vote("b", 0, plan.plan.attempt, False, b"", b"", 0.2, suspects=("a", "b"), audit=True)
+    for p in "ab":
+        e.ready_(p, 0, info(), 1.0)
+    w = e.waiting(2.0)
+    assert w.reason is WaitReason.NO_TRUSTED_OWNER and w.until == 6.0 and set(w.peers) == {"a", "b"}
+    assert w.message == "no trusted shard owner among the ready peers"
+    joined(e, "c", now=3.0)
+    acts = [a for p in "abc" for a in e.ready_(p, 0, info(), 6.5)]  # a and b again first: held once more
+    assert e.waiting(6.5).reason is WaitReason.NO_TRUSTED_OWNER
+    (nxt,) = of(acts + e.tick(11.5), SendPlan)
+    commit_all(e, 12.0)
+    assert of(e.tick(12.1), SendFinished)
+    w = e.waiting(13.0)
+    assert w.reason is WaitReason.FINISHED and w.message == "run finished: 1 round committed"
+
+
+def test_member_state_transitions_and_stored_labels():
+    S = MemberState
+    # Saying ready in sync: members stay (or become again) members, joiners before the first
+    # commit stay pending, syncing peers catch up; out of sync: everyone catches up.
+    assert [s.after_ready(in_sync=True) for s in S] == [S.PENDING, S.PENDING, S.CATCHING_UP, S.CATCHING_UP,
+                                                        S.MEMBER, S.MEMBER]
+    assert {s.after_ready(in_sync=False) for s in S} == {S.CATCHING_UP}
+    assert [s.after_missed_deadline() for s in S] == [S.PENDING_LAGGING, S.PENDING_LAGGING, S.SYNCING, S.SYNCING,
+                                                      S.LAGGING, S.LAGGING]
+    assert [s for s in S if s.waited_on] == [S.PENDING, S.CATCHING_UP, S.MEMBER]
+    assert [s.label for s in S] == ["pending", "pending", "syncing", "syncing", "member", "member"]
+    # The stored labels of older state files read back as the states they were.
+    assert [S.from_label(x) for x in ("pending", "syncing", "member")] == [S.PENDING, S.SYNCING, S.MEMBER]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sqlite3
+
 import pytest
 
-from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member
+from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
 from shoal.coordinator.store import MemoryStore, SQLiteStore
 
 
@@ -39,6 +41,12 @@ def test_commits_survive_reopen_in_order(make_store):
     s2 = make_store()
     assert s2.load_commits() == [rec(0), rec(1), rec(2)]
     assert s2.count_aborts() == 1
+    assert s2.count_commits() == 3 and s2.last_commit() == rec(2)
+
+
+def test_an_empty_store_has_no_last_commit(make_store):
+    s = make_store()
+    assert s.count_commits() == 0 and s.last_commit() is None and s.count_aborts() == 0
 
 
 def test_double_commit_of_a_round_is_refused(make_store):
@@ -51,15 +59,26 @@ def test_double_commit_of_a_round_is_refused(make_store):
 
 def test_members_epoch_and_meta(make_store):
     s = make_store()
-    s.save_member(Member("a", b"k" * 32, "h:1", 5, 0.0, "member"))
-    s.save_member(Member("b", b"j" * 32, "h:2", 6, 0.0, "pending"))
+    s.save_member(Member("a", b"k" * 32, "h:1", 5, 0.0, MemberState.MEMBER))
+    s.save_member(Member("b", b"j" * 32, "h:2", 6, 0.0, MemberState.PENDING))
     s.forget_member("b")
     s.save_epoch(7)
     s.set_meta("run_config", "{}")
     s2 = make_store()
     (m,) = s2.load_members()
-    assert (m.peer_id, m.public_key, m.address, m.num_samples, m.state) == ("a", b"k" * 32, "h:1", 5, "member")
+    assert (m.peer_id, m.public_key, m.address, m.num_samples, m.state) == ("a", b"k" * 32, "h:1", 5,
+                                                                             MemberState.MEMBER)
     assert s2.load_epoch() == 7 and s2.get_meta("run_config") == "{}" and s2.get_meta("nope") is None
+
+
+def test_member_states_are_stored_as_their_labels(make_store):
+    s = make_store()
+    for i, state in enumerate(MemberState):
+        s.save_member(Member(f"p{i}", b"k" * 32, "h:1", 1, 0.0, state))
+    got = {m.peer_id: m.state for m in make_store().load_members()}
+    # A restarted coordinator forgets who was lagging or catching up: every peer reconnects anyway.
+    assert [got[f"p{i}"] for i in range(len(MemberState))] == [MemberState.from_label(s.label) for s in MemberState]
+    assert set(got.values()) == {MemberState.PENDING, MemberState.SYNCING, MemberState.MEMBER}
 
 
 def test_sqlite_uses_wal(tmp_path):
@@ -68,3 +87,40 @@ def test_sqlite_uses_wal(tmp_path):
         assert s._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         s.close()
+
+
+def test_state_file_of_an_earlier_version_loads(tmp_path):
+    """The stored form is unchanged: a file written by the raw SQL of an earlier version loads."""
+    path = str(tmp_path / "old.db")
+    SQLiteStore(path).close()
+    db = sqlite3.connect(path)
+    with db:
+        db.execute("INSERT INTO members VALUES ('a', ?, 'h:1', 3, 'member'), ('b', ?, 'h:2', 4, 'syncing'), "
+                   "('c', ?, 'h:3', 5, 'pending')", (b"k" * 32,) * 3)
+        db.execute("INSERT INTO commits VALUES (0, 2, ?, ?, '[\"a\", \"b\"]', 0.5, 0.1, '[]', 1.0)", (b"r", b"s"))
+    db.close()
+    s = SQLiteStore(path)
+    try:
+        assert {m.peer_id: m.state for m in s.load_members()} == {
+            "a": MemberState.MEMBER, "b": MemberState.SYNCING, "c": MemberState.PENDING}
+        assert s.load_commits() == [CommitRecord(0, 2, b"r", b"s", ("a", "b"), 0.5, 0.1, (), 1.0)]
+    finally:
+        s.close()
+
+
+def test_reader_sees_a_live_writer_and_cannot_write(tmp_path):
+    path = str(tmp_path / "live.db")
+    writer = SQLiteStore(path)
+    try:
+        writer.save_commit(rec(0))
+        with SQLiteStore.reader(path) as reader:
+            assert reader.count_commits() == 1
+            writer.save_commit(rec(1))  # the reader never blocks the coordinator's writes
+            writer.save_abort(AbortRecord(2, 0, "x", ("a",), True, 2.0))
+            assert (reader.count_commits(), reader.count_aborts()) == (2, 1) and reader.last_commit() == rec(1)
+            with pytest.raises(sqlite3.OperationalError):
+                reader.save_epoch(3)
+    finally:
+        writer.close()
+    with pytest.raises(sqlite3.OperationalError):
+        SQLiteStore.reader(str(tmp_path / "missing.db"))

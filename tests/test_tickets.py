@@ -21,7 +21,7 @@ def coord() -> Ed25519PrivateKey:
 
 def make_plan() -> shoal_pb2.Plan:
     return shoal_pb2.Plan(
-        round=7, attempt=1, epoch=2, algorithm="ring", num_elements=100,
+        round=7, attempt=1, epoch=2, collective="ring", num_elements=100,
         shard_bounds=[0, 50, 100], shard_owner=[0, 1],
         participants=[shoal_pb2.Participant(peer_id=ALICE), shoal_pb2.Participant(peer_id=BOB)],
     )

@@ -40,6 +40,7 @@ COORDINATOR_METRICS = (
     MetricSpec("shoal_coordinator_round_duration_seconds", "histogram", (), "Plan-to-commit time of committed rounds"),
     MetricSpec("shoal_coordinator_round_bytes_sent_total", "counter", (), "Data-plane bytes sent by participants of committed rounds, as voted"),
     MetricSpec("shoal_coordinator_state_syncs_total", "counter", (), "State-sync orders sent to joiners or stale peers"),
+    MetricSpec("shoal_coordinator_round_waiting", "gauge", ("reason",), "Why the next round is not open: 1 for the current reason, 0 for the others (`shoal status` says it in words)"),
     MetricSpec("shoal_coordinator_link_up_bytes_per_second", "gauge", ("peer",), "Upload estimate reported by each member"),
     MetricSpec("shoal_coordinator_link_down_bytes_per_second", "gauge", ("peer",), "Download estimate reported by each member"),
     MetricSpec("shoal_coordinator_link_rtt_seconds", "gauge", ("peer",), "Round-trip estimate reported by each member"),
@@ -141,6 +142,11 @@ class CoordinatorMetrics(_Metrics):
             self.m["shoal_coordinator_link_up_bytes_per_second"].labels(peer_id[:16]).set(up)
             self.m["shoal_coordinator_link_down_bytes_per_second"].labels(peer_id[:16]).set(down)
             self.m["shoal_coordinator_link_rtt_seconds"].labels(peer_id[:16]).set(rtt)
+
+    def observe_waiting(self, reason: str, reasons: list[str]) -> None:
+        """Set the wait-reason gauge: 1 for `reason`, 0 for every other one of `reasons`."""
+        for r in {*reasons, reason}:
+            self.m["shoal_coordinator_round_waiting"].labels(r).set(1.0 if r == reason else 0.0)
 
 
 class PeerMetrics(_Metrics):

@@ -112,7 +112,7 @@ class Plan:
             for i, p in enumerate(self.participants)
         ]
         return pb.Plan(round=self.round, attempt=self.attempt, epoch=self.epoch, participants=parts,
-                       algorithm=self.collective, shard_bounds=self.shard_bounds, shard_owner=self.shard_owner,
+                       collective=self.collective, shard_bounds=self.shard_bounds, shard_owner=self.shard_owner,
                        num_elements=self.num_elements, dtype=self.dtype, deadline_seconds=self.deadline_seconds,
                        chunk_timeout_seconds=self.chunk_timeout_seconds, chunk_bytes=self.chunk_bytes,
                        ticket=self.ticket, aggregator=self.aggregator, compression=self.compression,
@@ -123,7 +123,7 @@ class Plan:
         """Read a wire plan (missing optional fields take the defaults above)."""
         return Plan(
             participants=tuple(p.peer_id for p in msg.participants),
-            collective=msg.algorithm or "ring",
+            collective=msg.collective or "ring",
             shard_bounds=tuple(msg.shard_bounds),
             shard_owner=tuple(msg.shard_owner),
             round=msg.round, attempt=msg.attempt, epoch=msg.epoch,

@@ -148,12 +148,12 @@ class Participant(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("round", "attempt", "epoch", "participants", "algorithm", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners")
+    __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
-    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     SHARD_BOUNDS_FIELD_NUMBER: _ClassVar[int]
     SHARD_OWNER_FIELD_NUMBER: _ClassVar[int]
     NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -170,7 +170,7 @@ class Plan(_message.Message):
     attempt: int
     epoch: int
     participants: _containers.RepeatedCompositeFieldContainer[Participant]
-    algorithm: str
+    collective: str
     shard_bounds: _containers.RepeatedScalarFieldContainer[int]
     shard_owner: _containers.RepeatedScalarFieldContainer[int]
     num_elements: int
@@ -183,7 +183,7 @@ class Plan(_message.Message):
     compression: str
     predicted_seconds: float
     audit_owners: bool
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., algorithm: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ...) -> None: ...
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., collective: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("round", "attempt", "result_digest", "state_digest", "epoch", "participants", "flagged")
@@ -350,7 +350,7 @@ class MemberInfo(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round", "attempt", "status", "state_digest", "participants", "seconds", "reason", "train_loss", "algorithm")
+    __slots__ = ("round", "attempt", "status", "state_digest", "participants", "seconds", "reason", "train_loss", "collective")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -359,7 +359,7 @@ class RoundInfo(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
-    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     round: int
     attempt: int
     status: str
@@ -368,11 +368,23 @@ class RoundInfo(_message.Message):
     seconds: float
     reason: str
     train_loss: float
-    algorithm: str
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., status: _Optional[str] = ..., state_digest: _Optional[bytes] = ..., participants: _Optional[int] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ..., train_loss: _Optional[float] = ..., algorithm: _Optional[str] = ...) -> None: ...
+    collective: str
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., status: _Optional[str] = ..., state_digest: _Optional[bytes] = ..., participants: _Optional[int] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ..., train_loss: _Optional[float] = ..., collective: _Optional[str] = ...) -> None: ...
+
+class Waiting(_message.Message):
+    __slots__ = ("reason", "message", "peers", "seconds_left")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    message: str
+    peers: _containers.RepeatedScalarFieldContainer[str]
+    seconds_left: float
+    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., seconds_left: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("epoch", "round", "members", "rounds", "rounds_committed", "rounds_aborted", "run_config_json")
+    __slots__ = ("epoch", "round", "members", "rounds", "rounds_committed", "rounds_aborted", "run_config_json", "waiting")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -380,6 +392,7 @@ class StatusResponse(_message.Message):
     ROUNDS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_ABORTED_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
@@ -387,7 +400,8 @@ class StatusResponse(_message.Message):
     rounds_committed: int
     rounds_aborted: int
     run_config_json: str
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., rounds_committed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., run_config_json: _Optional[str] = ...) -> None: ...
+    waiting: Waiting
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., rounds_committed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., run_config_json: _Optional[str] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("round", "attempt", "sender", "phase", "step", "shard", "offset", "dtype", "shape", "data", "ticket", "scale", "codec", "shm_name", "shm_offset")

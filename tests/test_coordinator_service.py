@@ -1,0 +1,76 @@
+"""The coordinator's servicer over a real RoundEngine and MemoryStore, without sockets: the wire
+plan it sends (Plan.to_proto + ticket), GetStatus's wait reason, and the wait-reason metric."""
+
+from __future__ import annotations
+
+import asyncio
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shoal.common.identity import public_bytes
+from shoal.common.plan import Plan
+from shoal.common.tickets import plan_digest, verify_ticket
+from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, WaitReason
+from shoal.coordinator.server import CoordinatorService
+from shoal.coordinator.store import MemoryStore
+from shoal.status import render_table
+from shoal.v1 import shoal_pb2 as pb
+
+KEYS = {p: bytes([i]) * 32 for i, p in enumerate("abc", 1)}
+
+
+def service(now: list[float], **cfg) -> CoordinatorService:
+    engine = RoundEngine(EngineConfig(**{"min_peers": 3, "ready_timeout": 5.0, **cfg}))
+    return CoordinatorService(engine, MemoryStore(), "{}", Ed25519PrivateKey.generate(), clock=lambda: now[0])
+
+
+async def test_plan_on_the_wire_carries_the_engine_plan_and_a_ticket():
+    now = [0.0]
+    svc = service(now)
+    queues = {p: asyncio.Queue() for p in "abc"}
+    for i, p in enumerate("abc"):
+        svc.apply(svc.engine.join(p, KEYS[p], f"10.0.0.{i}:1", 1, 0.0))
+        svc.watchers[p] = queues[p]
+        svc.apply(svc.engine.connected(p, 0.0))
+    for i, p in enumerate("abc"):
+        svc.apply(svc.engine.ready_(p, 0, ReadyInfo(10, pb.FLOAT32, 7 + i, b"", 0, 0.1), 0.1))
+    events = [queues[p].get_nowait() for p in "abc"]
+    assert all(ev == events[0] for ev in events)  # everyone gets the same plan, ticket included
+    wire = events[0].plan
+    assert wire.collective == "butterfly" and list(wire.shard_bounds) == [0, 3, 6, 10]
+    assert [(q.peer_id, q.address, q.num_samples, q.owner, q.public_key) for q in wire.participants] == [
+        (p, f"10.0.0.{i}:1", 7 + i, True, KEYS[p]) for i, p in enumerate("abc")]
+    assert Plan.from_proto(wire).participants == svc.engine.running.plan.participants
+    verify_ticket(public_bytes(svc.key), wire.ticket, round=0, attempt=0, sender="b", now=0.2,
+                  expected_plan_digest=plan_digest(wire))
+
+
+async def test_status_and_metric_say_why_the_round_does_not_open():
+    now = [1.0]
+    svc = service(now, min_peers=2)
+    svc.apply(svc.engine.join("a", KEYS["a"], "10.0.0.1:1", 1, 0.0))
+    svc.apply(svc.engine.ready_("a", 0, ReadyInfo(10, pb.FLOAT32, 1, b"", 0, 0.5), 0.5))
+    resp = await svc.GetStatus(pb.StatusRequest(), None)
+    assert resp.waiting.reason == WaitReason.QUORUM.value
+    assert resp.waiting.message == "waiting for 1 more ready peer (1/1 ready, quorum 2)"
+    assert [m.state for m in resp.members] == ["pending"]
+    svc.observe()
+    gauge = svc.metrics.registry.get_sample_value
+    assert gauge("shoal_coordinator_round_waiting", {"reason": "quorum"}) == 1.0
+    assert sum(gauge("shoal_coordinator_round_waiting", {"reason": r.value}) for r in WaitReason) == 1.0
+    # b says ready, c is connected but does not: quorum reached, waiting for the straggler.
+    for p in "bc":
+        svc.apply(svc.engine.join(p, KEYS[p], f"10.0.0.{p}:1", 1, 1.0))
+        svc.apply(svc.engine.connected(p, 1.0))
+    svc.apply(svc.engine.ready_("b", 0, ReadyInfo(10, pb.FLOAT32, 1, b"", 0, 1.0), 1.0))
+    now[0] = 2.0
+    resp = await svc.GetStatus(pb.StatusRequest(), None)
+    assert (resp.waiting.reason, list(resp.waiting.peers)) == ("stragglers", ["c"])
+    assert resp.waiting.seconds_left == 3.5  # the first ready was at 0.5, the ready timeout is 5 s
+    svc.observe()
+    assert gauge("shoal_coordinator_round_waiting", {"reason": "stragglers"}) == 1.0
+    assert gauge("shoal_coordinator_round_waiting", {"reason": "quorum"}) == 0.0
+    table = render_table({"coordinator": "x:1", "epoch": 0, "round": 0, "rounds_committed": 0, "rounds_aborted": 0,
+                          "run_config": {}, "members": [], "rounds": [],
+                          "waiting": {"reason": resp.waiting.reason, "message": resp.waiting.message}})
+    assert "next round: waiting up to 3.5 s for 1 straggler" in table
