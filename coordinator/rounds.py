@@ -162,6 +162,10 @@ class Member:
     rtt_seconds: float = 0.0
     connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
     shm_peers: frozenset[str] = frozenset()  # reached through shared memory (LinkReport.shm_peers)
+    # The state round of this peer's last out-of-date Ready (None: none since it was last in sync).
+    # A later out-of-date Ready holding no newer state shows no progress (a backlog of old
+    # messages, a peer still busy elsewhere): it gets the sync order again, nothing else.
+    stale_state_round: int | None = None
 
     def link(self) -> LinkSpec:
         """Its reported links, as the planner reads them."""
@@ -524,8 +528,13 @@ class RoundEngine:
             donors = self.donors(now, exclude=peer_id)
             if not donors:
                 raise RoundError(ErrorKind.PRECONDITION, "state_round: no up-to-date donor is live; retry later")
-            m.state = m.state.after_ready(in_sync=False)
+            if m.stale_state_round is None or info.state_round > m.stale_state_round:
+                # Progress (first word since it fell behind, or a newer state than last time): wait
+                # for it while it syncs, so a fast swarm does not outrun it for ever.
+                m.state = m.state.after_ready(in_sync=False)
+            m.stale_state_round = info.state_round
             return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
+        m.stale_state_round = None
         if round_ != self.committed_rounds:
             raise RoundError(ErrorKind.INVALID, f"round: expected {self.committed_rounds}, got {round_}")
         others = [r for p, r in self.ready.items() if p != peer_id]

@@ -459,3 +459,58 @@ def test_member_state_transitions_and_stored_labels():
     assert [s.label for s in S] == ["pending", "pending", "syncing", "syncing", "member", "member"]
     # The stored labels of older state files read back as the states they were.
     assert [S.from_label(x) for x in ("pending", "syncing", "member")] == [S.PENDING, S.SYNCING, S.MEMBER]
+
+
+def test_stale_readys_without_progress_never_delay_a_round():
+    """A member back from a long local phase may send Readys for rounds long committed (a backlog).
+    The first gets a sync order and the round waits for it (it is alive and syncing); the
+    ones after it that hold no newer state get the sync order again and delay nothing, however
+    many rounds committed meanwhile (issue: a peer back from a long local phase)."""
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    t, digest = 0.2, b"s1"
+    for r in range(1, 40):  # c works locally for 40 rounds: a and b commit without it
+        e.ready_("a", r, info(rounds=r, digest=digest), t)
+        acts = e.ready_("b", r, info(rounds=r, digest=digest), t)
+        if r == 1:
+            assert acts == [] and e.members["c"].state is MemberState.MEMBER
+            acts = e.tick(t + 5.0)  # c missed one ready deadline: a straggler from now on
+            t += 5.0
+        (plan,) = of(acts, SendPlan)
+        assert plan.plan.participants == ("a", "b")
+        digest = b"s%d" % (r + 1)
+        commit_all(e, t + 0.01, digest)
+        t += 0.1
+    assert e.members["c"].state is MemberState.LAGGING
+    # c comes back: its first (stale) Ready gets a sync order and the round waits for it.
+    assert of(e.ready_("c", 1, info(rounds=1, digest=b"s1"), t), SendSync)
+    assert e.members["c"].state.waited_on
+    # The rest of its backlog (older rounds, no newer state): sync orders, no waiting, no delay.
+    for r in range(2, 40):
+        (sync,) = of(e.ready_("c", r, info(rounds=1, digest=b"s1"), t), SendSync)
+        assert sync.round == e.committed_rounds
+    # The one wait: c never says ready for round 40 (still busy), so the round opens without it
+    # at the ready deadline, and c is not waited on again until it shows progress.
+    e.ready_("a", 40, info(rounds=40, digest=digest), t + 0.1)
+    assert of(e.ready_("b", 40, info(rounds=40, digest=digest), t + 0.1), SendPlan) == []
+    (plan,) = of(e.tick(t + 5.1), SendPlan)
+    assert plan.plan.participants == ("a", "b")
+    assert not e.members["c"].state.waited_on
+    for _ in range(100):  # however many stale Readys follow, the next round opens at once
+        e.ready_("c", 3, info(rounds=1, digest=b"s1"), t + 5.2)
+    commit_all(e, t + 5.3, b"s41")
+    e.ready_("a", 41, info(rounds=41, digest=b"s41"), t + 5.4)
+    (plan,) = of(e.ready_("b", 41, info(rounds=41, digest=b"s41"), t + 5.4), SendPlan)
+    assert plan.plan.participants == ("a", "b")
+    # Progress (c synced to a newer state, still one round behind): waited on again, so a fast
+    # swarm cannot outrun a syncing peer for ever; current, it joins the next round.
+    commit_all(e, t + 5.5, b"s42")
+    assert of(e.ready_("c", 42, info(rounds=41, digest=b"s41"), t + 5.6), SendSync)
+    assert e.members["c"].state.waited_on
+    e.ready_("a", 42, info(rounds=42, digest=b"s42"), t + 5.7)
+    assert of(e.ready_("b", 42, info(rounds=42, digest=b"s42"), t + 5.7), SendPlan) == []
+    (plan,) = of(e.ready_("c", 42, info(rounds=42, digest=b"s42"), t + 5.8), SendPlan)
+    assert plan.plan.participants == ("a", "b", "c")
