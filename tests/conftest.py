@@ -21,3 +21,22 @@ def procs(tmp_path):
         yield ps
     finally:
         ps.close()
+
+
+# Fixtures that start real OS processes: a test using one belongs to the integration tier.
+PROCESS_FIXTURES = frozenset({"procs"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
+def pytest_collection_modifyitems(config, items):
+    """Safety net for the tiers (explicit marks are still required, hence the warning): a test
+    that asks for a process fixture, or a soak test, is `integration` even where its mark was
+    forgotten, so `-m "not integration"` never starts processes or runs a soak."""
+    for item in items:
+        if item.get_closest_marker("integration") is not None:
+            continue
+        why = sorted(PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if why or item.get_closest_marker("soak") is not None:
+            item.add_marker(pytest.mark.integration)
+            item.warn(pytest.PytestWarning(
+                f"{item.nodeid} {'uses ' + ', '.join(why) if why else 'is soak'} but is not marked integration"))

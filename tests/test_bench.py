@@ -15,6 +15,9 @@ import pytest
 
 from shoal.netbed import NetBed
 
+# Starts `shoal bench` as a process (and network namespaces): the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 FIELDS = ("algorithm", "seconds_median", "algbw_GBps", "busbw_GBps", "bound_seconds", "efficiency")

@@ -18,6 +18,9 @@ import time
 
 import pytest
 
+# Starts a coordinator and peers as processes, killed and stopped: the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
+
 ROUNDS = 10
 
 

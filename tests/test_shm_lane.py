@@ -183,6 +183,7 @@ def _private_tmpfs_works() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not _private_tmpfs_works(), reason="needs root and unshare(1) with mount rights to mount a "
                                                       "tiny private /dev/shm")
 def test_a_full_dev_shm_falls_back_to_the_socket_instead_of_crashing(tmp_path):
