@@ -168,13 +168,15 @@ def test_peer_gives_up_on_an_unreachable_coordinator_after_connect_timeout(tmp_p
     from shoal.swarm import free_port
 
     address = f"127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
+    started = time.monotonic()
     out = shoal("peer", "--insecure", "--coordinator", address, "--key", str(tmp_path / "p.key"),
-                "--connect-timeout", "3", timeout=60)
-    wall = time.monotonic() - t0
+                "--connect-timeout", "3", timeout=60)  # the timeout only guards against a hang
+    exited = time.monotonic()
     assert out.returncode == cli.EXIT_UNAVAILABLE, out.stderr
-    assert f"peer: coordinator {address} unreachable" in one_line_error(out)
-    assert 3.0 <= wall < 3.0 + 5.0, wall  # + interpreter start-up
+    assert f"peer: coordinator {address} unreachable (gave up after --connect-timeout 3s)" in one_line_error(out)
+    # Order, not speed: the 3 s ran out before it exited (it kept retrying, it did not give up at
+    # once). No upper bound: how long after that it exits depends only on the machine's load.
+    assert exited - started >= 3.0
 
 
 @pytest.mark.integration
