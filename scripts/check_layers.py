@@ -129,7 +129,6 @@ class _Collector(ast.NodeVisitor):
     """Every import (with its line and whether it sits in a function) and every function length."""
 
     def __init__(self, module: str, is_package: bool, modules: set[str]):
-        self.module = module
         self.package = module if is_package else module.rpartition(".")[0]
         self.modules = modules
         self.imports: list[Import] = []
@@ -145,7 +144,7 @@ class _Collector(ast.NodeVisitor):
         if level == 0:
             return name
         parts = self.package.split(".") if self.package else []
-        if level - 1 > len(parts):
+        if level - 1 >= len(parts):  # Python: "attempted relative import beyond top-level package"
             self.unresolved.append((line, "." * level + (name or "")))
             return None
         base = parts[: len(parts) - (level - 1)]
@@ -267,7 +266,8 @@ def check(root: pathlib.Path) -> dict:
                 continue
             how = "lazily imports" if imp.lazy else "imports"
             if imp.module not in names:
-                violations.append(Violation("unresolved", name, f"{how} {imp.module}, which is no module here", imp.line))
+                violations.append(Violation("unresolved", name, f"{how} {imp.module}, which is no module here",
+                                            imp.line))
                 continue
             graph[name].add(imp.module)  # a module importing itself is a self-loop, reported below
             if layer_of(name) == "root":

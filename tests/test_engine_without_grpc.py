@@ -25,7 +25,8 @@ for name in ("grpc", "grpc.aio", "grpc.experimental", "grpc._utilities"):
     sys.modules[name] = None
 sys.meta_path.insert(0, _NoGrpc())
 
-import shoal.coordinator.rounds, shoal.coordinator.planner  # noqa: E401,F401  (before pytest: no plugin pulls grpc in first)
+# Imported before pytest, so that no plugin can have pulled grpc in first.
+import shoal.coordinator.rounds, shoal.coordinator.planner  # noqa: E401,F401
 import pytest
 
 sys.exit(pytest.main(["-q", "--tb=line", "-p", "no:cacheprovider", "tests/test_rounds.py", "tests/test_planner.py"]))
@@ -34,5 +35,6 @@ sys.exit(pytest.main(["-q", "--tb=line", "-p", "no:cacheprovider", "tests/test_r
 
 def test_engine_unit_tests_pass_without_grpc():
     out = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, f"engine tests without grpc (exit {out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, \
+        f"engine tests without grpc (exit {out.returncode}):\n{out.stdout[-6000:]}\n{out.stderr[-3000:]}"
     assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout[-3000:]
