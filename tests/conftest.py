@@ -13,6 +13,17 @@ os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get
 from procs import Procs  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def netbed_available():
+    """Skips the test unless network namespaces can be built here. Probed when a test first needs
+    it, not at import: the probe runs `ip netns`, which collecting the fast tier must not."""
+    from shoal.netbed import NetBed
+
+    ok, why = NetBed.available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {why}")
+
+
 @pytest.fixture
 def procs(tmp_path):
     """Start real processes in a test; every one is killed at teardown, also on failure."""
