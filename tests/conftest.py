@@ -13,6 +13,17 @@ os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get
 from procs import Procs  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def netbed_available():
+    """Skips the test unless network namespaces can be built here. Probed when a test first needs
+    it, not at import: the probe runs `ip netns`, which collecting the fast tier must not."""
+    from shoal.netbed import NetBed
+
+    ok, why = NetBed.available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {why}")
+
+
 @pytest.fixture
 def procs(tmp_path):
     """Start real processes in a test; every one is killed at teardown, also on failure."""
@@ -21,3 +32,22 @@ def procs(tmp_path):
         yield ps
     finally:
         ps.close()
+
+
+# Fixtures that start real OS processes: a test using one belongs to the integration tier.
+PROCESS_FIXTURES = frozenset({"procs"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
+def pytest_collection_modifyitems(config, items):
+    """Safety net for the tiers (explicit marks are still required, hence the warning): a test
+    that asks for a process fixture, or a soak test, is `integration` even where its mark was
+    forgotten, so `-m "not integration"` never starts processes or runs a soak."""
+    for item in items:
+        if item.get_closest_marker("integration") is not None:
+            continue
+        why = sorted(PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())))
+        if why or item.get_closest_marker("soak") is not None:
+            item.add_marker(pytest.mark.integration)
+            item.warn(pytest.PytestWarning(
+                f"{item.nodeid} {'uses ' + ', '.join(why) if why else 'is soak'} but is not marked integration"))

@@ -10,6 +10,9 @@ import pytest
 from procs import read_json
 from shoal.collective_job import make_input
 
+# Starts a coordinator and collective jobs as processes: the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
+
 ROUNDS = 2
 
 

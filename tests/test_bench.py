@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from shoal.netbed import NetBed
+# Starts `shoal bench` as a process (and network namespaces): the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -62,12 +63,9 @@ def test_bad_link_lists_are_usage_errors():
     assert proc.returncode == 2 and "entries" in proc.stderr
 
 
-_OK, _WHY = NetBed.available()
-
-
 @pytest.mark.netns
 @pytest.mark.timeout(200)
-@pytest.mark.skipif(not _OK, reason=f"network namespaces unavailable: {_WHY}")
+@pytest.mark.usefixtures("netbed_available")  # skips where namespaces cannot be made
 def test_shaped_run_reports_the_bound():
     flags = ["--peers", "2", "--size-mb", "0.5", "--up-mbit", "40,20", "--down-mbit", "40,40", "--repeat", "1"]
     if HAVE_TORCH:

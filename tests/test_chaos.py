@@ -19,6 +19,9 @@ import pytest
 
 from shoal.coordinator.store import SQLiteStore
 
+# Starts a coordinator and peers as processes, killed and stopped: the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
+
 ROUNDS = 10
 
 
@@ -138,14 +141,13 @@ def test_sigstopped_straggler_is_left_out_then_rejoins(procs):
     peers = [start_peer(procs, addr, i) for i in range(4)]
     wait_round(procs, "peer-0", 2)
     procs.kill(peers[3], signal.SIGSTOP)
-    t0 = time.monotonic()
-    wait_round(procs, "peer-0", 5, timeout=30)
-    stalled_for = time.monotonic() - t0
+    # The others go on without it: round 5 commits while it is still stopped. The timeout only
+    # guards against a hang (how fast they get there is not this test's business).
+    wait_round(procs, "peer-0", 5, timeout=120)
+    while_stopped = [e for e in events(procs, "peer-0") if e["event"] == "commit"]
     procs.kill(peers[3], signal.SIGCONT)
     assert_survivors_consistent(procs, peers, rounds=14)
-    smaller = [e for e in events(procs, "peer-0") if e["event"] == "commit" and e["participants"] == 3]
-    assert smaller, "no round went on without the straggler"
-    assert stalled_for < 20
+    assert any(e["participants"] == 3 for e in while_stopped), "no round went on without the stopped straggler"
     assert any(e["event"] == "commit" and e["round"] >= 10 for e in events(procs, "peer-3")), \
         "the straggler did not come back into the rounds"
 

@@ -116,6 +116,7 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path, capsys, monkeypa
     assert 'pip install -e ".[plot]"' in one_line_error(capsys.readouterr().err)
 
 
+@pytest.mark.integration
 def test_certs_init_errors(tmp_path):
     out = shoal("certs", "init", "--out", "/proc/x")
     assert out.returncode == 2 and "--out /proc/x" in one_line_error(out)
@@ -125,6 +126,7 @@ def test_certs_init_errors(tmp_path):
     assert shoal("certs", "init", "--out", str(tmp_path / "tls"), "--force").returncode == 0
 
 
+@pytest.mark.integration
 def test_token_create_never_makes_directories(tmp_path):
     secret = tmp_path / "no" / "dir" / "s"
     out = shoal("token", "create", "--secret", str(secret))
@@ -132,6 +134,7 @@ def test_token_create_never_makes_directories(tmp_path):
     assert not (tmp_path / "no").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("flags, says", [
     (["--tls-dir", "/nonexistent"], "shoal certs init"),
     (["--insecure", "--join-token-secret", "/nonexistent/s"], "shoal token create"),
@@ -149,6 +152,7 @@ def test_coordinator_refuses_bad_files_before_serving(flags, says, tmp_path):
     assert not pathlib.Path("/nonexistent").exists()
 
 
+@pytest.mark.integration
 def test_peer_refuses_a_bad_key(tmp_path):
     (tmp_path / "bad.key").write_text("not a key\n")
     for key, says in ((str(tmp_path / "bad.key"), "not a PEM Ed25519"), ("/proc/nope/p.key", "/proc/nope")):
@@ -159,19 +163,23 @@ def test_peer_refuses_a_bad_key(tmp_path):
 # ------------------------------------------------------------------------------ join failures (C)
 
 
+@pytest.mark.integration
 def test_peer_gives_up_on_an_unreachable_coordinator_after_connect_timeout(tmp_path):
     from shoal.swarm import free_port
 
     address = f"127.0.0.1:{free_port()}"
-    t0 = time.monotonic()
+    started = time.monotonic()
     out = shoal("peer", "--insecure", "--coordinator", address, "--key", str(tmp_path / "p.key"),
-                "--connect-timeout", "3", timeout=60)
-    wall = time.monotonic() - t0
+                "--connect-timeout", "3", timeout=60)  # the timeout only guards against a hang
+    exited = time.monotonic()
     assert out.returncode == cli.EXIT_UNAVAILABLE, out.stderr
-    assert f"peer: coordinator {address} unreachable" in one_line_error(out)
-    assert 3.0 <= wall < 3.0 + 5.0, wall  # + interpreter start-up
+    assert f"peer: coordinator {address} unreachable (gave up after --connect-timeout 3s)" in one_line_error(out)
+    # Order, not speed: the 3 s ran out before it exited (it kept retrying, it did not give up at
+    # once). No upper bound: how long after that it exits depends only on the machine's load.
+    assert exited - started >= 3.0
 
 
+@pytest.mark.integration
 def test_peer_refused_by_the_coordinator_exits_2_with_the_reason(procs, tmp_path):
     from shoal.coordinator.admission import create_secret, create_token
 
@@ -189,6 +197,7 @@ def test_peer_refused_by_the_coordinator_exits_2_with_the_reason(procs, tmp_path
 # ------------------------------------------------------------------------------ status over TLS (D)
 
 
+@pytest.mark.integration
 def test_status_over_mutual_tls(procs, tmp_path):
     tls = tmp_path / "tls"
     assert shoal("certs", "init", "--out", str(tls)).returncode == 0
@@ -221,6 +230,7 @@ def test_status_shows_a_zero_loss():
 # ------------------------------------------------------------------------------ help (F)
 
 
+@pytest.mark.integration
 def test_help_says_what_each_flag_does_once():
     out = shoal("swarm", "--help")
     text = " ".join(out.stdout.split())

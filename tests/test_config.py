@@ -105,6 +105,7 @@ def test_exit_code_2_on_bad_configuration(tmp_path):
     assert exc.value.code == cli.EXIT_USAGE
 
 
+@pytest.mark.integration
 def test_every_subcommand_has_help_and_logging_flags():
     for cmd in cli.COMMANDS:
         out = subprocess.run([sys.executable, "-m", "shoal.cli", cmd, "--help"], cwd=ROOT, capture_output=True,

@@ -13,6 +13,9 @@ from procs import read_json
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
+# Starts a coordinator and collective jobs as processes: the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
+
 
 async def status(addr: str) -> pb.StatusResponse:
     async with grpc.aio.insecure_channel(addr) as ch:

@@ -23,6 +23,7 @@ def compose_config() -> str:
     return out.stdout
 
 
+@pytest.mark.integration
 def test_compose_config_is_valid(compose_config):
     for service in ("coordinator:", "peer1:", "peer2:", "peer3:", "peer4:", "prometheus:"):
         assert service in compose_config
@@ -87,6 +88,7 @@ def test_deploy_configs_are_valid_for_every_command(deploy_toml):
         assert bool(section.tls_dir) != bool(section.insecure), (command, section)
 
 
+@pytest.mark.integration
 def test_deploy_configs_start_a_coordinator_and_a_peer(deploy_toml, procs, tmp_path, monkeypatch):
     """The containers' command lines with only the paths and ports moved to the test's sandbox."""
     import sys

@@ -14,6 +14,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
@@ -25,6 +26,9 @@ from shoal.common.identity import peer_id_of, public_bytes, sign_metadata
 from procs import read_json
 from shoal.collective_job import make_input
 from shoal.v1 import shoal_pb2 as pb
+
+# Starts a coordinator and a collective job as processes: the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
 
 EXAMPLES_PER_METHOD = 25
 SIZE = 500

@@ -10,11 +10,11 @@ import pytest
 
 from shoal.netbed import NetBed, cleanup_stale
 
-_OK, _WHY = NetBed.available()
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.netns,
     pytest.mark.timeout(60),
-    pytest.mark.skipif(not _OK, reason=f"network namespaces unavailable: {_WHY}"),
+    pytest.mark.usefixtures("netbed_available"),  # skips where namespaces cannot be made
 ]
 
 PREFIX = "shlt"

@@ -19,6 +19,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from shoal.common.metrics import COORDINATOR_METRICS, PEER_METRICS
 from shoal.swarm import Swarm, SwarmOptions
 
+# Starts a swarm of processes (module fixture) and `shoal status`: the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PEERS = 3
 

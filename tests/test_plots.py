@@ -31,6 +31,7 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
+@pytest.mark.integration
 def test_swarm_plot_flag(tmp_path):
     """End to end: a short swarm writes the plot and lists it in the summary."""
     pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install shoal[plot])")

@@ -30,6 +30,9 @@ from shoal.collective_job import make_input
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
+# Starts coordinators and collective jobs as processes: the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
+
 SIZE = 1000
 HEARTBEAT = "/shoal.v1.Coordinator/Heartbeat"
 

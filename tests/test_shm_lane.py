@@ -183,11 +183,13 @@ def _private_tmpfs_works() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.skipif(not _private_tmpfs_works(), reason="needs root and unshare(1) with mount rights to mount a "
-                                                      "tiny private /dev/shm")
+@pytest.mark.integration
 def test_a_full_dev_shm_falls_back_to_the_socket_instead_of_crashing(tmp_path):
     # A 1 MiB tmpfs in a private mount namespace (Docker's /dev/shm is 64 MB): the first slab
     # fits, the next ones do not; posix_fallocate says ENOSPC and the streams continue inline.
+    # Probed here, not in a skipif: the probe starts a process, which collection must not.
+    if not _private_tmpfs_works():
+        pytest.skip("needs root and unshare(1) with mount rights to mount a tiny private /dev/shm")
     import subprocess
     import sys
     import textwrap

@@ -6,6 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+# Starts `shoal swarm` as a process: the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
+
 
 def test_swarm_end_to_end(tmp_path):
     summary = tmp_path / "s.json"

@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+# Starts `shoal swarm` as a process: the integration tier (pyproject markers).
+pytestmark = pytest.mark.integration
+
 
 def test_swarm_with_a_nan_peer_and_int8(tmp_path):
     summary, wd = tmp_path / "s.json", tmp_path / "wd"

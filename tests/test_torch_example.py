@@ -17,6 +17,7 @@ STATED_ACCURACY = 0.93  # README, "PyTorch integration"
 
 
 @pytest.mark.torch
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_torch_digits_example_reaches_stated_accuracy(tmp_path):
     out = tmp_path / "result.json"
