@@ -583,7 +583,7 @@ class RoundEngine:
         accused peer besides the voter, and the voter audits a shard that peer owns. Otherwise
         None: the vote counts as an ordinary failure (no peer loses ownership on a peer's say-so
         beyond what the plan lets that peer check)."""
-        from shoal.peer.collectives import auditor_positions
+        from shoal.common.plan import auditor_positions
 
         if not plan.audit_owners or voter not in plan.participants:
             return None

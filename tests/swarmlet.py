@@ -8,7 +8,8 @@ import asyncio
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.peer.collectives import CollectivePlan, all_reduce
+from shoal.common.plan import Plan
+from shoal.peer.collectives import all_reduce
 from shoal.peer.dataplane import Inbox, PeerService, Session, Transport
 from shoal.common.identity import peer_id_of, public_bytes
 from shoal.common.tickets import issue_ticket, verify_ticket
@@ -67,12 +68,12 @@ class Swarmlet:
         n = xs[0].size
         shard_owner = tuple(range(self.p)) if shard_owner is None else tuple(shard_owner)
         shards = len(shard_owner)
-        plan = CollectivePlan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
-                              shard_bounds=tuple(n * i // shards for i in range(shards + 1)),
-                              shard_owner=shard_owner, algorithm=algorithm, chunk_bytes=chunk_bytes,
-                              chunk_timeout_seconds=chunk_timeout, deadline_seconds=30.0, compression=compression,
-                              audit=audit,
-                              ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids, bytes(32), 60.0))
+        plan = Plan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
+                    shard_bounds=tuple(n * i // shards for i in range(shards + 1)),
+                    shard_owner=shard_owner, collective=algorithm, chunk_bytes=chunk_bytes,
+                    chunk_timeout_seconds=chunk_timeout, deadline_seconds=30.0, compression=compression,
+                    audit_owners=audit,
+                    ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids, bytes(32), 60.0))
         for inbox in self.inboxes:
             inbox.start(self.session(attempt))
         reducers = reducers or [None] * self.p

@@ -12,7 +12,8 @@ import pytest
 from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendPlan
 from shoal.peer.aggregators import AGGREGATORS, make_aggregator
 from shoal.peer.byzantine import ATTACKS, forge
-from shoal.peer.collectives import CollectiveError, CollectivePlan
+from shoal.common.plan import Plan
+from shoal.peer.collectives import CollectiveError
 from shoal.peer.compression import ErrorFeedback, max_abs_error
 
 from shoal.peer.dataplane import Session
@@ -158,13 +159,13 @@ def test_malformed_compressed_chunk_is_refused():
 
 
 def test_auditors_are_the_next_owner_and_absent_with_one_owner():
-    plan = CollectivePlan(round=0, attempt=0, participants=("a", "b", "c", "d"), addresses=("",) * 4,
-                          shard_bounds=(0, 1, 2, 3, 4), shard_owner=(0, 1, 2, 3), algorithm="butterfly", audit=True)
+    plan = Plan(participants=("a", "b", "c", "d"), addresses=("",) * 4, shard_bounds=(0, 1, 2, 3, 4),
+                shard_owner=(0, 1, 2, 3), collective="butterfly", audit_owners=True)
     assert plan.auditors() == (1, 2, 3, 0)
     demoted = dataclasses.replace(plan, shard_bounds=(0, 2, 3, 4), shard_owner=(0, 1, 3))  # c owns nothing
     assert demoted.auditors() == (1, 3, 0)
     assert dataclasses.replace(plan, shard_bounds=(0, 4), shard_owner=(2,)).auditors() == (-1,)
-    assert dataclasses.replace(plan, audit=False).auditors() == (-1, -1, -1, -1)
+    assert dataclasses.replace(plan, audit_owners=False).auditors() == (-1, -1, -1, -1)
 
 
 @pytest.mark.parametrize("aggregator, compression", [("mean", "none"), ("trimmed-mean", "int8"), ("krum", "none"),
