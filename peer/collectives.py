@@ -405,10 +405,10 @@ class _Butterfly:
         p = self.part.size
         total = np.zeros((p, p), dtype=np.float64)
         for k, owner in enumerate(self.part.owner):
-            part = mine[k] if owner == self.part.me else await self._distances_from(k, self.part.peer_id(owner))
+            matrix = mine[k] if owner == self.part.me else await self._distances_from(k, self.part.peer_id(owner))
             if k in self.part.audited:
-                self.handoff.put(("distances", k), part)
-            total = total + part
+                self.handoff.put(("distances", k), matrix)
+            total = total + matrix
         self.handoff.put("total", total)
         return total
 
@@ -496,18 +496,18 @@ class _Ring:
     async def _add(self, step: int, span: ChunkSpan) -> None:
         """Add the predecessor's partial sum of `span` to this peer's; pass it on, or, at the last
         step, encode the now final chunk once and start the all-gather with it."""
-        part = self.buf[span.lo:span.hi]
-        part += await self.wire.values(RS, step, span, self.prev)
+        partial = self.buf[span.lo:span.hi]
+        partial += await self.wire.values(RS, step, span, self.prev)
         # An honest peer never forwards a non-finite partial sum, so the first peer that sees one
         # blames its predecessor: the peer that introduced it. Checked on the sum in this peer's
         # memory (a received view may still change: peer.shm). A peer whose own input is
         # non-finite forwards it, and the next peer blames it.
-        if not np.isfinite(part).all() and np.isfinite(self.x[span.lo:span.hi]).all():
+        if not np.isfinite(partial).all() and np.isfinite(self.x[span.lo:span.hi]).all():
             raise CollectiveError(f"chunk from {self.prev[:8]} holds non-finite values", [self.prev])
         if step < self.part.size - 2:
             await self._send(RS, step + 1, span)
         else:
-            payload, self.buf[span.lo:span.hi] = self.codec.final(part)
+            payload, self.buf[span.lo:span.hi] = self.codec.final(partial)
             await self._send(AG, 0, span, payload)
 
     async def _relay(self, step: int, span: ChunkSpan) -> None:

@@ -64,7 +64,9 @@ class Swarmlet:
 
     async def run(self, xs, *, attempt: int, algorithm: str = "butterfly", compression: str = "none",
                   reducers=None, feedback=None, chunk_bytes: int = 64, return_exceptions: bool = False,
-                  chunk_timeout: float = 5.0, audit: bool = False, tampers=None, shard_owner=None):
+                  chunk_timeout: float = 5.0, audit: bool = False, tampers=None, shard_owner=None, silent=()):
+        """One all-reduce attempt of every peer (results in peer order). Peers in `silent` take no
+        part (their data planes still accept chunks) and get None."""
         n = xs[0].size
         shard_owner = tuple(range(self.p)) if shard_owner is None else tuple(shard_owner)
         shards = len(shard_owner)
@@ -78,12 +80,15 @@ class Swarmlet:
             inbox.start(self.session(attempt))
         reducers = reducers or [None] * self.p
         feedback = feedback or [None] * self.p
+        live = [i for i in range(self.p) if i not in silent]
         try:
-            return await asyncio.gather(*[
+            out = await asyncio.gather(*[
                 all_reduce(xs[i], plan, me=self.ids[i], transport=self.transports[i], inbox=self.inboxes[i],
                            reducer=reducers[i], feedback=feedback[i], tamper=(tampers or {}).get(i))
-                for i in range(self.p)],
+                for i in live],
                 return_exceptions=return_exceptions)
+            results = dict(zip(live, out))
+            return [results.get(i) for i in range(self.p)]
         finally:
             for inbox in self.inboxes:
                 inbox.finish(0, attempt)

@@ -211,3 +211,21 @@ async def test_distance_aggregators_with_a_non_owner_participant(audit):
     assert len({r.digest for r in res}) == 1
     reference = make_aggregator("krum", f=1).reduce(np.stack(xs), np.ones(p)).values
     np.testing.assert_allclose(res[0].values, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("audit", [False, True])
+@pytest.mark.parametrize("aggregator", [None, "krum"])
+async def test_butterfly_blames_a_silent_owner_and_nobody_else(audit, aggregator):
+    # Participant 0 takes no part (its data plane is up and buffers what it is sent): everyone
+    # waits for its row or its shard first, times out, and blames it alone.
+    p, n = 4, 203
+    xs = _inputs(p, n, seed=5)
+    reducers = None if aggregator is None else [OwnerReduction(ReductionSpec(aggregator, {"f": 1}), np.ones(p), n)
+                                                for _ in range(p)]
+    async with Swarmlet(p) as sw:
+        out = await sw.run(xs, attempt=0, reducers=reducers, audit=audit, silent={0}, chunk_timeout=0.5,
+                           return_exceptions=True)
+    assert out[0] is None
+    errors = out[1:]
+    assert all(isinstance(e, CollectiveError) and not e.audit for e in errors), out
+    assert all(e.suspects == (sw.ids[0],) for e in errors), [e.suspects for e in errors]
