@@ -326,7 +326,7 @@ class PeerSection:
     insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
     join_token: str = setting("", "join token from the operator (also read from $SHOAL_JOIN_TOKEN)")
     attack: str = setting("", "testing only: send forged updates, or corrupt owned aggregates with owner "
-                              "(peer.byzantine); empty = honest",
+                              "(shoal.peer.byzantine); empty = honest",
                           choices=("", "sign-flip", "scale", "nan", "random", "owner"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
 
