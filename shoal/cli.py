@@ -392,19 +392,43 @@ COMMANDS = {
     "status": (cmd_status, "show a coordinator's members, their links and recent rounds"),
 }
 
+_EXIT_CODES = """\
+exit codes: 0 success; 1 the job failed; 2 bad usage or configuration;
+3 coordinator unreachable or address unavailable; 130 interrupted.
+"""
 _EPILOG = """\
 configuration: defaults < --config FILE (TOML) < SHOAL_<SECTION>_<KEY> environment < flags;
 every setting is listed in docs/configuration.md.
 
-exit codes: 0 success; 1 the job failed; 2 bad usage or configuration;
-3 coordinator unreachable or address unavailable; 130 interrupted.
-"""
+""" + _EXIT_CODES
+
+
+def _version() -> str:
+    """The installed distribution's version; the source tree's when it is not installed."""
+    from importlib import metadata
+
+    import shoal
+
+    try:
+        return metadata.version("shoal")
+    except metadata.PackageNotFoundError:
+        return shoal.__version__
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    """Every parser below `parser` (subcommands, their subcommands, ...)."""
+    for action in parser._actions:  # argparse keeps subcommands only here
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                yield sub
+                yield from _subparsers(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shoal", description="Shoal: fault-tolerant decentralized training over the public internet.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"shoal {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (fn, text) in COMMANDS.items():
         p = sub.add_parser(name, help=text, description=text, epilog=_EPILOG,
@@ -435,6 +459,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     sub.choices["bench"].set_defaults(tool=cmd_bench)
+    # Every help page ends with the exit codes (the tools' pages too, and any added later).
+    for p in _subparsers(parser):
+        if not p.epilog:
+            p.epilog, p.formatter_class = _EXIT_CODES, argparse.RawDescriptionHelpFormatter
     return parser
 
 
@@ -445,6 +473,17 @@ def load_config(a: argparse.Namespace, environ=None, sources: dict[str, str] | N
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one `shoal` command; returns its exit code (module docstring)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Whoever read stdout stopped reading (`shoal status | head -3`): that is not an error of
+        # this command. Point stdout at /dev/null so the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)  # exits 2 on bad usage
     if getattr(a, "tool", None) is not None:
