@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import logging
 import os
 import tomllib
@@ -510,6 +511,19 @@ class _DeprecatedFlag(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def suggest(section: str, key: str) -> tuple[str, str] | None:
+    """The setting (section, key) a misspelt `section.key` most likely means, or None: a key of
+    that name in another table first, then the closest key of the table (an old name's
+    closeness counts for its new name)."""
+    for other, cls in SECTIONS.items():
+        if other != section and key in {f.name for f in dataclasses.fields(cls)}:
+            return other, key
+    names = {f.name: f.name for f in dataclasses.fields(SECTIONS[section])}
+    names.update({old: new for (s, old), new in RENAMED.items() if s == section})
+    close = difflib.get_close_matches(key, names, n=1)
+    return (section, names[close[0]]) if close else None
+
+
 def read_file(path: str) -> dict[str, dict[str, Any]]:
     """The overrides of a TOML file, checked: {section: {key: value}}. Raises ConfigError."""
     try:
@@ -522,13 +536,17 @@ def read_file(path: str) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for section, table in raw.items():
         if section not in SECTIONS or not isinstance(table, dict):
-            raise ConfigError(f"{path}: unknown table [{section}] (known: {', '.join(SECTIONS)})")
+            close = difflib.get_close_matches(str(section), SECTIONS, n=1)
+            hint = f"did you mean [{close[0]}]?" if close else f"known: {', '.join(SECTIONS)}"
+            raise ConfigError(f"{path}: unknown table [{section}] ({hint})")
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key, value in table.items():
             if (section, key) in RENAMED:
                 key = _renamed(section, key, f"{path}: {section}.{key}", f"{section}.{RENAMED[section, key]}")
             if key not in known:
-                raise ConfigError(f"{path}: unknown key {section}.{key}")
+                near = suggest(section, key)
+                hint = f" (did you mean {near[0]}.{near[1]}?)" if near else ""
+                raise ConfigError(f"{path}: unknown key {section}.{key}{hint}")
             out.setdefault(section, {})[key] = _coerce(section, key, value, f"file {path}")
     return out
 
@@ -552,7 +570,10 @@ def read_env(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     for name in environ:
         if name.startswith(ENV_PREFIX) and name not in known and \
                 any(name.startswith(f"{ENV_PREFIX}{s.upper()}_") for s in SECTIONS):
-            raise ConfigError(f"env {name}: unknown setting")
+            section = next(s for s in SECTIONS if name.startswith(f"{ENV_PREFIX}{s.upper()}_"))
+            near = suggest(section, name[len(f"{ENV_PREFIX}{section}_"):].lower())
+            hint = f" (did you mean {env_name(*near)}?)" if near else ""
+            raise ConfigError(f"env {name}: unknown setting{hint}")
     return out
 
 
