@@ -328,6 +328,15 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
         up, down = up * a.peers, down * a.peers
     if up and (len(up) != a.peers or len(down) != a.peers):
         raise ValueError(f"link lists need 1 or {a.peers} entries")
+    for flag, value, ok, rule in (("--peers", a.peers, a.peers >= 2, ">= 2"),
+                                  ("--size-mb", a.size_mb, 0 < a.size_mb < float("inf"), "> 0"),
+                                  ("--repeat", a.repeat, a.repeat >= 1, ">= 1"),
+                                  ("--chunk-bytes", a.chunk_bytes, a.chunk_bytes >= 1024, ">= 1024"),
+                                  ("--timeout", a.timeout, 0 < a.timeout < float("inf"), "> 0 seconds")):
+        if not ok:
+            raise ValueError(f"{flag} must be {rule}, got {value:g}")
+    if any(not 0 < v < float("inf") for v in up + down):
+        raise ValueError("link rates must be > 0 Mbit/s")
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
                         repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
                         workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket)
@@ -339,11 +348,11 @@ def add_bench_parser(sub) -> None:
     bsub = p.add_subparsers(dest="bench", required=True)
     b = bsub.add_parser("allreduce", help="time the all-reduce against the bound and against gloo")
     b.add_argument("--peers", type=int, default=4, help="peer processes (and gloo ranks) (default 4)")
-    b.add_argument("--size-mb", type=float, default=64.0, help="tensor size in MB (10^6 bytes), float32")
+    b.add_argument("--size-mb", type=float, default=64.0, help="tensor size in MB (10^6 bytes), float32 (default 64)")
     b.add_argument("--link-mbit", help="per-peer up and down Mbit/s: one value or a comma list (shaped netns)")
     b.add_argument("--up-mbit", help="per-peer upload Mbit/s (comma list)")
     b.add_argument("--down-mbit", help="per-peer download Mbit/s (comma list)")
-    b.add_argument("--baseline", choices=["gloo"], help="also run torch.distributed gloo all_reduce")
+    b.add_argument("--baseline", choices=["gloo"], help="also run torch.distributed gloo all_reduce (needs .[torch])")
     b.add_argument("--repeat", type=int, default=3, help="timed rounds after one warm-up round (default 3)")
     b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly"],
                    help="collective; auto = the planner's choice from measured links (default)")
@@ -353,7 +362,7 @@ def add_bench_parser(sub) -> None:
                    help="loopback: send every chunk through the socket (no shared-memory lane)")
     b.add_argument("--also-socket", action="store_true",
                    help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
-    b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     b.add_argument("--workdir", help="keep logs and reports here")
     b.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     b.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
@@ -361,9 +370,20 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--log-format", default="text", choices=["text", "json"], help="log record format")
 
 
+def check_extras(opts: BenchOptions) -> None:
+    """What the options need is installed, before anything runs (a missing extra found after the
+    Shoal part would lose its results). Raises ValueError saying what to install."""
+    if opts.baseline == "gloo":
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            raise ValueError('--baseline gloo needs PyTorch: pip install -e ".[torch]"') from None
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     try:
         opts = options_from_args(a)
+        check_extras(opts)
     except ValueError as exc:
         print(f"shoal bench: {exc}", file=sys.stderr)
         return 2
@@ -375,6 +395,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         report = run_bench(opts)
     except KeyboardInterrupt:
         return 130
+    except RuntimeError as exc:  # a process failed or the deadline passed: what it logged follows
+        print(f"shoal bench: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=None if a.json else 2))
     return 0
 
