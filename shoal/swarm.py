@@ -446,6 +446,45 @@ def _progress(opts: SwarmOptions):
     return tqdm(total=opts.rounds, desc="rounds", unit="round", file=sys.stderr, dynamic_ncols=True)
 
 
+class _BarStream:
+    """A stream for log handlers while the bar is drawn: each record goes through the bar's own
+    write, which clears the bar line, prints the record on a line of its own and redraws the bar
+    (a plain write to stderr would be glued onto the bar)."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def write(self, text: str) -> None:
+        if text.strip():
+            self.bar.write(text.rstrip("\n"), file=sys.stderr)
+
+    def flush(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _logs_through(bar):
+    """Route the root logger's stderr handlers through `bar` (no-op without a bar)."""
+    moved = []
+    if bar is not None:
+        for h in logging.getLogger().handlers:
+            if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stderr:
+                moved.append((h, h.setStream(_BarStream(bar))))
+    try:
+        yield
+    finally:
+        for h, stream in moved:
+            h.setStream(stream)
+
+
+def _say(bar, text: str) -> None:
+    """A line for the person watching: above the bar when there is one, else on stderr."""
+    if bar is not None:
+        bar.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr)
+
+
 def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -469,6 +508,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
         bar = _progress(opts)
         if bar is not None:
             stack.callback(bar.close)
+            stack.enter_context(_logs_through(bar))  # chaos and other log lines above the bar
         chaos = Chaos(swarm, opts.seed, opts.chaos_interval, opts.ready_timeout + 2.0) if opts.chaos else None
         ok, why = True, ""
         try:
@@ -478,7 +518,10 @@ def run_swarm(opts: SwarmOptions) -> dict:
             if opts.metrics:
                 for name, url in swarm.metrics_urls().items():
                     log.info("metrics of %s: %s", name, url)
+                log.info("these /metrics URLs answer while the swarm runs; they stop with it "
+                         "(the list is in %s)", swarm.workdir / "metrics.json")
             shown = 0
+            announced = False
             last_t = time.monotonic()
             while True:
                 if time.monotonic() - t0 > opts.timeout:
@@ -499,6 +542,9 @@ def run_swarm(opts: SwarmOptions) -> dict:
                                     acc=f"{last['test_accuracy']:.3f}", sec=f"{(now - last_t) / (top - shown):.2f}")
                     bar.update(top - shown)
                     shown, last_t = top, now
+                if top >= opts.rounds and not announced:
+                    announced = True
+                    _say(bar, f"all {opts.rounds} rounds committed; the peers evaluate the final model and leave")
                 if all(p.popen is not None and p.popen.poll() == 0 for p in swarm.peers):
                     break
                 time.sleep(0.1)
@@ -513,7 +559,9 @@ def run_swarm(opts: SwarmOptions) -> dict:
                 chaos.finish()
             swarm.stop_all()
         wall = time.monotonic() - t0
-        baseline = baseline_accuracy(opts.run_config(), opts.peers * opts.rounds * opts.inner_steps)
+        steps = opts.peers * opts.rounds * opts.inner_steps
+        _say(bar, f"baseline: training one process for the same {steps} optimizer steps, to compare accuracy")
+        baseline = baseline_accuracy(opts.run_config(), steps)
         summary = summarize(swarm, wall, baseline, chaos.log if chaos is not None else None)
         summary["ok"] = ok and summary["peers_up_to_date"] >= 1 and summary["rounds_committed"] == opts.rounds
         if why:
