@@ -1,4 +1,6 @@
-"""deploy/: the compose file validates and declares health, ports and image by environment; the image is pinned, layered and non-root; Prometheus scrapes every service; the Kubernetes manifests match the API schema."""
+"""deploy/: the compose file validates and declares health, published ports and image by
+environment; the image is pinned, layered and non-root; Prometheus scrapes every service; the
+Kubernetes manifests match the API schema."""
 
 from __future__ import annotations
 
