@@ -626,8 +626,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
             if opts.metrics:
                 for name, url in swarm.metrics_urls().items():
                     log.info("metrics of %s: %s", name, url)
-                log.info("these /metrics URLs answer while the swarm runs; they stop with it "
-                         "(the list is in %s)", swarm.workdir / "metrics.json")
+                log.info("these /metrics URLs answer while the swarm runs; they stop with it")
             shown = 0
             announced = False
             last_t = time.monotonic()
