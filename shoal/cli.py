@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import os
 import pathlib
 import signal
+import socket
 import sys
 
 from shoal import config as config_mod
@@ -134,6 +136,48 @@ def _why(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
+class AddressUnavailable(Exception):
+    """An address a process must listen on cannot be bound (another process listens there, or a
+    privileged port): printed as one line, `shoal <command>: <message>`, exit 3."""
+
+
+def _bindable(flag: str, address: str) -> None:
+    """`address` (HOST:PORT, as validated by shoal.config) can be listened on right now; port 0
+    always can. Binds and closes a probe socket with SO_REUSEADDR, as the servers do, so only a
+    listener (not a connection in TIME_WAIT) is in the way. Other errors (an address that is not
+    local) are left to the server's own bind. Raises AddressUnavailable naming the flag."""
+    host, _, port = address.rpartition(":")
+    if int(port) == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(sockaddr)
+                s.listen(1)
+            except PermissionError:
+                raise AddressUnavailable(f"{flag} {address}: permission denied (ports below 1024 need "
+                                         f"privileges; pick a higher port)") from None
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise AddressUnavailable(f"{flag} {address}: address already in use (another process "
+                                             f"listens on port {port}; stop it or pick another port)") from None
+
+
+def _bind_failure(exc: BaseException, flag: str, address: str) -> AddressUnavailable | None:
+    """grpc's own bind error ("Failed to bind to address ...", a RuntimeError), or an OSError of
+    the /metrics server, as the one line the CLI prints; None for anything else."""
+    if isinstance(exc, RuntimeError) and str(exc).startswith("Failed to bind to address"):
+        return AddressUnavailable(f"{flag} {address}: cannot listen there (in use, or not an address of "
+                                  f"this host)")
+    return None
+
+
 # ------------------------------------------------------------------------------ subcommands
 
 
@@ -226,6 +270,9 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> in
 
     c = cfg.coordinator
     _coordinator_files(c)
+    _bindable("--listen", c.listen)
+    if c.metrics_port:
+        _bindable("--metrics-port", f"{c.metrics_host}:{c.metrics_port}")
     security = _security(c.tls_dir, c.mtls, c.insecure, "coordinator",
                          ("coordinator.pem", "coordinator.key") + (("ca.pem",) if c.mtls else ()))
     server_cfg = CoordinatorConfig(
@@ -249,6 +296,11 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> in
 
     try:
         _run(main())
+    except RuntimeError as exc:
+        failure = _bind_failure(exc, "--listen", c.listen)
+        if failure is None:
+            raise
+        raise failure from None
     except OSError as exc:
         log.error("coordinator: %s", exc)
         return EXIT_UNAVAILABLE
@@ -267,6 +319,9 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
 
     p = cfg.peer
     _peer_files(p)
+    _bindable("--listen", p.listen)
+    if p.metrics_port:
+        _bindable("--metrics-port", f"{p.metrics_host}:{p.metrics_port}")
     security = _security(p.tls_dir, p.mtls, p.insecure, "peer", ("ca.pem", "peer.pem", "peer.key"))
     peer_cfg = PeerConfig(security=security, join_token=p.join_token or os.environ.get("SHOAL_JOIN_TOKEN", ""),
                           attack=p.attack, attack_scale=p.attack_scale,
@@ -295,6 +350,9 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
         if isinstance(exc, OSError):
             log.error("peer: address unavailable: %s", exc)
             return EXIT_UNAVAILABLE
+        failure = _bind_failure(exc, "--listen", p.listen)
+        if failure is not None:
+            raise failure from None
         log.exception("peer failed")
         return EXIT_FAILED
     logging.getLogger("shoal.peer").info("finished: %s", json.dumps(result))
@@ -511,6 +569,9 @@ def _main(argv: list[str] | None) -> int:
     except UsageError as exc:
         print(f"shoal {a.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except AddressUnavailable as exc:
+        print(f"shoal {a.command}: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except (ConfigError, InvalidArgument) as exc:
         print(f"shoal {a.command}: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE

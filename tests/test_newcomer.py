@@ -1,6 +1,7 @@
 """A newcomer's first hour (issue 15), the CLI side: what each trap did, tried the way a new user
 would, now ends with one line, the documented exit code, and no traceback.
 
+1  a coordinator or peer whose --listen or --metrics-port is taken by another process
 2  `shoal status | head -3` (the reader closes the pipe)
 6  `shoal bench allreduce --baseline gloo` without PyTorch
 7  `shoal --version`, the exit-code footer on every help page, defaults shown, bad bench sizes
@@ -18,6 +19,7 @@ import logging
 import os
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -44,6 +46,47 @@ def screen(text: str) -> list[str]:
     """What a terminal shows of `text`: per line, what the last carriage return left (the tail of
     a bar that a write cleared is overwritten by the spaces it wrote, then by the text)."""
     return [line.split("\r")[-1].rstrip() for line in text.split("\n")]
+
+
+# ------------------------------------------------------------------------------ 1: ports in use
+
+
+@pytest.fixture
+def taken_port():
+    """A port another process listens on (here: this test, with a plain socket)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("command, flags, flag", [
+    ("coordinator", ["--listen", "127.0.0.1:{port}"], "--listen 127.0.0.1:{port}"),
+    ("coordinator", ["--listen", "127.0.0.1:0", "--metrics-port", "{port}", "--metrics-host", "127.0.0.1"],
+     "--metrics-port 127.0.0.1:{port}"),
+    ("peer", ["--listen", "127.0.0.1:{port}"], "--listen 127.0.0.1:{port}"),
+    ("peer", ["--listen", "127.0.0.1:0", "--metrics-port", "{port}"], "--metrics-port 0.0.0.0:{port}"),
+])
+def test_a_port_in_use_is_one_line_naming_it_and_exit_3(command, flags, flag, taken_port, tmp_path):
+    flags = [f.format(port=taken_port) for f in flags]
+    files = (["--state", str(tmp_path / "c.db"), "--ready-file", str(tmp_path / "addr")] if command == "coordinator"
+             else ["--key", str(tmp_path / "p.key"), "--ready-file", str(tmp_path / "addr"), "--connect-timeout", "5"])
+    out = shoal(command, "--insecure", *files, *flags, timeout=60)
+    assert out.returncode == cli.EXIT_UNAVAILABLE, out.stderr
+    assert "Exception ignored" not in out.stderr, out.stderr
+    line = one_line(out.stderr)
+    assert line.startswith(f"shoal {command}: {flag.format(port=taken_port)}: address already in use"), line
+    assert not (tmp_path / "addr").exists()  # it never served
+
+
+def test_the_servers_own_bind_error_is_named_too():
+    """The race the probe cannot close (another process binds between probe and server): grpc's
+    RuntimeError becomes the same kind of line."""
+    exc = RuntimeError("Failed to bind to address 127.0.0.1:7070; set GRPC_VERBOSITY=debug environment variable")
+    failure = cli._bind_failure(exc, "--listen", "127.0.0.1:7070")
+    assert isinstance(failure, cli.AddressUnavailable) and str(failure).startswith("--listen 127.0.0.1:7070: ")
+    assert cli._bind_failure(RuntimeError("something else"), "--listen", "x:1") is None
 
 
 # ------------------------------------------------------------------------------ 2: broken pipe
