@@ -3,6 +3,7 @@ would, now ends with one line, the documented exit code, and no traceback.
 
 1  a coordinator or peer whose --listen or --metrics-port is taken by another process
 2  `shoal status | head -3` (the reader closes the pipe)
+3  SIGTERM of a coordinator (the peer's graceful leave needs the peer round protocol: not here)
 6  `shoal bench allreduce --baseline gloo` without PyTorch
 7  `shoal --version`, the exit-code footer on every help page, defaults shown, bad bench sizes
    refused, "did you mean" for a misspelt setting
@@ -19,6 +20,7 @@ import logging
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +28,7 @@ import sys
 import pytest
 
 from shoal import bench, cli, config, swarm
+from shoal.status import fetch_status
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -130,6 +133,32 @@ def test_a_broken_pipe_in_any_command_is_a_quiet_exit_0(monkeypatch, tmp_path):
     finally:
         os.dup2(stdout, 1)
         os.close(stdout)
+
+
+# ------------------------------------------------------------------------------ 3: SIGTERM (coordinator)
+
+
+@pytest.mark.integration
+def test_coordinator_sigterm_persists_and_exits_0(procs):
+    """SIGTERM (docker stop, kubectl delete) of a coordinator that committed rounds: exit 0, and
+    a coordinator restarted on the same state file reports the same commits."""
+    coord, addr = procs.coordinator("--rounds", "3", "--min-peers", "2", "--initial-peers", "2")
+    jobs = [procs.start(f"job-{r}", [sys.executable, "-m", "shoal.collective_job", "--coordinator", addr,
+                                     "--rank", str(r), "--size", "1000", "--key", str(procs.workdir / f"k{r}"),
+                                     "--out", str(procs.workdir / f"job-{r}.json"), "--timeout", "120"])
+            for r in range(2)]
+    for j in jobs:
+        assert procs.wait_exit(j, 120) == 0, procs.log(j.name)
+    before = fetch_status(addr)
+    assert before["rounds_committed"] == 3
+    coord.send_signal(signal.SIGTERM)
+    assert procs.wait_exit(coord, 60) == 0, procs.log("coordinator")
+    assert "Traceback" not in procs.log("coordinator")
+    _, addr2 = procs.coordinator("--rounds", "3", name="coordinator-2", listen=addr)
+    after = fetch_status(addr2)
+    assert after["rounds_committed"] == 3
+    assert [r["state_digest"] for r in after["rounds"] if r["status"] == "committed"] == \
+        [r["state_digest"] for r in before["rounds"] if r["status"] == "committed"]
 
 
 # ------------------------------------------------------------------------------ 6: extras up front
