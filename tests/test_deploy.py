@@ -70,6 +70,8 @@ def test_every_compose_service_has_a_healthcheck_and_peers_wait_for_a_healthy_co
         assert test and test[0] in ("CMD", "CMD-SHELL"), name  # a command: no systemd needed to run it
     for name in ("peer1", "peer2", "peer3", "peer4"):
         assert services[name]["depends_on"] == {"coordinator": {"condition": "service_healthy"}}, name
+    for name in ("coordinator", "peer1", "peer2", "peer3", "peer4"):
+        assert services[name]["init"] is True, name  # SIGTERM reaches the process (not PID 1)
 
 
 def test_compose_published_ports_and_image_come_from_the_environment():
