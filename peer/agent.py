@@ -55,7 +55,7 @@ from shoal.peer.links import LinkMeter, probe_missing
 from shoal.peer.rounds import (Aborted, CollectiveRecord, Outcome, Reconnected, RoundClient, RoundEvent,
                                RoundListener, RoundOutcome, RunFinished, SyncRecord, SyncSettings, Traffic,
                                VoteRecord, event_of)
-from shoal.peer.state_sync import HeldStates, SyncError
+from shoal.peer.state_sync import HELD_STATES, HeldStates, SyncError
 from shoal.peer.training import DigitsWorkload, LocalUpdate, RunConfig
 from shoal.peer.workload import Workload, WorkloadClosed
 from shoal.v1 import shoal_pb2 as pb
@@ -93,6 +93,7 @@ class PeerConfig:
     sync_donors: int = 3
     sync_range_bytes: int = 256 << 10
     finish_linger: float = 1.0  # seconds the data plane keeps serving the final state after the run ends
+    held_states: int = HELD_STATES  # committed states a donor keeps serving: the newest and those before it
     connect_timeout: float = 120.0
     security: Security = Security(insecure=True)
     join_token: str = ""
@@ -171,7 +172,7 @@ class PeerAgent(StateSource):
         self.retry = RetryPolicy(config.backoff_initial, config.backoff_max, config.connect_timeout)
         self.events: asyncio.Queue[RoundEvent] = asyncio.Queue()
         self.traffic = Traffic()
-        self.held = HeldStates(lambda: self.workload.state)
+        self.held = HeldStates(lambda: self.workload.state, config.held_states)
         self.listeners = [_Journal(self), *listeners]
         self.workload: Workload | None = None
         self.control: CoordinatorClient | None = None

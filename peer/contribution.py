@@ -13,8 +13,9 @@ the butterfly; None = the plain sum). Two policies:
   result is the plain SUM of the inputs (what gloo's all_reduce computes); owners run an
   aggregator only when the job names one for the round.
 
-Both may forge what they send (`attack`, testing only: peer.byzantine). Pure: arrays in, arrays
-out; no sockets.
+A policy also says which results it may apply (`check`: FedAvg refuses a non-finite aggregate,
+the sum accepts what the inputs give). Both may forge what they send (`attack`, testing only:
+peer.byzantine). Pure: arrays in, arrays out; no sockets.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 
 from shoal.common.plan import Plan
 from shoal.peer.byzantine import ATTACKS, forge
+from shoal.peer.collectives import CollectiveError
 from shoal.peer.reduction import OwnerReduction, ReductionSpec
 
 
@@ -46,6 +48,11 @@ class Contribution(Protocol):
     def prepare(self, update: np.ndarray, plan: Plan, me: str) -> Prepared:
         """What `me` sends for `update` `(n,)` in `plan`. Raises InvalidArgument for a plan whose
         aggregation settings are unusable (the round protocol votes "failed" with the reason)."""
+        ...
+
+    def check(self, aggregate: np.ndarray) -> None:
+        """Refuse an all-reduce result this policy must never apply: raises CollectiveError (the
+        round protocol votes "failed"); returns None when it is acceptable."""
         ...
 
 
@@ -85,6 +92,12 @@ class FedAvgContribution:
         mine = plan.num_samples[plan.position(me)] or 1
         return Prepared((grad * np.float32(mine / total)).astype(np.float32), None)
 
+    def check(self, aggregate: np.ndarray) -> None:
+        """A model update must be finite (the collectives already refuse non-finite chunks from
+        honest-looking peers; this is the last line before the outer step)."""
+        if not np.isfinite(aggregate).all():
+            raise CollectiveError("the aggregate holds non-finite values")
+
 
 @dataclass
 class SumContribution:
@@ -100,6 +113,9 @@ class SumContribution:
             return Prepared(values, None)
         spec = ReductionSpec(self.aggregators[plan.round % len(self.aggregators)])
         return Prepared(values, OwnerReduction(spec, np.ones(plan.size), values.size))
+
+    def check(self, aggregate: np.ndarray) -> None:
+        """Any sum is acceptable: like gloo's all_reduce, a NaN input gives a NaN sum."""
 
     def aggregator(self, round_: int) -> str:
         """The name of what owners compute in `round_` ("sum" without aggregators)."""

@@ -1,7 +1,8 @@
 """The peer's side of the round protocol: one object, one method per phase.
 
 `RoundClient.play(update)` plays one round for this peer and returns a typed `RoundOutcome`
-(COMMITTED, SYNCED or FINISHED). The phases, each a method (docs/protocol.md, "Rounds"):
+(COMMITTED, SYNCED or FINISHED). The phases, each a method (the wire events: docs/protocol.md,
+"Round events"):
 
 1. `announce`: say Ready for the round, holding the committed state's digest. A sync order in
    the reply (this peer is stale) is handled like one from the event stream.
@@ -481,8 +482,7 @@ class RoundClient:
             res = await all_reduce(prepared.values, _collective_plan(ev.msg), me=self.me, transport=self.transport,
                                    inbox=self.inbox, reducer=reducer, feedback=self.feedback, links=self.links,
                                    tamper=self.tamper)
-            if not np.isfinite(res.values).all():  # never reached with honest owners; never applied
-                raise CollectiveError("the aggregate holds non-finite values")
+            self.contribution.check(res.values)
             st = self.workload.tentative(res.values)
             rs.tentative[plan.attempt] = Tentative(st, res.feedback)
         except Exception as exc:  # noqa: BLE001 - every failure before the vote is voted, with its reason

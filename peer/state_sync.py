@@ -41,6 +41,8 @@ class HeldStates(StateSource):
     a state is serialized only when a joiner asks for it."""
 
     def __init__(self, current: Callable[[], State], keep: int = HELD_STATES):
+        if keep < 1:
+            raise ValueError(f"keep: a donor holds at least its current state, got {keep}")
         self.current = current
         self.keep = keep
         self._held: dict[int, State] = {}

@@ -40,6 +40,11 @@ from shoal.peer.workload import ArrayWorkload
 
 # Seconds a finished job keeps serving its last state (for a peer that fell behind at the end).
 FINISH_LINGER_SECONDS = 0.5
+# Committed states a job serves: only the newest. Its state is the whole result (64 MB in the
+# benchmark); holding older ones for joiners' downloads, as training peers do, grows the live
+# set by one result per round over the first rounds, and each of those rounds pays for fresh
+# pages (page faults, ~100 ms of CPU per 64 MB on a busy host) while the timed collectives run.
+HELD_STATES = 1
 
 
 @functools.lru_cache(maxsize=4)
@@ -110,7 +115,8 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
 
     config = PeerConfig(coordinator=coordinator, listen=listen, key_path=key_path,
                         security=security or Security(insecure=True), join_token=join_token,
-                        shared_memory=shared_memory, connect_timeout=timeout, finish_linger=FINISH_LINGER_SECONDS)
+                        shared_memory=shared_memory, connect_timeout=timeout, finish_linger=FINISH_LINGER_SECONDS,
+                        held_states=HELD_STATES)
     agent = PeerAgent(config, workload, contribution=contribution, listeners=[listener])
     async with asyncio.timeout(timeout):
         await agent.run()

@@ -74,7 +74,7 @@ class Refusing:
         raise ValueError("weights: the aggregator refuses these rows")
 
 
-class RefusingContribution:
+class RefusingContribution(SumContribution):
     def prepare(self, update, plan, me):
         return Prepared(update, Refusing())
 
@@ -136,7 +136,7 @@ async def test_a_failing_aggregator_votes_failed_with_the_reason_and_nobody_else
 
 
 async def test_a_collective_error_votes_its_suspects():
-    class Blaming:
+    class Blaming(SumContribution):
         def prepare(self, update, plan, me):
             raise CollectiveError("stream to bbbbbbbb failed", ["b" * 32])
 
@@ -332,13 +332,21 @@ def test_sum_contribution_sends_the_input_and_names_the_round_aggregator():
     x = np.arange(4, dtype=np.float16)
     plan = Plan(participants=("a", "b"), collective="butterfly", shard_bounds=(0, 2, 4), shard_owner=(0, 1),
                 round=3)
-    assert SumContribution().prepare(x, plan, "a") == Prepared(x, None) or \
-        SumContribution().prepare(x, plan, "a").values is x
+    p = SumContribution().prepare(x, plan, "a")
+    assert p.values is x and p.reducer is None
     p = SumContribution(("mean", "median")).prepare(x, plan, "a")
     assert p.reducer.spec.aggregator == "median" and SumContribution(("mean", "median")).aggregator(3) == "median"
     assert SumContribution().aggregator(3) == "sum"
     forged = SumContribution((), Forgery("nan")).prepare(x, plan, "a").values
     assert np.isnan(forged).all()
+    SumContribution().check(forged)  # like gloo: a NaN input gives a NaN sum
+
+
+def test_fedavg_never_applies_a_non_finite_aggregate():
+    policy = FedAvgContribution(RunConfig().reduction_spec)
+    policy.check(np.ones(3, np.float32))
+    with pytest.raises(CollectiveError, match="non-finite"):
+        policy.check(np.array([1.0, np.inf, 0.0], np.float32))
 
 
 # ------------------------------------------------------------------------------ the job's state, the donor
@@ -370,3 +378,7 @@ def test_held_states_serve_the_last_three_committed_states():
     assert held.state_for(5) == (blob, dig)
     assert held.state_for(4) is not None and held.state_for(3) is not None
     assert held.state_for(2) is None and held.state_for(6) is None
+    only_newest = HeldStates(lambda: current[0], keep=1)
+    assert only_newest.state_for(5) is not None and only_newest.state_for(4) is None
+    with pytest.raises(ValueError):
+        HeldStates(lambda: current[0], keep=0)
