@@ -50,11 +50,13 @@ from shoal.coordinator.rounds import (
 )
 from shoal.coordinator.admission import Admission, AllowList, load_secret
 from shoal.coordinator.store import SQLiteStore, Store
+from shoal.common.attempts import ATTEMPT_STRIDE, shown_attempt
 from shoal.common.errors import DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
 from shoal.common.identity import RequestVerifier, load_or_create_key, peer_id_of, public_bytes
 from shoal.common.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
                          RateLimiter)
 from shoal.common.security import Security, SignedCalls, add_port
+from shoal.common.throttle import Throttle, more
 from shoal.common.tickets import SYNC_ATTEMPT, issue_ticket, plan_digest
 from shoal.common.health import COORDINATOR_SERVICE, attach
 from shoal.common.metrics import CoordinatorMetrics
@@ -74,6 +76,7 @@ UNSIGNED_METHODS = frozenset({GET_STATUS})
 TICKET_SLACK_SECONDS = 60.0
 SYNC_PERMIT_SECONDS = 300.0
 METRICS_EVERY_SECONDS = 1.0
+COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
 # The one place where the engine's refusals become gRPC status codes.
 _ERROR_KINDS = {ErrorKind.NOT_FOUND: NotFound, ErrorKind.INVALID: InvalidArgument,
                 ErrorKind.PRECONDITION: FailedPrecondition}
@@ -120,6 +123,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.finished_event: pb.RoundEvent | None = None
         self.round_started: dict[tuple[int, int], float] = {}
         self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
+        self.commit_lines = Throttle(COMMIT_LOG_SECONDS)  # INFO "round N committed" lines
 
     # ------------------------------------------------------------ actions
 
@@ -154,8 +158,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                             [p[:8] for p in a.peers])
             elif isinstance(a, SendPlan):
                 plan = self._wire_plan(a.plan)
-                log.info("round %d.%d planned: %d participants, %s, predicted %.3fs (bound %.3fs)%s", plan.round,
-                         plan.attempt, len(plan.participants), plan.collective, a.plan.predicted_seconds,
+                # Per attempt: debug (the commit line below says what a person needs, rate-limited).
+                log.debug("round %d.%d planned: %d participants, %s, predicted %.3fs (bound %.3fs)%s", plan.round,
+                          shown_attempt(plan.attempt), len(plan.participants), plan.collective, a.plan.predicted_seconds,
                          a.plan.bound_seconds,
                          f", non-owners {[d[:8] for d in a.plan.demoted]}" if a.plan.demoted else "")
                 ev = pb.RoundEvent(plan=plan)
@@ -167,8 +172,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.metrics.on_commit(r.seconds, self.vote_bytes.pop((r.round, r.attempt), 0),
                                        rounds_committed=self.engine.committed_rounds)
                 self.vote_bytes = {k: v for k, v in self.vote_bytes.items() if k[0] > r.round}
-                log.info("round %d committed (attempt %d, %d participants, %.3fs, loss %.4f)",
-                         r.round, r.attempt, len(r.participants), r.seconds, r.train_loss)
+                held = self.commit_lines.due()
+                log.log(logging.DEBUG if held is None else logging.INFO,
+                        "round %d committed (attempt %d, %d participants, %.3fs, loss %.4f)%s", r.round,
+                        shown_attempt(r.attempt), len(r.participants), r.seconds, r.train_loss, more(held or 0))
                 ev = pb.RoundEvent(commit=pb.Commit(
                     round=r.round, attempt=r.attempt, result_digest=r.result_digest, state_digest=r.state_digest,
                     epoch=a.epoch, participants=r.participants, flagged=r.flagged))
@@ -178,7 +185,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 r = a.record
                 self.store.save_abort(r)
                 self.metrics.on_abort(r.will_retry)
-                log.warning("round %d.%d aborted: %s; excluded %s; retry=%s", r.round, r.attempt, r.reason,
+                log.warning("round %d.%d aborted: %s; excluded %s; retry=%s", r.round, shown_attempt(r.attempt), r.reason,
                             [p[:8] for p in r.excluded], r.will_retry)
                 ev = pb.RoundEvent(abort=pb.Abort(round=r.round, attempt=r.attempt, reason=r.reason,
                                                   excluded=r.excluded, will_retry=r.will_retry))
@@ -330,7 +337,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                          tuple(request.shm_peers))
             except RoundError as exc:
                 raise _raise(exc) from None
-            log.info("links of %s: up %.2f Mbit/s, down %.2f Mbit/s, rtt %.2f ms (%d remote peers)",
+            log.debug("links of %s: up %.2f Mbit/s, down %.2f Mbit/s, rtt %.2f ms (%d remote peers)",
                      request.peer_id[:8], request.up_bytes_per_s * 8e-6, request.down_bytes_per_s * 8e-6,
                      1e3 * (sum(rtts) / len(rtts) if rtts else 0.0), len(request.links))
             return pb.LinkReportResponse()
@@ -393,13 +400,13 @@ def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Stor
     elif json.loads(stored) != config.run_config and config.run_config:
         log.warning("state file holds a run configuration that differs from the flags; keeping the stored one")
     commits = store.load_commits()
-    # Each start is a new incarnation; its attempt ids start at 1000 x incarnation, so a plan of
+    # Each start is a new incarnation; its attempt ids start at ATTEMPT_STRIDE x incarnation, so a plan of
     # this incarnation never shares an id with one a crashed predecessor had sent.
     incarnation = int(store.get_meta("incarnation") or -1) + 1
     store.set_meta("incarnation", str(incarnation))
     engine = RoundEngine(config.engine, committed=commits, members=store.load_members(),
                          epoch=store.load_epoch(), aborted=store.count_aborts(), now=now,
-                         attempt_base=(incarnation % 4000) * 1000,
+                         attempt_base=(incarnation % 4000) * ATTEMPT_STRIDE,
                          untrusted=tuple(json.loads(store.get_meta("untrusted") or "[]")))
     if commits:
         log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path, len(commits),

@@ -46,6 +46,7 @@ from shoal.common.identity import load_or_create_key, public_bytes
 from shoal.common.metrics import PeerMetrics
 from shoal.common.retry import RetryPolicy
 from shoal.common.security import Security, open_channel, signing_interceptors
+from shoal.common.throttle import Throttle, more
 from shoal.peer import faults
 from shoal.peer.byzantine import OWNER_ATTACKS, tamper
 from shoal.peer.contribution import Contribution, FedAvgContribution, Forgery
@@ -64,6 +65,7 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 log = logging.getLogger("shoal.peer")
 
 LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
+COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
 
 
 @dataclass(frozen=True)
@@ -112,9 +114,12 @@ class _Journal(RoundListener):
 
     def __init__(self, agent: PeerAgent):
         self.agent = agent
+        self.commit_lines = Throttle(COMMIT_LOG_SECONDS)
+        self.collective_bytes = (0, 0)  # (sent, received) by the last collective
 
     def on_collective(self, rec: CollectiveRecord) -> None:
         self.agent.metrics.on_collective(rec.seconds, rec.bytes_sent, rec.bytes_received)
+        self.collective_bytes = (rec.bytes_sent, rec.bytes_received)
 
     def on_vote(self, rec: VoteRecord) -> None:
         fields = {"reason": rec.reason, "suspects": list(rec.suspects), "failed_at": rec.failed_at} if not rec.ok else {}
@@ -130,6 +135,11 @@ class _Journal(RoundListener):
                state_digest=o.state_digest.hex(), participants=o.participants, bytes_sent=a.traffic.bytes_sent,
                flagged=list(o.flagged))
         a.metrics.on_commit(o.round + 1, o.participants, o.seconds, o.loss, acc)
+        held = self.commit_lines.due()  # one line per committed round, at most one a second at INFO
+        sent, received = self.collective_bytes
+        log.log(logging.DEBUG if held is None else logging.INFO,
+                "round %d committed: loss %.4f, %.2fs, %.2f MB sent, %.2f MB received%s", o.round, o.loss,
+                o.seconds, sent / 1e6, received / 1e6, more(held or 0))
 
     def on_abort(self, ev: Aborted) -> None:
         self.agent.metrics.on_abort(ev.will_retry)

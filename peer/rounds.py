@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from shoal.common.attempts import shown_attempt
 from shoal.common.plan import Plan
 from shoal.common.tensors import dtype_code
 from shoal.peer import faults
@@ -495,11 +496,11 @@ class RoundClient:
     def _failed_ballot(self, rs: RoundState, plan: Plan, exc: Exception) -> pb.VoteRequest:
         reason = describe(exc)
         if isinstance(exc, CollectiveError):
-            log.warning("round %d.%d collective failed: %s", plan.round, plan.attempt, reason)
+            log.warning("round %d.%d collective failed: %s", plan.round, shown_attempt(plan.attempt), reason)
             suspects, audit = exc.suspects, exc.audit
         else:
-            log.error("round %d.%d: the collective raised %s; voting failed", plan.round, plan.attempt, reason,
-                      exc_info=exc)
+            log.error("round %d.%d: the collective raised %s; voting failed", plan.round,
+                      shown_attempt(plan.attempt), reason, exc_info=exc)
             suspects, audit = (), False
         return pb.VoteRequest(peer_id=self.me, round=plan.round, attempt=plan.attempt, train_loss=rs.loss, ok=False,
                               error=reason[:500], suspects=suspects, audit_failure=audit)

@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.common.attempts import ATTEMPT_STRIDE
+
 log = logging.getLogger("shoal.config")
 
 ENV_PREFIX = "SHOAL_"
@@ -173,7 +175,8 @@ class RoundsSection:
         _check(self.chunk_bytes >= 1024, r, "chunk_bytes", ">= 1024", self.chunk_bytes)
         _check(1024 <= self.shm_chunk_bytes <= 256 << 20, r, "shm_chunk_bytes", "in 1024..268435456",
                self.shm_chunk_bytes)
-        _check(self.max_attempts >= 1, r, "max_attempts", ">= 1", self.max_attempts)
+        _check(1 <= self.max_attempts < ATTEMPT_STRIDE, r, "max_attempts", f"in 1..{ATTEMPT_STRIDE - 1}",
+               self.max_attempts)
 
     def to_engine_config(self, run: "RunSection | None" = None):
         """The engine's settings; `run` adds the aggregator and codec the plans carry."""

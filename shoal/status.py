@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from shoal.common.attempts import shown_attempt
 from shoal.common.security import Security, open_channel
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -90,7 +91,7 @@ def render_table(s: dict) -> str:
          for m in s["members"]])
     rounds = _table(
         ["round", "attempt", "status", "peers", "seconds", "loss", "reason"],
-        [[str(r["round"]), str(r["attempt"]), r["status"], str(r["participants"]),
+        [[str(r["round"]), str(shown_attempt(r["attempt"])), r["status"], str(r["participants"]),
           f"{r['seconds']:.3f}" if r["seconds"] else "-", f"{r['train_loss']:.4f}" if r["status"] == "committed" else "-",
           r["reason"][:60]] for r in s["rounds"]])
     waiting = s.get("waiting") or {}
