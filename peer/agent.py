@@ -66,6 +66,7 @@ log = logging.getLogger("shoal.peer")
 
 LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
 COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
+LEAVE_GRACE_SECONDS = 5.0  # a graceful leave lets the round in play end for this long, then abandons it
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,8 @@ class PeerAgent(StateSource):
         self.rounds: RoundClient | None = None
         self.address = ""
         self.finished = False
+        self.leaving = False  # stop was set: no new round (run's graceful leave)
+        self.playing = False  # inside RoundClient.play
         self.service: PeerService | None = None
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
 
@@ -258,10 +261,14 @@ class PeerAgent(StateSource):
 
     # ------------------------------------------------------------ main
 
-    async def run(self) -> dict:
-        """Join, train until the coordinator finishes the run, leave. Returns a summary dict:
-        peer, rounds, test_accuracy, state_digest (hex), bytes_sent, bytes_received,
-        state_syncs, params_finite."""
+    async def run(self, stop: asyncio.Event | None = None) -> dict:
+        """Join, train until the coordinator finishes the run (or `stop` is set: SIGTERM), leave.
+        Returns a summary dict: peer, rounds, test_accuracy, state_digest (hex), bytes_sent,
+        bytes_received, state_syncs, params_finite, left (True when it stopped before the end).
+
+        `stop` is a graceful leave: a round this peer is playing gets LEAVE_GRACE_SECONDS to end
+        (its vote arrives, the others need not abort the attempt), training or waiting is
+        abandoned at once; then Leave, and everything is closed (shared-memory slabs included)."""
         self.service = PeerService(self.inbox, self.held, on_bytes=self._count_received, links=self.links,
                                    shared_memory=self.config.shared_memory)
         health_box: list = []
@@ -283,15 +290,15 @@ class PeerAgent(StateSource):
                 hb = tg.create_task(self._heartbeat_loop())
                 watch = tg.create_task(self.control.watch(self._deliver, self._reconnected))
                 try:
-                    await self._main_loop()
+                    left = await self._play_until(stop)
                 finally:
                     self.finished = True
                     hb.cancel()
                     watch.cancel()
-            summary = self._summary()
-            self.emit("finished", **{k: v for k, v in summary.items() if k != "peer"})
-            # Serve the final state a little longer, for a peer that fell behind at the end.
-            await asyncio.sleep(self.config.finish_linger)
+            summary = {**self._summary(), "left": left}
+            self.emit("left" if left else "finished", **{k: v for k, v in summary.items() if k != "peer"})
+            if not left:  # serve the final state a little longer, for a peer that fell behind at the end
+                await asyncio.sleep(self.config.finish_linger)
             await self.control.leave()
             return summary
         finally:
@@ -332,9 +339,32 @@ class PeerAgent(StateSource):
         self.traffic.bytes_received += n
         self.metrics.on_received(n)
 
+    async def _play_until(self, stop: asyncio.Event | None) -> bool:
+        """The main loop until the run ends (False) or `stop` is set (True, see `run`)."""
+        main = asyncio.ensure_future(self._main_loop())
+        waits = {main} if stop is None else {main, asyncio.ensure_future(stop.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # run() itself cancelled: the loop goes with it
+            main.cancel()
+            raise
+        finally:
+            for w in waits - {main}:
+                w.cancel()
+        if not main.done():
+            self.leaving = True  # no new round
+            log.info("stopping: leaving the swarm%s", " once this round ends" if self.playing else "")
+            if self.playing:
+                await asyncio.wait({main}, timeout=LEAVE_GRACE_SECONDS)
+            main.cancel()
+            await asyncio.wait({main})
+        if not main.cancelled() and main.exception() is not None:
+            raise main.exception()
+        return self.leaving
+
     async def _main_loop(self) -> None:
-        """Train and play rounds until the run finishes or the workload is closed."""
-        while not self.finished:
+        """Train and play rounds until the run finishes, the workload is closed or the peer leaves."""
+        while not self.finished and not self.leaving:
             order = self.control.take_sync()
             if order is not None:
                 await self.rounds.try_sync(order)
@@ -343,7 +373,11 @@ class PeerAgent(StateSource):
             if update is None:
                 log.info("workload closed by its owner; leaving the swarm")
                 return
-            outcome = await self.rounds.play(update.pseudo_grad, update.loss)
+            self.playing = True
+            try:
+                outcome = await self.rounds.play(update.pseudo_grad, update.loss)
+            finally:
+                self.playing = False
             if outcome.kind is Outcome.FINISHED:
                 return
 
@@ -379,6 +413,7 @@ class PeerAgent(StateSource):
             log.debug("link report not delivered: %s", exc)
 
 
-async def run_peer(config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None) -> dict:
-    """Run one peer to completion (see PeerAgent)."""
-    return await PeerAgent(config, workload_factory).run()
+async def run_peer(config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None, *,
+                   stop: asyncio.Event | None = None) -> dict:
+    """Run one peer to completion, or until `stop` is set (a graceful leave; see PeerAgent.run)."""
+    return await PeerAgent(config, workload_factory).run(stop)

@@ -332,9 +332,16 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                           connect_timeout=p.connect_timeout, advertise=p.advertise, metrics_port=p.metrics_port,
                           metrics_host=p.metrics_host, shared_memory=p.shared_memory)
     result: dict = {}
+    got: list[int] = []
 
     async def main() -> None:
-        result.update(await run_peer(peer_cfg))
+        # SIGTERM (docker stop, kubectl delete, a supervisor) and Ctrl-C are a graceful leave: the
+        # round in play may end, the coordinator is told (Leave), slabs and sockets are closed.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
+        result.update(await run_peer(peer_cfg, stop=stop))
 
     try:
         _run(main())
@@ -355,8 +362,9 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
             raise failure from None
         log.exception("peer failed")
         return EXIT_FAILED
-    logging.getLogger("shoal.peer").info("finished: %s", json.dumps(result))
-    return EXIT_OK
+    logging.getLogger("shoal.peer").info("%s: %s", "left the swarm" if result.get("left") else "finished",
+                                         json.dumps(result))
+    return EXIT_INTERRUPTED if signal.SIGINT in got else EXIT_OK
 
 
 def _swarm_files(s) -> None:

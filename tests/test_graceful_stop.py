@@ -1,0 +1,62 @@
+"""SIGTERM of a peer is a graceful leave (issue 15, item 3): the round in play may end, the
+coordinator is told (Leave: the member goes long before its lease would expire), its
+shared-memory slabs are gone, it exits 0, and the others keep committing."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+import sys
+import time
+
+import pytest
+
+from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes
+from shoal.peer import shm
+from shoal.status import fetch_status
+
+pytestmark = pytest.mark.integration
+
+
+def wait_for(what: str, check, timeout: float, procs):
+    end = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"{what}: not within {timeout}s\n" + "\n".join(
+                f"--- {p.name}\n{procs.log(p.name)[-1500:]}" for p in procs.procs))
+        time.sleep(0.2)
+
+
+def test_sigterm_of_a_peer_leaves_cleanly_and_exits_0(procs):
+    # A lease far longer than the test: only a Leave can make the member go this soon.
+    coord, addr = procs.coordinator("--rounds", "0", "--min-peers", "2", "--initial-peers", "3",
+                                    "--lease-seconds", "300", "--inner-steps", "10")
+    wd = procs.workdir
+    peers = [procs.start(f"peer-{i}", [sys.executable, "-m", "shoal.cli", "peer", "--insecure", "--coordinator", addr,
+                                       "--key", str(wd / f"p{i}.key"), "--data-shard", str(i),
+                                       "--events", str(wd / f"peer-{i}.jsonl"), "--connect-timeout", "60"])
+             for i in range(3)]
+    wait_for("3 committed rounds of 3 peers",
+             lambda: (s := fetch_status(addr))["rounds_committed"] >= 3 and len(s["members"]) == 3, 120, procs)
+    leaving = peer_id_of(public_bytes(load_or_create_key(str(wd / "p2.key"))))
+
+    peers[2].send_signal(signal.SIGTERM)
+    assert procs.wait_exit(peers[2], 60) == 0, procs.log("peer-2")[-3000:]
+    log = procs.log("peer-2")
+    assert "Traceback" not in log and "left the swarm" in log, log[-3000:]
+    events = [json.loads(line) for line in (wd / "peer-2.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "left", events[-1]
+    # Told by Leave (the lease has 300 s to go), and no slab of it left in /dev/shm.
+    wait_for("the leaving peer dropped from the members",
+             lambda: leaving not in {m["peer_id"] for m in fetch_status(addr)["members"]}, 30, procs)
+    if shm.available():
+        assert not [n for n in pathlib.Path(shm.SHM_DIR).iterdir()
+                    if n.name.startswith(f"shoal-{shm._prefix(leaving)}-")]
+    # The other two go on.
+    c = fetch_status(addr)["rounds_committed"]
+    wait_for("2 more committed rounds without it", lambda: fetch_status(addr)["rounds_committed"] >= c + 2, 120, procs)
+    assert all(p.poll() is None for p in (coord, *peers[:2]))
