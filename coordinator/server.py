@@ -76,6 +76,7 @@ UNSIGNED_METHODS = frozenset({GET_STATUS})
 TICKET_SLACK_SECONDS = 60.0
 SYNC_PERMIT_SECONDS = 300.0
 METRICS_EVERY_SECONDS = 1.0
+RUN_OVER_POLL_SECONDS = 0.2
 COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
 # The one place where the engine's refusals become gRPC status codes.
 _ERROR_KINDS = {ErrorKind.NOT_FOUND: NotFound, ErrorKind.INVALID: InvalidArgument,
@@ -101,6 +102,7 @@ class CoordinatorConfig:
     request_burst: int = 1000
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
+    finish_linger: float = 10.0  # after the run finished and every member left: answer status this long, then exit
 
 
 def _raise(exc: RoundError) -> ShoalError:
@@ -124,6 +126,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.round_started: dict[tuple[int, int], float] = {}
         self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
         self.commit_lines = Throttle(COMMIT_LOG_SECONDS)  # INFO "round N committed" lines
+        self.finished_at: float | None = None  # when the run finished (clock)
+        self.settled_at: float | None = None  # when, after that, no member was left
 
     # ------------------------------------------------------------ actions
 
@@ -199,6 +203,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 # The engine answers every late Ready with SendFinished again; say it once.
                 if self.finished_event is None:
                     log.info("run finished after %d committed rounds", a.rounds_committed)
+                    self.finished_at = self.clock()
                 self.finished_event = pb.RoundEvent(finished=pb.Finished(rounds_committed=a.rounds_committed,
                                                                            reason=a.reason))
                 for p in list(self.watchers):
@@ -212,6 +217,25 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                            public_key=self.engine.members[d].public_key)
             for d in donors if d in self.engine.members
         ])
+
+    def run_over(self, linger: float) -> bool:
+        """True once the run finished, every member has been told and left (or its lease expired,
+        at the latest one lease after the finish) and `linger` more seconds passed, in which
+        `shoal status` still answers."""
+        if self.finished_at is None:
+            return False
+        now = self.clock()
+        if self.engine.members and now < self.finished_at + self.engine.config.lease_seconds:
+            return False
+        if self.settled_at is None:
+            self.settled_at = now
+            log.info("every member has left; exiting in %gs", linger)
+        return now >= self.settled_at + linger
+
+    async def until_run_over(self, linger: float) -> None:
+        """Return once `run_over(linger)` (never while the run goes on)."""
+        while not self.run_over(linger):
+            await asyncio.sleep(RUN_OVER_POLL_SECONDS)
 
     async def ticker(self) -> None:
         """Apply deadlines every TICK_SECONDS (and refresh the gauges every second) until cancelled."""
@@ -433,7 +457,9 @@ def load_admission(config: CoordinatorConfig) -> Admission:
 
 
 async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None) -> None:
-    """Run the coordinator until `stop` is set (or the task is cancelled); shuts down in order."""
+    """Run the coordinator until `stop` is set, the task is cancelled, or the run is over (it
+    finished, every member was told and left, `finish_linger` passed: CoordinatorService
+    .run_over); shuts down in order."""
     engine, store, run_config_json = open_state(config, time.time())
     key_path = config.key_path or str(pathlib.Path(config.state_path).with_suffix(".key"))
     admission = load_admission(config)
@@ -466,8 +492,11 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
     try:
         async with asyncio.TaskGroup() as tg:
             ticker = tg.create_task(service.ticker())
-            await stop.wait()
-            ticker.cancel()
+            over = tg.create_task(service.until_run_over(config.finish_linger))
+            stopped = tg.create_task(stop.wait())
+            await asyncio.wait({over, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (ticker, over, stopped):
+                task.cancel()
     finally:
         await health.shutdown()
         await server.stop(grace=1.0)

@@ -123,6 +123,8 @@ class CoordinatorSection:
     join_rate: float = setting(5.0, "joins per second per host (token bucket)")
     join_burst: int = setting(50, "join burst per host")
     rate_limit: float = setting(500.0, "control-plane calls per second per host (burst 2x)")
+    finish_linger: float = setting(10.0, "once the run finished (rounds.rounds committed) and every member left: "
+                                         "keep answering `shoal status` this long, then exit 0")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
@@ -134,13 +136,16 @@ class CoordinatorSection:
         _check(self.join_rate > 0 and _finite(self.join_rate), c, "join_rate", "> 0", self.join_rate)
         _check(self.join_burst >= 1, c, "join_burst", ">= 1", self.join_burst)
         _check(self.rate_limit > 0 and _finite(self.rate_limit), c, "rate_limit", "> 0", self.rate_limit)
+        _check(self.finish_linger >= 0 and _finite(self.finish_linger), c, "finish_linger", ">= 0",
+               self.finish_linger)
 
 
 @dataclass(frozen=True)
 class RoundsSection:
     """[rounds]: quorum and timing of rounds, decided by the coordinator."""
 
-    rounds: int = setting(20, "committed rounds to run, then finish (0 = run forever)")
+    rounds: int = setting(20, "committed rounds to run, then finish: peers are told and leave, the coordinator "
+                              "exits 0 (0 = run forever)")
     min_peers: int = setting(2, "quorum: fewest participants of a round")
     initial_peers: int = setting(0, "round 0 waits for this many ready peers (0 = min_peers)")
     lease_seconds: float = setting(10.0, "a peer silent (no heartbeat) this long is dropped; heartbeats every lease/4")

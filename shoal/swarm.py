@@ -633,7 +633,9 @@ def run_swarm(opts: SwarmOptions) -> dict:
             while True:
                 if time.monotonic() - t0 > opts.timeout:
                     raise TimeoutError(f"swarm did not finish within {opts.timeout:.0f}s")
-                if not swarm.coordinator.alive() and not all(p.popen.poll() == 0 for p in swarm.peers):
+                # A coordinator that exits 0 finished the run (peers told); any other exit is early.
+                if not swarm.coordinator.alive() and swarm.coordinator.popen.returncode != 0 \
+                        and not all(p.popen.poll() == 0 for p in swarm.peers):
                     raise RuntimeError(f"coordinator exited early:\n{swarm.coordinator.tail()}")
                 failed = [p for p in swarm.peers if p.popen is not None and p.popen.poll() not in (None, 0)]
                 if failed:

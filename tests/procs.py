@@ -71,6 +71,8 @@ class Procs:
         ready.unlink(missing_ok=True)
         if "--tls-dir" not in flags and "--insecure" not in flags:
             flags = ("--insecure", *flags)  # plaintext must be asked for explicitly
+        if "--finish-linger" not in flags:
+            flags = ("--finish-linger", "600", *flags)  # tests look at a finished run: it stays to answer
         p = self.start(name, [sys.executable, "-m", "shoal.cli", "coordinator", "--listen", listen,
                               "--state", str(self.workdir / state), "--ready-file", str(ready), *flags])
         return p, self.wait_file(ready, 30, p)

@@ -60,3 +60,20 @@ def test_sigterm_of_a_peer_leaves_cleanly_and_exits_0(procs):
     c = fetch_status(addr)["rounds_committed"]
     wait_for("2 more committed rounds without it", lambda: fetch_status(addr)["rounds_committed"] >= c + 2, 120, procs)
     assert all(p.poll() is None for p in (coord, *peers[:2]))
+
+
+def test_a_finished_run_ends_the_coordinator_with_exit_0(procs):
+    """`shoal coordinator --rounds 3`: once the peers were told and left, it exits 0 (after
+    --finish-linger, here 0), saying the run finished once."""
+    coord, addr = procs.coordinator("--rounds", "3", "--min-peers", "2", "--initial-peers", "2",
+                                    "--inner-steps", "10", "--finish-linger", "0")
+    peers = [procs.start(f"peer-{i}", [sys.executable, "-m", "shoal.cli", "peer", "--insecure", "--coordinator", addr,
+                                       "--key", str(procs.workdir / f"p{i}.key"), "--data-shard", str(i),
+                                       "--connect-timeout", "60"])
+             for i in range(2)]
+    for p in peers:
+        assert procs.wait_exit(p, 180) == 0, procs.log(p.name)[-3000:]
+    assert procs.wait_exit(coord, 120) == 0, procs.log("coordinator")[-3000:]
+    log = procs.log("coordinator")
+    assert log.count("run finished after 3 committed rounds") == 1, log[-3000:]
+    assert "every member has left" in log and "Traceback" not in log
