@@ -53,7 +53,7 @@ from shoal.peer.contribution import Contribution, FedAvgContribution, Forgery
 from shoal.peer.control import CoordinatorClient
 from shoal.peer.dataplane import Inbox, PeerService, StateSource, Transport, channel_options, serve_data_plane
 from shoal.peer.links import LinkMeter, probe_missing
-from shoal.peer.rounds import (Aborted, CollectiveRecord, Outcome, Reconnected, RoundClient, RoundEvent,
+from shoal.peer.rounds import (Aborted, CollectiveRecord, EventMailbox, Outcome, Reconnected, RoundClient,
                                RoundListener, RoundOutcome, RunFinished, SyncRecord, SyncSettings, Traffic,
                                VoteRecord, event_of)
 from shoal.peer.state_sync import HELD_STATES, HeldStates, SyncError
@@ -181,7 +181,7 @@ class PeerAgent(StateSource):
         self.transport = Transport(config.security, self.key, shared_memory=config.shared_memory)
         self.links = LinkMeter()  # passive from the collectives' streams, probes when no history
         self.retry = RetryPolicy(config.backoff_initial, config.backoff_max, config.connect_timeout)
-        self.events: asyncio.Queue[RoundEvent] = asyncio.Queue()
+        self.events = EventMailbox()  # coalesced: the newest state of the world, never a backlog
         self.traffic = Traffic()
         self.held = HeldStates(lambda: self.workload.state, config.held_states)
         self.listeners = [_Journal(self), *listeners]
@@ -384,13 +384,23 @@ class PeerAgent(StateSource):
     async def _train(self) -> LocalUpdate | None:
         """Local training (a worker thread) with the link probes alongside, both owned here;
         None when the workload was closed by its owner."""
+        extra = faults.local_work()
         async with asyncio.TaskGroup() as tg:
             measuring = tg.create_task(self._measure_links())
             try:
+                if extra:
+                    await self._local_work(extra)
                 return await asyncio.to_thread(self.workload.local_update)
             except WorkloadClosed:
                 measuring.cancel()
                 return None
+
+    async def _local_work(self, seconds: float) -> None:
+        """A scenario's long local update (shoal.peer.faults.local_work): busy for `seconds`
+        while the process stays up and connected, then an event "local_work" (its end)."""
+        log.info("local work of %.1fs asked for (scenario)", seconds)
+        await asyncio.to_thread(time.sleep, seconds)
+        self.emit("local_work", seconds=seconds, round=self.workload.state.rounds)
 
     async def _measure_links(self) -> None:
         """Probe the last round's participants without link history, report to the coordinator.

@@ -11,6 +11,11 @@ aggregator). Actions: "kill" (SIGKILL, a real crash: no cleanup, sockets reset b
 lost, as on a half-dead connection; only where the code asks `dropped`), "raise" (the code at
 that point raises `InjectedFault`, as a buggy aggregator would; only where the code calls
 `fail`). Each fault fires at most once.
+
+A scenario can also ask a running peer for one long local update (`shoal swarm --scenario`,
+action "local-work"): SHOAL_LOCAL_WORK_FILE names a file; when it exists, the peer's next local
+update takes the number of seconds it holds (`local_work`), the process staying up and
+connected throughout (unlike "stop").
 """
 
 from __future__ import annotations
@@ -75,3 +80,20 @@ def fail(point: str, round_: int | None = None) -> None:
     if _take(point, ("raise",), round_) is not None:
         log.warning("fault injection: %s raises in round %s", point, round_)
         raise InjectedFault(f"fault injection: {point} raised in round {round_}")
+
+
+def local_work() -> float:
+    """Seconds of extra local work asked for by a scenario (0 when none): reads and removes the
+    file named by SHOAL_LOCAL_WORK_FILE. A malformed file counts as no request (logged)."""
+    path = os.environ.get("SHOAL_LOCAL_WORK_FILE", "")
+    if not path or not os.path.exists(path):
+        return 0.0
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        os.unlink(path)
+        seconds = float(text)
+    except (OSError, ValueError) as exc:
+        log.warning("local-work request %s not understood: %s", path, exc)
+        return 0.0
+    return max(0.0, seconds)

@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -164,6 +165,74 @@ def event_of(msg: pb.RoundEvent) -> RoundEvent | None:
     if kind == "finished":
         return RunFinished(msg.finished.rounds_committed)
     return None
+
+
+def _key(ev: RoundEvent) -> tuple[int, int]:
+    """(round, attempt) of a round-scoped event (commits of round r order after its attempts)."""
+    if isinstance(ev, PlanReceived):
+        return ev.plan.round, ev.plan.attempt
+    if isinstance(ev, Aborted):
+        return ev.round, ev.attempt
+    if isinstance(ev, Committed):
+        return ev.round, 1 << 30
+    return -1, -1
+
+
+def supersedes(new: RoundEvent, old: RoundEvent) -> bool:
+    """Whether `new` makes the queued `old` useless to a peer that has not read it yet.
+
+    The newest commit replaces older commits and the plans and aborts of older rounds; a sync
+    order replaces older sync orders; a plan or an abort replaces plans and aborts of earlier
+    attempts (or rounds); the end of the run replaces every plan, abort and commit; markers
+    (reconnected, forgotten, silence) are kept once. Events of the same attempt are kept (a plan
+    and its abort are both read, in order).
+    """
+    if type(new) is type(old) and isinstance(new, (Reconnected, Forgotten, Silence, RunFinished)):
+        return True
+    if isinstance(new, SyncOrdered):
+        return isinstance(old, SyncOrdered) and old.order.round <= new.order.round
+    if isinstance(new, RunFinished):
+        return isinstance(old, (PlanReceived, Aborted, Committed))
+    if isinstance(new, Committed):
+        return (isinstance(old, Committed) and old.round <= new.round) or (
+            isinstance(old, (PlanReceived, Aborted)) and _key(old)[0] < new.round)
+    if isinstance(new, (PlanReceived, Aborted)):
+        return isinstance(old, (PlanReceived, Aborted)) and _key(old) < _key(new)
+    return False
+
+
+class EventMailbox:
+    """The round events a peer has not read yet, coalesced: the newest state of the world, not
+    a backlog (a peer busy in a long local update for N rounds comes back to one commit, one sync
+    order and the plans that still matter, not to N of each). Bounded: at most one event of each
+    kind per attempt (`supersedes`), whatever the number of rounds missed.
+
+    The agent's watch and heartbeat `put` events; the RoundClient `get`s them in arrival order.
+    `delivered_at` is the arrival time (monotonic) of the event `get` returned last.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[tuple[float, RoundEvent]] = []
+        self._arrived = asyncio.Event()
+        self.delivered_at = 0.0
+
+    def put_nowait(self, ev: RoundEvent) -> None:
+        self._items = [(t, old) for t, old in self._items if not supersedes(ev, old)]
+        self._items.append((time.monotonic(), ev))
+        self._arrived.set()
+
+    async def put(self, ev: RoundEvent) -> None:
+        self.put_nowait(ev)
+
+    async def get(self) -> RoundEvent:
+        while not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
+        self.delivered_at, ev = self._items.pop(0)
+        return ev
+
+    def qsize(self) -> int:
+        return len(self._items)
 
 
 # ------------------------------------------------------------------------------ records for listeners
@@ -318,7 +387,7 @@ class RoundClient:
     """
 
     def __init__(self, control: CoordinatorClient, workload: Workload, contribution: Contribution, *,
-                 inbox: Inbox, transport: Transport, links: LinkMeter | None, events: asyncio.Queue,
+                 inbox: Inbox, transport: Transport, links: LinkMeter | None, events: EventMailbox | asyncio.Queue,
                  round_silence: float = 15.0, finish_linger: float = 1.0, sync: SyncSettings = SyncSettings(),
                  listeners: Sequence[RoundListener] = (), traffic: Traffic | None = None,
                  tamper: Callable[[np.ndarray], np.ndarray] | None = None):
@@ -334,6 +403,7 @@ class RoundClient:
         self.feedback = ErrorFeedback()  # compression residuals, updated only on commit
         self.last_plan: Plan | None = None  # the last plan received (link probes, shm peers)
         self.last_announce = 0.0  # monotonic time of the last Ready sent
+        self._asked_at = 0.0  # monotonic time the last Ready left (before its reply)
         self._waiting: RoundState | None = None  # the round `play` waits in
         self._suspicious: int | None = None  # the waiting round the previous heartbeat found forgotten
 
@@ -376,6 +446,8 @@ class RoundClient:
                 return await self._on_sync(rs, order)
             case RunFinished(rounds_committed):
                 return await self._on_finished(rs, rounds_committed)
+            case Reconnected() | Forgotten() if self._answered():
+                pass  # a Ready left after this arrived: the coordinator has heard from this peer
             case Reconnected():
                 await self._stop_collective(rs)  # the coordinator may have restarted: the attempt is gone
                 await self.announce(rs)
@@ -385,6 +457,11 @@ class RoundClient:
                 log.info("no round event for %.0fs; announcing readiness again", seconds)
                 await self.announce(rs)
         return None
+
+    def _answered(self) -> bool:
+        """Whether a Ready left after the event just read arrived (a backlog read after a long
+        local update): that Ready already told the coordinator where this peer stands."""
+        return getattr(self.events, "delivered_at", math.inf) < self._asked_at
 
     # -------------------------------------------------------------- phase 1: announce
 
@@ -396,7 +473,7 @@ class RoundClient:
         req = self._ready_request(rs, rs.round if round_ is None else round_)
         # Stamped before and after the call: a heartbeat sent before the Ready was processed, or
         # answered while it was in flight, must not count as "the coordinator forgot this peer".
-        self.last_announce = time.monotonic()
+        self.last_announce = self._asked_at = time.monotonic()
         resp = await self.control.ready(req)
         self.last_announce = time.monotonic()
         if resp.HasField("sync") and resp.sync.donors:
@@ -520,8 +597,12 @@ class RoundClient:
     async def _on_commit(self, rs: RoundState, ev: Committed) -> RoundOutcome | None:
         if ev.round > rs.round:
             # A later round committed: this peer missed the commit of its own round (or was left
-            # out since). It is behind; the coordinator answers the Ready with a sync order.
+            # out since). It is behind; the coordinator answers the Ready with a sync order. A
+            # Ready sent after this commit arrived (e.g. when the peer came back from a long local
+            # update) already asked: one question, not one per missed round.
             await self._stop_collective(rs)
+            if self._answered():
+                return None
             log.info("round %d committed while this peer waits in round %d; asking for state sync", ev.round, rs.round)
             await self.announce(rs)
             return None

@@ -382,3 +382,72 @@ def test_held_states_serve_the_last_three_committed_states():
     assert only_newest.state_for(5) is not None and only_newest.state_for(4) is None
     with pytest.raises(ValueError):
         HeldStates(lambda: current[0], keep=0)
+
+
+# ------------------------------------------------------------------------------ a long local phase
+
+
+def _backlog(mailbox, rounds_missed: int) -> None:
+    """What the watch delivers while a peer works locally: every round's plan (without this peer),
+    commit and a few markers."""
+    for r in range(rounds_missed):
+        msg = pb.Plan(round=r, attempt=0, collective="butterfly", shard_bounds=[0, N], shard_owner=[0],
+                      num_elements=N, dtype=pb.FLOAT32, participants=[pb.Participant(peer_id="b" * 32)])
+        mailbox.put_nowait(PlanReceived(msg, Plan.from_proto(msg)))
+        if r % 7 == 0:
+            mailbox.put_nowait(Aborted(r, 0, "b failed", ("c" * 32,), True))
+            mailbox.put_nowait(Forgotten())
+        mailbox.put_nowait(Committed(r, 0, b"d%d" % r, ("b" * 32,), ()))
+        mailbox.put_nowait(SyncOrdered(pb.SyncOrder(round=r + 1, state_digest=b"d%d" % r)))
+
+
+@pytest.mark.parametrize("rounds_missed", [10, 1000, 20000])
+def test_the_event_mailbox_stays_bounded_however_many_rounds_are_missed(rounds_missed):
+    box = rounds.EventMailbox()
+    _backlog(box, rounds_missed)
+    assert box.qsize() <= 5  # one plan of the newest round, its commit, one sync order, markers
+    left = [box._items[k][1] for k in range(box.qsize())]
+    commits = [e for e in left if isinstance(e, Committed)]
+    syncs = [e for e in left if isinstance(e, SyncOrdered)]
+    assert [c.round for c in commits] == [rounds_missed - 1]
+    assert [s.order.round for s in syncs] == [rounds_missed]
+    assert all(e.plan.round == rounds_missed - 1 for e in left if isinstance(e, PlanReceived))
+
+
+def test_the_mailbox_keeps_a_plan_and_its_abort_and_the_order_of_arrival():
+    box = rounds.EventMailbox()
+    plan = wire_plan()
+    box.put_nowait(plan)
+    box.put_nowait(Aborted(0, 0, "x", (), True))
+    box.put_nowait(wire_plan(attempt=1))  # the retry: the aborted attempt's plan and abort go
+    box.put_nowait(Committed(0, 1, b"s", (ME,), ()))
+    kinds = [(type(e).__name__, getattr(e, "attempt", getattr(getattr(e, "plan", None), "attempt", None)))
+             for _, e in box._items]
+    assert kinds == [("PlanReceived", 1), ("Committed", 1)]
+
+
+async def test_a_peer_back_from_a_long_local_update_asks_once():
+    """Coming back to a backlog of 1000 missed rounds, the peer says Ready once (its state is
+    behind: the coordinator answers with one sync order), not once per missed commit."""
+    wl = ArrayWorkload(RunConfig(), lambda r: np.full(N, r + 1.0, dtype=np.float32), N, "float32")
+    control, box = FakeControl(), rounds.EventMailbox()
+    client = RoundClient(control, wl, SumContribution(), inbox=Inbox(), transport=Transport(), links=None,
+                         events=box, round_silence=60.0)
+    _backlog(box, 1000)
+    # The coordinator's answer to the one Ready: a sync order for the head (no donor can be
+    # dialled here, so the download fails and the peer asks for another order: a second Ready).
+    play = asyncio.create_task(client.play(update(), 0.5))
+    try:
+        async with asyncio.timeout(10):
+            while box.qsize() or len(control.readies) < 1:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # room for any (wrong) further announcements
+        assert box.qsize() == 0
+        readies_for_backlog = [r for r in control.readies if r.state_round == 0]
+        # one announce at the start, and at most one more to ask again after the (undialable)
+        # newest sync order failed: never one per missed round
+        assert 1 <= len(readies_for_backlog) <= 2, len(readies_for_backlog)
+    finally:
+        play.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await play
