@@ -6,7 +6,7 @@ Run the whole thing locally (a coordinator and N peer processes on 127.0.0.1):
 
 or one peer against a coordinator elsewhere (start it with `shoal coordinator --algorithm diloco`):
 
-    python examples/torch_digits.py worker --coordinator HOST:7070 --shard 0 --num-shards 3
+    python examples/torch_digits.py worker --coordinator HOST:7070 --data-shard 0 --num-data-shards 3
 
 The only Shoal-specific lines of the worker are the optimizer wrapper and the `opt.finished`
 loop condition (see `train`). Every peer builds its model after `torch.manual_seed(seed)`, so
@@ -53,7 +53,7 @@ def train(a: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1)
     train_set, test_set = load_digits_split(a.seed)
-    mine = partition(train_set, a.num_shards, a.shard, seed=a.seed)
+    mine = partition(train_set, a.num_data_shards, a.data_shard, seed=a.seed)
     x, y = torch.from_numpy(mine.x), torch.from_numpy(mine.y)
     x_test, y_test = torch.from_numpy(test_set.x), torch.from_numpy(test_set.y)
 
@@ -69,7 +69,7 @@ def train(a: argparse.Namespace) -> dict:
     wrapper = shoal_torch.DiLoCoOptimizer if a.algorithm == "diloco" else shoal_torch.FedAvgOptimizer
     opt = wrapper(model, inner, coordinator=a.coordinator, inner_steps=a.inner_steps, num_samples=len(mine),
                   evaluate=evaluate, events_path=a.events)
-    gen = torch.Generator().manual_seed(1000 + a.shard)
+    gen = torch.Generator().manual_seed(1000 + a.data_shard)
     loss_fn = torch.nn.CrossEntropyLoss()
     t0 = time.monotonic()
     with opt:
@@ -79,7 +79,7 @@ def train(a: argparse.Namespace) -> dict:
             loss.backward()
             opt.step(loss=loss.item())
             opt.zero_grad()
-    result = {"shard": a.shard, "rounds": opt.rounds, "test_accuracy": accuracy(model, x_test, y_test),
+    result = {"data_shard": a.data_shard, "rounds": opt.rounds, "test_accuracy": accuracy(model, x_test, y_test),
               "seconds": round(time.monotonic() - t0, 2), "peer": opt.agent.peer_id}
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(result))
@@ -105,7 +105,7 @@ def launch(a: argparse.Namespace) -> int:
             start([sys.executable, "-m", "shoal.cli", "coordinator", "--listen", "127.0.0.1:0",
                    "--state", str(wd / "coordinator.db"), "--ready-file", str(wd / "coordinator.addr"),
                    "--rounds", str(a.rounds), "--min-peers", str(a.peers), "--initial-peers", str(a.peers),
-                   "--algorithm", a.algorithm, "--inner-steps", str(a.inner_steps), "--num-shards", str(a.peers),
+                   "--algorithm", a.algorithm, "--inner-steps", str(a.inner_steps), "--num-data-shards", str(a.peers),
                    "--insecure"],  # loopback demo; see docs/security.md for TLS
                   "coordinator")
             end = time.monotonic() + 30
@@ -115,8 +115,8 @@ def launch(a: argparse.Namespace) -> int:
                 time.sleep(0.05)
             address = (wd / "coordinator.addr").read_text().strip()
             for i in range(a.peers):
-                start([sys.executable, __file__, "worker", "--coordinator", address, "--shard", str(i),
-                       "--num-shards", str(a.peers), "--algorithm", a.algorithm, "--inner-steps", str(a.inner_steps),
+                start([sys.executable, __file__, "worker", "--coordinator", address, "--data-shard", str(i),
+                       "--num-data-shards", str(a.peers), "--algorithm", a.algorithm, "--inner-steps", str(a.inner_steps),
                        "--lr", str(a.lr), "--seed", str(a.seed), "--out", str(wd / f"peer-{i}.json"),
                        "--events", str(wd / f"peer-{i}.jsonl")], f"peer-{i}")
             end = time.monotonic() + a.timeout
@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     if worker:
         p.add_argument("--coordinator", required=True)
-        p.add_argument("--shard", type=int, default=0)
-        p.add_argument("--num-shards", type=int, default=1)
+        p.add_argument("--data-shard", type=int, default=0)
+        p.add_argument("--num-data-shards", type=int, default=1)
         p.add_argument("--batch-size", type=int, default=32)
         p.add_argument("--out")
         p.add_argument("--events")

@@ -86,7 +86,7 @@ class PeerConfig:
     coordinator: str = "127.0.0.1:7070"
     listen: str = "127.0.0.1:0"
     key_path: str = "shoal-peer.key"
-    shard: int = 0
+    data_shard: int = 0
     events_path: str | None = None
     ready_file: str | None = None
     rpc_timeout: float = 5.0
@@ -171,7 +171,7 @@ class PeerAgent(StateSource):
                  metrics: PeerMetrics | None = None, *, contribution: Contribution | None = None,
                  listeners: Sequence[RoundListener] = ()):
         self.config = config
-        self.workload_factory = workload_factory or (lambda cfg: DigitsWorkload(cfg, config.shard))
+        self.workload_factory = workload_factory or (lambda cfg: DigitsWorkload(cfg, config.data_shard))
         self.contribution = contribution or FedAvgContribution(
             lambda: self.workload.cfg.reduction_spec(), Forgery(config.attack, config.attack_scale))
         self.metrics = metrics or PeerMetrics()

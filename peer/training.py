@@ -40,8 +40,8 @@ class RunConfig:
 
     algorithm: "diloco" or "fedavg". inner_steps: local optimizer steps per round (H).
     lr: inner Adam learning rate. outer / outer_params: outer optimizer (default by algorithm:
-    diloco -> Nesterov lr 0.7 momentum 0.9; fedavg -> sgd lr 1.0). num_shards: how many parts
-    the training data is cut into (a peer picks its part with --shard).
+    diloco -> Nesterov lr 0.7 momentum 0.9; fedavg -> sgd lr 1.0). num_data_shards: how many
+    data shards the training data is cut into (a peer picks its own with --data-shard).
     Aggregation (docs/aggregation.md): aggregator / aggregator_params: what shard owners run
     ("mean" = FedAvg; any other forces the butterfly collective); max_norm: whole-vector L2 bound
     on each contribution, 0 = none; on_norm: "clip" or "reject" beyond it; dp_sigma: Gaussian
@@ -57,7 +57,7 @@ class RunConfig:
     hidden: int = 64
     outer: str = ""
     outer_params: dict = field(default_factory=dict)
-    num_shards: int = 4
+    num_data_shards: int = 4
     non_iid: bool = False
     fedprox_mu: float = 0.0
     aggregator: str = "mean"
@@ -80,8 +80,8 @@ class RunConfig:
             raise InvalidArgument("lr: must be > 0")
         if not (0 <= self.seed < 2 ** 32):
             raise InvalidArgument("seed: must be in 0..2**32-1")
-        if self.num_shards < 1:
-            raise InvalidArgument("num_shards: must be >= 1")
+        if self.num_data_shards < 1:
+            raise InvalidArgument("num_data_shards: must be >= 1")
         if not (self.fedprox_mu >= 0):
             raise InvalidArgument("fedprox_mu: must be >= 0")
         self.reduction_spec().check()
@@ -98,6 +98,8 @@ class RunConfig:
     @staticmethod
     def from_json(text: str) -> "RunConfig":
         raw = json.loads(text) if text else {}
+        if "num_shards" in raw:  # the name before 0.2 (a coordinator of the previous release)
+            raw.setdefault("num_data_shards", raw.pop("num_shards"))
         known = {f.name for f in dataclasses.fields(RunConfig)}
         return RunConfig(**{k: v for k, v in raw.items() if k in known})
 
@@ -197,14 +199,14 @@ class DigitsWorkload(FlatStateWorkload):
     """The default workload (a peer.workload.Workload): an MLP on one part of the UCI digits
     training set."""
 
-    def __init__(self, cfg: RunConfig, shard: int):
+    def __init__(self, cfg: RunConfig, data_shard: int):
         self.cfg = cfg
         self.shape = MLPShape((NUM_FEATURES, cfg.hidden, NUM_CLASSES))
         train, self.test = load_digits_split(cfg.seed)
-        self.data: Dataset = partition(train, cfg.num_shards, shard % cfg.num_shards, non_iid=cfg.non_iid, seed=cfg.seed)
+        self.data: Dataset = partition(train, cfg.num_data_shards, data_shard % cfg.num_data_shards, non_iid=cfg.non_iid, seed=cfg.seed)
         self.state = CommittedState(init_params(self.shape, cfg.seed), make_outer_for(cfg), 0)
         self.inner = Adam(self.shape.num_params, lr=cfg.lr)
-        self.rng = np.random.default_rng(cfg.seed * 1000 + 17 + shard)
+        self.rng = np.random.default_rng(cfg.seed * 1000 + 17 + data_shard)
 
     @property
     def num_samples(self) -> int:

@@ -325,7 +325,7 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     security = _security(p.tls_dir, p.mtls, p.insecure, "peer", ("ca.pem", "peer.pem", "peer.key"))
     peer_cfg = PeerConfig(security=security, join_token=p.join_token or os.environ.get("SHOAL_JOIN_TOKEN", ""),
                           attack=p.attack, attack_scale=p.attack_scale,
-                          coordinator=p.coordinator, listen=p.listen, key_path=p.key, shard=p.data_shard,
+                          coordinator=p.coordinator, listen=p.listen, key_path=p.key, data_shard=p.data_shard,
                           events_path=p.events, ready_file=p.ready_file, rpc_timeout=p.rpc_timeout,
                           round_silence=p.round_silence, sync_donors=p.sync_donors,
                           sync_range_bytes=p.sync_range_bytes,

@@ -295,12 +295,12 @@ class RunSection:
         return (self.aggregator not in ("mean", "fedavg") or self.max_norm > 0 or self.dp_sigma > 0
                 or self.audit_owners)
 
-    def to_run_config(self, num_shards: int):
+    def to_run_config(self, num_data_shards: int):
         from shoal.peer.training import RunConfig
 
         return RunConfig(algorithm=self.algorithm, seed=self.seed, inner_steps=self.inner_steps,
                          batch_size=self.batch_size, lr=self.lr, hidden=self.hidden, outer=self.outer,
-                         num_shards=num_shards, non_iid=self.non_iid, fedprox_mu=self.fedprox_mu,
+                         num_data_shards=num_data_shards, non_iid=self.non_iid, fedprox_mu=self.fedprox_mu,
                          aggregator=self.aggregator, aggregator_params=self.aggregator_params(),
                          outer_params=self.outer_param_dict(), compression=self.compression,
                          max_norm=self.max_norm, on_norm=self.on_norm, dp_sigma=self.dp_sigma)

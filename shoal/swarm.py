@@ -69,7 +69,7 @@ class SwarmOptions:
 
         known = {f.name for f in dataclasses.fields(RunConfig)}
         return RunConfig(algorithm=self.algorithm, seed=self.seed, inner_steps=self.inner_steps, lr=self.lr,
-                         num_shards=self.peers, non_iid=self.non_iid,
+                         num_data_shards=self.peers, non_iid=self.non_iid,
                          **{k: v for k, v in self.run_extra if k in known})
 
 
