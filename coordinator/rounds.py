@@ -32,7 +32,7 @@ import dataclasses
 import enum
 import logging
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from shoal.common.plan import Plan, auditor_positions
@@ -54,6 +54,8 @@ class EngineConfig:
     max_attempts: attempts of one round (first try + retries) before it is given up.
     retry_backoff: delay before retry k is planned is retry_backoff * 2**(k-1).
     total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
+    history_window: committed rounds (and aborted attempts) kept in memory; the store keeps all
+        of them. Bounds the coordinator's memory however long it runs.
     The planning settings (collective .. compression) are `PlanPolicy`'s (`plan_policy`).
     """
 
@@ -67,6 +69,7 @@ class EngineConfig:
     max_attempts: int = 5
     retry_backoff: float = 0.05
     total_rounds: int = 0
+    history_window: int = 100
     chunk_bytes: int = 1 << 20  # largest chunk through sockets; see planner.plan_layout
     # Chunk size when every participant reaches every other through shared memory (peer.shm):
     # no socket to keep busy, and every chunk costs CPU on both sides.
@@ -357,7 +360,10 @@ class RoundEngine:
     """The coordinator's state and the protocol's rules; see the module docstring.
 
     `committed_rounds` is the number of committed rounds, i.e. the index of the round being
-    played. `last_state_digest` is the digest every up-to-date peer's state has.
+    played. `last_state_digest` is the digest every up-to-date peer's state has. `commits` and
+    `aborts` hold the last `config.history_window` records only (the store has all of them);
+    `committed` given to the constructor may likewise be the tail of the history (its last record
+    is the last committed round).
     """
 
     def __init__(self, config: EngineConfig, *, committed: list[CommitRecord] | None = None,
@@ -371,8 +377,10 @@ class RoundEngine:
             self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds,
                                                           connected=False)
         self.epoch = epoch
-        self.commits: list[CommitRecord] = list(committed or [])
-        self.aborts: list[AbortRecord] = []
+        window = max(1, config.history_window)
+        self.commits: deque[CommitRecord] = deque(committed or [], maxlen=window)
+        self.aborts: deque[AbortRecord] = deque(maxlen=window)
+        self._committed = self.commits[-1].round + 1 if self.commits else 0
         self.rounds_aborted = aborted
         self.rounds_retried = 0
         self.ready: dict[str, ReadyInfo] = {}
@@ -396,7 +404,7 @@ class RoundEngine:
 
     @property
     def committed_rounds(self) -> int:
-        return len(self.commits)
+        return self._committed
 
     @property
     def last_state_digest(self) -> bytes:
@@ -755,6 +763,7 @@ class RoundEngine:
             at=now,
         )
         self.commits.append(rec)
+        self._committed += 1
         self._reset_round()
         return [SendCommit(rec, self.epoch)]
 

@@ -31,7 +31,9 @@ import grpc
 
 from shoal.common.plan import Plan
 from shoal.coordinator.rounds import (
+    AbortRecord,
     Action,
+    CommitRecord,
     EngineConfig,
     ErrorKind,
     ForgetMember,
@@ -335,6 +337,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                      1e3 * (sum(rtts) / len(rtts) if rtts else 0.0), len(request.links))
             return pb.LinkReportResponse()
 
+    def recent(self, k: int) -> tuple[list[CommitRecord], list[AbortRecord]]:
+        """The last `k` commits and aborts, oldest first: from memory when the engine's window
+        holds them, else from the store (the whole history is there)."""
+        e = self.engine
+        if k <= e.config.history_window:
+            return list(e.commits)[-k:], list(e.aborts)[-k:]
+        return self.store.recent_commits(k), self.store.recent_aborts(k)
+
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
         now = self.clock()
         e = self.engine
@@ -346,14 +356,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             for m in sorted(e.members.values(), key=lambda m: m.peer_id)
         ]
         k = request.recent_rounds or 10
+        commits, aborts = self.recent(k)
         rounds = [
             pb.RoundInfo(round=c.round, attempt=c.attempt, status="committed", state_digest=c.state_digest,
                          participants=len(c.participants), seconds=c.seconds, train_loss=c.train_loss)
-            for c in e.commits[-k:]
+            for c in commits
         ]
         rounds += [
             pb.RoundInfo(round=a.round, attempt=a.attempt, status="aborted", reason=a.reason)
-            for a in e.aborts[-k:]
+            for a in aborts
         ]
         if e.running is not None:
             rounds.append(pb.RoundInfo(round=e.running.plan.round, attempt=e.running.plan.attempt, status="running",
@@ -392,7 +403,7 @@ def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Stor
         store.set_meta("run_config", stored)
     elif json.loads(stored) != config.run_config and config.run_config:
         log.warning("state file holds a run configuration that differs from the flags; keeping the stored one")
-    commits = store.load_commits()
+    commits = store.recent_commits(config.engine.history_window)
     # Each start is a new incarnation; its attempt ids start at 1000 x incarnation, so a plan of
     # this incarnation never shares an id with one a crashed predecessor had sent.
     incarnation = int(store.get_meta("incarnation") or -1) + 1
@@ -402,8 +413,8 @@ def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Stor
                          attempt_base=(incarnation % 4000) * 1000,
                          untrusted=tuple(json.loads(store.get_meta("untrusted") or "[]")))
     if commits:
-        log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path, len(commits),
-                 len(engine.members), engine.epoch)
+        log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path,
+                 engine.committed_rounds, len(engine.members), engine.epoch)
     return engine, store, stored
 
 

@@ -120,10 +120,13 @@ class CoordinatorSection:
     join_rate: float = setting(5.0, "joins per second per host (token bucket)")
     join_burst: int = setting(50, "join burst per host")
     rate_limit: float = setting(500.0, "control-plane calls per second per host (burst 2x)")
+    history_window: int = setting(100, "committed rounds and aborted attempts kept in memory (the state file keeps "
+                                       "all of them; `shoal status --recent N` reads older ones from it)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         c = "coordinator"
+        _check(self.history_window >= 1, c, "history_window", ">= 1", self.history_window)
         check_address(c, "listen", self.listen)
         _check(bool(self.state), c, "state", "a file path", self.state)
         _check(0 <= self.metrics_port <= 65535, c, "metrics_port", "in 0..65535", self.metrics_port)
