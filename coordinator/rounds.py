@@ -20,6 +20,10 @@ Protocol summary:
 - Round r opens when at least `min_peers` peers are ready and either every live member is ready
   or the ready deadline (`ready_timeout`, started by the first ready) has passed. Stragglers are
   left out and keep their lease. While it does not open, `RoundEngine.waiting` says why.
+- With a cohort size K > 0 the quorum is at least K, and the participants are K peers drawn from
+  the ready ones (`draw_cohort`: uniform, seeded, no peer twice); the others keep their lease,
+  learn of the commit like everyone, and, being one round behind, are sent a sync order when
+  they next say ready. K = 0: every ready peer takes part.
 - The round commits when every participant voted ok with the same result and state digests.
   Any failed vote, a digest disagreement or the collective deadline aborts the attempt; the
   blamed peers are excluded and the survivors retry (same inputs) after a backoff, up to
@@ -32,7 +36,9 @@ import dataclasses
 import enum
 import logging
 import math
+import random
 from collections import Counter, deque
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from shoal.common.plan import Plan, auditor_positions
@@ -56,6 +62,9 @@ class EngineConfig:
     total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
     history_window: committed rounds (and aborted attempts) kept in memory; the store keeps all
         of them. Bounds the coordinator's memory however long it runs.
+    cohort_size: participants per round, drawn from the ready peers (`draw_cohort`); also the
+        least number of ready peers a round waits for. 0 = every ready peer (no draw).
+    cohort_seed: seeds the draws (with the round and attempt), so a run's cohorts are reproducible.
     The planning settings (collective .. compression) are `PlanPolicy`'s (`plan_policy`).
     """
 
@@ -70,6 +79,8 @@ class EngineConfig:
     retry_backoff: float = 0.05
     total_rounds: int = 0
     history_window: int = 100
+    cohort_size: int = 0
+    cohort_seed: int = 0
     chunk_bytes: int = 1 << 20  # largest chunk through sockets; see planner.plan_layout
     # Chunk size when every participant reaches every other through shared memory (peer.shm):
     # no socket to keep busy, and every chunk costs CPU on both sides.
@@ -261,6 +272,25 @@ class Waiting:
     until: float | None = None
 
 
+def draw_cohort(ready: Iterable[str], k: int, *, seed: int, round_: int, attempt: int,
+                keep: Collection[str] = ()) -> tuple[str, ...]:
+    """The participants of an attempt: `k` distinct peers of `ready`, sorted.
+
+    Uniformly at random without replacement, from a generator seeded by (seed, round, attempt), so
+    the same inputs always draw the same cohort (a run is reproducible; every process that
+    recomputes it agrees). `keep` (the survivors of an aborted attempt of the same round, already
+    connected to each other) are kept and only the places of the excluded peers are drawn anew.
+    k <= 0, or no more ready peers than k: all of `ready`.
+    """
+    pool = sorted(set(ready))
+    if k <= 0 or len(pool) <= k:
+        return tuple(pool)
+    kept = sorted(p for p in set(keep) if p in set(pool))[:k]
+    rest = [p for p in pool if p not in set(kept)]
+    rng = random.Random(f"shoal-cohort:{seed}:{round_}:{attempt}")
+    return tuple(sorted(kept + rng.sample(rest, k - len(kept))))
+
+
 def _plural(k: int, noun: str) -> str:
     return f"{k} {noun}" if k == 1 else f"{k} {noun}s"
 
@@ -354,6 +384,7 @@ class _Opening:
 
     participants: tuple[str, ...]
     left_out: tuple[str, ...] = ()  # stragglers past the ready deadline
+    ready: int = 0  # ready peers the participants were drawn from (a cohort: more than participants)
 
 
 class RoundEngine:
@@ -391,6 +422,7 @@ class RoundEngine:
         self.attempt = attempt_base
         self.tries = 0  # attempts in the current try cycle (bounded by max_attempts)
         self.excluded: set[str] = set()
+        self.cohort_survivors: tuple[str, ...] = ()  # of the last aborted attempt of this round
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
         self.running: _Running | None = None
         self.not_before = 0.0
@@ -437,8 +469,9 @@ class RoundEngine:
         decision = self._decide(now)
         if isinstance(decision, Waiting):
             return decision
-        return Waiting(WaitReason.OPENING, f"opening round {self.committed_rounds} with "
-                                           f"{_plural(len(decision.participants), 'ready peer')}",
+        drawn = (f"a cohort of {len(decision.participants)} drawn from {decision.ready} ready peers"
+                 if decision.ready > len(decision.participants) else _plural(len(decision.participants), 'ready peer'))
+        return Waiting(WaitReason.OPENING, f"opening round {self.committed_rounds} with {drawn}",
                        decision.participants)
 
     # ------------------------------------------------------------ membership
@@ -654,12 +687,11 @@ class RoundEngine:
             return done
         live = {m.peer_id for m in self.live(now)}
         candidates = tuple(sorted(p for p in self.ready if p in live and p not in self.excluded))
-        quorum = max(1, self.config.min_peers)
-        if not self.commits and self.tries == 0:
-            quorum = max(quorum, self.config.initial_peers)
+        quorum = self._quorum()
         if len(candidates) < quorum:
+            why = " = cohort size" if quorum == self.config.cohort_size else ""
             return Waiting(WaitReason.QUORUM, f"waiting for {_plural(quorum - len(candidates), 'more ready peer')} "
-                                              f"({len(candidates)}/{len(live)} ready, quorum {quorum})",
+                                              f"({len(candidates)}/{len(live)} ready, quorum {quorum}{why})",
                            tuple(sorted(live - set(candidates))))
         # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
         # joiner forever); the ready timeout bounds the wait for a straggler. A retry waits for
@@ -667,9 +699,9 @@ class RoundEngine:
         waiting_on = tuple(sorted(p for p in live if p not in self.excluded and p not in candidates
                                   and self._waited_on(self.members[p])))
         if not waiting_on or self.tries > 0:
-            return _Opening(candidates)
+            return self._opening(candidates)
         if self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout:
-            return _Opening(candidates, left_out=waiting_on)
+            return self._opening(candidates, left_out=waiting_on)
         until = (self.first_ready_at if self.first_ready_at is not None else now) + self.config.ready_timeout
         syncing = sum(self.members[p].state is MemberState.CATCHING_UP for p in waiting_on)
         if syncing == len(waiting_on):
@@ -677,6 +709,20 @@ class RoundEngine:
                                                 f"{until - now:.1f} s", waiting_on, until)
         return Waiting(WaitReason.STRAGGLERS, f"waiting up to {until - now:.1f} s for "
                                               f"{_plural(len(waiting_on), 'straggler')}", waiting_on, until)
+
+    def _quorum(self) -> int:
+        """Fewest ready peers a round opens with: min_peers, initial_peers for round 0, and at
+        least the cohort size (a cohort is drawn from the ready peers, never smaller than K)."""
+        quorum = max(1, self.config.min_peers, self.config.cohort_size)
+        if self.committed_rounds == 0 and self.tries == 0:
+            quorum = max(quorum, self.config.initial_peers)
+        return quorum
+
+    def _opening(self, candidates: tuple[str, ...], left_out: tuple[str, ...] = ()) -> _Opening:
+        """The round opens with `candidates` (the ready peers), or with a cohort drawn from them."""
+        drawn = draw_cohort(candidates, self.config.cohort_size, seed=self.config.cohort_seed,
+                            round_=self.committed_rounds, attempt=self.attempt, keep=self.cohort_survivors)
+        return _Opening(drawn, left_out, ready=len(candidates))
 
     @staticmethod
     def _waited_on(m: Member) -> bool:
@@ -712,6 +758,9 @@ class RoundEngine:
                                                                 participants))
             return []
         self._no_trusted_logged = False
+        if opening.ready > len(participants):
+            log.info("round %d attempt %d: a cohort of %d drawn from %d ready peers", self.committed_rounds,
+                     self.attempt, len(participants), opening.ready)
         if self.config.audit_owners and not planned.audit_owners:
             log.warning("round %d is not audited: fewer than two shard owners", self.committed_rounds)
         for p in opening.left_out:  # stragglers: not waited on until they say ready again
@@ -775,12 +824,17 @@ class RoundEngine:
         self.running = None
         self.rounds_aborted += 1
         survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.ready]
-        will_retry = self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
+        # The retry draws its participants from every ready peer that is not excluded (a cohort
+        # refills the places of the excluded ones), so that pool must still reach the quorum.
+        pool = sum(1 for p in self.ready if p not in self.excluded)
+        will_retry = (self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
+                      and pool >= max(1, self.config.min_peers, self.config.cohort_size))
         rec = AbortRecord(run.plan.round, run.plan.attempt, reason, tuple(sorted(excluded)), will_retry, now)
         self.aborts.append(rec)
         to = tuple(sorted(set(run.plan.participants) | set(self.ready)))
         self.attempt += 1
         if will_retry:
+            self.cohort_survivors = tuple(survivors)
             self.tries += 1
             self.rounds_retried += 1
             self._hold(now + self.config.retry_backoff * 2 ** (self.tries - 1), Waiting(
@@ -801,3 +855,4 @@ class RoundEngine:
         self.attempt = self.attempt_base if next_attempt is None else next_attempt
         self.tries = 0
         self.excluded = set()
+        self.cohort_survivors = ()

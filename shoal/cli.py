@@ -386,6 +386,8 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
             raise UsageError(f"--min-peers {min_peers} is greater than --peers {s.peers}: the quorum could "
                              f"never be reached")
         min_peers = s.peers
+    if r.cohort_size > s.peers:
+        raise UsageError(f"--cohort-size {r.cohort_size} is greater than --peers {s.peers}: no round could open")
     _swarm_files(s)
     attack_args: tuple[str, ...] = ()
     if s.byzantine:
@@ -408,7 +410,7 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                         run_extra=run_extra, extra_coordinator_args=tuple(extra),
                         log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls,
                         byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
-                        compression=run.compression)
+                        compression=run.compression, cohort_size=r.cohort_size)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 

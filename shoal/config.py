@@ -157,6 +157,9 @@ class RoundsSection:
     collective: str = setting("auto", "collective algorithm of the all-reduce (auto: chosen by the planner from the "
                                       "peers' measured links; butterfly with equal tensor shards until links are "
                                       "known)", choices=("ring", "butterfly", "auto"))
+    cohort_size: int = setting(0, "participants per round: a cohort drawn uniformly at random (seeded by run.seed) "
+                                  "from the ready peers, also the fewest ready peers a round opens with; the "
+                                  "others keep training and sync to each commit (0 = every ready peer)")
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
 
@@ -176,6 +179,7 @@ class RoundsSection:
         _check(1024 <= self.shm_chunk_bytes <= 256 << 20, r, "shm_chunk_bytes", "in 1024..268435456",
                self.shm_chunk_bytes)
         _check(self.max_attempts >= 1, r, "max_attempts", ">= 1", self.max_attempts)
+        _check(self.cohort_size >= 0, r, "cohort_size", ">= 0 (0 = every ready peer)", self.cohort_size)
 
     def to_engine_config(self, run: "RunSection | None" = None):
         """The engine's settings; `run` adds the aggregator and codec the plans carry."""
@@ -190,7 +194,8 @@ class RoundsSection:
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
                             shm_chunk_bytes=self.shm_chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
-                            total_rounds=self.rounds, collective=collective)
+                            total_rounds=self.rounds, collective=collective, cohort_size=self.cohort_size,
+                            cohort_seed=run.seed)
 
 
 @dataclass(frozen=True)
