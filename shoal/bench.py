@@ -1,4 +1,5 @@
 """`shoal bench allreduce`: time Shoal's all-reduce against the lower bound and against gloo.
+(`shoal bench coordinator`, one coordinator against N simulated members, is shoal.bench_coordinator.)
 
 One invocation starts a coordinator and ``--peers`` collective-job processes
 (`shoal.collective_job`), runs one warm-up round (connections, link probes) plus ``--repeat``
@@ -40,6 +41,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Sequence
+
+from shoal import bench_coordinator
 
 log = logging.getLogger("shoal.bench")
 
@@ -334,9 +337,10 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
 
 
 def add_bench_parser(sub) -> None:
-    """Register `shoal bench allreduce` on the CLI's subparsers."""
+    """Register `shoal bench allreduce` and `shoal bench coordinator` on the CLI's subparsers."""
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
+    bench_coordinator.add_parser(bsub)
     b = bsub.add_parser("allreduce", help="time the all-reduce against the bound and against gloo")
     b.add_argument("--peers", type=int, default=4, help="peer processes (and gloo ranks) (default 4)")
     b.add_argument("--size-mb", type=float, default=64.0, help="tensor size in MB (10^6 bytes), float32")
@@ -363,7 +367,7 @@ def add_bench_parser(sub) -> None:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     try:
-        opts = options_from_args(a)
+        opts = bench_coordinator.options_from_args(a) if a.bench == "coordinator" else options_from_args(a)
     except ValueError as exc:
         print(f"shoal bench: {exc}", file=sys.stderr)
         return 2
@@ -372,9 +376,17 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        report = run_bench(opts)
+        if a.bench == "coordinator":
+            report = bench_coordinator.run_coordinator_bench(opts)
+        else:
+            report = run_bench(opts)
     except KeyboardInterrupt:
         return 130
+    except (RuntimeError, ValueError) as exc:
+        if a.bench != "coordinator":
+            raise
+        print(f"shoal bench coordinator: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(report, indent=None if a.json else 2))
     return 0
 
