@@ -39,7 +39,8 @@ import numpy as np
 
 from shoal.peer import faults
 from shoal.peer.byzantine import ATTACKS, OWNER_ATTACKS, forge, tamper
-from shoal.peer.collectives import CollectiveError, CollectivePlan, all_reduce
+from shoal.common.plan import Plan as CollectivePlan
+from shoal.peer.collectives import CollectiveError, all_reduce
 from shoal.peer.compression import ErrorFeedback
 from shoal.peer.dataplane import Inbox, PeerService, Session, StateSource, Transport, channel_options, serve_data_plane
 from shoal.common.identity import load_or_create_key, public_bytes
@@ -532,7 +533,7 @@ class PeerAgent(StateSource):
         grad = update_grad.astype(np.float32)
         if self.config.attack in ATTACKS:
             grad = forge(self.config.attack, grad, self.attack_rng, self.config.attack_scale)
-        if cp.algorithm == "butterfly":
+        if cp.collective == "butterfly":
             name = plan.aggregator or cfg.aggregator
             spec = cfg.reduction_spec()
             if name != spec.aggregator:

@@ -1,10 +1,17 @@
-"""Collectives over gRPC streams: ring all-reduce and butterfly (direct) all-reduce.
+"""Collectives over gRPC streams: butterfly (direct) all-reduce and ring all-reduce.
 
 Both are reduce-scatter followed by all-gather, pipelined per chunk: a chunk is forwarded as
-soon as it is reduced, never store-and-forward of a whole shard. Each shard has exactly one
-peer that produces its final value (the last hop of the ring, or the shard owner in the
-butterfly) and everyone else receives those exact bytes, so every participant ends with a
+soon as it is reduced, never store-and-forward of a whole shard. Each tensor shard has exactly
+one peer that produces its final value (the shard owner in the butterfly, the last hop of the
+ring) and everyone else receives those exact bytes, so every participant ends with a
 bit-identical result (checked by the digest vote).
+
+This module is the stream loop: it opens the streams (`_Stream`), sends chunks, feeds the chunks
+it receives to the pure parts, publishes reduced shards and assembles the result. The parts:
+`peer.partition.ShardPartition` (shards, chunks, who sends what to whom), `peer.reduction`
+(`OwnerAccumulator`: a shard owner's rows and their reduction; `final_encoding`) and
+`peer.audit.OwnerAudit` (an auditor's recomputation and verdict). One butterfly attempt is a
+`_Butterfly` (tasks: scatter, reduce the owned shards, audit, gather), one ring attempt a `_Ring`.
 
 Failure semantics (all collectives): the caller's input array is never modified. On any failure
 (a stream to a peer breaks, a chunk does not arrive within `chunk_timeout_seconds`, the whole
@@ -32,25 +39,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 import numpy as np
 
-from shoal.peer import faults
-from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode, max_abs_error
-from shoal.peer.dataplane import Inbox, Payload, SenderGone, Transport
 from shoal.common.errors import InvalidArgument
-from shoal.peer.shm import SegmentWriter
+from shoal.common.plan import Plan
 from shoal.common.tensors import digest, dtype_code
+from shoal.peer import faults
+from shoal.peer.audit import AuditVerdict, OwnerAudit
+from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
+from shoal.peer.dataplane import Inbox, Payload, SenderGone, Transport
+from shoal.peer.partition import ChunkSpan, ShardPartition
+from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
+from shoal.peer.shm import SegmentWriter
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
 
 RS, AG, DIST = pb.REDUCE_SCATTER, pb.ALL_GATHER, pb.DISTANCES
 SEND_QUEUE_CHUNKS = 16
+
+__all__ = ["CollectiveError", "CollectiveResult", "OwnerReducer", "all_reduce"]
 
 
 class CollectiveError(Exception):
@@ -61,53 +73,6 @@ class CollectiveError(Exception):
         super().__init__(message)
         self.suspects = tuple(suspects)
         self.audit = audit
-
-
-@dataclass(frozen=True)
-class CollectivePlan:
-    """The part of a shoal.v1.Plan a collective needs."""
-
-    round: int
-    attempt: int
-    participants: tuple[str, ...]  # peer ids in collective order
-    addresses: tuple[str, ...]
-    shard_bounds: tuple[int, ...]  # element offsets, len p+1
-    shard_owner: tuple[int, ...]  # participant index per shard
-    algorithm: str = "ring"
-    chunk_bytes: int = 1 << 20
-    chunk_timeout_seconds: float = 5.0
-    deadline_seconds: float = 30.0
-    ticket: bytes = b""
-    compression: str = "none"
-    audit: bool = False  # butterfly: a second owner recomputes each shard's aggregate
-
-    def auditors(self) -> tuple[int, ...]:
-        """Per shard, the participant index that audits its owner (`auditor_positions`); all -1
-        when the plan is not audited."""
-        return auditor_positions(self.shard_owner) if self.audit else tuple(-1 for _ in self.shard_owner)
-
-    @staticmethod
-    def from_proto(plan: pb.Plan) -> "CollectivePlan":
-        return CollectivePlan(
-            round=plan.round, attempt=plan.attempt,
-            participants=tuple(p.peer_id for p in plan.participants),
-            addresses=tuple(p.address for p in plan.participants),
-            shard_bounds=tuple(plan.shard_bounds), shard_owner=tuple(plan.shard_owner),
-            algorithm=plan.collective or "ring", chunk_bytes=plan.chunk_bytes or (1 << 20),
-            chunk_timeout_seconds=plan.chunk_timeout_seconds or 5.0,
-            deadline_seconds=plan.deadline_seconds or 30.0, ticket=plan.ticket,
-            compression=plan.compression or "none", audit=plan.audit_owners,
-        )
-
-
-def auditor_positions(shard_owner: Sequence[int]) -> tuple[int, ...]:
-    """Per shard, the participant index that audits its owner: the next owner after it (in
-    participant order, cyclically); -1 for every shard when fewer than two peers own shards.
-    The coordinator uses the same function to check that an audit vote comes from the auditor."""
-    owners = sorted(set(shard_owner))
-    if len(owners) < 2:
-        return tuple(-1 for _ in shard_owner)
-    return tuple(owners[(owners.index(o) + 1) % len(owners)] for o in shard_owner)
 
 
 @dataclass(frozen=True)
@@ -124,30 +89,16 @@ class CollectiveResult:
     feedback: tuple[tuple[object, np.ndarray, np.ndarray], ...] = ()
 
 
-class OwnerReducer(Protocol):
-    """The reduction a butterfly shard owner runs in place of the sum (see peer.reduction).
-
-    Rows are `(p, hi - lo)` float32, one per participant in plan order, for the slice [lo, hi).
-    """
-
-    needs_distances: bool
-
-    def partial_distances(self, rows: np.ndarray, lo: int, hi: int) -> np.ndarray: ...
-
-    def reduce(self, rows: np.ndarray, lo: int, hi: int,
-               distances: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, ...]]: ...
-
-
 class _Codec:
     """Per-hop encoding of one collective attempt (see the module docstring)."""
 
     def __init__(self, name: str, dtype: np.dtype, feedback: ErrorFeedback | None):
-        self.name = name
         self.on = codec_id(name) != 0 and dtype == np.float32
+        self.name = name if self.on else "none"  # what final values are encoded with
         self.feedback = feedback
         self.pending: list[tuple[object, np.ndarray, np.ndarray]] = []
 
-    def own(self, key: object, values: np.ndarray) -> Payload:
+    def own(self, key: Hashable, values: np.ndarray) -> Payload:
         """Encode this peer's contribution (error-compensated); the decoding is kept for feedback."""
         if not self.on:
             return values
@@ -161,24 +112,7 @@ class _Codec:
 
     def final(self, values: np.ndarray) -> tuple[Payload, np.ndarray]:
         """Encode a final shard value once: (what is sent, what this peer keeps = what others decode)."""
-        if not self.on:
-            return values, values
-        enc = encode(np.ascontiguousarray(values), self.name)
-        return enc, decode(enc)
-
-
-def _values(payload: Payload, sender: str) -> np.ndarray:
-    """Decode a received payload; raises CollectiveError blaming `sender` if malformed.
-
-    A raw payload may be a view of the sender's shared-memory slab (peer.shm): value checks
-    (finiteness) belong on this peer's own copy, after the values were added or copied into it.
-    """
-    if isinstance(payload, Encoded):
-        try:
-            return decode(payload)
-        except InvalidArgument as exc:
-            raise CollectiveError(f"chunk from {sender[:8]} is malformed: {exc}", [sender]) from None
-    return payload
+        return final_encoding(values, self.name)
 
 
 class _Stream:
@@ -189,7 +123,7 @@ class _Stream:
     and `Transport.shm_lane`), copied once into a segment of a writer reused across streams.
     """
 
-    def __init__(self, transport: Transport, address: str, peer_id: str, plan: CollectivePlan, timeout: float,
+    def __init__(self, transport: Transport, address: str, peer_id: str, plan: Plan, timeout: float,
                  links=None):
         self.transport, self.address, self.peer_id = transport, address, peer_id
         self.plan, self.timeout = plan, timeout
@@ -254,11 +188,341 @@ class _Stream:
                 self.writer = None
 
 
-def _chunk_offsets(size: int, chunk_elems: int) -> range:
-    return range(0, size, chunk_elems)
+class _Wire:
+    """One attempt's chunks as this peer sees them: the headers it sends, the chunks it awaits.
+
+    Every wait is bounded by the plan's `chunk_timeout_seconds`; a chunk that does not come, a
+    broken stream and a malformed chunk raise CollectiveError blaming its sender.
+    """
+
+    def __init__(self, plan: Plan, me: str, inbox: Inbox):
+        self.plan, self.me, self.inbox = plan, me, inbox
+
+    def message(self, phase: int, step: int, shard: int, off: int,
+                values: Payload) -> tuple[pb.Chunk, bytes | np.ndarray]:
+        """A new chunk header (data left for `_Stream.put`, which fills it in) and its bytes."""
+        plan = self.plan
+        if isinstance(values, Encoded):
+            return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=self.me, phase=phase, step=step,
+                            shard=shard, offset=off, dtype=pb.FLOAT32, shape=[values.count], scale=values.scale,
+                            codec=values.codec), values.data
+        return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=self.me, phase=phase, step=step, shard=shard,
+                        offset=off, dtype=dtype_code(values.dtype), shape=[values.size]), np.ascontiguousarray(values)
+
+    async def payload(self, phase: int, step: int, shard: int, off: int, sender: str) -> Payload:
+        """The chunk `sender` sends this peer at (phase, step, shard, offset), as it arrived."""
+        plan = self.plan
+        try:
+            return await self.inbox.get((plan.round, plan.attempt, phase, step, shard, off, sender),
+                                        plan.chunk_timeout_seconds)
+        except TimeoutError:
+            raise CollectiveError(
+                f"no chunk from {sender[:8]} within {plan.chunk_timeout_seconds:.1f}s "
+                f"(phase {phase}, step {step}, shard {shard}, offset {off})", [sender]) from None
+        except SenderGone as exc:
+            raise CollectiveError(str(exc), [sender]) from None
+
+    async def received(self, phase: int, step: int, span: ChunkSpan, sender: str) -> tuple[Payload, np.ndarray]:
+        """A reduce-scatter or all-gather chunk: as it arrived, and its decoded `(span.size,)` values.
+
+        A raw payload may be a view of the sender's shared-memory slab (peer.shm): value checks
+        (finiteness) belong on this peer's own copy, after the values were added or copied into it.
+        """
+        payload = await self.payload(phase, step, span.shard, span.offset, sender)
+        v = _decoded(payload, sender)
+        faults.hit("rs" if phase == RS else "ag", self.plan.round)
+        if v.size != span.size:
+            raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
+        return payload, v
+
+    async def values(self, phase: int, step: int, span: ChunkSpan, sender: str) -> np.ndarray:
+        """The decoded `(span.size,)` values of a reduce-scatter or all-gather chunk (`received`)."""
+        return (await self.received(phase, step, span, sender))[1]
 
 
-async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport: Transport, inbox: Inbox,
+def _decoded(payload: Payload, sender: str) -> np.ndarray:
+    """Decode a received payload; raises CollectiveError blaming `sender` if malformed."""
+    if isinstance(payload, Encoded):
+        try:
+            return decode(payload)
+        except InvalidArgument as exc:
+            raise CollectiveError(f"chunk from {sender[:8]} is malformed: {exc}", [sender]) from None
+    return payload
+
+
+class _Handoff:
+    """Values one task of an attempt hands to another, by key (a future per key, made on first
+    use). A wait is bounded by the collective's deadline, and ends when the TaskGroup fails."""
+
+    def __init__(self) -> None:
+        self._futures: dict[Hashable, asyncio.Future] = {}
+
+    def _future(self, key: Hashable) -> asyncio.Future:
+        if key not in self._futures:
+            self._futures[key] = asyncio.get_running_loop().create_future()
+        return self._futures[key]
+
+    def put(self, key: Hashable, value: object) -> None:
+        self._future(key).set_result(value)
+
+    async def get(self, key: Hashable):
+        return await self._future(key)
+
+
+class _Contribution:
+    """This peer's own rows, each chunk encoded once (its error feedback registered once).
+
+    In an audited plan the owner uses its own row as the auditor sees it (encoded, then decoded),
+    so that the auditor can recompute the aggregate exactly; otherwise the raw input.
+    """
+
+    def __init__(self, x: np.ndarray, codec: _Codec, audited: bool, me: str):
+        self.x, self.codec, self.audited, self.me = x, codec, audited, me
+        self._sent: dict[tuple[int, int], Payload] = {}
+
+    def payload(self, span: ChunkSpan) -> Payload:
+        key = (span.shard, span.offset)
+        if key not in self._sent:
+            self._sent[key] = self.codec.own(("bf", span.lo, span.hi), self.x[span.lo:span.hi])
+        return self._sent[key]
+
+    def row(self, span: ChunkSpan) -> np.ndarray:
+        if not self.audited:
+            return self.x[span.lo:span.hi]
+        return _decoded(self.payload(span), self.me)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What one participant's collective produced: the result, its digest, bytes sent (on the
+    wire) and received (uncompressed, for the link meter), and the rows its owners rejected."""
+
+    values: np.ndarray
+    digest: bytes
+    sent: int
+    received: int
+    flagged: tuple[str, ...] = ()
+
+
+class _Butterfly:
+    """One butterfly attempt from one participant: direct reduce-scatter to the shard owners,
+    owner-side reduction, direct all-gather; four tasks (`_scatter`, `_reduce_owned`, `_gather`,
+    `_audit`) beside one task per outgoing stream, all in one TaskGroup.
+
+    With `plan.audit_owners`, every peer also sends its part of shard k to the shard's auditor
+    (the next owner, `Plan.auditors`), which recomputes the aggregate from the same rows and
+    checks the owner's partial distance matrix (`peer.audit.OwnerAudit`); a difference blames the
+    owner and the auditor (one of the two lies; both sit out the retry). A failed audit lets the
+    collective finish (so that the other peers, seeing nothing wrong, vote normally and no broken
+    stream shifts the blame to this auditor), then fails it. `tamper` (testing only,
+    peer.byzantine "owner") corrupts what this peer publishes as owner.
+    """
+
+    def __init__(self, x: np.ndarray, plan: Plan, me: str, transport: Transport, inbox: Inbox,
+                 reducer: OwnerReducer | None, codec: _Codec, links=None, tamper=None):
+        self.part = part = ShardPartition(plan, me, x.itemsize)
+        self.me, self.dtype, self.wire = me, x.dtype, _Wire(plan, me, inbox)
+        self.reducer, self.codec, self.tamper = reducer, codec, tamper
+        self.with_distances = reducer is not None and reducer.needs_distances
+        self.streams = {j: _Stream(transport, plan.addresses[j], part.peer_id(j), plan, plan.deadline_seconds, links)
+                        for j in range(part.size) if j != part.me}
+        self.buf = np.empty_like(x)  # every element is written: own shards by publish, the others by gather
+        self.own = _Contribution(x, codec, plan.audit_owners, me)
+        self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype)
+        self.audit = OwnerAudit(part, reducer, x.dtype, codec.name) if part.audited else None
+        self.handoff = _Handoff()  # audited shards: the owners' distance matrices, the expected values
+        self.mismatches: list[CollectiveError] = []
+
+    async def run(self) -> _Outcome:
+        async with asyncio.TaskGroup() as tg:
+            for st in self.streams.values():
+                tg.create_task(st.run())
+            tg.create_task(self._work())
+        if self.mismatches:
+            raise self.mismatches[0]
+        flagged = tuple(sorted(self.part.peer_id(j) for j in self.owned.rejected))
+        return _Outcome(self.buf, digest(self.buf), sum(s.bytes_sent for s in self.streams.values()),
+                        self.part.receives().total_bytes, flagged)
+
+    async def _work(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._scatter())
+            tg.create_task(self._reduce_owned())
+            tg.create_task(self._gather())
+            if self.audit is not None:
+                tg.create_task(self._audit())
+        for st in self.streams.values():
+            await st.put(None)
+
+    async def _scatter(self) -> None:
+        """Send this peer's part of every shard to the shard's owner (and auditor)."""
+        for k in self.part.scatter_order():
+            targets = self.part.recipients(k)
+            for span in self.part.chunks(k) if targets else ():
+                payload = self.own.payload(span)
+                for t in targets:
+                    await self.streams[t].put(self.wire.message(RS, 0, k, span.offset, payload))
+
+    async def _collect(self, acc: OwnerAccumulator, span: ChunkSpan) -> None:
+        """Every participant's row of chunk `span` into `acc`, awaited in plan order."""
+        for j in range(self.part.size):
+            if j == self.part.me:
+                acc.add(span, j, self.own.row(span))
+            else:
+                acc.add(span, j, await self.wire.values(RS, 0, span, self.part.peer_id(j)))
+
+    async def _reduce_owned(self) -> None:
+        """Reduce and publish every chunk of the shards this peer owns, each as soon as its rows
+        are in (with distances: once every owner's matrices are summed)."""
+        if not self.part.owned:
+            return  # a non-owner reduces nothing (and gets no distance matrices: owners send them to owners)
+        spans = [span for k in self.part.owned for span in self.part.chunks(k)]
+        if not self.with_distances:
+            for span in spans:
+                await self._collect(self.owned, span)
+                await self._publish(span, self.owned.reduce(span))
+            return
+        for span in spans:
+            await self._collect(self.owned, span)
+        total = await self._exchange_distances({k: self.owned.partial_distances(k) for k in self.part.owned})
+        for span in spans:
+            await self._publish(span, self.owned.reduce(span, total))
+
+    async def _publish(self, span: ChunkSpan, red: np.ndarray) -> None:
+        """Encode an owned chunk's aggregate once, keep its decoding, send it to everyone."""
+        if self.tamper is not None:
+            red = self.tamper(red)
+        payload, self.buf[span.lo:span.hi] = self.codec.final(red.astype(self.dtype, copy=False))
+        for st in self.streams.values():
+            await st.put(self.wire.message(AG, 0, span.shard, span.offset, payload))
+
+    async def _exchange_distances(self, mine: dict[int, np.ndarray]) -> np.ndarray:
+        """Send this owner's partial matrices to the other owners; sum every shard's in shard
+        order (the same bytes on every owner). Hands the audited owners' matrices to `_audit`."""
+        for k, d in mine.items():
+            for o in self.part.other_owners():
+                await self.streams[o].put(self.wire.message(DIST, 0, k, 0, np.ascontiguousarray(d, dtype="<f8")))
+        p = self.part.size
+        total = np.zeros((p, p), dtype=np.float64)
+        for k, owner in enumerate(self.part.owner):
+            matrix = mine[k] if owner == self.part.me else await self._distances_from(k, self.part.peer_id(owner))
+            if k in self.part.audited:
+                self.handoff.put(("distances", k), matrix)
+            total = total + matrix
+        self.handoff.put("total", total)
+        return total
+
+    async def _distances_from(self, k: int, sender: str) -> np.ndarray:
+        values = _decoded(await self.wire.payload(DIST, 0, k, 0, sender), sender)
+        try:
+            return distance_matrix(values, self.part.size)
+        except ValueError:
+            raise CollectiveError(f"distance matrix from {sender[:8]} is malformed", [sender]) from None
+
+    async def _audit(self) -> None:
+        """Recompute every chunk of the shards this peer audits; hand each to `_gather`."""
+        assert self.audit is not None
+        for k in self.part.audited:
+            total = await self._audit_distances(k) if self.with_distances else None
+            for span in self.part.chunks(k):
+                if not self.with_distances:
+                    await self._collect(self.audit.rows, span)
+                self.handoff.put(("expected", k, span.offset), self.audit.expected(span, total))
+
+    async def _audit_distances(self, k: int) -> np.ndarray:
+        """Collect shard k's rows, check its owner's distance matrix; the summed matrix."""
+        assert self.audit is not None
+        for span in self.part.chunks(k):
+            await self._collect(self.audit.rows, span)
+        self._note(self.audit.check_distances(k, await self.handoff.get(("distances", k))))
+        return await self.handoff.get("total")
+
+    async def _gather(self) -> None:
+        """Receive every shard this peer does not own from its owner (checking the audited ones)."""
+        for k in self.part.gathered:
+            sender = self.part.peer_id(self.part.owner[k])
+            for span in self.part.chunks(k):
+                final = self.buf[span.lo:span.hi]
+                final[:] = await self.wire.values(AG, 0, span, sender)
+                # A robust owner never publishes a non-finite value; checked in this peer's memory.
+                if self.reducer is not None and not np.isfinite(final).all():
+                    raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
+                if self.audit is not None and k in self.part.audited:
+                    expected = await self.handoff.get(("expected", k, span.offset))
+                    self._note(self.audit.check_aggregate(span, final, expected))
+
+    def _note(self, verdict: AuditVerdict) -> None:
+        if not verdict.ok:
+            self.mismatches.append(CollectiveError(verdict.message, [verdict.owner, self.me], audit=True))
+
+
+class _Ring:
+    """One ring attempt from one participant (Patarasuk & Yuan): p-1 reduce-scatter steps, each
+    adding this peer's part to the partial sum from its predecessor and passing it on, then p-1
+    all-gather steps relaying the final shards as received; one outgoing stream, to the successor."""
+
+    def __init__(self, x: np.ndarray, plan: Plan, me: str, transport: Transport, inbox: Inbox, codec: _Codec,
+                 links=None):
+        self.part = part = ShardPartition(plan, me, x.itemsize)
+        self.x, self.codec, self.wire = x, codec, _Wire(plan, me, inbox)
+        self.buf = x.copy()
+        self.prev = part.peer_id((part.me - 1) % part.size)
+        nxt = (part.me + 1) % part.size
+        self.out = _Stream(transport, plan.addresses[nxt], part.peer_id(nxt), plan, plan.deadline_seconds, links)
+
+    async def run(self) -> _Outcome:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.out.run())
+            tg.create_task(self._schedule())
+        return _Outcome(self.buf, digest(self.buf), self.out.bytes_sent, self.out.bytes_sent)
+
+    async def _schedule(self) -> None:
+        part = self.part
+        for span in part.chunks(part.ring_first()):
+            await self._send(RS, 0, span)
+        for s in range(part.size - 1):  # reduce-scatter
+            for span in part.chunks(part.ring_reduced(s)):
+                await self._add(s, span)
+        for s in range(part.size - 1):  # all-gather
+            for span in part.chunks(part.ring_gathered(s)):
+                await self._relay(s, span)
+        await self.out.put(None)
+
+    async def _send(self, phase: int, step: int, span: ChunkSpan, payload: Payload | None = None) -> None:
+        if payload is None:  # reduce-scatter: this peer's partial sum, compressed per hop
+            payload = self.codec.own(("rs", span.lo, span.hi), self.buf[span.lo:span.hi])
+        await self.out.put(self.wire.message(phase, step, span.shard, span.offset, payload))
+
+    async def _add(self, step: int, span: ChunkSpan) -> None:
+        """Add the predecessor's partial sum of `span` to this peer's; pass it on, or, at the last
+        step, encode the now final chunk once and start the all-gather with it."""
+        partial = self.buf[span.lo:span.hi]
+        partial += await self.wire.values(RS, step, span, self.prev)
+        # An honest peer never forwards a non-finite partial sum, so the first peer that sees one
+        # blames its predecessor: the peer that introduced it. Checked on the sum in this peer's
+        # memory (a received view may still change: peer.shm). A peer whose own input is
+        # non-finite forwards it, and the next peer blames it.
+        if not np.isfinite(partial).all() and np.isfinite(self.x[span.lo:span.hi]).all():
+            raise CollectiveError(f"chunk from {self.prev[:8]} holds non-finite values", [self.prev])
+        if step < self.part.size - 2:
+            await self._send(RS, step + 1, span)
+        else:
+            payload, self.buf[span.lo:span.hi] = self.codec.final(partial)
+            await self._send(AG, 0, span, payload)
+
+    async def _relay(self, step: int, span: ChunkSpan) -> None:
+        """Take a final chunk from the predecessor; relay the exact bytes received (raw: this
+        peer's copy of them) unless this is the last step."""
+        payload, values = await self.wire.received(AG, step, span, self.prev)
+        final = self.buf[span.lo:span.hi]
+        final[:] = values
+        if not np.isfinite(final).all():  # checked in this peer's memory, as in the reduce-scatter
+            raise CollectiveError(f"chunk from {self.prev[:8]} holds non-finite values", [self.prev])
+        if step < self.part.size - 2:
+            await self._send(AG, step + 1, span, payload if isinstance(payload, Encoded) else final)
+
+
+async def all_reduce(x: np.ndarray, plan: Plan, *, me: str, transport: Transport, inbox: Inbox,
                      reducer: OwnerReducer | None = None, feedback: ErrorFeedback | None = None,
                      links=None, tamper=None) -> CollectiveResult:
     """Sum `x` (1-D, float32 or float16) across the plan's participants; see the module docstring.
@@ -269,57 +533,61 @@ async def all_reduce(x: np.ndarray, plan: CollectivePlan, *, me: str, transport:
     receives the passive throughput of every outgoing stream and of the whole collective (see
     peer.links; measurement never changes the result). `tamper` (testing only: the "owner"
     attack of peer.byzantine) replaces what this peer publishes as a butterfly shard owner; an
-    audited plan (`plan.audit`) catches it. Returns the result and its digest. Raises CollectiveError on any failure; `x` and `feedback` are never modified.
+    audited plan (`plan.audit_owners`) catches it. Returns the result and its digest.
+
+    Raises ValueError for an `x` that is not 1-D, CollectiveError on any failure (every wait
+    bounded by the plan's chunk timeout and the whole by its deadline); `x` and `feedback` are
+    never modified.
     """
     t0 = time.monotonic()
-    if x.ndim != 1:
-        raise ValueError(f"x: expected a 1-D array, got shape {x.shape}")
-    p = len(plan.participants)
-    if me not in plan.participants:
-        raise CollectiveError(f"{me[:8]} is not a participant", [])
-    if len(plan.shard_bounds) != len(plan.shard_owner) + 1 or plan.shard_bounds[-1] != x.size:
-        raise CollectiveError(f"plan shard_bounds {plan.shard_bounds[-1:]} do not cover {x.size} elements", [])
-    if p == 1:
-        out, flagged = x.copy(), ()
-        if reducer is not None:
-            red, rejected = reducer.reduce(x[None, :], 0, x.size, None)
-            out, flagged = red.astype(x.dtype, copy=False), tuple(plan.participants[r] for r in rejected)
-        return CollectiveResult(out, digest(out), 0, time.monotonic() - t0, flagged)
+    _check(x, plan, me)
+    if len(plan.participants) == 1:
+        return _alone(x, plan, reducer, t0)
     try:
         codec = _Codec(plan.compression, x.dtype, feedback)
     except InvalidArgument as exc:
         raise CollectiveError(f"plan: {exc}", []) from None
+    out = await _attempt(x, plan, me, transport, inbox, reducer, codec, links, tamper)
+    seconds = time.monotonic() - t0
+    if links is not None:
+        links.observe_collective(out.sent, out.received, seconds)
+    return CollectiveResult(out.values, out.digest, out.sent, seconds, out.flagged, tuple(codec.pending))
+
+
+def _check(x: np.ndarray, plan: Plan, me: str) -> None:
+    if x.ndim != 1:
+        raise ValueError(f"x: expected a 1-D array, got shape {x.shape}")
+    if me not in plan.participants:
+        raise CollectiveError(f"{me[:8]} is not a participant", [])
+    if len(plan.shard_bounds) != len(plan.shard_owner) + 1 or plan.shard_bounds[-1] != x.size:
+        raise CollectiveError(f"plan shard_bounds {plan.shard_bounds[-1:]} do not cover {x.size} elements", [])
+
+
+def _alone(x: np.ndarray, plan: Plan, reducer: OwnerReducer | None, t0: float) -> CollectiveResult:
+    """A plan of one participant: its own input (reduced alone, when a reducer is given)."""
+    out, flagged = x.copy(), ()
+    if reducer is not None:
+        red, rejected = reducer.reduce(x[None, :], 0, x.size, None)
+        out, flagged = red.astype(x.dtype, copy=False), tuple(plan.participants[r] for r in rejected)
+    return CollectiveResult(out, digest(out), 0, time.monotonic() - t0, flagged)
+
+
+async def _attempt(x: np.ndarray, plan: Plan, me: str, transport: Transport, inbox: Inbox,
+                   reducer: OwnerReducer | None, codec: _Codec, links, tamper) -> _Outcome:
+    """Run the plan's collective within its deadline; the CollectiveErrors of its tasks become one."""
     try:
         async with asyncio.timeout(plan.deadline_seconds):
-            if plan.algorithm == "butterfly":
-                out, sent, flagged, dig = await _butterfly(x, plan, me, transport, inbox, reducer, codec, links,
-                                                           tamper)
-            else:
-                if reducer is not None:
-                    raise CollectiveError("ring all-reduce supports only the sum; use butterfly for aggregators")
-                out, sent, dig = await _ring(x, plan, me, transport, inbox, codec, links)
-                flagged = ()
+            if plan.collective == "butterfly":
+                return await _Butterfly(x, plan, me, transport, inbox, reducer, codec, links, tamper).run()
+            if reducer is not None:
+                raise CollectiveError("ring all-reduce supports only the sum; use butterfly for aggregators")
+            return await _Ring(x, plan, me, transport, inbox, codec, links).run()
     except TimeoutError:
         raise CollectiveError(f"collective deadline of {plan.deadline_seconds:.1f}s passed", []) from None
     except BaseExceptionGroup as group:
         if any(isinstance(e, CollectiveError) for e in _flatten(group)):
             raise _first(group) from None
         raise
-    seconds = time.monotonic() - t0
-    if links is not None:
-        received = sent if plan.algorithm != "butterfly" else _butterfly_received(plan, me, x.itemsize)
-        links.observe_collective(sent, received, seconds)
-    return CollectiveResult(out, dig, sent, seconds, flagged, tuple(codec.pending))
-
-
-def _butterfly_received(plan: CollectivePlan, me: str, itemsize: int) -> int:
-    """Bytes a butterfly participant receives (uncompressed): the others' parts of its shards and
-    the others' shards."""
-    i = plan.participants.index(me)
-    p = len(plan.participants)
-    b = plan.shard_bounds
-    mine = sum(b[k + 1] - b[k] for k, o in enumerate(plan.shard_owner) if o == i)
-    return itemsize * ((p - 1) * mine + (b[-1] - mine))
 
 
 def _first(group: BaseExceptionGroup) -> CollectiveError:
@@ -334,320 +602,3 @@ def _flatten(e: BaseException):
             yield from _flatten(sub)
     else:
         yield e
-
-
-def _message(plan: CollectivePlan, me: str, phase: int, step: int, shard: int, off: int,
-             values: Payload) -> tuple[pb.Chunk, bytes | np.ndarray]:
-    """The chunk header (data left for `_Stream.put`) and its bytes."""
-    if isinstance(values, Encoded):
-        return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=me, phase=phase, step=step, shard=shard,
-                        offset=off, dtype=pb.FLOAT32, shape=[values.count], scale=values.scale,
-                        codec=values.codec), values.data
-    return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=me, phase=phase, step=step, shard=shard,
-                    offset=off, dtype=dtype_code(values.dtype), shape=[values.size]), np.ascontiguousarray(values)
-
-
-async def _receive(inbox: Inbox, plan: CollectivePlan, key: tuple[int, int, int, int, str]) -> Payload:
-    phase, step, shard, off, sender = key
-    try:
-        return await inbox.get((plan.round, plan.attempt, phase, step, shard, off, sender), plan.chunk_timeout_seconds)
-    except TimeoutError:
-        raise CollectiveError(
-            f"no chunk from {sender[:8]} within {plan.chunk_timeout_seconds:.1f}s "
-            f"(phase {phase}, step {step}, shard {shard}, offset {off})", [sender]) from None
-    except SenderGone as exc:
-        raise CollectiveError(str(exc), [sender]) from None
-
-
-async def _ring(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                codec: _Codec, links=None) -> tuple[np.ndarray, int, bytes]:
-    p = len(plan.participants)
-    i = plan.participants.index(me)
-    nxt, prv = (i + 1) % p, (i - 1) % p
-    prv_id = plan.participants[prv]
-    buf = x.copy()
-    b = plan.shard_bounds
-    ce = max(1, plan.chunk_bytes // x.itemsize)
-    out = _Stream(transport, plan.addresses[nxt], plan.participants[nxt], plan, plan.deadline_seconds, links)
-
-    async def schedule() -> None:
-        async def send(phase: int, step: int, shard: int, off: int, payload: Payload | None = None) -> None:
-            lo = b[shard] + off
-            hi = min(b[shard + 1], lo + ce)
-            if payload is None:  # reduce-scatter: this peer's partial sum, compressed per hop
-                payload = codec.own(("rs", lo, hi), buf[lo:hi])
-            await out.put(_message(plan, me, phase, step, shard, off, payload))
-
-        first = i % p
-        for off in _chunk_offsets(b[first + 1] - b[first], ce):
-            await send(RS, 0, first, off)
-        for s in range(p - 1):  # reduce-scatter
-            shard = (i - s - 1) % p
-            for off in _chunk_offsets(b[shard + 1] - b[shard], ce):
-                v = _values(await _receive(inbox, plan, (RS, s, shard, off, prv_id)), prv_id)
-                faults.hit("rs", plan.round)
-                lo = b[shard] + off
-                hi = min(b[shard + 1], lo + ce)
-                if v.size != hi - lo:
-                    raise CollectiveError(f"chunk from {prv_id[:8]} has {v.size} elements", [prv_id])
-                part = buf[lo:hi]
-                part += v
-                # An honest peer never forwards a non-finite partial sum, so the first peer that
-                # sees one blames its predecessor: the peer that introduced it. Checked on the sum
-                # in this peer's memory (a received view may still change: peer.shm). A peer whose
-                # own input is non-finite forwards it, and the next peer blames it.
-                if not np.isfinite(part).all() and np.isfinite(x[lo:hi]).all():
-                    raise CollectiveError(f"chunk from {prv_id[:8]} holds non-finite values", [prv_id])
-                if s < p - 2:
-                    await send(RS, s + 1, shard, off)
-                else:  # this shard is final here: encode it once and start the all-gather with it
-                    payload, buf[lo:hi] = codec.final(buf[lo:hi])
-                    await send(AG, 0, shard, off, payload)
-        for s in range(p - 1):  # all-gather
-            shard = (i - s) % p
-            for off in _chunk_offsets(b[shard + 1] - b[shard], ce):
-                payload = await _receive(inbox, plan, (AG, s, shard, off, prv_id))
-                v = _values(payload, prv_id)
-                faults.hit("ag", plan.round)
-                lo = b[shard] + off
-                if v.size != min(b[shard + 1], lo + ce) - lo:
-                    raise CollectiveError(f"chunk from {prv_id[:8]} has {v.size} elements", [prv_id])
-                final = buf[lo:lo + v.size]
-                final[:] = v
-                if not np.isfinite(final).all():  # checked in this peer's memory, as in the reduce-scatter
-                    raise CollectiveError(f"chunk from {prv_id[:8]} holds non-finite values", [prv_id])
-                if s < p - 2:  # relay the exact bytes received (raw: this peer's copy of them)
-                    await send(AG, s + 1, shard, off, payload if isinstance(payload, Encoded) else final)
-        await out.put(None)
-
-    async with asyncio.TaskGroup() as tg:
-        tg.create_task(out.run())
-        tg.create_task(schedule())
-    return buf, out.bytes_sent, digest(buf)
-
-
-async def _butterfly(x: np.ndarray, plan: CollectivePlan, me: str, transport: Transport, inbox: Inbox,
-                     reducer: OwnerReducer | None, codec: _Codec, links=None,
-                     tamper=None) -> tuple[np.ndarray, int, tuple[str, ...], bytes]:
-    """Direct reduce-scatter to shard owners, owner-side reduction, direct all-gather.
-
-    With `plan.audit`, every peer also sends its part of shard k to the shard's auditor (the
-    next owner, `CollectivePlan.auditors`), which recomputes the aggregate from the same rows
-    (its own and the owner's row as the others see them: encoded once) and compares it with what
-    the owner publishes, and checks the owner's partial distance matrix the same way; a
-    difference blames the owner and the auditor (one of the two lies; both sit out the retry).
-    `tamper` (testing only, peer.byzantine "owner") corrupts what this peer publishes as owner.
-    """
-    p = len(plan.participants)
-    i = plan.participants.index(me)
-    b = plan.shard_bounds
-    ce = max(1, plan.chunk_bytes // x.itemsize)
-    buf = np.empty_like(x)  # every element is written: own shards by publish, the others by gather
-    streams = {j: _Stream(transport, plan.addresses[j], plan.participants[j], plan, plan.deadline_seconds, links)
-               for j in range(p) if j != i}
-    my_shards = [k for k, o in enumerate(plan.shard_owner) if o == i]
-    flagged: set[str] = set()
-    with_distances = reducer is not None and reducer.needs_distances and p > 1
-    auditor = plan.auditors()
-    audited = [k for k, a in enumerate(auditor) if a == i]
-    loop = asyncio.get_running_loop()
-    expected = {(k, off): loop.create_future() for k in audited for off in _chunk_offsets(b[k + 1] - b[k], ce)}
-    owner_parts = {k: loop.create_future() for k in audited}  # distance matrices the audited owners sent
-    total_distances: asyncio.Future[np.ndarray] = loop.create_future()
-    own_sent: dict[tuple[int, int], Payload] = {}
-    # An audit that fails lets the collective finish (so that the other peers, seeing nothing
-    # wrong, vote normally and no broken stream shifts the blame to this auditor), then fails it.
-    mismatches: list[CollectiveError] = []
-
-    def span(k: int, off: int) -> tuple[int, int]:
-        lo = b[k] + off
-        return lo, min(b[k + 1], lo + ce)
-
-    def own(k: int, off: int) -> Payload:
-        """This peer's contribution to one chunk, encoded once (error feedback registered once)."""
-        if (k, off) not in own_sent:
-            lo, hi = span(k, off)
-            own_sent[(k, off)] = codec.own(("bf", lo, hi), x[lo:hi])
-        return own_sent[(k, off)]
-
-    def own_row(k: int, off: int) -> np.ndarray:
-        lo, hi = span(k, off)
-        if not plan.audit:
-            return x[lo:hi]  # this peer's own row, uncompressed
-        return _values(own(k, off), me)  # as the auditor sees it, so that it can recompute exactly
-
-    async def scatter() -> None:
-        # Start with the owner after this peer (i+1, i+2, ...): owners are not all hit at once.
-        for k in sorted(range(len(plan.shard_owner)), key=lambda k: ((plan.shard_owner[k] - i) % p, k)):
-            targets = [t for t in dict.fromkeys((plan.shard_owner[k], auditor[k])) if t not in (i, -1)]
-            for off in _chunk_offsets(b[k + 1] - b[k], ce) if targets else ():
-                payload = own(k, off)
-                for t in targets:
-                    await streams[t].put(_message(plan, me, RS, 0, k, off, payload))
-
-    async def contributions(k: int, off: int) -> np.ndarray:
-        """(p, m) rows of one chunk of shard k, plan order."""
-        lo, hi = span(k, off)
-        rows = []
-        for j in range(p):
-            if j == i:
-                rows.append(own_row(k, off))
-                continue
-            sender = plan.participants[j]
-            v = _values(await _receive(inbox, plan, (RS, 0, k, off, sender)), sender)
-            faults.hit("rs", plan.round)
-            if v.size != hi - lo:
-                raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
-            rows.append(v)
-        return np.stack(rows)
-
-    async def summed(k: int, off: int) -> np.ndarray:
-        """The plain sum of one chunk of shard k, added in plan order (no (p, m) copy)."""
-        lo, hi = span(k, off)
-        red: np.ndarray | None = None
-        for j in range(p):
-            if j == i:
-                v = own_row(k, off)
-            else:
-                sender = plan.participants[j]
-                v = _values(await _receive(inbox, plan, (RS, 0, k, off, sender)), sender)
-                faults.hit("rs", plan.round)
-                if v.size != hi - lo:
-                    raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
-            if red is None:
-                red = v.astype(x.dtype, copy=True)
-            else:
-                red += v
-        assert red is not None
-        return red
-
-    async def publish(k: int, off: int, red: np.ndarray) -> None:
-        lo = b[k] + off
-        hi = lo + red.size
-        if tamper is not None:
-            red = tamper(red)
-        payload, buf[lo:hi] = codec.final(red.astype(x.dtype, copy=False))
-        for st in streams.values():
-            await st.put(_message(plan, me, AG, 0, k, off, payload))
-
-    async def summed_distances(mine: dict[int, np.ndarray]) -> np.ndarray:
-        """Send my shards' partial matrices to the other owners; sum all of them in shard order."""
-        owners = sorted({o for o in plan.shard_owner if o != i})
-        for k, d in mine.items():
-            for o in owners:
-                await streams[o].put(_message(plan, me, DIST, 0, k, 0, np.ascontiguousarray(d, dtype="<f8")))
-        total = np.zeros((p, p), dtype=np.float64)
-        for k, owner in enumerate(plan.shard_owner):
-            if owner == i:
-                part = mine[k]
-            else:
-                sender = plan.participants[owner]
-                part = np.array(_values(await _receive(inbox, plan, (DIST, 0, k, 0, sender)), sender))  # own copy
-                if part.size != p * p or part.dtype != np.float64 or np.isnan(part).any() or (part < 0).any():
-                    raise CollectiveError(f"distance matrix from {sender[:8]} is malformed", [sender])
-                part = part.reshape(p, p)
-                if k in owner_parts:
-                    owner_parts[k].set_result(part)
-            total = total + part
-        total_distances.set_result(total)
-        return total
-
-    async def reduce_own() -> None:
-        if not my_shards:
-            return  # a non-owner reduces nothing (and gets no distance matrices: owners send them to owners)
-        if with_distances:
-            assert reducer is not None
-            held: dict[tuple[int, int], np.ndarray] = {}
-            mine: dict[int, np.ndarray] = {}
-            for k in my_shards:
-                d = np.zeros((p, p), dtype=np.float64)
-                for off in _chunk_offsets(b[k + 1] - b[k], ce):
-                    rows = held[(k, off)] = await contributions(k, off)
-                    d = d + reducer.partial_distances(rows, b[k] + off, b[k] + off + rows.shape[1])
-                mine[k] = d
-            total = await summed_distances(mine)
-            for (k, off), rows in held.items():
-                red, rejected = reducer.reduce(rows, b[k] + off, b[k] + off + rows.shape[1], total)
-                flagged.update(plan.participants[r] for r in rejected)
-                await publish(k, off, red)
-            return
-        for k in my_shards:
-            for off in _chunk_offsets(b[k + 1] - b[k], ce):
-                if reducer is None:
-                    red = await summed(k, off)
-                else:
-                    rows = await contributions(k, off)
-                    red, rejected = reducer.reduce(rows, b[k] + off, b[k] + off + rows.shape[1], None)
-                    flagged.update(plan.participants[r] for r in rejected)
-                await publish(k, off, red)
-
-    async def audit() -> None:
-        """Recompute the aggregate of every shard this peer audits (see the docstring)."""
-        for k in audited:
-            owner = plan.participants[plan.shard_owner[k]]
-            offs = list(_chunk_offsets(b[k + 1] - b[k], ce))
-            total = None
-            if with_distances:
-                assert reducer is not None
-                held = {off: await contributions(k, off) for off in offs}
-                d = np.zeros((p, p), dtype=np.float64)
-                for off, rows in held.items():
-                    d = d + reducer.partial_distances(rows, b[k] + off, b[k] + off + rows.shape[1])
-                theirs = await owner_parts[k]
-                if not np.allclose(theirs, d, rtol=1e-6, atol=1e-9 * (1.0 + float(np.abs(d).max()))):
-                    mismatches.append(CollectiveError(
-                        f"owner {owner[:8]} sent distances of shard {k} that differ from the audit by "
-                        f"{float(np.abs(theirs - d).max()):.3g}", [owner, me], audit=True))
-                total = await total_distances
-            for off in offs:
-                if reducer is None:
-                    red = await summed(k, off)
-                else:
-                    rows = held[off] if with_distances else await contributions(k, off)
-                    red, _ = reducer.reduce(rows, b[k] + off, b[k] + off + rows.shape[1], total)
-                expected[(k, off)].set_result(codec.final(red.astype(x.dtype, copy=False))[1])
-
-    async def gather() -> None:
-        for k, owner in enumerate(plan.shard_owner):
-            if owner == i:
-                continue
-            sender = plan.participants[owner]
-            for off in _chunk_offsets(b[k + 1] - b[k], ce):
-                lo, hi = span(k, off)
-                v = _values(await _receive(inbox, plan, (AG, 0, k, off, sender)), sender)
-                faults.hit("ag", plan.round)
-                if v.size != hi - lo:
-                    raise CollectiveError(f"chunk from {sender[:8]} has {v.size} elements", [sender])
-                buf[lo:hi] = v
-                # A robust owner never publishes a non-finite value; checked in this peer's memory.
-                if reducer is not None and not np.isfinite(buf[lo:hi]).all():
-                    raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
-                if (k, off) in expected:
-                    want = await expected[(k, off)]
-                    # Same rows, same code: equal bits on one platform; the slack covers another
-                    # CPU's float rounding (and with it, one quantization step of the codec).
-                    slack = 1e-5 * np.abs(want) + 1e-6
-                    if codec.on:
-                        slack = slack + 2 * max_abs_error(np.abs(want), codec.name)
-                    if not (np.abs(buf[lo:hi] - want) <= slack).all():
-                        mismatches.append(CollectiveError(
-                            f"owner {sender[:8]} published an aggregate of shard {k} that differs from the audit by "
-                            f"{float(np.abs(buf[lo:hi] - want).max()):.3g}", [sender, me], audit=True))
-
-    async def work() -> None:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(scatter())
-            tg.create_task(reduce_own())
-            tg.create_task(gather())
-            if audited:
-                tg.create_task(audit())
-        for st in streams.values():
-            await st.put(None)
-
-    async with asyncio.TaskGroup() as tg:
-        for st in streams.values():
-            tg.create_task(st.run())
-        tg.create_task(work())
-    if mismatches:
-        raise mismatches[0]
-    return buf, sum(s.bytes_sent for s in streams.values()), tuple(sorted(flagged)), digest(buf)

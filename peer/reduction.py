@@ -1,4 +1,12 @@
-"""What a shard owner does with the contributions it received: bound, aggregate, add noise.
+"""What a shard owner does with the contributions it received: collect, bound, aggregate, add
+noise, encode once.
+
+`OwnerAccumulator` collects, chunk by chunk, the rows (contributions) of every participant for
+the tensor shards one peer reduces, knows when a chunk is complete, and reduces it: the plain sum,
+or an `OwnerReducer`. `final_encoding` is how an owner encodes its aggregate once, so that every
+peer (the owner included) holds the same decoded values. The auditor of a shard uses the same
+pieces to recompute the owner's aggregate (`peer.audit`). None of it touches a stream or an event
+loop: `peer.collectives` feeds it the rows it received.
 
 `OwnerReduction` turns the run's aggregation settings (`ReductionSpec`: aggregator and its
 parameters, optional norm bound, optional differential-privacy noise) into the two calls the
@@ -25,12 +33,30 @@ is not a plain mean). Privacy accounting over rounds is not done here.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from shoal.peer.aggregators import add_dp_noise, bound_norms, make_aggregator, partial_sq_distances
 from shoal.common.errors import InvalidArgument
+from shoal.peer.aggregators import add_dp_noise, bound_norms, make_aggregator, partial_sq_distances
+from shoal.peer.compression import Encoded, codec_id, decode, encode
+from shoal.peer.partition import ChunkSpan, ShardPartition
+
+
+class OwnerReducer(Protocol):
+    """The reduction a butterfly shard owner runs in place of the sum (`OwnerReduction`).
+
+    Rows are `(p, hi - lo)` float32, one per participant in plan order, for the slice [lo, hi).
+    """
+
+    needs_distances: bool
+
+    def partial_distances(self, rows: np.ndarray, lo: int, hi: int) -> np.ndarray: ...
+
+    def reduce(self, rows: np.ndarray, lo: int, hi: int,
+               distances: np.ndarray | None = None) -> tuple[np.ndarray, tuple[int, ...]]: ...
 
 
 @dataclass(frozen=True)
@@ -99,3 +125,138 @@ class OwnerReduction:
             p = max(1, rows.shape[0] - len(res.rejected))
             values = add_dp_noise(values, clip=self.spec.max_norm / p, sigma=self.spec.dp_sigma, rng=self.rng)
         return values, res.rejected
+
+
+def final_encoding(values: np.ndarray, compression: str) -> tuple[np.ndarray | Encoded, np.ndarray]:
+    """Encode a shard owner's final values once: (what it sends, what every peer decodes from it).
+
+    `values` `(m,)`; with `compression` "none" both are `values` itself. Otherwise `values` must
+    be float32 and the second item is a new float32 array. Raises InvalidArgument for an unknown
+    codec, or non-finite values under "int8".
+    """
+    if codec_id(compression) == 0:
+        return values, values
+    enc = encode(np.ascontiguousarray(values), compression)
+    return enc, decode(enc)
+
+
+def distance_matrix(values: np.ndarray, p: int) -> np.ndarray:
+    """A received partial distance matrix as this peer's own `(p, p)` float64 copy.
+
+    Raises ValueError unless `values` holds p*p non-negative, non-NaN float64 values (+inf marks
+    a non-finite row, `peer.aggregators.partial_sq_distances`).
+    """
+    part = np.array(values)
+    if part.size != p * p or part.dtype != np.float64 or np.isnan(part).any() or (part < 0).any():
+        raise ValueError("malformed distance matrix")
+    return part.reshape(p, p)
+
+
+class _ChunkRows:
+    """The rows of one chunk received so far (see `OwnerAccumulator`)."""
+
+    def __init__(self, p: int, m: int, dtype: np.dtype, keep: bool):
+        self.rows = np.empty((p, m), dtype=dtype) if keep else None  # (p, m): for a reducer
+        self.total: np.ndarray | None = None  # the running plan-order sum: without a reducer
+        self.pending: dict[int, np.ndarray] = {}  # sum: rows that arrived before their turn
+        self.folded = 0  # sum: rows 0..folded-1 are in `total`
+        self.seen: set[int] = set()
+
+    def add(self, j: int, row: np.ndarray, dtype: np.dtype) -> None:
+        self.seen.add(j)
+        if self.rows is not None:
+            self.rows[j] = row
+            return
+        self.pending[j] = row
+        while self.folded in self.pending:
+            v = self.pending.pop(self.folded)
+            if self.total is None:
+                self.total = v.astype(dtype, copy=True)
+            else:
+                self.total += v
+            self.folded += 1
+
+
+class OwnerAccumulator:
+    """Per chunk of the tensor shards `shards`, every participant's row; the reduction of a
+    complete chunk.
+
+    Args:
+        partition: the attempt's `ShardPartition` (chunks, participants).
+        shards: the shards this accumulator collects (those a peer owns, or audits).
+        reducer: None for the plain sum, else the owner's `OwnerReducer`.
+        dtype: the tensor's dtype (rows are converted to it; the sum is computed in it).
+
+    Rows may be added in any order. Without a reducer a chunk costs no `(p, m)` copy: rows are
+    summed in plan order (row 0 + row 1 + ...) as soon as they are next in line, so the same rows
+    always give the same bits; a row that arrives early is held as given (a received view must
+    then stay unchanged until its turn). With a reducer each chunk's rows are copied into one
+    `(p, m)` array; for a reducer that `needs_distances`, they are kept until `reduce`.
+    `reduce` releases a chunk. `rejected`: positions the reducer rejected (any chunk).
+    """
+
+    def __init__(self, partition: ShardPartition, shards: Iterable[int], reducer: OwnerReducer | None,
+                 dtype: np.dtype):
+        self.partition = partition
+        self.shards = frozenset(shards)
+        self.reducer = reducer
+        self.dtype = np.dtype(dtype)
+        self.rejected: set[int] = set()
+        self._chunks: dict[tuple[int, int], _ChunkRows] = {}
+
+    def _rows(self, span: ChunkSpan) -> _ChunkRows:
+        key = (span.shard, span.offset)
+        c = self._chunks.get(key)
+        if c is None:
+            if span.shard not in self.shards:
+                raise ValueError(f"shard {span.shard} is not collected here")
+            c = self._chunks[key] = _ChunkRows(self.partition.size, span.size, self.dtype, self.reducer is not None)
+        return c
+
+    def add(self, span: ChunkSpan, position: int, row: np.ndarray) -> None:
+        """Participant `position`'s row `(span.size,)` of chunk `span`.
+
+        Raises ValueError for a row of the wrong size, a position out of range, or a second row
+        from the same position (the caller checks what it receives before adding it).
+        """
+        if row.shape != (span.size,):
+            raise ValueError(f"row of shape {row.shape} for a chunk of {span.size} elements")
+        if not 0 <= position < self.partition.size:
+            raise ValueError(f"position {position} outside 0..{self.partition.size - 1}")
+        c = self._rows(span)
+        if position in c.seen:
+            raise ValueError(f"a second row from position {position} for shard {span.shard} offset {span.offset}")
+        c.add(position, row, self.dtype)
+
+    def complete(self, span: ChunkSpan) -> bool:
+        """Whether every participant's row of `span` is in (False once reduced)."""
+        c = self._chunks.get((span.shard, span.offset))
+        return c is not None and len(c.seen) == self.partition.size
+
+    def shard_complete(self, k: int) -> bool:
+        return all(self.complete(span) for span in self.partition.chunks(k))
+
+    def partial_distances(self, k: int) -> np.ndarray:
+        """`(p, p)` float64: the reducer's partial distance matrices of shard k's chunks, summed
+        in offset order. Raises ValueError unless every chunk of k is complete and unreduced."""
+        if self.reducer is None or not self.shard_complete(k):
+            raise ValueError(f"shard {k}: distances need a reducer and every row of the shard")
+        p = self.partition.size
+        d = np.zeros((p, p), dtype=np.float64)
+        for span in self.partition.chunks(k):
+            d = d + self.reducer.partial_distances(self._chunks[(k, span.offset)].rows, span.lo, span.hi)
+        return d
+
+    def reduce(self, span: ChunkSpan, distances: np.ndarray | None = None) -> np.ndarray:
+        """The `(span.size,)` aggregate of a complete chunk, and release it: the sum in `dtype`,
+        or the reducer's float32 result (its rejections join `rejected`). `distances`: the summed
+        `(p, p)` matrix, for a reducer that needs it. Raises ValueError for an incomplete chunk."""
+        if not self.complete(span):
+            raise ValueError(f"shard {span.shard} offset {span.offset}: not every row is in")
+        c = self._chunks.pop((span.shard, span.offset))
+        if self.reducer is None:
+            assert c.total is not None
+            return c.total
+        values, rejected = self.reducer.reduce(c.rows, span.lo, span.hi, distances)
+        self.rejected.update(rejected)
+        return values

@@ -389,6 +389,14 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     if r.cohort_size > s.peers:
         raise UsageError(f"--cohort-size {r.cohort_size} is greater than --peers {s.peers}: no round could open")
     _swarm_files(s)
+    plan = None
+    if s.scenario:
+        from shoal.scenario import ScenarioError, load
+
+        try:
+            plan = load(s.scenario, s.peers)
+        except ScenarioError as exc:
+            raise UsageError(str(exc)) from None
     attack_args: tuple[str, ...] = ()
     if s.byzantine:
         attack_args = ("--attack", s.attack) + (("--attack-scale", str(s.attack_scale)) if s.attack_scale else ())
@@ -410,7 +418,7 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                         run_extra=run_extra, extra_coordinator_args=tuple(extra),
                         log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls,
                         byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
-                        compression=run.compression, cohort_size=r.cohort_size)
+                        compression=run.compression, cohort_size=r.cohort_size, scenario=plan)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 

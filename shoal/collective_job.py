@@ -26,7 +26,8 @@ import grpc
 import numpy as np
 
 from shoal.peer.byzantine import forge
-from shoal.peer.collectives import CollectiveError, CollectivePlan, all_reduce
+from shoal.common.plan import Plan as CollectivePlan
+from shoal.peer.collectives import CollectiveError, all_reduce
 from shoal.peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
 from shoal.peer.reduction import OwnerReduction, ReductionSpec
 from shoal.common.identity import load_or_create_key, public_bytes
@@ -131,7 +132,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                         vote.bytes_sent, vote.collective_seconds = res.bytes_sent, res.seconds
                         report["rounds"].append({"round": ev.plan.round, "attempt": ev.plan.attempt,
                                                  "seconds": res.seconds, "bytes_sent": res.bytes_sent,
-                                                 "algorithm": cp.algorithm, "participants": len(cp.participants),
+                                                 "algorithm": cp.collective, "participants": len(cp.participants),
                                                  "flagged": list(res.flagged),
                                                  "predicted_seconds": ev.plan.predicted_seconds,
                                                  "cpu_seconds": cpu, "shard_fractions": _fractions(cp),

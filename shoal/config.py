@@ -334,7 +334,7 @@ class PeerSection:
     insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
     join_token: str = setting("", "join token from the operator (also read from $SHOAL_JOIN_TOKEN)")
     attack: str = setting("", "testing only: send forged updates, or corrupt owned aggregates with owner "
-                              "(peer.byzantine); empty = honest",
+                              "(shoal.peer.byzantine); empty = honest",
                           choices=("", "sign-flip", "scale", "nan", "random", "owner"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
 
@@ -375,6 +375,8 @@ class SwarmSection:
     attack: str = setting("", "what the Byzantine peers send (owner: honest updates, corrupted owned aggregates)",
                           choices=("", "sign-flip", "scale", "nan", "random", "owner"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
+    scenario: str | None = setting(None, "TOML scenario: late joiners, faults, timed events such as a peer's long local "
+                                         "work (examples/scenarios/, docs/fault-tolerance.md); the summary gains events")
     tls: bool = setting(False, "secure swarm: mutual TLS on both planes (certificates made in the workdir) and "
                                "admission by join token; without it the swarm runs plaintext (--insecure)")
 
@@ -389,7 +391,7 @@ class SwarmSection:
         _check(not self.byzantine or bool(self.attack), w, "attack", "set when byzantine > 0", self.attack)
         if self.attack_scale is not None:
             _check(_finite(self.attack_scale), w, "attack_scale", "a finite number", self.attack_scale)
-        for key in ("summary", "workdir", "plot"):
+        for key in ("summary", "workdir", "plot", "scenario"):
             _check(getattr(self, key) != "", w, key, "a path (or unset)", "")
 
 

@@ -25,6 +25,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from shoal import scenario as scenario_mod
+from shoal.scenario import Event, Scenario
+
 from shoal.coordinator.store import SQLiteStore
 
 log = logging.getLogger("shoal.swarm")
@@ -60,6 +63,7 @@ class SwarmOptions:
     aggregator: str = "mean"  # reported in the summary (the coordinator gets it via run_extra)
     compression: str = "none"
     cohort_size: int = 0  # reported in the summary (the coordinator gets it via extra_coordinator_args)
+    scenario: Scenario | None = None  # `--scenario FILE` (shoal.scenario), already checked
 
     def run_config(self):
         from shoal.peer.training import RunConfig
@@ -85,10 +89,13 @@ class _Proc:
     popen: subprocess.Popen | None = None
     starts: int = 0
 
+    env: dict[str, str] | None = None  # extra environment (scenario faults and hooks)
+
     def start(self) -> None:
         out = open(self.log_path, "ab")
+        env = {**os.environ, **self.env} if self.env else None
         self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True)
+                                      start_new_session=True, env=env)
         out.close()
         self.starts += 1
 
@@ -216,7 +223,9 @@ class Swarm:
         return self.address
 
     def peer_argv(self, i: int) -> list[str]:
+        advertise = self.opts.scenario.peer_spec(i).advertise if self.opts.scenario is not None else ""
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", "127.0.0.1:0",
+                *(["--advertise", advertise] if advertise else []),
                 "--key", str(self.workdir / f"peer-{i}.key"), "--data-shard", str(i),
                 "--events", str(self.workdir / f"peer-{i}.jsonl"), *self._common_args(f"peer-{i}"),
                 *self.security_args("peer"), *self.opts.extra_peer_args,
@@ -225,8 +234,22 @@ class Swarm:
     def start_peer(self, i: int) -> None:
         while len(self.peers) <= i:
             n = len(self.peers)
-            self.peers.append(_Proc(f"peer-{n}", self.peer_argv(n), self.workdir / f"peer-{n}.log"))
+            self.peers.append(_Proc(f"peer-{n}", self.peer_argv(n), self.workdir / f"peer-{n}.log",
+                                    env=self.peer_env(n)))
         self.peers[i].start()
+
+    def local_work_file(self, i: int) -> pathlib.Path:
+        """Where a scenario asks peer i for a long local update (shoal.peer.faults.local_work)."""
+        return self.workdir / f"peer-{i}.local-work"
+
+    def peer_env(self, i: int) -> dict[str, str] | None:
+        sc = self.opts.scenario
+        if sc is None:
+            return None
+        env = {"SHOAL_LOCAL_WORK_FILE": str(self.local_work_file(i))}
+        if sc.peer_spec(i).fault:
+            env["SHOAL_FAULT"] = sc.peer_spec(i).fault
+        return env
 
     def stop_all(self) -> None:
         for p in self.peers:
@@ -337,6 +360,87 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
     if chaos is not None:
         summary.update(chaos.summary(commits))
     return summary
+
+
+@dataclass
+class _CommitAcc:
+    """A committed round seen from the peers' event files: earliest commit time, participants."""
+
+    t: float = float("inf")
+    participants: set[int] = field(default_factory=set)
+
+
+class ScenarioDriver:
+    """Carries out a scenario's late starts and timed events (`shoal swarm --scenario`), driven
+    by the swarm's monitor loop (no threads), and reports each event for the summary.
+
+    Times are seconds after the coordinator started (`t0`, wall clock, the time base of the
+    peers' event files). An action is *done* when it took effect: a local work when the peer
+    reports its end (event `local_work`), anything else when the driver carried it out.
+    """
+
+    def __init__(self, swarm: Swarm, plan: Scenario, t0: float):
+        self.swarm, self.plan, self.t0 = swarm, plan, t0
+        self.pending = list(plan.events)
+        self.late = sorted((spec.start, i) for i, spec in enumerate(plan.peers) if spec.start > 0)
+        self.done: dict[int, float] = {}  # event index -> done time (seconds after t0)
+        self.fired: list[tuple[int, Event]] = []
+
+    def early_peers(self) -> set[int]:
+        """Peers started with the coordinator (the others start at their `start`)."""
+        late = {i for _, i in self.late}
+        return {i for i in range(self.swarm.opts.peers) if i not in late}
+
+    def tick(self) -> None:
+        now = time.time() - self.t0
+        while self.late and self.late[0][0] <= now:
+            _, i = self.late.pop(0)
+            log.info("scenario: peer-%d joins at %.1fs", i, now)
+            self.swarm.start_peer(i)
+        while self.pending and self.pending[0].at <= now:
+            ev = self.pending.pop(0)
+            k = len(self.fired)
+            self.fired.append((k, ev))
+            log.info("scenario: %s%s at %.1fs", ev.action, "" if ev.peer is None else f" peer-{ev.peer}", now)
+            self._act(ev)
+            if ev.action != "local-work":
+                self.done[k] = time.time() - self.t0
+
+    def _act(self, ev: Event) -> None:
+        sw = self.swarm
+        proc = sw.coordinator if ev.peer is None else sw.peers[ev.peer]
+        action = ev.action.removeprefix("coordinator-")
+        if action == "local-work":
+            sw.local_work_file(ev.peer).write_text(f"{ev.seconds}\n")
+        elif action in ("kill", "restart"):
+            proc.signal(signal.SIGKILL)
+            if proc.popen is not None:
+                proc.popen.wait(timeout=10)
+            if action == "restart":
+                sw.start_coordinator() if ev.peer is None else sw.start_peer(ev.peer)
+        else:
+            proc.signal(signal.SIGSTOP if action == "stop" else signal.SIGCONT)
+
+    def report(self) -> list[dict]:
+        """The summary's `events`: one entry per event that fired, in order (shoal.scenario.event_report)."""
+        commits: dict[int, _CommitAcc] = {}
+        local_work_ends: dict[int, list[float]] = {}
+        for i in range(len(self.swarm.peers)):
+            for e in self.swarm.events(i):
+                if e["event"] == "commit":
+                    acc = commits.setdefault(e["round"], _CommitAcc())
+                    acc.t = min(acc.t, e["t"] - self.t0)
+                    acc.participants.add(i)
+                elif e["event"] == "local_work":
+                    local_work_ends.setdefault(i, []).append(e["t"] - self.t0)
+        points = [scenario_mod.CommitPoint(a.t, r, frozenset(a.participants)) for r, a in sorted(commits.items())]
+        out = []
+        for k, ev in self.fired:
+            done = self.done.get(k)
+            if ev.action == "local-work":
+                done = next((t for t in local_work_ends.get(ev.peer, []) if t >= ev.at), None)
+            out.append(scenario_mod.event_report(ev, done, points))
+        return out
 
 
 @dataclass
@@ -482,11 +586,15 @@ def run_swarm(opts: SwarmOptions) -> dict:
         if bar is not None:
             stack.callback(bar.close)
         chaos = Chaos(swarm, opts.seed, opts.chaos_interval, opts.ready_timeout + 2.0) if opts.chaos else None
+        driver: ScenarioDriver | None = None
         ok, why = True, ""
         try:
             swarm.start_coordinator()
+            if opts.scenario is not None:
+                driver = ScenarioDriver(swarm, opts.scenario, time.time())
             for i in range(opts.peers):
-                swarm.start_peer(i)
+                if driver is None or i in driver.early_peers():
+                    swarm.start_peer(i)
             if opts.metrics:
                 for name, url in swarm.metrics_urls().items():
                     log.info("metrics of %s: %s", name, url)
@@ -504,6 +612,8 @@ def run_swarm(opts: SwarmOptions) -> dict:
                 top = max((e["round"] + 1 for e in commits), default=0)
                 if chaos is not None:
                     chaos.tick(top)
+                if driver is not None:
+                    driver.tick()
                 if bar is not None and top > shown:
                     last = max((e for e in commits if e["round"] == top - 1), key=lambda e: e["t"])
                     now = time.monotonic()
@@ -511,7 +621,8 @@ def run_swarm(opts: SwarmOptions) -> dict:
                                     acc=f"{last['test_accuracy']:.3f}", sec=f"{(now - last_t) / (top - shown):.2f}")
                     bar.update(top - shown)
                     shown, last_t = top, now
-                if all(p.popen is not None and p.popen.poll() == 0 for p in swarm.peers):
+                if len(swarm.peers) == opts.peers and all(p.popen is not None and p.popen.poll() == 0
+                                                          for p in swarm.peers):
                     break
                 time.sleep(0.1)
         except KeyboardInterrupt:
@@ -532,6 +643,8 @@ def run_swarm(opts: SwarmOptions) -> dict:
             summary["error"] = why.splitlines()[0]
         if opts.metrics:
             summary["metrics"] = swarm.metrics_urls()
+        if driver is not None:
+            summary["events"] = driver.report()
         if opts.plot_path:
             from shoal.plots import plot_rounds
 

@@ -8,7 +8,8 @@ import asyncio
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.peer.collectives import CollectivePlan, all_reduce
+from shoal.common.plan import Plan
+from shoal.peer.collectives import all_reduce
 from shoal.peer.dataplane import Inbox, PeerService, Session, Transport
 from shoal.common.identity import peer_id_of, public_bytes
 from shoal.common.tickets import issue_ticket, verify_ticket
@@ -63,26 +64,31 @@ class Swarmlet:
 
     async def run(self, xs, *, attempt: int, algorithm: str = "butterfly", compression: str = "none",
                   reducers=None, feedback=None, chunk_bytes: int = 64, return_exceptions: bool = False,
-                  chunk_timeout: float = 5.0, audit: bool = False, tampers=None, shard_owner=None):
+                  chunk_timeout: float = 5.0, audit: bool = False, tampers=None, shard_owner=None, silent=()):
+        """One all-reduce attempt of every peer (results in peer order). Peers in `silent` take no
+        part (their data planes still accept chunks) and get None."""
         n = xs[0].size
         shard_owner = tuple(range(self.p)) if shard_owner is None else tuple(shard_owner)
         shards = len(shard_owner)
-        plan = CollectivePlan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
-                              shard_bounds=tuple(n * i // shards for i in range(shards + 1)),
-                              shard_owner=shard_owner, algorithm=algorithm, chunk_bytes=chunk_bytes,
-                              chunk_timeout_seconds=chunk_timeout, deadline_seconds=30.0, compression=compression,
-                              audit=audit,
-                              ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids, bytes(32), 60.0))
+        plan = Plan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
+                    shard_bounds=tuple(n * i // shards for i in range(shards + 1)),
+                    shard_owner=shard_owner, collective=algorithm, chunk_bytes=chunk_bytes,
+                    chunk_timeout_seconds=chunk_timeout, deadline_seconds=30.0, compression=compression,
+                    audit_owners=audit,
+                    ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids, bytes(32), 60.0))
         for inbox in self.inboxes:
             inbox.start(self.session(attempt))
         reducers = reducers or [None] * self.p
         feedback = feedback or [None] * self.p
+        live = [i for i in range(self.p) if i not in silent]
         try:
-            return await asyncio.gather(*[
+            out = await asyncio.gather(*[
                 all_reduce(xs[i], plan, me=self.ids[i], transport=self.transports[i], inbox=self.inboxes[i],
                            reducer=reducers[i], feedback=feedback[i], tamper=(tampers or {}).get(i))
-                for i in range(self.p)],
+                for i in live],
                 return_exceptions=return_exceptions)
+            results = dict(zip(live, out))
+            return [results.get(i) for i in range(self.p)]
         finally:
             for inbox in self.inboxes:
                 inbox.finish(0, attempt)

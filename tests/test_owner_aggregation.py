@@ -12,7 +12,8 @@ import pytest
 from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendPlan
 from shoal.peer.aggregators import AGGREGATORS, make_aggregator
 from shoal.peer.byzantine import ATTACKS, forge
-from shoal.peer.collectives import CollectiveError, CollectivePlan
+from shoal.common.plan import Plan
+from shoal.peer.collectives import CollectiveError
 from shoal.peer.compression import ErrorFeedback, max_abs_error
 
 from shoal.peer.dataplane import Session
@@ -158,13 +159,13 @@ def test_malformed_compressed_chunk_is_refused():
 
 
 def test_auditors_are_the_next_owner_and_absent_with_one_owner():
-    plan = CollectivePlan(round=0, attempt=0, participants=("a", "b", "c", "d"), addresses=("",) * 4,
-                          shard_bounds=(0, 1, 2, 3, 4), shard_owner=(0, 1, 2, 3), algorithm="butterfly", audit=True)
+    plan = Plan(participants=("a", "b", "c", "d"), addresses=("",) * 4, shard_bounds=(0, 1, 2, 3, 4),
+                shard_owner=(0, 1, 2, 3), collective="butterfly", audit_owners=True)
     assert plan.auditors() == (1, 2, 3, 0)
     demoted = dataclasses.replace(plan, shard_bounds=(0, 2, 3, 4), shard_owner=(0, 1, 3))  # c owns nothing
     assert demoted.auditors() == (1, 3, 0)
     assert dataclasses.replace(plan, shard_bounds=(0, 4), shard_owner=(2,)).auditors() == (-1,)
-    assert dataclasses.replace(plan, audit=False).auditors() == (-1, -1, -1, -1)
+    assert dataclasses.replace(plan, audit_owners=False).auditors() == (-1, -1, -1, -1)
 
 
 @pytest.mark.parametrize("aggregator, compression", [("mean", "none"), ("trimmed-mean", "int8"), ("krum", "none"),
@@ -210,3 +211,21 @@ async def test_distance_aggregators_with_a_non_owner_participant(audit):
     assert len({r.digest for r in res}) == 1
     reference = make_aggregator("krum", f=1).reduce(np.stack(xs), np.ones(p)).values
     np.testing.assert_allclose(res[0].values, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("audit", [False, True])
+@pytest.mark.parametrize("aggregator", [None, "krum"])
+async def test_butterfly_blames_a_silent_owner_and_nobody_else(audit, aggregator):
+    # Participant 0 takes no part (its data plane is up and buffers what it is sent): everyone
+    # waits for its row or its shard first, times out, and blames it alone.
+    p, n = 4, 203
+    xs = _inputs(p, n, seed=5)
+    reducers = None if aggregator is None else [OwnerReduction(ReductionSpec(aggregator, {"f": 1}), np.ones(p), n)
+                                                for _ in range(p)]
+    async with Swarmlet(p) as sw:
+        out = await sw.run(xs, attempt=0, reducers=reducers, audit=audit, silent={0}, chunk_timeout=0.5,
+                           return_exceptions=True)
+    assert out[0] is None
+    errors = out[1:]
+    assert all(isinstance(e, CollectiveError) and not e.audit for e in errors), out
+    assert all(e.suspects == (sw.ids[0],) for e in errors), [e.suspects for e in errors]

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from shoal.coordinator.admission import create_secret, create_token
-from shoal.peer.collectives import CollectivePlan, all_reduce
+from shoal.common.plan import Plan as CollectivePlan
+from shoal.peer.collectives import all_reduce
 from shoal.peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
 from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes, sign_metadata
 from shoal.common.security import MD_TICKET, Security, open_channel, push_metadata, signing_interceptors
