@@ -140,8 +140,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The engine's plan on the wire, with a fresh round ticket."""
         return self._ticketed(plan.to_proto())
 
-    def apply(self, actions: list[Action]) -> None:
-        """Carry out engine actions: persist first, then notify."""
+    def apply(self, actions: list[Action], *, replying_to: str = "") -> None:
+        """Carry out engine actions: persist first, then notify. `replying_to`: the peer whose
+        Ready produced them; its sync order goes in the reply, not on its event stream."""
         for a in actions:
             if isinstance(a, PersistMember):
                 self.store.save_member(a.member)
@@ -175,7 +176,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     round=r.round, attempt=r.attempt, result_digest=r.result_digest, state_digest=r.state_digest,
                     epoch=a.epoch, participants=r.participants, flagged=r.flagged))
                 for p in list(self.watchers):
-                    self._send(p, ev)
+                    if p not in a.synced:  # those get their sync order (a following action) instead
+                        self._send(p, ev)
             elif isinstance(a, SendAbort):
                 r = a.record
                 self.store.save_abort(r)
@@ -184,12 +186,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                             [p[:8] for p in r.excluded], r.will_retry)
                 ev = pb.RoundEvent(abort=pb.Abort(round=r.round, attempt=r.attempt, reason=r.reason,
                                                   excluded=r.excluded, will_retry=r.will_retry))
-                for p in list(self.watchers):
+                for p in a.to:  # the participants and the ready peers: nobody else waits on it
                     self._send(p, ev)
             elif isinstance(a, SendSync):
                 self.metrics.on_sync()
-                self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a.round, a.state_digest, a.donors,
-                                                                          to=a.peer_id)))
+                if a.peer_id != replying_to:  # a Ready's own order travels in its reply
+                    self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a.round, a.state_digest, a.donors,
+                                                                              to=a.peer_id)))
             elif isinstance(a, SendFinished):
                 # The engine answers every late Ready with SendFinished again; say it once.
                 if self.finished_event is None:
@@ -276,11 +279,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 actions = self.engine.ready_(request.peer_id, request.round, info, self.clock())
             except RoundError as exc:
                 raise _raise(exc) from None
-            self.apply(actions)
+            self.apply(actions, replying_to=request.peer_id)
             resp = pb.ReadyResponse(round=self.engine.committed_rounds)
             for a in actions:
                 if isinstance(a, SendSync) and a.peer_id == request.peer_id:
-                    # Also in the reply: after the run finished, the event stream is closed.
+                    # In the reply only (after the run finished, the event stream is closed).
                     resp.sync.CopyFrom(self._sync_order(a.round, a.state_digest, a.donors, to=a.peer_id))
             return resp
 

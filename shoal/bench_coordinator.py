@@ -141,6 +141,9 @@ def growth_per_round(samples: Iterable[tuple[int, int]], rounds: int) -> float:
 # ------------------------------------------------------------------------------ simulated members
 
 
+_NUDGE = pb.RoundEvent()  # from the heartbeat loop: the run moved past this member's round
+
+
 def _digest(label: str, r: int) -> bytes:
     return hashlib.blake2b(f"{label}:{r}".encode(), digest_size=32).digest()
 
@@ -236,13 +239,19 @@ class SimulatedMember:
 
     async def _heartbeats(self) -> None:
         await asyncio.sleep(random.uniform(0, self.interval))  # members' phases spread over the interval
+        behind = False
         while not self.done.is_set():
             req = pb.HeartbeatRequest(peer_id=self.peer_id)
             t0 = time.perf_counter()
             try:
-                await self._call("Heartbeat", req, timeout=10.0)
+                resp = await self._call("Heartbeat", req, timeout=10.0)
                 if self.stats.steady:
                     self.stats.heartbeats.add(time.perf_counter() - t0)
+                # A peer's safety net for a lost event (its stream opened after a commit was sent):
+                # two heartbeats in a row saying the run is past this member's round.
+                if resp.round > self.state_round and behind:
+                    self.events.put_nowait(_NUDGE)
+                behind = resp.round > self.state_round
             except grpc.aio.AioRpcError as exc:
                 self.stats.heartbeat_errors += 1
                 self.stats.error(f"heartbeat {exc.code().name}")
@@ -279,11 +288,15 @@ class SimulatedMember:
         await self._ready(self.state_round)
         while True:
             ev = await self.events.get()
+            if ev is _NUDGE:
+                await self._ready(self.state_round + 1)  # stale: the answer is a sync order
+                continue
             kind = ev.WhichOneof("event")
             if kind == "finished":
                 self.stats.finished += 1
                 return
             if kind == "sync":
+                self.stats.steady = True  # a commit reached this member as its sync order
                 if self._adopt(ev.sync):
                     await self._ready(self.state_round)
             elif kind == "plan" and ev.plan.round == self.state_round:

@@ -59,13 +59,13 @@ def ready(e: RoundEngine, p: str, now: float, *, rounds: int | None = None, dige
     return e.ready_(p, e.committed_rounds, ReadyInfo(10, 1, 1, d, r, now), now)
 
 
-def commit(e: RoundEngine, now: float) -> SendCommit:
+def commit(e: RoundEngine, now: float) -> tuple[SendCommit, list[SendSync]]:
     run = e.running
     acts = []
     for p in run.plan.participants:
         acts = e.vote(p, run.plan.round, run.plan.attempt, True, b"r", b"s%d" % run.plan.round, now)
     (c,) = [a for a in acts if isinstance(a, SendCommit)]
-    return c
+    return c, [a for a in acts if isinstance(a, SendSync)]
 
 
 def test_the_round_waits_for_a_cohort_then_draws_k_of_the_ready_peers():
@@ -95,14 +95,20 @@ def test_non_participants_sync_and_every_peer_takes_part_over_the_rounds():
         plan = e.running.plan
         assert len(plan.participants) == 4 and plan.round == r
         played.update(plan.participants)
-        c = commit(e, now + 0.5)
+        c, syncs = commit(e, now + 0.5)
         assert c.record.participants == plan.participants
+        # The ready peers left out hear of the commit as a sync order to it (fetch the new state
+        # from the cohort), the others as the commit itself; nobody hears both.
+        left_out = set(PEERS) - set(plan.participants)
+        assert {s.peer_id for s in syncs} == left_out == set(c.synced)
+        assert all(s.round == r + 1 and s.state_digest == c.record.state_digest
+                   and set(s.donors) <= set(plan.participants) for s in syncs)
+        assert all(e.members[p].state.waited_on for p in left_out)  # the next round waits for them
         now += 1.0
-        # Everyone hears of the commit; a non-participant says ready with its old state and gets
-        # a sync order from the cohort, then says ready in sync (the next loop).
-        for p in set(PEERS) - set(plan.participants):
-            (sync,) = [a for a in ready(e, p, now, rounds=r, digest=b"old") if isinstance(a, SendSync)]
-            assert sync.round == r + 1 and set(sync.donors) <= set(plan.participants)
+        # A stale Ready (the order was lost) gets the order again.
+        p = sorted(left_out)[0]
+        (again,) = [a for a in ready(e, p, now, rounds=r, digest=b"old") if isinstance(a, SendSync)]
+        assert again.round == r + 1
     assert set(played) == set(PEERS) and all(n >= 5 for n in played.values()), played
 
 
