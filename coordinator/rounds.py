@@ -20,10 +20,12 @@ Protocol summary:
 - Round r opens when at least `min_peers` peers are ready and either every live member is ready
   or the ready deadline (`ready_timeout`, started by the first ready) has passed. Stragglers are
   left out and keep their lease. While it does not open, `RoundEngine.waiting` says why.
-- With a cohort size K > 0 the quorum is at least K, and the participants are K peers drawn from
-  the ready ones (`draw_cohort`: uniform, seeded, no peer twice); the others keep their lease,
-  learn of the commit like everyone, and, being one round behind, are sent a sync order when
-  they next say ready. K = 0: every ready peer takes part.
+- With a cohort size K > 0 (`coordinator.cohorts`) every peer that says ready, whatever state it
+  holds, waits in a pool; when at least K are in it (and the members the round waits for, or the
+  ready deadline), K are drawn (uniform, seeded, no peer twice). Only the drawn peers that hold an
+  older state get a sync order; the round opens once every drawn peer holds the last committed
+  state and said ready (a drawn peer that has not after `cohort_timeout` is replaced by another
+  draw). The others are told nothing and keep what they have. K = 0: every ready peer takes part.
 - The round commits when every participant voted ok with the same result and state digests.
   Any failed vote, a digest disagreement or the collective deadline aborts the attempt; the
   blamed peers are excluded and the survivors retry (same inputs) after a backoff, up to
@@ -36,13 +38,14 @@ import dataclasses
 import enum
 import logging
 import math
-import random
 from collections import Counter, deque
-from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from shoal.common.plan import Plan, auditor_positions
+from shoal.coordinator.cohorts import Cohort, draw_cohort
 from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round
+
+__all__ = ["draw_cohort"]  # re-exported: the draw is part of the engine's rules
 
 log = logging.getLogger("shoal.coordinator")
 
@@ -62,9 +65,12 @@ class EngineConfig:
     total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
     history_window: committed rounds (and aborted attempts) kept in memory; the store keeps all
         of them. Bounds the coordinator's memory however long it runs.
-    cohort_size: participants per round, drawn from the ready peers (`draw_cohort`); also the
-        least number of ready peers a round waits for. 0 = every ready peer (no draw).
-    cohort_seed: seeds the draws (with the round and attempt), so a run's cohorts are reproducible.
+    cohort_size: participants per round, drawn from the ready peers (`coordinator.cohorts`); also
+        the least number of ready peers a round waits for. 0 = every ready peer (no draw).
+    cohort_seed: seeds the draws (with the round and draw), so a run's cohorts are reproducible.
+    cohort_timeout: a drawn peer that holds an older state has this long to fetch the committed
+        state, train and say ready; then its place is drawn again. Longer than one state sync plus
+        one round of local work.
     The planning settings (collective .. compression) are `PlanPolicy`'s (`plan_policy`).
     """
 
@@ -81,6 +87,7 @@ class EngineConfig:
     history_window: int = 100
     cohort_size: int = 0
     cohort_seed: int = 0
+    cohort_timeout: float = 60.0
     chunk_bytes: int = 1 << 20  # largest chunk through sockets; see planner.plan_layout
     # Chunk size when every participant reaches every other through shared memory (peer.shm):
     # no socket to keep busy, and every chunk costs CPU on both sides.
@@ -272,25 +279,6 @@ class Waiting:
     until: float | None = None
 
 
-def draw_cohort(ready: Iterable[str], k: int, *, seed: int, round_: int, attempt: int,
-                keep: Collection[str] = ()) -> tuple[str, ...]:
-    """The participants of an attempt: `k` distinct peers of `ready`, sorted.
-
-    Uniformly at random without replacement, from a generator seeded by (seed, round, attempt), so
-    the same inputs always draw the same cohort (a run is reproducible; every process that
-    recomputes it agrees). `keep` (the survivors of an aborted attempt of the same round, already
-    connected to each other) are kept and only the places of the excluded peers are drawn anew.
-    k <= 0, or no more ready peers than k: all of `ready`.
-    """
-    pool = sorted(set(ready))
-    if k <= 0 or len(pool) <= k:
-        return tuple(pool)
-    kept = sorted(p for p in set(keep) if p in set(pool))[:k]
-    rest = [p for p in pool if p not in set(kept)]
-    rng = random.Random(f"shoal-cohort:{seed}:{round_}:{attempt}")
-    return tuple(sorted(kept + rng.sample(rest, k - len(kept))))
-
-
 def _plural(k: int, noun: str) -> str:
     return f"{k} {noun}" if k == 1 else f"{k} {noun}s"
 
@@ -305,14 +293,18 @@ class SendPlan:
 
 @dataclass(frozen=True)
 class SendCommit:
-    """Tell every watcher but `synced` that the round committed. `synced`: the ready peers that
-    did not take part; each gets its `SendSync` (in the same action list) instead, which names the
-    new round and its digest: told to fetch it at once, they need not announce themselves stale
-    first (with cohorts of K among N members, that saves N - K calls a round)."""
+    """Tell the round's commit to `to` (None: every watcher) except `synced`.
+
+    `synced`: the ready peers that did not take part (without cohorts); each gets its `SendSync`
+    (in the same action list) instead, which names the new round and its digest, so it need not
+    announce itself stale first. With cohorts `to` is the participants: the pool's other members
+    are told nothing until a draw picks them (`coordinator.cohorts`).
+    """
 
     record: CommitRecord
     epoch: int
     synced: frozenset[str] = frozenset()
+    to: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -393,6 +385,17 @@ class _Opening:
     ready: int = 0  # ready peers the participants were drawn from (a cohort: more than participants)
 
 
+@dataclass(frozen=True)
+class _Draw:
+    """`RoundEngine._decide`'s answer when a cohort is to be drawn (or refilled): `cohort` is
+    the new one; `left_out` the members not waited for any longer (stragglers past the ready
+    deadline, drawn members past the cohort deadline)."""
+
+    cohort: Cohort | None  # None: drop the cohort (the pool has too few peers to fill it)
+    left_out: tuple[str, ...] = ()
+    ready: int = 0
+
+
 class RoundEngine:
     """The coordinator's state and the protocol's rules; see the module docstring.
 
@@ -433,7 +436,7 @@ class RoundEngine:
         # Ready or a tick decides in O(1) whether the round may open instead of scanning every
         # member (10,000 members: 20,000 Ready calls a round).
         self._unready: set[str] = set()
-        self.cohort_survivors: tuple[str, ...] = ()  # of the last aborted attempt of this round
+        self.cohort: Cohort | None = None  # drawn for the round being prepared (cohort_size > 0)
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
         self.running: _Running | None = None
         self.not_before = 0.0
@@ -481,9 +484,13 @@ class RoundEngine:
         decision = self._decide(now)
         if isinstance(decision, Waiting):
             return decision
-        drawn = (f"a cohort of {len(decision.participants)} drawn from {decision.ready} ready peers"
-                 if decision.ready > len(decision.participants) else _plural(len(decision.participants), 'ready peer'))
-        return Waiting(WaitReason.OPENING, f"opening round {self.committed_rounds} with {drawn}",
+        if isinstance(decision, _Draw):
+            drawn = decision.cohort.members if decision.cohort is not None else ()
+            return Waiting(WaitReason.OPENING, f"drawing a cohort of {len(drawn)} for round "
+                                               f"{self.committed_rounds} from {decision.ready} ready peers", drawn)
+        with_ = (f"its cohort of {len(decision.participants)}" if self.config.cohort_size
+                 else _plural(len(decision.participants), 'ready peer'))
+        return Waiting(WaitReason.OPENING, f"opening round {self.committed_rounds} with {with_}",
                        decision.participants)
 
     # ------------------------------------------------------------ membership
@@ -510,6 +517,7 @@ class RoundEngine:
         m = self.members.get(peer_id)
         if m is None or m.lease_expiry <= now:
             self.members.pop(peer_id, None)
+            self.ready.pop(peer_id, None)
             self._refresh(peer_id)
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
@@ -578,9 +586,12 @@ class RoundEngine:
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
         m.num_samples = info.num_samples
-        in_sync = info.state_round == self.committed_rounds and (
-            not self.commits or info.state_digest == self.last_state_digest
-        )
+        in_sync = self._in_sync(info)
+        if not in_sync and self.config.cohort_size and not (self.cohort and peer_id in self.cohort.members):
+            # A cohort's pool: it waits, with the state it has, until a draw picks it.
+            self._check_size(info)
+            self._pool(peer_id, info, now)
+            return self._maybe_open(now)
         if not in_sync:
             order = self._order_sync(m, info.state_round, now)
             if order is None:
@@ -589,19 +600,30 @@ class RoundEngine:
         m.stale_state_round = None
         if round_ != self.committed_rounds:
             raise RoundError(ErrorKind.INVALID, f"round: expected {self.committed_rounds}, got {round_}")
-        other = next((r for p, r in self.ready.items() if p != peer_id), None)  # any other: they all agree
+        self._check_size(info)
+        m.state = m.state.after_ready(in_sync=True)
+        self._pool(peer_id, info, now)
+        return self._maybe_open(now)
+
+    def _in_sync(self, info: ReadyInfo) -> bool:
+        """Whether a Ready's state is the last committed one."""
+        return info.state_round == self.committed_rounds and (
+            not self.commits or info.state_digest == self.last_state_digest)
+
+    def _check_size(self, info: ReadyInfo) -> None:
+        other = next(iter(self.ready.values()), None)  # any other: they all agree
         if other is not None and (other.num_elements != info.num_elements or other.dtype != info.dtype):
             raise RoundError(
                 ErrorKind.INVALID,
                 f"num_elements: {info.num_elements} (dtype {info.dtype}) disagrees with the round's "
                 f"{other.num_elements} (dtype {other.dtype})",
             )
-        m.state = m.state.after_ready(in_sync=True)
+
+    def _pool(self, peer_id: str, info: ReadyInfo, now: float) -> None:
         self.ready[peer_id] = info
         self._refresh(peer_id)
         if self.first_ready_at is None:
             self.first_ready_at = now
-        return self._maybe_open(now)
 
     def _order_sync(self, m: Member, held_round: int, now: float) -> SendSync | None:
         """The sync order for member `m`, which holds the state of round `held_round` (not the
@@ -698,8 +720,9 @@ class RoundEngine:
                 actions += self._abort(now, "lease expired", hit)
         return actions
 
-    def _decide(self, now: float) -> Waiting | _Opening:
-        """Whether a round can open at `now` and with whom, or why not. Changes nothing."""
+    def _decide(self, now: float) -> Waiting | _Opening | _Draw:
+        """Whether a round can open (or a cohort be drawn) at `now`, with whom, or why not.
+        Changes nothing."""
         if self.running is not None:
             plan = self.running.plan
             return Waiting(WaitReason.RUNNING, f"round {plan.round} attempt {plan.attempt} is running with "
@@ -712,6 +735,8 @@ class RoundEngine:
             return self._held
         if self.config.total_rounds and self.committed_rounds >= self.config.total_rounds:
             return done
+        if self.cohort is not None:
+            return self._decide_drawn(now, self.cohort)
         live = {m.peer_id for m in self.live(now)}
         candidates = tuple(sorted(p for p in self.ready if p in live and p not in self.excluded))
         quorum = self._quorum()
@@ -724,10 +749,14 @@ class RoundEngine:
         # joiner forever); the ready timeout bounds the wait for a straggler. A retry waits for
         # nobody: its participants are the survivors.
         waiting_on = tuple(sorted(p for p in self._unready if p in live))
-        if not waiting_on or self.tries > 0:
-            return self._opening(candidates)
-        if self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout:
-            return self._opening(candidates, left_out=waiting_on)
+        late = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
+        if not waiting_on or self.tries > 0 or late:
+            left_out = waiting_on if late and self.tries == 0 else ()
+            if self.config.cohort_size:
+                drawn = draw_cohort(candidates, self.config.cohort_size, seed=self.config.cohort_seed,
+                                    round_=self.committed_rounds, attempt=0)
+                return _Draw(Cohort(drawn, now), left_out, ready=len(candidates))
+            return _Opening(candidates, left_out, ready=len(candidates))
         until = (self.first_ready_at if self.first_ready_at is not None else now) + self.config.ready_timeout
         syncing = sum(self.members[p].state is MemberState.CATCHING_UP for p in waiting_on)
         if syncing == len(waiting_on):
@@ -736,6 +765,40 @@ class RoundEngine:
         return Waiting(WaitReason.STRAGGLERS, f"waiting up to {until - now:.1f} s for "
                                               f"{_plural(len(waiting_on), 'straggler')}", waiting_on, until)
 
+    def _live(self, peer_id: str, now: float) -> bool:
+        m = self.members.get(peer_id)
+        return m is not None and m.lease_expiry > now
+
+    def _ready_in_sync(self, peer_id: str, now: float) -> bool:
+        """Said ready holding the last committed state, is live and not excluded."""
+        info = self.ready.get(peer_id)
+        m = self.members.get(peer_id)
+        return (info is not None and m is not None and m.lease_expiry > now and peer_id not in self.excluded
+                and self._in_sync(info))
+
+    def _decide_drawn(self, now: float, cohort: Cohort) -> Waiting | _Opening | _Draw:
+        """A cohort is drawn: open once every member of it holds the last committed state and said
+        ready; past the cohort deadline, draw again the places of those that have not. O(K) until
+        then (each Ready of the pool asks)."""
+        ready = tuple(p for p in cohort.members if self._ready_in_sync(p, now))
+        quorum = max(1, self.config.min_peers)
+        if len(ready) == len(cohort.members) and len(ready) >= quorum:
+            return _Opening(ready, ready=len(ready))
+        missing = tuple(p for p in cohort.members if p not in ready)
+        until = cohort.drawn_at + self.config.cohort_timeout
+        if now < until:
+            return Waiting(WaitReason.SYNCING, f"waiting up to {until - now:.1f} s for "
+                                                f"{_plural(len(missing), 'drawn peer')} to fetch the committed state "
+                                                f"and say ready", missing, until)
+        pool = [p for p in self.ready if self._live(p, now) and p not in self.excluded]
+        refill = cohort.refill(ready, pool, self.config.cohort_size, seed=self.config.cohort_seed,
+                               round_=self.committed_rounds, now=now)
+        if set(refill.members) != set(cohort.members) and len(refill.members) >= quorum:
+            return _Draw(refill, left_out=missing, ready=len(pool))
+        if len(ready) >= quorum:
+            return _Opening(ready, left_out=missing, ready=len(ready))
+        return _Draw(None, left_out=missing)  # nobody left to draw: back to waiting for a full pool
+
     def _quorum(self) -> int:
         """Fewest ready peers a round opens with: min_peers, initial_peers for round 0, and at
         least the cohort size (a cohort is drawn from the ready peers, never smaller than K)."""
@@ -743,12 +806,6 @@ class RoundEngine:
         if self.committed_rounds == 0 and self.tries == 0:
             quorum = max(quorum, self.config.initial_peers)
         return quorum
-
-    def _opening(self, candidates: tuple[str, ...], left_out: tuple[str, ...] = ()) -> _Opening:
-        """The round opens with `candidates` (the ready peers), or with a cohort drawn from them."""
-        drawn = draw_cohort(candidates, self.config.cohort_size, seed=self.config.cohort_seed,
-                            round_=self.committed_rounds, attempt=self.attempt, keep=self.cohort_survivors)
-        return _Opening(drawn, left_out, ready=len(candidates))
 
     @staticmethod
     def _waited_on(m: Member) -> bool:
@@ -778,6 +835,8 @@ class RoundEngine:
             return True
         if self.config.total_rounds and self.committed_rounds >= self.config.total_rounds:
             return False  # `_decide` says FINISHED
+        if self.cohort is not None:
+            return False  # `_decide_drawn` looks at the cohort only: O(K)
         if len(self.ready) < self._quorum():
             return True
         if self.tries > 0:
@@ -790,6 +849,8 @@ class RoundEngine:
         if self._cannot_open(now):
             return []
         decision = self._decide(now)
+        if isinstance(decision, _Draw):
+            return self._draw(now, decision)
         if isinstance(decision, _Opening):
             return self._open(now, decision)
         if decision.reason is not self._last_wait:
@@ -799,6 +860,30 @@ class RoundEngine:
             self.finished = True
             return [SendFinished(self.committed_rounds, "run complete")]
         return []
+
+    def _draw(self, now: float, d: _Draw) -> list[Action]:
+        """Make `d.cohort` the round's cohort: order a sync for each drawn member that holds an
+        older state, stop waiting for `d.left_out`, and open the round if every member is ready."""
+        for p in d.left_out:
+            m = self.members.get(p)
+            if m is not None:
+                m.state = m.state.after_missed_deadline()
+            if self.cohort is not None and p in self.cohort.members:
+                self.ready.pop(p, None)  # a drawn peer that did not come: back to the pool when it says ready
+            self._refresh(p)
+        self.cohort = d.cohort
+        if d.cohort is None:
+            return self._maybe_open(now)
+        log.info("round %d: a cohort of %d drawn from %d ready peers%s", self.committed_rounds, len(d.cohort.members),
+                 d.ready, f" (replacing {len(d.left_out)})" if d.left_out else "")
+        actions: list[Action] = []
+        for p in d.cohort.members:
+            if not self._ready_in_sync(p, now) and p in self.members:
+                info = self.ready.get(p)
+                order = self._order_sync(self.members[p], info.state_round if info else -1, now)
+                if order is not None:
+                    actions.append(order)
+        return actions + self._maybe_open(now)
 
     def _open(self, now: float, opening: _Opening) -> list[Action]:
         """Plan the round, apply the membership boundary, start the attempt; or hold when it
@@ -816,9 +901,6 @@ class RoundEngine:
                                                                 participants))
             return []
         self._no_trusted_logged = False
-        if opening.ready > len(participants):
-            log.info("round %d attempt %d: a cohort of %d drawn from %d ready peers", self.committed_rounds,
-                     self.attempt, len(participants), opening.ready)
         if self.config.audit_owners and not planned.audit_owners:
             log.warning("round %d is not audited: fewer than two shard owners", self.committed_rounds)
         for p in opening.left_out:  # stragglers: not waited on until they say ready again
@@ -872,9 +954,17 @@ class RoundEngine:
         )
         self.commits.append(rec)
         self._committed += 1
-        # The ready peers that did not take part (a cohort's others, peers excluded on a retry,
-        # stragglers whose Ready came during the attempt) hold the previous state: order their
-        # sync now, as their next Ready would.
+        if self.config.cohort_size:
+            # The pool stays; the participants re-enter it when they say ready with the new state.
+            for p in rec.participants:
+                self.ready.pop(p, None)
+            self._reset_round(keep_pool=True)
+            if self.ready:
+                self.first_ready_at = now  # the pool is ready already: the ready deadline runs
+            return [SendCommit(rec, self.epoch, to=rec.participants)]
+        # The ready peers that did not take part (peers excluded on a retry, stragglers whose
+        # Ready came during the attempt) hold the previous state: order their sync now, as their
+        # next Ready would.
         orders = [self._order_sync(self.members[p], rec.round, now) for p in self.ready
                   if p not in set(rec.participants) and p in self.members]
         syncs = [o for o in orders if o is not None]
@@ -891,17 +981,22 @@ class RoundEngine:
         self.running = None
         self.rounds_aborted += 1
         survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.ready]
-        # The retry draws its participants from every ready peer that is not excluded (a cohort
-        # refills the places of the excluded ones), so that pool must still reach the quorum.
-        pool = sum(1 for p in self.ready if p not in self.excluded)
-        will_retry = (self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
-                      and pool >= max(1, self.config.min_peers, self.config.cohort_size))
+        will_retry = self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
         rec = AbortRecord(run.plan.round, run.plan.attempt, reason, tuple(sorted(excluded)), will_retry, now)
         self.aborts.append(rec)
-        to = tuple(sorted(set(run.plan.participants) | set(self.ready)))
+        cohort = self.cohort
+        if cohort is not None:  # the pool is not told: only the cohort waits on this round
+            to = tuple(sorted(set(run.plan.participants) | set(cohort.members)))
+        else:
+            to = tuple(sorted(set(run.plan.participants) | set(self.ready)))
         self.attempt += 1
+        if will_retry and cohort is not None:
+            # The retry keeps the survivors and fills the excluded places from the pool's peers
+            # that hold the last state (they can start at once; fewer than K if there are none).
+            in_sync = [p for p in self.ready if self._ready_in_sync(p, now)]
+            self.cohort = cohort.refill(survivors, in_sync, self.config.cohort_size, seed=self.config.cohort_seed,
+                                        round_=run.plan.round, now=now)
         if will_retry:
-            self.cohort_survivors = tuple(survivors)
             self.tries += 1
             self.rounds_retried += 1
             self._hold(now + self.config.retry_backoff * 2 ** (self.tries - 1), Waiting(
@@ -909,18 +1004,24 @@ class RoundEngine:
                                     f"after an abort ({reason})", tuple(survivors)))
         else:
             # Give the round up: everyone (the excluded included) starts it over by saying ready.
-            self._reset_round(next_attempt=self.attempt)
+            if cohort is not None:
+                for p in to:
+                    self.ready.pop(p, None)
+            self._reset_round(next_attempt=self.attempt, keep_pool=cohort is not None)
             self._hold(now + self.config.retry_backoff, Waiting(
                 WaitReason.BACKOFF, f"retry backoff: round {run.plan.round} given up after an abort ({reason}); "
                                     f"it starts over when peers say ready"))
         return [SendAbort(rec, to)]
 
-    def _reset_round(self, next_attempt: int | None = None) -> None:
+    def _reset_round(self, next_attempt: int | None = None, *, keep_pool: bool = False) -> None:
+        """A new round (or a round started over): nobody excluded, no cohort, no Ready kept
+        (with cohorts, `keep_pool`: the pool's Readys stay)."""
         self.running = None
-        self.ready = {}
+        if not keep_pool:
+            self.ready = {}
         self.first_ready_at = None
         self.attempt = self.attempt_base if next_attempt is None else next_attempt
         self.tries = 0
         self.excluded = set()
-        self.cohort_survivors = ()
+        self.cohort = None
         self._refresh_all()

@@ -5,6 +5,11 @@ Two backends share one contract (tests/test_store.py runs the same tests on both
 transaction per write; a write returns only once it is durable, so the server may acknowledge
 what it has written). Model state never lives here: peers hold it.
 
+`batch(durable=...)` groups writes into one transaction (one fsync for a round boundary's members
+and epoch). `durable=False` skips the fsync (synchronous=NORMAL in WAL mode): the transaction
+survives a crash of the process, not of the machine; the coordinator uses it for joins and
+departures only, which a peer repeats if they are lost (it joins again on NOT_FOUND).
+
 Other processes (`shoal swarm`, tests) read a live coordinator's state file through
 `SQLiteStore.reader` (read-only, never blocks the coordinator's writes), never with raw SQL.
 A member's state is stored as its `MemberState.label` ("pending", "syncing", "member").
@@ -21,11 +26,13 @@ and reads older rounds with `recent_commits` / `recent_aborts`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import sqlite3
 import threading
-from typing import Protocol
+from collections.abc import Iterator
+from typing import ContextManager, Protocol
 
 from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
 
@@ -65,6 +72,7 @@ class Store(Protocol):
     def save_abort(self, rec: AbortRecord) -> None: ...
     def get_meta(self, key: str) -> str | None: ...
     def set_meta(self, key: str, value: str) -> None: ...
+    def batch(self, durable: bool = True) -> ContextManager[None]: ...
     def close(self) -> None: ...
 
 
@@ -126,6 +134,9 @@ class MemoryStore:
 
     def set_meta(self, key: str, value: str) -> None:
         self.meta[key] = value
+
+    def batch(self, durable: bool = True) -> ContextManager[None]:
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
@@ -192,7 +203,8 @@ class SQLiteStore:
     """
 
     def __init__(self, path: str, *, read_only: bool = False):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._in_batch = False
         self.path = str(path)
         if read_only:
             self._db = sqlite3.connect(f"{pathlib.Path(path).absolute().as_uri()}?mode=ro", uri=True,
@@ -224,8 +236,34 @@ class SQLiteStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def batch(self, durable: bool = True) -> Iterator[None]:
+        """One transaction for every write inside (nested batches join the outer one): committed
+        at the end, rolled back when the block raises. durable=False: no fsync (see the module
+        docstring)."""
+        with self._lock:
+            if self._in_batch:
+                yield
+                return
+            self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self._db.execute("BEGIN IMMEDIATE")
+            self._in_batch = True
+            try:
+                yield
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            finally:
+                self._in_batch = False
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
+
     def _write(self, sql: str, args: tuple) -> None:
         with self._lock:
+            if self._in_batch:
+                self._db.execute(sql, args)
+                return
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.execute(sql, args)

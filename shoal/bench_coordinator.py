@@ -17,6 +17,9 @@ The report (one JSON object):
   round 0 committed (every member joined), measured by the members (call to answer).
 - ``round_open_to_plan_p99_seconds``: per round, from the last Ready that let it open to the
   last participant holding the plan.
+- A member in a round's cohort spends ``--train-seconds`` (uniformly 0.5x to 1.5x) of simulated
+  local work after the commit, or after its state sync, before it says ready: the rounds come at
+  the pace of training, not as fast as the coordinator can answer.
 - ``rss_bytes``: the coordinator's peak resident memory (VmHWM); ``rss_growth_bytes_per_round``:
   the slope of its resident memory over the committed rounds of the second half of the run.
 - ``cpu_seconds_per_second``: the coordinator's CPU time (user + system) per wall second from the
@@ -77,6 +80,8 @@ class CoordinatorBenchOptions:
     lease_seconds: float = 10.0
     ready_timeout: float = 10.0
     members_per_connection: int = 1
+    train_seconds: float = 1.0
+    coordinator_nice: int = 0
     timeout: float = 3600.0
     workdir: str | None = None
     seed: int = 0
@@ -142,6 +147,7 @@ def growth_per_round(samples: Iterable[tuple[int, int]], rounds: int) -> float:
 
 
 _NUDGE = pb.RoundEvent()  # from the heartbeat loop: the run moved past this member's round
+ROUND_SILENCE = 15.0  # peer.agent's default round_silence
 
 
 def _digest(label: str, r: int) -> bytes:
@@ -156,6 +162,7 @@ class _Stats:
     join_last: float = 0.0
     joins: int = 0
     heartbeats: Histogram = dataclasses.field(default_factory=Histogram)
+    loop_lag: Histogram = dataclasses.field(default_factory=Histogram)  # this process's own scheduling delay
     heartbeat_errors: int = 0
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     ready_at: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> last in-sync Ready sent
@@ -170,7 +177,7 @@ class _Stats:
 
     def to_json(self) -> dict:
         return {"join_first": self.join_first if self.joins else None, "join_last": self.join_last,
-                "joins": self.joins, "heartbeats": self.heartbeats.bins, "heartbeat_errors": self.heartbeat_errors,
+                "joins": self.joins, "heartbeats": self.heartbeats.bins, "loop_lag": self.loop_lag.bins, "heartbeat_errors": self.heartbeat_errors,
                 "errors": self.errors, "ready_at": self.ready_at, "plan_at": self.plan_at, "votes": self.votes,
                 "syncs": self.syncs, "finished": self.finished}
 
@@ -178,8 +185,9 @@ class _Stats:
 class SimulatedMember:
     """One member: the control-plane calls of a peer, no data plane (see the module docstring)."""
 
-    def __init__(self, index: int, key: Ed25519PrivateKey, channel: grpc.aio.Channel, stats: _Stats):
-        self.index, self.key, self.stats = index, key, stats
+    def __init__(self, index: int, key: Ed25519PrivateKey, channel: grpc.aio.Channel, stats: _Stats,
+                 train_seconds: float = 0.0):
+        self.index, self.key, self.stats, self.train_seconds = index, key, stats, train_seconds
         self.stub = pb_grpc.CoordinatorStub(channel)
         self.peer_id = ""
         self.state_round = 0
@@ -284,12 +292,20 @@ class SimulatedMember:
         if resp.HasField("sync") and self._adopt(resp.sync):
             await self._ready(self.state_round)
 
+    async def _train(self) -> None:
+        """Simulated local work of one round."""
+        if self.train_seconds > 0:
+            await asyncio.sleep(random.uniform(0.5, 1.5) * self.train_seconds)
+
     async def _rounds(self) -> None:
         await self._ready(self.state_round)
         while True:
-            ev = await self.events.get()
+            try:
+                ev = await asyncio.wait_for(self.events.get(), ROUND_SILENCE)
+            except TimeoutError:
+                ev = _NUDGE  # a peer announces itself again after `round_silence` without events
             if ev is _NUDGE:
-                await self._ready(self.state_round + 1)  # stale: the answer is a sync order
+                await self._ready(self.state_round)
                 continue
             kind = ev.WhichOneof("event")
             if kind == "finished":
@@ -298,6 +314,7 @@ class SimulatedMember:
             if kind == "sync":
                 self.stats.steady = True  # a commit reached this member as its sync order
                 if self._adopt(ev.sync):
+                    await self._train()
                     await self._ready(self.state_round)
             elif kind == "plan" and ev.plan.round == self.state_round:
                 p = ev.plan
@@ -315,6 +332,7 @@ class SimulatedMember:
                 self.stats.steady = True
                 if c.round == self.state_round and self.peer_id in c.participants:
                     self.state_round, self.state_digest = c.round + 1, c.state_digest
+                    await self._train()
                     await self._ready(self.state_round)
                 elif c.round >= self.state_round:
                     # Left out of the round: say ready holding the old state; the answer is a sync order.
@@ -328,7 +346,7 @@ def member_key(seed: int, index: int) -> Ed25519PrivateKey:
 
 
 async def run_members(address: str, first: int, count: int, *, seed: int, per_connection: int,
-                      join_rate: float, out: str) -> None:
+                      join_rate: float, train_seconds: float, out: str) -> None:
     """Run members first .. first+count-1 against `address` until the run finishes; write the
     process's `_Stats` as JSON to `out`. Joins are spread at `join_rate` per second."""
     stats = _Stats()
@@ -339,13 +357,25 @@ async def run_members(address: str, first: int, count: int, *, seed: int, per_co
         if k % max(1, per_connection) == 0:
             # A distinct channel argument keeps grpc from sharing one connection between channels.
             channels.append(grpc.aio.insecure_channel(address, options=options + [("shoal.bench.member", first + k)]))
-        members.append(SimulatedMember(first + k, member_key(seed, first + k), channels[-1], stats))
+        members.append(SimulatedMember(first + k, member_key(seed, first + k), channels[-1], stats, train_seconds))
+    async def lag() -> None:
+        # How late this process's own event loop runs: the part of a measured latency that is
+        # the member's, not the coordinator's.
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.01)
+            if stats.steady:
+                stats.loop_lag.add(max(1e-6, time.perf_counter() - t0 - 0.01))
+
     try:
         async with asyncio.TaskGroup() as tg:
+            lag_task = tg.create_task(lag())
             for k, m in enumerate(members):
                 tg.create_task(m.run())
                 if join_rate > 0:
                     await asyncio.sleep(1.0 / join_rate)
+            await asyncio.gather(*(m.done.wait() for m in members))
+            lag_task.cancel()
     finally:
         for ch in channels:
             await ch.close()
@@ -374,11 +404,12 @@ class _Processes:
         self.workdir = workdir
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], nice: int = 0) -> subprocess.Popen:
         out = open(self.workdir / f"{name}.log", "ab")
         try:
             p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=_ROOT,
-                                 env={**os.environ, "PYTHONPATH": _ROOT}, start_new_session=True)
+                                 env={**os.environ, "PYTHONPATH": _ROOT}, start_new_session=True,
+                                 preexec_fn=(lambda: os.nice(nice)) if nice else None)
         finally:
             out.close()
         self.procs.append((name, p))
@@ -429,7 +460,7 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
         stack.callback(procs.close)
         ready = wd / "coordinator.addr"
         ready.unlink(missing_ok=True)
-        coord = procs.start("coordinator", _coordinator_argv(opts, wd))
+        coord = procs.start("coordinator", _coordinator_argv(opts, wd), nice=opts.coordinator_nice)
         while not ready.exists():
             if coord.poll() is not None:
                 raise RuntimeError(f"coordinator exited {coord.returncode}:\n{procs.tail('coordinator')}")
@@ -450,7 +481,7 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
                 sys.executable, "-m", "shoal.bench_coordinator", "members", "--coordinator", address,
                 "--first", str(first), "--count", str(count), "--seed", str(opts.seed),
                 "--per-connection", str(opts.members_per_connection), "--join-rate", str(max(50.0, 2000.0 / k)),
-                "--out", str(out)])))
+                "--train-seconds", str(opts.train_seconds), "--out", str(out)])))
             first += count
         samples: list[tuple[int, int]] = []  # (rounds committed, RSS)
         last_round = -1
@@ -476,9 +507,10 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
 
 def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tuple[int, int]], base: dict,
             end: dict, t_start: float, t_end: float) -> dict:
-    beats = Histogram()
+    beats, lag = Histogram(), Histogram()
     for s in stats:
         beats.merge(Histogram({int(b): n for b, n in s["heartbeats"].items()}))
+        lag.merge(Histogram({int(b): n for b, n in s["loop_lag"].items()}))
     join_first = min(s["join_first"] for s in stats if s["join_first"] is not None)
     join_last = max(s["join_last"] for s in stats)
     ready_at: dict[int, float] = {}
@@ -502,10 +534,14 @@ def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tupl
         "processes": len(stats),
         "members_per_connection": opts.members_per_connection,
         "heartbeat_interval_seconds": opts.lease_seconds / 4,
+        "train_seconds": opts.train_seconds,
+        "coordinator_nice": opts.coordinator_nice,
         "joins_per_second": round(sum(s["joins"] for s in stats) / max(1e-9, join_last - join_first), 1),
         "heartbeats_measured": beats.count,
         "heartbeat_p50_seconds": round(beats.quantile(0.5), 5),
         "heartbeat_p99_seconds": round(beats.quantile(0.99), 5),
+        "member_loop_lag_p99_seconds": round(lag.quantile(0.99), 5),
+        "load_average": os.getloadavg()[0],
         "round_open_to_plan_p50_seconds": round(_quantile(open_to_plan, 0.5), 5),
         "round_open_to_plan_p99_seconds": round(_quantile(open_to_plan, 0.99), 5),
         "seconds_per_round": round((t_end - join_last) / max(1, opts.rounds), 3),
@@ -541,6 +577,11 @@ def add_parser(bsub) -> None:
                    help=f"the coordinator's ready deadline (default {d.ready_timeout:g})")
     b.add_argument("--members-per-connection", type=int, default=d.members_per_connection,
                    help="members sharing one gRPC connection (default 1: one each)")
+    b.add_argument("--train-seconds", type=float, default=d.train_seconds,
+                   help=f"simulated local work of a cohort member per round (default {d.train_seconds:g})")
+    b.add_argument("--coordinator-nice", type=int, default=d.coordinator_nice,
+                   help="scheduling niceness of the coordinator process (negative: ahead of the members and of "
+                        "other load on a shared machine, as on a host of its own; needs root)")
     b.add_argument("--seed", type=int, default=d.seed, help="seed of the members' keys")
     b.add_argument("--timeout", type=float, default=d.timeout, help="give up after this many seconds")
     b.add_argument("--workdir", help="keep the state file, logs and member reports here")
@@ -551,6 +592,7 @@ def options_from_args(a: argparse.Namespace) -> CoordinatorBenchOptions:
     return CoordinatorBenchOptions(members=a.members, rounds=a.rounds, cohort_size=a.cohort_size,
                                    processes=a.processes, lease_seconds=a.lease_seconds,
                                    ready_timeout=a.ready_timeout, members_per_connection=a.members_per_connection,
+                                   train_seconds=a.train_seconds, coordinator_nice=a.coordinator_nice,
                                    timeout=a.timeout, workdir=a.workdir, seed=a.seed)
 
 
@@ -562,6 +604,7 @@ def _members_main(argv: list[str]) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-connection", type=int, default=1)
     ap.add_argument("--join-rate", type=float, default=500.0)
+    ap.add_argument("--train-seconds", type=float, default=0.0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -572,7 +615,7 @@ def _members_main(argv: list[str]) -> None:
     else:
         runner = uvloop.run
     runner(run_members(a.coordinator, a.first, a.count, seed=a.seed, per_connection=a.per_connection,
-                       join_rate=a.join_rate, out=a.out))
+                       join_rate=a.join_rate, train_seconds=a.train_seconds, out=a.out))
 
 
 if __name__ == "__main__":

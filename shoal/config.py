@@ -158,8 +158,11 @@ class RoundsSection:
                                       "peers' measured links; butterfly with equal tensor shards until links are "
                                       "known)", choices=("ring", "butterfly", "auto"))
     cohort_size: int = setting(0, "participants per round: a cohort drawn uniformly at random (seeded by run.seed) "
-                                  "from the ready peers, also the fewest ready peers a round opens with; the "
-                                  "others keep training and sync to each commit (0 = every ready peer)")
+                                  "from the ready peers, also the fewest ready peers a round opens with; only "
+                                  "drawn peers fetch the committed state, the others keep theirs until drawn "
+                                  "(0 = every ready peer)")
+    cohort_timeout: float = setting(60.0, "a drawn peer holding an older state has this long to fetch the committed "
+                                          "state, train and say ready, then its place is drawn again (seconds)")
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
 
@@ -169,7 +172,7 @@ class RoundsSection:
         _check(self.rounds >= 0, r, "rounds", ">= 0 (0 = run forever)", self.rounds)
         _check(self.min_peers >= 1, r, "min_peers", ">= 1", self.min_peers)
         _check(self.initial_peers >= 0, r, "initial_peers", ">= 0 (0 = min_peers)", self.initial_peers)
-        for key in ("lease_seconds", "collective_timeout", "chunk_timeout", "chunk_safety"):
+        for key in ("lease_seconds", "collective_timeout", "chunk_timeout", "chunk_safety", "cohort_timeout"):
             v = getattr(self, key)
             _check(v > 0 and _finite(v), r, key, "> 0", v)
         for key in ("ready_timeout", "retry_backoff"):
@@ -195,7 +198,7 @@ class RoundsSection:
                             shm_chunk_bytes=self.shm_chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
                             total_rounds=self.rounds, collective=collective, cohort_size=self.cohort_size,
-                            cohort_seed=run.seed)
+                            cohort_seed=run.seed, cohort_timeout=self.cohort_timeout)
 
 
 @dataclass(frozen=True)

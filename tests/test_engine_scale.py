@@ -1,6 +1,6 @@
 """The engine's O(1) checks agree with the full rules: after any sequence of events, the set of
-members a round waits for (`_unready`) is what the full scan finds, and the cheap "cannot open"
-never says no where `_decide` would open a round."""
+members a round waits for (`_unready`) is what the full scan finds, the cheap "cannot open" never
+says no where `_decide` would open a round, and a round (a cohort's too) is never empty."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ def slow_unready(e: RoundEngine) -> set[str]:
             if m.connected and m.state.waited_on and p not in e.ready and p not in e.excluded}
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(100))
 def test_incremental_waiting_set_matches_the_full_scan(seed):
     rng = random.Random(seed)
     peers = [f"p{i}" for i in range(8)]
     e = RoundEngine(EngineConfig(min_peers=2, lease_seconds=3.0, ready_timeout=1.0, collective_timeout=2.0,
-                                 max_attempts=3, retry_backoff=0.0, cohort_size=rng.choice([0, 0, 3]),
+                                 max_attempts=3, retry_backoff=0.0, cohort_size=rng.choice([0, 3]), cohort_timeout=1.5,
                                  total_rounds=rng.choice([0, 6])))
     now = 0.0
     for _ in range(600):
@@ -55,5 +55,8 @@ def test_incremental_waiting_set_matches_the_full_scan(seed):
         except RoundError:
             pass
         assert e._unready == slow_unready(e)
+        if e.running is not None:
+            k = e.config.cohort_size
+            assert 0 < len(e.running.plan.participants) and (not k or len(e.running.plan.participants) <= k)
         if e._cannot_open(now):
             assert not isinstance(e._decide(now), _Opening)

@@ -195,3 +195,20 @@ def test_a_file_of_an_earlier_version_is_stamped_with_the_schema(tmp_path):
     assert (db.execute("PRAGMA application_id").fetchone()[0], db.execute("PRAGMA user_version").fetchone()[0]) == (
         APPLICATION_ID, SCHEMA_VERSION)
     db.close()
+
+
+def test_a_batch_is_one_transaction(make_store):
+    s = make_store()
+    with s.batch():
+        s.save_commit(rec(0))
+        s.save_epoch(3)
+    with pytest.raises(RuntimeError):
+        with s.batch(durable=False):
+            s.save_member(Member("a", b"k" * 32, "h:1", 5, 0.0, MemberState.MEMBER))
+            raise RuntimeError("boom")
+    with s.batch(durable=False):
+        s.save_member(Member("b", b"k" * 32, "h:2", 5, 0.0, MemberState.MEMBER))
+    s2 = make_store()
+    assert s2.count_commits() == 1 and s2.load_epoch() == 3
+    if isinstance(s2, SQLiteStore):  # the in-memory store has no transactions to roll back
+        assert [m.peer_id for m in s2.load_members()] == ["b"]
