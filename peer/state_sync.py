@@ -8,6 +8,9 @@ applied.
 
 Failure semantics: `download_state` either returns a verified blob or raises `SyncError`; the
 caller's state is never touched by a partial download.
+
+The donor side is `HeldStates`: what a peer serves (its committed state, and the few before it,
+so that a download in flight survives the swarm committing another round).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
-from shoal.peer.dataplane import Transport
+from shoal.peer.dataplane import StateSource, Transport
+from shoal.peer.workload import State
 from shoal.common.security import MD_TICKET
 from shoal.common.tensors import digest
 from shoal.v1 import shoal_pb2 as pb
@@ -27,6 +32,39 @@ from shoal.v1 import shoal_pb2 as pb
 log = logging.getLogger("shoal.peer.state_sync")
 
 RANGE_BYTES = 256 << 10
+HELD_STATES = 3  # committed states a donor keeps serving (the newest and two before it)
+
+
+class HeldStates(StateSource):
+    """The donor side: serves `current()` (the committed state) and the `keep - 1` committed
+    states before it that it has seen (`hold`, or any call here). States are held as objects, so
+    a state is serialized only when a joiner asks for it."""
+
+    def __init__(self, current: Callable[[], State], keep: int = HELD_STATES):
+        if keep < 1:
+            raise ValueError(f"keep: a donor holds at least its current state, got {keep}")
+        self.current = current
+        self.keep = keep
+        self._held: dict[int, State] = {}
+
+    def hold(self) -> State:
+        """Remember the current committed state (replacing another of the same round); returns it."""
+        st = self.current()
+        old = self._held.get(st.rounds)
+        if old is not st and (old is None or old.digest() != st.digest()):
+            self._held[st.rounds] = st
+            for r in sorted(self._held)[:-self.keep]:
+                del self._held[r]
+        return st
+
+    def committed_state(self) -> tuple[int, bytes, bytes]:
+        st = self.hold()
+        return st.rounds, st.to_bytes(), st.digest()
+
+    def state_for(self, rounds: int) -> tuple[bytes, bytes] | None:
+        self.hold()
+        st = self._held.get(rounds)
+        return (st.to_bytes(), st.digest()) if st is not None else None
 
 
 class SyncError(Exception):

@@ -6,18 +6,27 @@ The agent (peer.agent) drives rounds and never looks inside the model. Per round
 the coordinator committed that state's digest. For state sync it serializes the committed state
 (`state.to_bytes()`) and rebuilds a downloaded one (`state_from_bytes`).
 
-Two implementations: `peer.training.DigitsWorkload` (the default numpy MLP on the digits data)
-and `peer.torch_integration.TorchWorkload` (a user's PyTorch model, driven by its own loop).
-Both keep their committed state as a `FlatStateWorkload`: one float32 parameter vector plus the
-outer optimizer, so the outer step is the same numpy code, bit-identical on every peer.
+Three implementations: `peer.training.DigitsWorkload` (the default numpy MLP on the digits
+data) and `peer.torch_integration.TorchWorkload` (a user's PyTorch model, driven by its own loop)
+keep their committed state as a `FlatStateWorkload`: one float32 parameter vector plus the outer
+optimizer, so the outer step is the same numpy code, bit-identical on every peer.
+`ArrayWorkload` trains nothing: it all-reduces a given tensor every round and its committed
+state is the last result (the all-reduce benchmark job, shoal.collective_job).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from shoal.common.errors import InvalidArgument
+from shoal.common.tensors import digest
 from shoal.peer.training import CommittedState, FlatStateWorkload, LocalUpdate, RunConfig  # noqa: F401 (re-export)
 
 
@@ -25,16 +34,29 @@ class WorkloadClosed(Exception):
     """Raised by `local_update` when the workload's owner stopped training; the agent leaves."""
 
 
+class State(Protocol):
+    """A committed state: `rounds` committed rounds, `params` the `(n,)` committed tensor,
+    `to_bytes()` its deterministic serialization, `digest()` BLAKE3-256 of that. Immutable once
+    built (both are computed once and reused)."""
+
+    rounds: int
+    params: np.ndarray
+
+    def to_bytes(self) -> bytes: ...
+
+    def digest(self) -> bytes: ...
+
+
 @runtime_checkable
 class Workload(Protocol):
     """The contract between the agent and a model. All methods are called from the agent.
 
-    state: the committed state; `state.rounds` is the number of committed rounds it reflects,
-        `state.to_bytes()` its deterministic serialization, `state.digest()` BLAKE3-256 of it.
+    state: the committed state (a `State`); `state.rounds` is the number of committed rounds it
+        reflects, `state.to_bytes()` its deterministic serialization, `state.digest()` BLAKE3-256 of it.
     num_samples: this peer's training samples (the FedAvg weight).
     local_update(): blocking (run in a worker thread); inner training from the committed
-        parameters; returns the pseudo-gradient (n,) float32 and the mean loss. It must not
-        change the committed state.
+        parameters; returns the pseudo-gradient (n,) float32 (ArrayWorkload: its input, any
+        float dtype) and the mean loss. It must not change the committed state.
     tentative(aggregate): the state after the outer step on `aggregate` (n,) float32, on
         copies; the committed state is untouched (an abort leaves nothing to undo).
     apply(state): make `state` the committed one (after a commit or a verified state sync).
@@ -43,7 +65,7 @@ class Workload(Protocol):
     """
 
     cfg: RunConfig
-    state: CommittedState
+    state: State
 
     @property
     def num_samples(self) -> int: ...
@@ -53,10 +75,101 @@ class Workload(Protocol):
 
     def local_update(self) -> LocalUpdate: ...
 
-    def tentative(self, aggregate: np.ndarray) -> CommittedState: ...
+    def tentative(self, aggregate: np.ndarray) -> State: ...
 
-    def apply(self, state: CommittedState) -> None: ...
+    def apply(self, state: State) -> None: ...
 
-    def state_from_bytes(self, blob: bytes) -> CommittedState: ...
+    def state_from_bytes(self, blob: bytes) -> State: ...
 
     def evaluate(self) -> float: ...
+
+
+_ARRAY_MAGIC = b"SHOALAR1"
+
+
+@dataclass
+class ArrayState:
+    """The committed state of an `ArrayWorkload`: `params` `(n,)` (any dtype), the result of the
+    last committed round, and the number of committed rounds. Treated as immutable; the
+    serialization (magic | u32 header length | JSON header | raw bytes) is built only when a
+    donor serves it, and the digest hashes header and array in place (no copy of a large tensor)."""
+
+    params: np.ndarray
+    rounds: int
+    _header: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    _blob: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    _digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
+
+    def header(self) -> bytes:
+        if self._header is None:
+            h = json.dumps({"rounds": self.rounds, "dtype": self.params.dtype.str, "n": int(self.params.size)},
+                           sort_keys=True).encode()
+            self._header = _ARRAY_MAGIC + struct.pack("<I", len(h)) + h
+        return self._header
+
+    def to_bytes(self) -> bytes:
+        if self._blob is None:
+            self._blob = self.header() + np.ascontiguousarray(self.params).tobytes()
+        return self._blob
+
+    def digest(self) -> bytes:
+        """BLAKE3-256 of `to_bytes()`."""
+        if self._digest is None:
+            self._digest = digest(self.header(), self.params)
+        return self._digest
+
+    @staticmethod
+    def from_bytes(blob: bytes) -> "ArrayState":
+        """Inverse of `to_bytes`. Raises InvalidArgument on a malformed blob."""
+        if blob[:8] != _ARRAY_MAGIC or len(blob) < 12:
+            raise InvalidArgument("state: bad magic")
+        (hl,) = struct.unpack("<I", blob[8:12])
+        try:
+            header = json.loads(blob[12:12 + hl])
+            dtype, n, rounds = np.dtype(header["dtype"]), int(header["n"]), int(header["rounds"])
+        except (ValueError, KeyError, TypeError):
+            raise InvalidArgument("state: bad header") from None
+        body = blob[12 + hl:]
+        if len(body) != n * dtype.itemsize:
+            raise InvalidArgument(f"state: {len(body)} bytes for {n} elements of {dtype}")
+        return ArrayState(np.frombuffer(body, dtype=dtype).copy(), rounds)
+
+
+class ArrayWorkload:
+    """A `Workload` that all-reduces `inputs(round)` `(size,)` of `dtype` every round.
+
+    The committed state is the last committed result (`ArrayState`); `tentative(aggregate)` is
+    the aggregate itself, so a round commits the digest of exactly what the collective computed.
+    There is no training and no model: `evaluate()` is NaN and the loss is 0.
+    """
+
+    def __init__(self, cfg: RunConfig, inputs: Callable[[int], np.ndarray], size: int, dtype: str | np.dtype,
+                 num_samples: int = 1):
+        self.cfg = cfg
+        self.inputs = inputs
+        self.size = int(size)
+        self.state = ArrayState(np.zeros(0, dtype=np.dtype(dtype)), 0)
+        self._num_samples = num_samples
+
+    @property
+    def num_samples(self) -> int:
+        return self._num_samples
+
+    @property
+    def num_params(self) -> int:
+        return self.size
+
+    def local_update(self) -> LocalUpdate:
+        return LocalUpdate(self.inputs(self.state.rounds), 0.0, self._num_samples)
+
+    def tentative(self, aggregate: np.ndarray) -> ArrayState:
+        return ArrayState(aggregate, self.state.rounds + 1)
+
+    def apply(self, state: ArrayState) -> None:
+        self.state = state
+
+    def state_from_bytes(self, blob: bytes) -> ArrayState:
+        return ArrayState.from_bytes(blob)
+
+    def evaluate(self) -> float:
+        return math.nan

@@ -1,10 +1,16 @@
-"""A process that all-reduces synthetic tensors through a coordinator: no training, just rounds.
+"""A process that all-reduces synthetic tensors through a coordinator: the round protocol of
+`shoal peer`, with no training.
 
 Used by the tests (all-reduce correctness across real processes) and by `shoal bench`. Each
-process joins the coordinator, and for every round: says ready with a tensor of `--size`
-elements drawn from a seeded generator (seed = base seed + rank + round), runs the planned
-collective, votes with the result digest, and on commit records the digest and the time. The
-result of the last round is saved as .npy next to the JSON report.
+process runs the peer agent (peer.agent.PeerAgent: join, lease and heartbeats, the round-event
+watch, retries, state sync, link measurement; the same RoundClient as `shoal peer`) with an
+`ArrayWorkload` whose input in round r is a tensor of `--size` elements drawn from a seeded
+generator (`make_input`), and the plain-sum contribution policy: every round commits the SUM
+of the participants' inputs (what gloo's all_reduce computes), and that sum is the committed
+state. The JSON report has, per collective attempt that produced a result, `rounds[]` (seconds,
+bytes_sent, algorithm, participants, predicted_seconds, cpu_seconds, shard_fractions, lanes,
+chunk_bytes, aggregator, flagged), and `committed`, `last_digest`, `links`, `peer_id`,
+`wall_seconds`. The result of the last round is saved as PATH.npy next to the JSON report.
 
     python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH \
         (--insecure | --tls-dir DIR) [--join-token T]
@@ -22,20 +28,23 @@ import functools
 import json
 import time
 
-import grpc
 import numpy as np
 
-from shoal.peer.byzantine import forge
-from shoal.common.plan import Plan as CollectivePlan
-from shoal.peer.collectives import CollectiveError, all_reduce
-from shoal.peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
-from shoal.peer.reduction import OwnerReduction, ReductionSpec
-from shoal.common.identity import load_or_create_key, public_bytes
-from shoal.peer.links import LinkMeter, probe_missing
-from shoal.common.security import Security, open_channel, signing_interceptors
-from shoal.common.tensors import dtype_code
-from shoal.v1 import shoal_pb2 as pb
-from shoal.v1 import shoal_pb2_grpc as pb_grpc
+from shoal.common.plan import Plan
+from shoal.common.security import Security
+from shoal.peer.agent import PeerAgent, PeerConfig
+from shoal.peer.contribution import Forgery, SumContribution
+from shoal.peer.rounds import CollectiveRecord, Outcome, RoundListener, RoundOutcome
+from shoal.peer.training import RunConfig
+from shoal.peer.workload import ArrayWorkload
+
+# Seconds a finished job keeps serving its last state (for a peer that fell behind at the end).
+FINISH_LINGER_SECONDS = 0.5
+# Committed states a job serves: only the newest. Its state is the whole result (64 MB in the
+# benchmark); holding older ones for joiners' downloads, as training peers do, grows the live
+# set by one result per round over the first rounds, and each of those rounds pays for fresh
+# pages (page faults, ~100 ms of CPU per 64 MB on a busy host) while the timed collectives run.
+HELD_STATES = 1
 
 
 @functools.lru_cache(maxsize=4)
@@ -53,132 +62,73 @@ def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.n
     return (_base_input(seed, rank, size) + np.float32(0.01 * round_)).astype(dtype, copy=False)
 
 
-async def _join(stub: pb_grpc.CoordinatorStub, req: pb.JoinRequest) -> pb.JoinResponse:
-    delay = 0.1
-    while True:  # a rate-limited join (RESOURCE_EXHAUSTED) is retried; the caller's timeout bounds it
-        try:
-            return await stub.Join(req, wait_for_ready=True, timeout=10)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise
-        await asyncio.sleep(delay)
-        delay = min(2.0, delay * 2)
-
-
-def _fractions(cp: CollectivePlan) -> list[float]:
+def shard_fractions(plan: Plan) -> list[float]:
     """Share of the tensor each participant (in collective order) owns."""
-    n = cp.shard_bounds[-1] or 1
-    out = [0.0] * len(cp.participants)
-    for k, owner in enumerate(cp.shard_owner):
-        out[owner] += (cp.shard_bounds[k + 1] - cp.shard_bounds[k]) / n
+    n = plan.shard_bounds[-1] or 1
+    out = [0.0] * plan.size
+    for k, owner in enumerate(plan.shard_owner):
+        out[owner] += (plan.shard_bounds[k + 1] - plan.shard_bounds[k]) / n
     return out
+
+
+class JobReport(RoundListener):
+    """The job's report (module docstring), filled as rounds go by."""
+
+    def __init__(self, rank: int, size: int, dtype: str, contribution: SumContribution, keep_results: bool):
+        self.contribution = contribution
+        self.keep_results = keep_results
+        self.workload: ArrayWorkload | None = None
+        self.report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype, "results": {}}
+
+    def on_collective(self, rec: CollectiveRecord) -> None:
+        p = rec.plan
+        self.report["rounds"].append({
+            "round": p.round, "attempt": p.attempt, "seconds": rec.seconds, "bytes_sent": rec.bytes_sent,
+            "algorithm": p.collective, "participants": p.size, "flagged": list(rec.flagged),
+            "predicted_seconds": p.predicted_seconds, "cpu_seconds": rec.cpu_seconds,
+            "shard_fractions": shard_fractions(p), "lanes": list(rec.lanes), "chunk_bytes": p.chunk_bytes,
+            "aggregator": self.contribution.aggregator(p.round)})
+
+    def on_outcome(self, outcome: RoundOutcome) -> None:
+        if outcome.kind is Outcome.COMMITTED and self.keep_results and self.workload is not None:
+            self.report["results"][f"r{outcome.round}"] = self.workload.state.params
 
 
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
                   listen: str = "127.0.0.1:0", timeout: float = 120.0, security: Security | None = None,
                   join_token: str = "", aggregators: tuple[str, ...] = (), attack: str = "",
-                  measure_links: bool = True, keep_results: bool = True, shared_memory: bool = True) -> dict:
-    """Play rounds until the coordinator finishes the run; returns a report dict.
+                  keep_results: bool = True, shared_memory: bool = True) -> dict:
+    """Play rounds until the coordinator finishes the run; returns the report dict (module
+    docstring) plus `last_result` (the last committed sum) and `results` (every committed
+    round's sum when `keep_results`).
 
-    With `measure_links`, streams feed a LinkMeter, and after each commit the process probes the
-    round's participants it has no history for and reports its links to the coordinator (before
-    saying ready, so the next plan can use them). `keep_results`: keep every round's result in
-    the report (`results`), not only the last one.
+    Failure semantics are the peer agent's: aborted rounds are retried, a job left out of a
+    round syncs the committed sum from the others. Raises TimeoutError after `timeout` seconds,
+    or what the agent raises (e.g. a refused join).
     """
-    security = security or Security(insecure=True)
-    key = load_or_create_key(key_path)
-    inbox = Inbox()
-    transport = Transport(security, key, shared_memory=shared_memory)
-    meter = LinkMeter() if measure_links else None
-    service = PeerService(inbox, links=meter, shared_memory=shared_memory)
-    server, address = await serve_data_plane(service, listen, security)
-    channel = open_channel(coordinator, security, channel_options(), signing_interceptors(key))
-    stub = pb_grpc.CoordinatorStub(channel)
-    report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype, "results": {}}
-    try:
-        async with asyncio.timeout(timeout):
-            resp = await _join(stub, pb.JoinRequest(public_key=public_bytes(key), data_address=address,
-                                                    num_samples=1, join_token=join_token))
-            me = resp.peer_id
-            service.coordinator_public_key = resp.coordinator_public_key
-            report["peer_id"] = me
-            state_digest, state_round = b"", 0
-            code = dtype_code(np.dtype(dtype))
-            watch = stub.WatchRounds(pb.WatchRequest(peer_id=me))
-            x = make_input(seed, rank, 0, size, dtype)
-            await stub.Ready(pb.ReadyRequest(peer_id=me, round=0, num_elements=size, dtype=code, num_samples=1))
-            tentative: dict[tuple[int, int], tuple[bytes, np.ndarray]] = {}
-            last_plan: CollectivePlan | None = None
-            async for ev in watch:
-                kind = ev.WhichOneof("event")
-                if kind == "finished":
-                    break
-                if kind == "plan" and ev.plan.round == state_round:
-                    cp = last_plan = CollectivePlan.from_proto(ev.plan)
-                    inbox.start(Session.from_plan(ev.plan, resp.coordinator_public_key))
-                    vote = pb.VoteRequest(peer_id=me, round=ev.plan.round, attempt=ev.plan.attempt)
-                    reducer = None
-                    if aggregators:
-                        spec = ReductionSpec(aggregators[ev.plan.round % len(aggregators)])
-                        reducer = OwnerReduction(spec, np.ones(len(cp.participants)), size)
-                    sent = forge(attack, x, np.random.default_rng(rank)) if attack else x
-                    try:
-                        cpu0 = time.process_time()
-                        res = await all_reduce(sent, cp, me=me, transport=transport, inbox=inbox, reducer=reducer,
-                                               links=meter)
-                        cpu = time.process_time() - cpu0
-                        tentative[(ev.plan.round, ev.plan.attempt)] = (res.digest, res.values)
-                        vote.ok, vote.result_digest, vote.state_digest = True, res.digest, res.digest
-                        vote.bytes_sent, vote.collective_seconds = res.bytes_sent, res.seconds
-                        report["rounds"].append({"round": ev.plan.round, "attempt": ev.plan.attempt,
-                                                 "seconds": res.seconds, "bytes_sent": res.bytes_sent,
-                                                 "algorithm": cp.collective, "participants": len(cp.participants),
-                                                 "flagged": list(res.flagged),
-                                                 "predicted_seconds": ev.plan.predicted_seconds,
-                                                 "cpu_seconds": cpu, "shard_fractions": _fractions(cp),
-                                                 "lanes": sorted(set(transport.lanes().values())),
-                                                 "chunk_bytes": cp.chunk_bytes,
-                                                 "aggregator": spec.aggregator if reducer else "sum"})
-                    except CollectiveError as exc:
-                        vote.ok, vote.error = False, str(exc)
-                        vote.suspects.extend(exc.suspects)
-                    finally:
-                        inbox.finish(ev.plan.round, ev.plan.attempt)
-                    await stub.Vote(vote)
-                elif kind == "commit" and ev.commit.round == state_round:
-                    d, values = tentative.pop((ev.commit.round, ev.commit.attempt), (b"", None))
-                    if d != ev.commit.state_digest or values is None:
-                        raise RuntimeError(f"round {state_round} committed a digest this process does not hold")
-                    state_digest, state_round = d, state_round + 1
-                    report["last_digest"] = d.hex()
-                    report["last_result"] = values
-                    if keep_results:
-                        report["results"][f"r{state_round - 1}"] = values
-                    x = make_input(seed, rank, state_round, size, dtype)
-                    if meter is not None and last_plan is not None:
-                        await probe_missing(meter, transport, zip(last_plan.participants, last_plan.addresses), me)
-                        await transport.probe_lanes(a for pid, a in zip(last_plan.participants, last_plan.addresses)
-                                                    if pid != me)
-                        try:  # a lost report only leaves the coordinator with older estimates
-                            lr = meter.report(me)
-                            lr.shm_peers.extend(transport.shm_peers(zip(last_plan.participants, last_plan.addresses)))
-                            await stub.ReportLinks(lr)
-                        except grpc.aio.AioRpcError:
-                            pass
-                        up, down, rtt = meter.aggregate()
-                        report["links"] = {"up_bytes_per_s": up, "down_bytes_per_s": down, "rtt_seconds": rtt}
-                    await stub.Ready(pb.ReadyRequest(peer_id=me, round=state_round, num_elements=size, dtype=code,
-                                                     num_samples=1, state_digest=state_digest, state_round=state_round))
-                elif kind == "abort" and ev.abort.round == state_round and (
-                        me in ev.abort.excluded or not ev.abort.will_retry):
-                    raise RuntimeError(f"excluded from round {state_round}: {ev.abort.reason}")
-            report["committed"] = state_round
-            return report
-    finally:
-        await transport.close()
-        await channel.close()
-        await server.stop(grace=0.2)
-        service.close()
+    contribution = SumContribution(aggregators, Forgery(attack, None, np.random.default_rng(rank)))
+    listener = JobReport(rank, size, dtype, contribution, keep_results)
+
+    def workload(cfg: RunConfig) -> ArrayWorkload:
+        listener.workload = ArrayWorkload(cfg, lambda r: make_input(seed, rank, r, size, dtype), size, dtype)
+        return listener.workload
+
+    config = PeerConfig(coordinator=coordinator, listen=listen, key_path=key_path,
+                        security=security or Security(insecure=True), join_token=join_token,
+                        shared_memory=shared_memory, connect_timeout=timeout, finish_linger=FINISH_LINGER_SECONDS,
+                        held_states=HELD_STATES)
+    agent = PeerAgent(config, workload, contribution=contribution, listeners=[listener])
+    async with asyncio.timeout(timeout):
+        await agent.run()
+    report, st = listener.report, listener.workload.state
+    report["peer_id"] = agent.peer_id
+    report["committed"] = st.rounds
+    if st.rounds:
+        report["last_digest"] = st.digest().hex()
+        report["last_result"] = st.params
+    up, down, rtt = agent.links.aggregate()
+    report["links"] = {"up_bytes_per_s": up, "down_bytes_per_s": down, "rtt_seconds": rtt}
+    return report
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ every process at the end).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -165,3 +166,55 @@ def test_coordinator_kill_9_and_restart_mid_run(procs):
     assert_survivors_consistent(procs, peers, rounds=14)
     after = dict(commits(procs))
     assert all(after[r] == d for r, d in before), "a committed round changed after the restart"
+
+
+def _log_records(procs, name: str) -> list[dict]:
+    """The JSON log records of a process started with --log-format json."""
+    out = []
+    for line in procs.log(name).splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if isinstance(rec, dict) and "msg" in rec:
+                out.append(rec)
+    return out
+
+
+@pytest.mark.integration
+def test_a_peer_whose_reduction_raises_votes_failed_with_the_reason(procs, record_property):
+    # peer-1's shard-owner reduction raises in round 2 (as an aggregator refusing its input
+    # would). It must vote "failed" with that reason at once: the abort names it and its error
+    # (not "collective deadline passed"), excludes exactly it, and the retry commits without it.
+    addr = start_swarm(procs, 4, extra=("--algorithm-collective", "butterfly"))
+    peers = [start_peer(procs, addr, i, fault="reduce:raise@2" if i == 1 else "",
+                        extra=("--log-format", "json") if i == 1 else ()) for i in range(4)]
+    assert_survivors_consistent(procs, peers)
+    bad_id = next(e["peer"] for e in events(procs, "peer-1") if e.get("peer"))
+    message = "InjectedFault: fault injection: reduce raised in round 2"
+
+    # (a) the failing peer's own ballot: failed, with the exception as the reason, blaming nobody.
+    votes = [e for e in events(procs, "peer-1") if e["event"] == "vote" and e["round"] == 2 and not e["ok"]]
+    assert len(votes) == 1, f"peer-1 votes of round 2: {votes}\n{procs.log('peer-1')[-3000:]}"
+    vote = votes[0]
+    assert vote["reason"] == message and vote["suspects"] == [] and vote["delivered"]
+    # ... and the coordinator's abort of that attempt names the peer and the message.
+    for name in ("peer-0", "peer-2", "peer-3"):
+        aborts = [e for e in events(procs, name) if e["event"] == "abort" and e["round"] == 2]
+        assert len(aborts) == 1, f"{name} saw aborts of round 2: {aborts}"
+        abort = aborts[0]
+        assert abort["attempt"] == vote["attempt"] and abort["will_retry"]
+        assert abort["reason"] == f"{bad_id[:8]} failed: {message}", abort["reason"]
+        # (b) exactly the failing peer is excluded: nobody else is blamed for its fault.
+        assert abort["excluded"] == [bad_id]
+        # (c) the retry commits round 2 without it, and the run goes on (all rounds, above).
+        r2 = [e for e in events(procs, name) if e["event"] == "commit" and e["round"] == 2]
+        assert len(r2) == 1 and r2[0]["attempt"] > vote["attempt"] and r2[0]["participants"] == 3
+    assert not any(e["event"] == "commit" and e["round"] == 2 for e in events(procs, "peer-1"))
+    assert any(e["event"] == "commit" and e["round"] == ROUNDS - 1 for e in events(procs, "peer-1")), \
+        "the peer whose reduction raised did not take part again"
+
+    # Raise -> vote delivered, from the failing peer's own clock (reported, not asserted).
+    raised = [r["t"] for r in _log_records(procs, "peer-1") if "fault injection: reduce raises" in r["msg"]]
+    assert len(raised) == 1
+    seconds = vote["t"] - raised[0]
+    record_property("raise_to_vote_seconds", seconds)
+    print(f"raise -> failed vote delivered: {seconds * 1e3:.1f} ms (caught after {1e3 * (vote['failed_at'] - raised[0]):.1f} ms)")

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from shoal.coordinator.admission import create_secret, create_token
-from shoal.common.plan import Plan as CollectivePlan
+from shoal.common.plan import Plan
 from shoal.peer.collectives import all_reduce
 from shoal.peer.dataplane import Inbox, PeerService, Session, Transport, channel_options, serve_data_plane
+from shoal.peer.workload import ArrayState
 from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes, sign_metadata
 from shoal.common.security import MD_TICKET, Security, open_channel, push_metadata, signing_interceptors
 from shoal.common.tickets import issue_ticket, plan_digest
@@ -201,10 +202,12 @@ async def test_data_plane_accepts_only_participants_with_tickets(procs):
                 assert await _code(anext(aiter(peer.FetchState(req, metadata=md, timeout=5)))) == \
                     grpc.StatusCode.PERMISSION_DENIED
             # Nothing was applied: the evil peer now plays honestly and the round commits the exact sum.
-            res = await all_reduce(x, CollectivePlan.from_proto(plan), me=me, transport=transport, inbox=inbox)
+            res = await all_reduce(x, Plan.from_proto(plan), me=me, transport=transport, inbox=inbox)
             inbox.finish(plan.round, plan.attempt)
+            # The jobs' committed state is the sum after one round (peer.workload.ArrayState).
+            state = ArrayState(res.values, 1).digest()
             await stub.Vote(pb.VoteRequest(peer_id=me, round=plan.round, attempt=plan.attempt, ok=True,
-                                           result_digest=res.digest, state_digest=res.digest), timeout=10)
+                                           result_digest=res.digest, state_digest=state), timeout=10)
             for p, _ in jobs:
                 assert procs.wait_exit(p, 60) == 0, procs.log(p.name)
             watch.cancel()
@@ -214,7 +217,7 @@ async def test_data_plane_accepts_only_participants_with_tickets(procs):
     expected = x.astype(np.float64) + sum(make_input(0, r, 0, SIZE, "float32").astype(np.float64) for r in range(2))
     for _, out in jobs:
         rep = read_json(out)
-        assert rep["committed"] == 1 and rep["last_digest"] == res.digest.hex()
+        assert rep["committed"] == 1 and rep["last_digest"] == state.hex()
         assert [r["attempt"] for r in rep["rounds"]] == [0], "the attacked attempt must commit, not abort"
         np.testing.assert_allclose(np.load(str(out) + ".npy"), expected, rtol=1e-5, atol=1e-5)
     assert coord.poll() is None

@@ -1,0 +1,122 @@
+"""What a peer sends into a round's all-reduce, and what it runs as a shard owner.
+
+The round protocol (peer.rounds) is the same for every workload; what differs is the
+*contribution policy*: given this peer's update (the workload's `(n,)` array for the round) and
+the plan, it returns the array to all-reduce and the owner-side reduction (peer.reduction, for
+the butterfly; None = the plain sum). Two policies:
+
+- `FedAvgContribution` (training peers, docs/aggregation.md): the result must be FedAvg's
+  sample-weighted mean of the pseudo-gradients. Butterfly: the unweighted pseudo-gradient, and
+  owners run the run's aggregator with the plan's sample counts as weights. Ring (plain sum): the
+  pseudo-gradient pre-weighted by n_i / sum n, so the sum is the weighted mean.
+- `SumContribution` (the all-reduce benchmark job, shoal.collective_job): the input as is, so the
+  result is the plain SUM of the inputs (what gloo's all_reduce computes); owners run an
+  aggregator only when the job names one for the round.
+
+A policy also says which results it may apply (`check`: FedAvg refuses a non-finite aggregate,
+the sum accepts what the inputs give). Both may forge what they send (`attack`, testing only:
+peer.byzantine). Pure: arrays in, arrays out; no sockets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from shoal.common.plan import Plan
+from shoal.peer.byzantine import ATTACKS, forge
+from shoal.peer.collectives import CollectiveError
+from shoal.peer.reduction import OwnerReduction, ReductionSpec
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """values: `(n,)` array to all-reduce (float32 for training; the job keeps its dtype).
+    reducer: the shard-owner reduction (butterfly only), or None for the plain sum."""
+
+    values: np.ndarray
+    reducer: OwnerReduction | None
+
+
+class Contribution(Protocol):
+    """A contribution policy (see the module docstring)."""
+
+    def prepare(self, update: np.ndarray, plan: Plan, me: str) -> Prepared:
+        """What `me` sends for `update` `(n,)` in `plan`. Raises InvalidArgument for a plan whose
+        aggregation settings are unusable (the round protocol votes "failed" with the reason)."""
+        ...
+
+    def check(self, aggregate: np.ndarray) -> None:
+        """Refuse an all-reduce result this policy must never apply: raises CollectiveError (the
+        round protocol votes "failed"); returns None when it is acceptable."""
+        ...
+
+
+@dataclass
+class Forgery:
+    """Testing only: replace the honest update by a forged one (peer.byzantine.forge).
+    attack: one of ATTACKS, or "" (honest). scale: None = the attack's default."""
+
+    attack: str = ""
+    scale: float | None = None
+    rng: np.random.Generator = dataclasses.field(default_factory=np.random.default_rng)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.attack not in ATTACKS:
+            return x
+        return forge(self.attack, x, self.rng, self.scale)
+
+
+@dataclass
+class FedAvgContribution:
+    """Training peers: FedAvg's weighted mean (module docstring). `spec()` gives the run's
+    reduction settings (RunConfig.reduction_spec); the plan's `aggregator`, when set, overrides
+    the spec's aggregator (with default parameters)."""
+
+    spec: Callable[[], ReductionSpec]
+    forgery: Forgery = dataclasses.field(default_factory=Forgery)
+
+    def prepare(self, update: np.ndarray, plan: Plan, me: str) -> Prepared:
+        grad = self.forgery(update.astype(np.float32))
+        if plan.collective == "butterfly":
+            spec = self.spec()
+            if plan.aggregator and plan.aggregator != spec.aggregator:
+                spec = dataclasses.replace(spec, aggregator=plan.aggregator, params={})
+            weights = np.array([n or 1 for n in plan.num_samples], dtype=np.float64)
+            return Prepared(grad, OwnerReduction(spec, weights, grad.size))
+        total = sum(plan.num_samples) or plan.size
+        mine = plan.num_samples[plan.position(me)] or 1
+        return Prepared((grad * np.float32(mine / total)).astype(np.float32), None)
+
+    def check(self, aggregate: np.ndarray) -> None:
+        """A model update must be finite (the collectives already refuse non-finite chunks from
+        honest-looking peers; this is the last line before the outer step)."""
+        if not np.isfinite(aggregate).all():
+            raise CollectiveError("the aggregate holds non-finite values")
+
+
+@dataclass
+class SumContribution:
+    """The benchmark job: the plain sum of the inputs (module docstring). `aggregators`: owner
+    aggregators by round (round r uses entry r mod len); empty = the sum everywhere."""
+
+    aggregators: Sequence[str] = ()
+    forgery: Forgery = dataclasses.field(default_factory=Forgery)
+
+    def prepare(self, update: np.ndarray, plan: Plan, me: str) -> Prepared:
+        values = self.forgery(update)
+        if not self.aggregators:
+            return Prepared(values, None)
+        spec = ReductionSpec(self.aggregators[plan.round % len(self.aggregators)])
+        return Prepared(values, OwnerReduction(spec, np.ones(plan.size), values.size))
+
+    def check(self, aggregate: np.ndarray) -> None:
+        """Any sum is acceptable: like gloo's all_reduce, a NaN input gives a NaN sum."""
+
+    def aggregator(self, round_: int) -> str:
+        """The name of what owners compute in `round_` ("sum" without aggregators)."""
+        return self.aggregators[round_ % len(self.aggregators)] if self.aggregators else "sum"
