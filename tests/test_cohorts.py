@@ -209,3 +209,60 @@ def test_swarm_with_cohorts_commits_every_round_with_k_participants(tmp_path):
     with SQLiteStore.reader(str(tmp_path / "wd" / "coordinator.db")) as store:
         played = {p for c in store.load_commits() for p in c.participants}
     assert len(played) >= 4  # the draw varies (5 peers, 8 rounds: all 5 with high probability)
+
+
+# ------------------------------------------------------------------ the servicer: who is told what
+
+
+async def test_the_servicer_tells_the_cohort_and_leaves_the_pool_alone():
+    import asyncio
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shoal.coordinator.server import CoordinatorService
+    from shoal.coordinator.store import MemoryStore
+    from shoal.v1 import shoal_pb2 as pb
+
+    now = [0.0]
+    e = RoundEngine(EngineConfig(min_peers=2, lease_seconds=1e6, ready_timeout=5.0, cohort_size=3, cohort_seed=1,
+                                 retry_backoff=0.0))
+    svc = CoordinatorService(e, MemoryStore(), "{}", Ed25519PrivateKey.generate(), clock=lambda: now[0])
+    peers = [f"{i:064x}" for i in range(6)]
+    queues = {p: asyncio.Queue() for p in peers}
+    for i, p in enumerate(peers):
+        svc.apply(e.join(p, bytes([i + 1]) * 32, f"10.0.0.{i}:1", 1, 0.0))
+        svc.watchers[p] = queues[p]
+        e.connected(p, 0.0)
+
+    async def ready(p: str, rounds: int, digest: bytes) -> pb.ReadyResponse:
+        return await svc.Ready(pb.ReadyRequest(peer_id=p, round=rounds, num_elements=10, dtype=pb.FLOAT32,
+                                               num_samples=1, state_digest=digest, state_round=rounds), None)
+
+    for p in peers:
+        await ready(p, 0, b"")
+    cohort = e.running.plan.participants
+    for p in cohort:
+        svc.apply(e.vote(p, 0, e.running.plan.attempt, True, b"r", b"s0", 1.0))
+    got = {p: [queues[p].get_nowait().WhichOneof("event") for _ in range(queues[p].qsize())] for p in peers}
+    assert all(got[p] == ["plan", "commit"] for p in cohort)
+    assert all(got[p] == [] for p in peers if p not in cohort)  # the pool hears nothing
+    # A pooled peer that says ready with its old state is not told to sync (it waits to be drawn).
+    pooled = next(p for p in peers if p not in cohort)
+    assert not (await ready(pooled, 0, b"")).HasField("sync")
+    # The cohort comes back; the draw for round 1 orders the drawn stale peers to sync, on their
+    # streams; a stale Ready of a drawn peer gets its order in the reply only.
+    for p in cohort:
+        await ready(p, 1, b"s0")
+    drawn = e.cohort.members if e.cohort is not None else e.running.plan.participants
+    stale = [p for p in drawn if p not in cohort]
+    for p in stale:
+        (ev,) = [queues[p].get_nowait() for _ in range(queues[p].qsize())]
+        assert ev.WhichOneof("event") == "sync" and ev.sync.round == 1 and ev.sync.state_digest == b"s0"
+        resp = await ready(p, 0, b"")
+        assert resp.HasField("sync") and queues[p].empty()  # in the reply, not also on the stream
+    # A joiner is not sent the state at join: it fetches it when drawn.
+    joiner = Ed25519PrivateKey.generate()
+    from shoal.common.identity import public_bytes
+
+    resp = await svc.Join(pb.JoinRequest(public_key=public_bytes(joiner), data_address="10.0.0.9:1"), None)
+    assert not resp.HasField("sync")
