@@ -20,6 +20,12 @@ Protocol summary:
 - Round r opens when at least `min_peers` peers are ready and either every live member is ready
   or the ready deadline (`ready_timeout`, started by the first ready) has passed. Stragglers are
   left out and keep their lease. While it does not open, `RoundEngine.waiting` says why.
+- With a cohort size K > 0 (`coordinator.cohorts`) every peer that says ready, whatever state it
+  holds, waits in a pool; when at least K are in it (and the members the round waits for, or the
+  ready deadline), K are drawn (uniform, seeded, no peer twice). Only the drawn peers that hold an
+  older state get a sync order; the round opens once every drawn peer holds the last committed
+  state and said ready (a drawn peer that has not after `cohort_timeout` is replaced by another
+  draw). The others are told nothing and keep what they have. K = 0: every ready peer takes part.
 - The round commits when every participant voted ok with the same result and state digests.
   Any failed vote, a digest disagreement or the collective deadline aborts the attempt; the
   blamed peers are excluded and the survivors retry (same inputs) after a backoff, up to
@@ -32,11 +38,14 @@ import dataclasses
 import enum
 import logging
 import math
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from shoal.common.plan import Plan, auditor_positions
+from shoal.coordinator.cohorts import Cohort, draw_cohort
 from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round
+
+__all__ = ["draw_cohort"]  # re-exported: the draw is part of the engine's rules
 
 log = logging.getLogger("shoal.coordinator")
 
@@ -54,6 +63,14 @@ class EngineConfig:
     max_attempts: attempts of one round (first try + retries) before it is given up.
     retry_backoff: delay before retry k is planned is retry_backoff * 2**(k-1).
     total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
+    history_window: committed rounds (and aborted attempts) kept in memory; the store keeps all
+        of them. Bounds the coordinator's memory however long it runs.
+    cohort_size: participants per round, drawn from the ready peers (`coordinator.cohorts`); also
+        the least number of ready peers a round waits for. 0 = every ready peer (no draw).
+    cohort_seed: seeds the draws (with the round and draw), so a run's cohorts are reproducible.
+    cohort_timeout: a drawn peer that holds an older state has this long to fetch the committed
+        state, train and say ready; then its place is drawn again. Longer than one state sync plus
+        one round of local work.
     The planning settings (collective .. compression) are `PlanPolicy`'s (`plan_policy`).
     """
 
@@ -67,6 +84,10 @@ class EngineConfig:
     max_attempts: int = 5
     retry_backoff: float = 0.05
     total_rounds: int = 0
+    history_window: int = 100
+    cohort_size: int = 0
+    cohort_seed: int = 0
+    cohort_timeout: float = 60.0
     chunk_bytes: int = 1 << 20  # largest chunk through sockets; see planner.plan_layout
     # Chunk size when every participant reaches every other through shared memory (peer.shm):
     # no socket to keep busy, and every chunk costs CPU on both sides.
@@ -272,8 +293,18 @@ class SendPlan:
 
 @dataclass(frozen=True)
 class SendCommit:
+    """Tell the round's commit to `to` (None: every watcher) except `synced`.
+
+    `synced`: the ready peers that did not take part (without cohorts); each gets its `SendSync`
+    (in the same action list) instead, which names the new round and its digest, so it need not
+    announce itself stale first. With cohorts `to` is the participants: the pool's other members
+    are told nothing until a draw picks them (`coordinator.cohorts`).
+    """
+
     record: CommitRecord
     epoch: int
+    synced: frozenset[str] = frozenset()
+    to: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -351,13 +382,28 @@ class _Opening:
 
     participants: tuple[str, ...]
     left_out: tuple[str, ...] = ()  # stragglers past the ready deadline
+    ready: int = 0  # ready peers the participants were drawn from (a cohort: more than participants)
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """`RoundEngine._decide`'s answer when a cohort is to be drawn (or refilled): `cohort` is
+    the new one; `left_out` the members not waited for any longer (stragglers past the ready
+    deadline, drawn members past the cohort deadline)."""
+
+    cohort: Cohort | None  # None: drop the cohort (the pool has too few peers to fill it)
+    left_out: tuple[str, ...] = ()
+    ready: int = 0
 
 
 class RoundEngine:
     """The coordinator's state and the protocol's rules; see the module docstring.
 
     `committed_rounds` is the number of committed rounds, i.e. the index of the round being
-    played. `last_state_digest` is the digest every up-to-date peer's state has.
+    played. `last_state_digest` is the digest every up-to-date peer's state has. `commits` and
+    `aborts` hold the last `config.history_window` records only (the store has all of them);
+    `committed` given to the constructor may likewise be the tail of the history (its last record
+    is the last committed round).
     """
 
     def __init__(self, config: EngineConfig, *, committed: list[CommitRecord] | None = None,
@@ -371,8 +417,10 @@ class RoundEngine:
             self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds,
                                                           connected=False)
         self.epoch = epoch
-        self.commits: list[CommitRecord] = list(committed or [])
-        self.aborts: list[AbortRecord] = []
+        window = max(1, config.history_window)
+        self.commits: deque[CommitRecord] = deque(committed or [], maxlen=window)
+        self.aborts: deque[AbortRecord] = deque(maxlen=window)
+        self._committed = self.commits[-1].round + 1 if self.commits else 0
         self.rounds_aborted = aborted
         self.rounds_retried = 0
         self.ready: dict[str, ReadyInfo] = {}
@@ -383,6 +431,12 @@ class RoundEngine:
         self.attempt = attempt_base
         self.tries = 0  # attempts in the current try cycle (bounded by max_attempts)
         self.excluded: set[str] = set()
+        # Members a round waits for that have not said ready (connected, waited_on, not excluded,
+        # not ready; lease not checked): kept up to date at every change (`_refresh`), so that a
+        # Ready or a tick decides in O(1) whether the round may open instead of scanning every
+        # member (10,000 members: 20,000 Ready calls a round).
+        self._unready: set[str] = set()
+        self.cohort: Cohort | None = None  # drawn for the round being prepared (cohort_size > 0)
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
         self.running: _Running | None = None
         self.not_before = 0.0
@@ -391,12 +445,13 @@ class RoundEngine:
         self._no_trusted_logged = False
         self.finished = False
         self._donor_rotation = 0
+        self._refresh_all()
 
     # ------------------------------------------------------------ queries
 
     @property
     def committed_rounds(self) -> int:
-        return len(self.commits)
+        return self._committed
 
     @property
     def last_state_digest(self) -> bytes:
@@ -429,8 +484,13 @@ class RoundEngine:
         decision = self._decide(now)
         if isinstance(decision, Waiting):
             return decision
-        return Waiting(WaitReason.OPENING, f"opening round {self.committed_rounds} with "
-                                           f"{_plural(len(decision.participants), 'ready peer')}",
+        if isinstance(decision, _Draw):
+            drawn = decision.cohort.members if decision.cohort is not None else ()
+            return Waiting(WaitReason.OPENING, f"drawing a cohort of {len(drawn)} for round "
+                                               f"{self.committed_rounds} from {decision.ready} ready peers", drawn)
+        with_ = (f"its cohort of {len(decision.participants)}" if self.config.cohort_size
+                 else _plural(len(decision.participants), 'ready peer'))
+        return Waiting(WaitReason.OPENING, f"opening round {self.committed_rounds} with {with_}",
                        decision.participants)
 
     # ------------------------------------------------------------ membership
@@ -447,6 +507,7 @@ class RoundEngine:
         self.members[peer_id] = m
         # A restarted peer's previous stream/participation is void.
         self.ready.pop(peer_id, None)
+        self._refresh(peer_id)
         actions: list[Action] = [PersistMember(m)]
         if self.running is not None and peer_id in self.running.plan.participants and old is not None and old.address != address:
             actions += self._abort(now, f"participant {peer_id[:8]} restarted", (peer_id,))
@@ -456,6 +517,8 @@ class RoundEngine:
         m = self.members.get(peer_id)
         if m is None or m.lease_expiry <= now:
             self.members.pop(peer_id, None)
+            self.ready.pop(peer_id, None)
+            self._refresh(peer_id)
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
         return m
@@ -482,6 +545,7 @@ class RoundEngine:
         m = self.members.get(peer_id)
         if m is not None:
             m.connected = True
+            self._refresh(peer_id)
         return []
 
     def disconnected(self, peer_id: str, now: float) -> list[Action]:
@@ -495,6 +559,7 @@ class RoundEngine:
             return []
         m.connected = False
         self.ready.pop(peer_id, None)
+        self._refresh(peer_id)
         if self.running is not None and peer_id in self.running.plan.participants and peer_id not in self.running.votes:
             return self._abort(now, f"participant {peer_id[:8]} disconnected", (peer_id,))
         return self._maybe_open(now)
@@ -521,34 +586,58 @@ class RoundEngine:
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
         m.num_samples = info.num_samples
-        in_sync = info.state_round == self.committed_rounds and (
-            not self.commits or info.state_digest == self.last_state_digest
-        )
+        in_sync = self._in_sync(info)
+        if not in_sync and self.config.cohort_size and not (self.cohort and peer_id in self.cohort.members):
+            # A cohort's pool: it waits, with the state it has, until a draw picks it.
+            self._check_size(info)
+            self._pool(peer_id, info, now)
+            return self._maybe_open(now)
         if not in_sync:
-            donors = self.donors(now, exclude=peer_id)
-            if not donors:
+            order = self._order_sync(m, info.state_round, now)
+            if order is None:
                 raise RoundError(ErrorKind.PRECONDITION, "state_round: no up-to-date donor is live; retry later")
-            if m.stale_state_round is None or info.state_round > m.stale_state_round:
-                # Progress (first word since it fell behind, or a newer state than last time): wait
-                # for it while it syncs, so a fast swarm does not outrun it for ever.
-                m.state = m.state.after_ready(in_sync=False)
-            m.stale_state_round = info.state_round
-            return [SendSync(peer_id, self.committed_rounds, self.last_state_digest, donors)]
+            return [order]
         m.stale_state_round = None
         if round_ != self.committed_rounds:
             raise RoundError(ErrorKind.INVALID, f"round: expected {self.committed_rounds}, got {round_}")
-        others = [r for p, r in self.ready.items() if p != peer_id]
-        if others and (others[0].num_elements != info.num_elements or others[0].dtype != info.dtype):
+        self._check_size(info)
+        m.state = m.state.after_ready(in_sync=True)
+        self._pool(peer_id, info, now)
+        return self._maybe_open(now)
+
+    def _in_sync(self, info: ReadyInfo) -> bool:
+        """Whether a Ready's state is the last committed one."""
+        return info.state_round == self.committed_rounds and (
+            not self.commits or info.state_digest == self.last_state_digest)
+
+    def _check_size(self, info: ReadyInfo) -> None:
+        other = next(iter(self.ready.values()), None)  # any other: they all agree
+        if other is not None and (other.num_elements != info.num_elements or other.dtype != info.dtype):
             raise RoundError(
                 ErrorKind.INVALID,
                 f"num_elements: {info.num_elements} (dtype {info.dtype}) disagrees with the round's "
-                f"{others[0].num_elements} (dtype {others[0].dtype})",
+                f"{other.num_elements} (dtype {other.dtype})",
             )
-        m.state = m.state.after_ready(in_sync=True)
+
+    def _pool(self, peer_id: str, info: ReadyInfo, now: float) -> None:
         self.ready[peer_id] = info
+        self._refresh(peer_id)
         if self.first_ready_at is None:
             self.first_ready_at = now
-        return self._maybe_open(now)
+
+    def _order_sync(self, m: Member, held_round: int, now: float) -> SendSync | None:
+        """The sync order for member `m`, which holds the state of round `held_round` (not the
+        last committed one), or None when no up-to-date donor is live."""
+        donors = self.donors(now, exclude=m.peer_id)
+        if not donors:
+            return None
+        if m.stale_state_round is None or held_round > m.stale_state_round:
+            # Progress (first word since it fell behind, or a newer state than last time): wait
+            # for it while it syncs, so a fast swarm does not outrun it for ever.
+            m.state = m.state.after_ready(in_sync=False)
+        m.stale_state_round = held_round
+        self._refresh(m.peer_id)
+        return SendSync(m.peer_id, self.committed_rounds, self.last_state_digest, donors)
 
     def vote(self, peer_id: str, round_: int, attempt: int, ok: bool, result_digest: bytes,
              state_digest: bytes, now: float, *, loss: float = 0.0, suspects: tuple[str, ...] = (),
@@ -623,6 +712,7 @@ class RoundEngine:
         for p in gone:
             del self.members[p]
             self.ready.pop(p, None)
+            self._refresh(p)
             actions.append(ForgetMember(p))
         if gone and self.running is not None:
             hit = tuple(p for p in gone if p in self.running.plan.participants)
@@ -630,8 +720,9 @@ class RoundEngine:
                 actions += self._abort(now, "lease expired", hit)
         return actions
 
-    def _decide(self, now: float) -> Waiting | _Opening:
-        """Whether a round can open at `now` and with whom, or why not. Changes nothing."""
+    def _decide(self, now: float) -> Waiting | _Opening | _Draw:
+        """Whether a round can open (or a cohort be drawn) at `now`, with whom, or why not.
+        Changes nothing."""
         if self.running is not None:
             plan = self.running.plan
             return Waiting(WaitReason.RUNNING, f"round {plan.round} attempt {plan.attempt} is running with "
@@ -644,24 +735,28 @@ class RoundEngine:
             return self._held
         if self.config.total_rounds and self.committed_rounds >= self.config.total_rounds:
             return done
+        if self.cohort is not None:
+            return self._decide_drawn(now, self.cohort)
         live = {m.peer_id for m in self.live(now)}
         candidates = tuple(sorted(p for p in self.ready if p in live and p not in self.excluded))
-        quorum = max(1, self.config.min_peers)
-        if not self.commits and self.tries == 0:
-            quorum = max(quorum, self.config.initial_peers)
+        quorum = self._quorum()
         if len(candidates) < quorum:
+            why = " = cohort size" if quorum == self.config.cohort_size else ""
             return Waiting(WaitReason.QUORUM, f"waiting for {_plural(quorum - len(candidates), 'more ready peer')} "
-                                              f"({len(candidates)}/{len(live)} ready, quorum {quorum})",
+                                              f"({len(candidates)}/{len(live)} ready, quorum {quorum}{why})",
                            tuple(sorted(live - set(candidates))))
         # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
         # joiner forever); the ready timeout bounds the wait for a straggler. A retry waits for
         # nobody: its participants are the survivors.
-        waiting_on = tuple(sorted(p for p in live if p not in self.excluded and p not in candidates
-                                  and self._waited_on(self.members[p])))
-        if not waiting_on or self.tries > 0:
-            return _Opening(candidates)
-        if self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout:
-            return _Opening(candidates, left_out=waiting_on)
+        waiting_on = tuple(sorted(p for p in self._unready if p in live))
+        late = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
+        if not waiting_on or self.tries > 0 or late:
+            left_out = waiting_on if late and self.tries == 0 else ()
+            if self.config.cohort_size:
+                drawn = draw_cohort(candidates, self.config.cohort_size, seed=self.config.cohort_seed,
+                                    round_=self.committed_rounds, attempt=0)
+                return _Draw(Cohort(drawn, now), left_out, ready=len(candidates))
+            return _Opening(candidates, left_out, ready=len(candidates))
         until = (self.first_ready_at if self.first_ready_at is not None else now) + self.config.ready_timeout
         syncing = sum(self.members[p].state is MemberState.CATCHING_UP for p in waiting_on)
         if syncing == len(waiting_on):
@@ -670,14 +765,92 @@ class RoundEngine:
         return Waiting(WaitReason.STRAGGLERS, f"waiting up to {until - now:.1f} s for "
                                               f"{_plural(len(waiting_on), 'straggler')}", waiting_on, until)
 
+    def _live(self, peer_id: str, now: float) -> bool:
+        m = self.members.get(peer_id)
+        return m is not None and m.lease_expiry > now
+
+    def _ready_in_sync(self, peer_id: str, now: float) -> bool:
+        """Said ready holding the last committed state, is live and not excluded."""
+        info = self.ready.get(peer_id)
+        m = self.members.get(peer_id)
+        return (info is not None and m is not None and m.lease_expiry > now and peer_id not in self.excluded
+                and self._in_sync(info))
+
+    def _decide_drawn(self, now: float, cohort: Cohort) -> Waiting | _Opening | _Draw:
+        """A cohort is drawn: open once every member of it holds the last committed state and said
+        ready; past the cohort deadline, draw again the places of those that have not. O(K) until
+        then (each Ready of the pool asks)."""
+        ready = tuple(p for p in cohort.members if self._ready_in_sync(p, now))
+        quorum = max(1, self.config.min_peers)
+        if len(ready) == len(cohort.members) and len(ready) >= quorum:
+            return _Opening(ready, ready=len(ready))
+        missing = tuple(p for p in cohort.members if p not in ready)
+        until = cohort.drawn_at + self.config.cohort_timeout
+        if now < until:
+            return Waiting(WaitReason.SYNCING, f"waiting up to {until - now:.1f} s for "
+                                                f"{_plural(len(missing), 'drawn peer')} to fetch the committed state "
+                                                f"and say ready", missing, until)
+        pool = [p for p in self.ready if self._live(p, now) and p not in self.excluded]
+        refill = cohort.refill(ready, pool, self.config.cohort_size, seed=self.config.cohort_seed,
+                               round_=self.committed_rounds, now=now)
+        if set(refill.members) != set(cohort.members) and len(refill.members) >= quorum:
+            return _Draw(refill, left_out=missing, ready=len(pool))
+        if len(ready) >= quorum:
+            return _Opening(ready, left_out=missing, ready=len(ready))
+        return _Draw(None, left_out=missing)  # nobody left to draw: back to waiting for a full pool
+
+    def _quorum(self) -> int:
+        """Fewest ready peers a round opens with: min_peers, initial_peers for round 0, and at
+        least the cohort size (a cohort is drawn from the ready peers, never smaller than K)."""
+        quorum = max(1, self.config.min_peers, self.config.cohort_size)
+        if self.committed_rounds == 0 and self.tries == 0:
+            quorum = max(quorum, self.config.initial_peers)
+        return quorum
+
     @staticmethod
     def _waited_on(m: Member) -> bool:
         """Whether a round waits (up to the ready timeout) for this live peer to say ready
         (`MemberState.waited_on`, and its round-event stream is open)."""
         return m.connected and m.state.waited_on
 
+    def _refresh(self, peer_id: str) -> None:
+        """Put `peer_id` in `_unready` or take it out, after any change of its membership, state,
+        stream, readiness or exclusion."""
+        m = self.members.get(peer_id)
+        if (m is not None and self._waited_on(m) and peer_id not in self.ready
+                and peer_id not in self.excluded):
+            self._unready.add(peer_id)
+        else:
+            self._unready.discard(peer_id)
+
+    def _refresh_all(self) -> None:
+        self._unready = {p for p, m in self.members.items()
+                         if self._waited_on(m) and p not in self.ready and p not in self.excluded}
+
+    def _cannot_open(self, now: float) -> bool:
+        """A cheap, exact "no": True only when `_decide` would certainly not open a round now
+        (too few ready peers, or a waited-for peer not ready before the ready deadline). O(1) in
+        the common case; False means "ask `_decide`"."""
+        if self.running is not None or self.finished or now < self.not_before:
+            return True
+        if self.config.total_rounds and self.committed_rounds >= self.config.total_rounds:
+            return False  # `_decide` says FINISHED
+        if self.cohort is not None:
+            return False  # `_decide_drawn` looks at the cohort only: O(K)
+        if len(self.ready) < self._quorum():
+            return True
+        if self.tries > 0:
+            return False
+        if self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout:
+            return False
+        return any(self.members[p].lease_expiry > now for p in self._unready)
+
     def _maybe_open(self, now: float) -> list[Action]:
+        if self._cannot_open(now):
+            return []
         decision = self._decide(now)
+        if isinstance(decision, _Draw):
+            return self._draw(now, decision)
         if isinstance(decision, _Opening):
             return self._open(now, decision)
         if decision.reason is not self._last_wait:
@@ -687,6 +860,30 @@ class RoundEngine:
             self.finished = True
             return [SendFinished(self.committed_rounds, "run complete")]
         return []
+
+    def _draw(self, now: float, d: _Draw) -> list[Action]:
+        """Make `d.cohort` the round's cohort: order a sync for each drawn member that holds an
+        older state, stop waiting for `d.left_out`, and open the round if every member is ready."""
+        for p in d.left_out:
+            m = self.members.get(p)
+            if m is not None:
+                m.state = m.state.after_missed_deadline()
+            if self.cohort is not None and p in self.cohort.members:
+                self.ready.pop(p, None)  # a drawn peer that did not come: back to the pool when it says ready
+            self._refresh(p)
+        self.cohort = d.cohort
+        if d.cohort is None:
+            return self._maybe_open(now)
+        log.info("round %d: a cohort of %d drawn from %d ready peers%s", self.committed_rounds, len(d.cohort.members),
+                 d.ready, f" (replacing {len(d.left_out)})" if d.left_out else "")
+        actions: list[Action] = []
+        for p in d.cohort.members:
+            if not self._ready_in_sync(p, now) and p in self.members:
+                info = self.ready.get(p)
+                order = self._order_sync(self.members[p], info.state_round if info else -1, now)
+                if order is not None:
+                    actions.append(order)
+        return actions + self._maybe_open(now)
 
     def _open(self, now: float, opening: _Opening) -> list[Action]:
         """Plan the round, apply the membership boundary, start the attempt; or hold when it
@@ -708,6 +905,7 @@ class RoundEngine:
             log.warning("round %d is not audited: fewer than two shard owners", self.committed_rounds)
         for p in opening.left_out:  # stragglers: not waited on until they say ready again
             self.members[p].state = self.members[p].state.after_missed_deadline()
+            self._refresh(p)
         actions: list[Action] = []
         changed = False
         for p in participants:  # the round boundary: joiners become members
@@ -755,22 +953,49 @@ class RoundEngine:
             at=now,
         )
         self.commits.append(rec)
+        self._committed += 1
+        if self.config.cohort_size:
+            # The pool stays; the participants re-enter it when they say ready with the new state.
+            for p in rec.participants:
+                self.ready.pop(p, None)
+            self._reset_round(keep_pool=True)
+            if self.ready:
+                self.first_ready_at = now  # the pool is ready already: the ready deadline runs
+            return [SendCommit(rec, self.epoch, to=rec.participants)]
+        # The ready peers that did not take part (peers excluded on a retry, stragglers whose
+        # Ready came during the attempt) hold the previous state: order their sync now, as their
+        # next Ready would.
+        orders = [self._order_sync(self.members[p], rec.round, now) for p in self.ready
+                  if p not in set(rec.participants) and p in self.members]
+        syncs = [o for o in orders if o is not None]
         self._reset_round()
-        return [SendCommit(rec, self.epoch)]
+        return [SendCommit(rec, self.epoch, frozenset(o.peer_id for o in syncs)), *syncs]
 
     def _abort(self, now: float, reason: str, excluded: tuple[str, ...]) -> list[Action]:
         run = self.running
         if run is None:
             return []
         self.excluded.update(excluded)
+        for p in excluded:
+            self._refresh(p)
         self.running = None
         self.rounds_aborted += 1
         survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.ready]
         will_retry = self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
         rec = AbortRecord(run.plan.round, run.plan.attempt, reason, tuple(sorted(excluded)), will_retry, now)
         self.aborts.append(rec)
-        to = tuple(sorted(set(run.plan.participants) | set(self.ready)))
+        cohort = self.cohort
+        if cohort is not None:  # the pool is not told: only the cohort waits on this round
+            to = tuple(sorted(set(run.plan.participants) | set(cohort.members)))
+        else:
+            to = tuple(sorted(set(run.plan.participants) | set(self.ready)))
         self.attempt += 1
+        if will_retry and cohort is not None:
+            # The retry keeps the survivors and fills the excluded places from the pool's peers
+            # that hold the last state (they can start at once; fewer than K if there are none).
+            in_sync = [p for p in self.ready if self._ready_in_sync(p, now)]
+            self.cohort = cohort.refill(survivors, in_sync, self.config.cohort_size, seed=self.config.cohort_seed,
+                                        round_=run.plan.round, now=now)
         if will_retry:
             self.tries += 1
             self.rounds_retried += 1
@@ -779,16 +1004,24 @@ class RoundEngine:
                                     f"after an abort ({reason})", tuple(survivors)))
         else:
             # Give the round up: everyone (the excluded included) starts it over by saying ready.
-            self._reset_round(next_attempt=self.attempt)
+            if cohort is not None:
+                for p in to:
+                    self.ready.pop(p, None)
+            self._reset_round(next_attempt=self.attempt, keep_pool=cohort is not None)
             self._hold(now + self.config.retry_backoff, Waiting(
                 WaitReason.BACKOFF, f"retry backoff: round {run.plan.round} given up after an abort ({reason}); "
                                     f"it starts over when peers say ready"))
         return [SendAbort(rec, to)]
 
-    def _reset_round(self, next_attempt: int | None = None) -> None:
+    def _reset_round(self, next_attempt: int | None = None, *, keep_pool: bool = False) -> None:
+        """A new round (or a round started over): nobody excluded, no cohort, no Ready kept
+        (with cohorts, `keep_pool`: the pool's Readys stay)."""
         self.running = None
-        self.ready = {}
+        if not keep_pool:
+            self.ready = {}
         self.first_ready_at = None
         self.attempt = self.attempt_base if next_attempt is None else next_attempt
         self.tries = 0
         self.excluded = set()
+        self.cohort = None
+        self._refresh_all()

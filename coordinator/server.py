@@ -31,7 +31,9 @@ import grpc
 
 from shoal.common.plan import Plan
 from shoal.coordinator.rounds import (
+    AbortRecord,
     Action,
+    CommitRecord,
     EngineConfig,
     ErrorKind,
     ForgetMember,
@@ -49,6 +51,7 @@ from shoal.coordinator.rounds import (
     WaitReason,
 )
 from shoal.coordinator.admission import Admission, AllowList, load_secret
+from shoal.coordinator.heap import HeapPolicy
 from shoal.coordinator.store import SQLiteStore, Store
 from shoal.common.attempts import ATTEMPT_STRIDE, shown_attempt
 from shoal.common.errors import DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
@@ -78,6 +81,9 @@ SYNC_PERMIT_SECONDS = 300.0
 METRICS_EVERY_SECONDS = 1.0
 RUN_OVER_POLL_SECONDS = 0.2
 COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
+# Request nonces remembered for the signature window (30 s): above the calls of 10,000 members in
+# that window (heartbeats every lease/4, Readys), ~200 bytes each; past it, RESOURCE_EXHAUSTED.
+NONCE_MEMORY = 1_000_000
 # The one place where the engine's refusals become gRPC status codes.
 _ERROR_KINDS = {ErrorKind.NOT_FOUND: NotFound, ErrorKind.INVALID: InvalidArgument,
                 ErrorKind.PRECONDITION: FailedPrecondition}
@@ -105,6 +111,10 @@ class CoordinatorConfig:
     finish_linger: float = 10.0  # after the run finished and every member left: answer status this long, then exit
 
 
+# The actions that write to the store.
+_WRITES = (PersistMember, ForgetMember, PersistEpoch, PersistUntrusted, SendCommit, SendAbort)
+
+
 def _raise(exc: RoundError) -> ShoalError:
     return _ERROR_KINDS[exc.kind](str(exc))
 
@@ -123,7 +133,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.clock = clock
         self.watchers: dict[str, asyncio.Queue[pb.RoundEvent]] = {}
         self.finished_event: pb.RoundEvent | None = None
-        self.round_started: dict[tuple[int, int], float] = {}
         self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
         self.commit_lines = Throttle(COMMIT_LOG_SECONDS)  # INFO "round N committed" lines
         self.finished_at: float | None = None  # when the run finished (clock)
@@ -146,68 +155,87 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The engine's plan on the wire, with a fresh round ticket."""
         return self._ticketed(plan.to_proto())
 
-    def apply(self, actions: list[Action]) -> None:
-        """Carry out engine actions: persist first, then notify."""
+    def apply(self, actions: list[Action], *, replying_to: str = "") -> None:
+        """Carry out engine actions: persist first (all of them in one transaction), then notify.
+        `replying_to`: the peer whose Ready produced them; its sync order goes in the reply, not on
+        its event stream. Joins and departures alone are written without an fsync (a peer repeats
+        a lost join); anything else (a commit, an abort, a round boundary) durably."""
+        writes = [a for a in actions if isinstance(a, _WRITES)]
+        if writes:
+            lazy = all(isinstance(a, (PersistMember, ForgetMember)) for a in actions)
+            with self.store.batch(durable=not lazy):
+                for a in writes:
+                    self._persist(a)
         for a in actions:
-            if isinstance(a, PersistMember):
-                self.store.save_member(a.member)
-            elif isinstance(a, ForgetMember):
-                self.store.forget_member(a.peer_id)
-                log.info("member %s dropped (lease expired or left)", a.peer_id[:8])
-            elif isinstance(a, PersistEpoch):
-                self.store.save_epoch(a.epoch)
-            elif isinstance(a, PersistUntrusted):
-                self.store.set_meta("untrusted", json.dumps(list(a.peers)))
-                log.warning("peers that may no longer own shards (failed owner audits): %s",
-                            [p[:8] for p in a.peers])
-            elif isinstance(a, SendPlan):
-                plan = self._wire_plan(a.plan)
-                # Per attempt: debug (the commit line below says what a person needs, rate-limited).
-                log.debug("round %d.%d planned: %d participants, %s, predicted %.3fs (bound %.3fs)%s", plan.round,
-                          shown_attempt(plan.attempt), len(plan.participants), plan.collective, a.plan.predicted_seconds,
-                         a.plan.bound_seconds,
-                         f", non-owners {[d[:8] for d in a.plan.demoted]}" if a.plan.demoted else "")
-                ev = pb.RoundEvent(plan=plan)
-                for p in a.plan.participants:
+            self._notify(a, replying_to)
+
+    def _persist(self, a: Action) -> None:
+        if isinstance(a, PersistMember):
+            self.store.save_member(a.member)
+        elif isinstance(a, ForgetMember):
+            self.store.forget_member(a.peer_id)
+            self.metrics.forget_link(a.peer_id)
+            log.info("member %s dropped (lease expired or left)", a.peer_id[:8])
+        elif isinstance(a, PersistEpoch):
+            self.store.save_epoch(a.epoch)
+        elif isinstance(a, PersistUntrusted):
+            self.store.set_meta("untrusted", json.dumps(list(a.peers)))
+            log.warning("peers that may no longer own shards (failed owner audits): %s",
+                        [p[:8] for p in a.peers])
+        elif isinstance(a, SendCommit):
+            self.store.save_commit(a.record)
+        elif isinstance(a, SendAbort):
+            self.store.save_abort(a.record)
+
+    def _notify(self, a: Action, replying_to: str) -> None:
+        if isinstance(a, SendPlan):
+            plan = self._wire_plan(a.plan)
+            # Per attempt: debug (the commit line below says what a person needs, rate-limited).
+            log.debug("round %d.%d planned: %d participants, %s, predicted %.3fs (bound %.3fs)%s", plan.round,
+                      shown_attempt(plan.attempt), len(plan.participants), plan.collective, a.plan.predicted_seconds,
+                      a.plan.bound_seconds,
+                      f", non-owners {[d[:8] for d in a.plan.demoted]}" if a.plan.demoted else "")
+            ev = pb.RoundEvent(plan=plan)
+            for p in a.plan.participants:
+                self._send(p, ev)
+        elif isinstance(a, SendCommit):
+            r = a.record
+            self.metrics.on_commit(r.seconds, self.vote_bytes.pop((r.round, r.attempt), 0),
+                                   rounds_committed=self.engine.committed_rounds)
+            self.vote_bytes = {k: v for k, v in self.vote_bytes.items() if k[0] > r.round}
+            held = self.commit_lines.due()
+            log.log(logging.DEBUG if held is None else logging.INFO,
+                    "round %d committed (attempt %d, %d participants, %.3fs, loss %.4f)%s", r.round,
+                    shown_attempt(r.attempt), len(r.participants), r.seconds, r.train_loss, more(held or 0))
+            ev = pb.RoundEvent(commit=pb.Commit(
+                round=r.round, attempt=r.attempt, result_digest=r.result_digest, state_digest=r.state_digest,
+                epoch=a.epoch, participants=r.participants, flagged=r.flagged))
+            for p in list(self.watchers) if a.to is None else a.to:
+                if p not in a.synced:  # those get their sync order (a following action) instead
                     self._send(p, ev)
-            elif isinstance(a, SendCommit):
-                r = a.record
-                self.store.save_commit(r)
-                self.metrics.on_commit(r.seconds, self.vote_bytes.pop((r.round, r.attempt), 0),
-                                       rounds_committed=self.engine.committed_rounds)
-                self.vote_bytes = {k: v for k, v in self.vote_bytes.items() if k[0] > r.round}
-                held = self.commit_lines.due()
-                log.log(logging.DEBUG if held is None else logging.INFO,
-                        "round %d committed (attempt %d, %d participants, %.3fs, loss %.4f)%s", r.round,
-                        shown_attempt(r.attempt), len(r.participants), r.seconds, r.train_loss, more(held or 0))
-                ev = pb.RoundEvent(commit=pb.Commit(
-                    round=r.round, attempt=r.attempt, result_digest=r.result_digest, state_digest=r.state_digest,
-                    epoch=a.epoch, participants=r.participants, flagged=r.flagged))
-                for p in list(self.watchers):
-                    self._send(p, ev)
-            elif isinstance(a, SendAbort):
-                r = a.record
-                self.store.save_abort(r)
-                self.metrics.on_abort(r.will_retry)
-                log.warning("round %d.%d aborted: %s; excluded %s; retry=%s", r.round, shown_attempt(r.attempt), r.reason,
-                            [p[:8] for p in r.excluded], r.will_retry)
-                ev = pb.RoundEvent(abort=pb.Abort(round=r.round, attempt=r.attempt, reason=r.reason,
-                                                  excluded=r.excluded, will_retry=r.will_retry))
-                for p in list(self.watchers):
-                    self._send(p, ev)
-            elif isinstance(a, SendSync):
-                self.metrics.on_sync()
+        elif isinstance(a, SendAbort):
+            r = a.record
+            self.metrics.on_abort(r.will_retry)
+            log.warning("round %d.%d aborted: %s; excluded %s; retry=%s", r.round, shown_attempt(r.attempt), r.reason,
+                        [p[:8] for p in r.excluded], r.will_retry)
+            ev = pb.RoundEvent(abort=pb.Abort(round=r.round, attempt=r.attempt, reason=r.reason,
+                                              excluded=r.excluded, will_retry=r.will_retry))
+            for p in a.to:  # the participants and the ready peers: nobody else waits on it
+                self._send(p, ev)
+        elif isinstance(a, SendSync):
+            self.metrics.on_sync()
+            if a.peer_id != replying_to:  # a Ready's own order travels in its reply
                 self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a.round, a.state_digest, a.donors,
                                                                           to=a.peer_id)))
-            elif isinstance(a, SendFinished):
-                # The engine answers every late Ready with SendFinished again; say it once.
-                if self.finished_event is None:
-                    log.info("run finished after %d committed rounds", a.rounds_committed)
-                    self.finished_at = self.clock()
-                self.finished_event = pb.RoundEvent(finished=pb.Finished(rounds_committed=a.rounds_committed,
-                                                                           reason=a.reason))
-                for p in list(self.watchers):
-                    self._send(p, self.finished_event)
+        elif isinstance(a, SendFinished):
+            # The engine answers every late Ready with SendFinished again; say it once.
+            if self.finished_event is None:
+                log.info("run finished after %d committed rounds", a.rounds_committed)
+                self.finished_at = self.clock()
+            self.finished_event = pb.RoundEvent(finished=pb.Finished(rounds_committed=a.rounds_committed,
+                                                                       reason=a.reason))
+            for p in list(self.watchers):
+                self._send(p, self.finished_event)
 
     def _sync_order(self, round_: int, digest: bytes, donors: tuple[str, ...], *, to: str) -> pb.SyncOrder:
         # The permit is what donors ask for before serving state: proof that `to` is a member.
@@ -238,22 +266,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             await asyncio.sleep(RUN_OVER_POLL_SECONDS)
 
     async def ticker(self) -> None:
-        """Apply deadlines every TICK_SECONDS (and refresh the gauges every second) until cancelled."""
+        """Apply deadlines every TICK_SECONDS, and refresh the gauges every second per thousand
+        members (at least every METRICS_EVERY_SECONDS; a refresh reads every member: ~25 ms at
+        10,000), until cancelled."""
         next_gauges = 0.0
         while True:
             now = self.clock()
             self.apply(self.engine.tick(now))
             if now >= next_gauges:
                 self.observe()
-                next_gauges = now + METRICS_EVERY_SECONDS
+                next_gauges = now + max(METRICS_EVERY_SECONDS, len(self.engine.members) / 1000)
             await asyncio.sleep(TICK_SECONDS)
 
     def observe(self) -> None:
-        """Copy the engine's membership, link estimates and wait reason into the metric gauges."""
+        """Copy the engine's membership counts and wait reason into the metric gauges (each member's
+        links are set when it reports them)."""
         e = self.engine
-        self.metrics.observe_members(e.epoch, e.committed_rounds, [
-            (m.peer_id, m.state.label, m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds)
-            for m in e.members.values()])
+        counts: dict[str, int] = {}
+        for m in e.members.values():
+            counts[m.state.label] = counts.get(m.state.label, 0) + 1
+        self.metrics.observe_members(e.epoch, e.committed_rounds, counts)
         self.metrics.observe_waiting(e.waiting(self.clock()).reason.value, [r.value for r in WaitReason])
 
     # ------------------------------------------------------------ RPCs
@@ -267,6 +299,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             now = self.clock()
             self.apply(self.engine.join(peer_id, request.public_key, request.data_address, request.num_samples, now,
                                         request.up_bytes_per_s, request.down_bytes_per_s))
+            if request.up_bytes_per_s or request.down_bytes_per_s:
+                self.metrics.observe_link(peer_id, request.up_bytes_per_s, request.down_bytes_per_s, 0.0)
             log.info("peer %s joined from %s%s", peer_id[:8], request.data_address,
                      f" (token {claims.label or claims.token_id[:8]})" if claims else "")
             resp = pb.JoinResponse(
@@ -275,7 +309,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 next_round=self.engine.committed_rounds, run_config_json=self.run_config_json,
                 coordinator_public_key=public_bytes(self.key),
             )
-            if self.engine.commits:
+            # With cohorts a joiner fetches the state when a draw picks it (coordinator.cohorts).
+            if self.engine.commits and not self.engine.config.cohort_size:
                 resp.sync.CopyFrom(self._sync_order(self.engine.committed_rounds, self.engine.last_state_digest,
                                                     self.engine.donors(now, exclude=peer_id), to=peer_id))
             return resp
@@ -305,11 +340,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 actions = self.engine.ready_(request.peer_id, request.round, info, self.clock())
             except RoundError as exc:
                 raise _raise(exc) from None
-            self.apply(actions)
+            self.apply(actions, replying_to=request.peer_id)
             resp = pb.ReadyResponse(round=self.engine.committed_rounds)
             for a in actions:
                 if isinstance(a, SendSync) and a.peer_id == request.peer_id:
-                    # Also in the reply: after the run finished, the event stream is closed.
+                    # In the reply only (after the run finished, the event stream is closed).
                     resp.sync.CopyFrom(self._sync_order(a.round, a.state_digest, a.donors, to=a.peer_id))
             return resp
 
@@ -359,12 +394,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.engine.report_links(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
                                          sum(rtts) / len(rtts) if rtts else 0.0,
                                          tuple(request.shm_peers))
+                self.metrics.observe_link(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
+                                          sum(rtts) / len(rtts) if rtts else 0.0)
             except RoundError as exc:
                 raise _raise(exc) from None
             log.debug("links of %s: up %.2f Mbit/s, down %.2f Mbit/s, rtt %.2f ms (%d remote peers)",
                      request.peer_id[:8], request.up_bytes_per_s * 8e-6, request.down_bytes_per_s * 8e-6,
                      1e3 * (sum(rtts) / len(rtts) if rtts else 0.0), len(request.links))
             return pb.LinkReportResponse()
+
+    def recent(self, k: int) -> tuple[list[CommitRecord], list[AbortRecord]]:
+        """The last `k` commits and aborts, oldest first: from memory when the engine's window
+        holds them, else from the store (the whole history is there)."""
+        e = self.engine
+        if k <= e.config.history_window:
+            return list(e.commits)[-k:], list(e.aborts)[-k:]
+        return self.store.recent_commits(k), self.store.recent_aborts(k)
 
     async def GetStatus(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
         now = self.clock()
@@ -377,14 +422,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             for m in sorted(e.members.values(), key=lambda m: m.peer_id)
         ]
         k = request.recent_rounds or 10
+        commits, aborts = self.recent(k)
         rounds = [
             pb.RoundInfo(round=c.round, attempt=c.attempt, status="committed", state_digest=c.state_digest,
                          participants=len(c.participants), seconds=c.seconds, train_loss=c.train_loss)
-            for c in e.commits[-k:]
+            for c in commits
         ]
         rounds += [
             pb.RoundInfo(round=a.round, attempt=a.attempt, status="aborted", reason=a.reason)
-            for a in e.aborts[-k:]
+            for a in aborts
         ]
         if e.running is not None:
             rounds.append(pb.RoundInfo(round=e.running.plan.round, attempt=e.running.plan.attempt, status="running",
@@ -423,7 +469,7 @@ def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Stor
         store.set_meta("run_config", stored)
     elif json.loads(stored) != config.run_config and config.run_config:
         log.warning("state file holds a run configuration that differs from the flags; keeping the stored one")
-    commits = store.load_commits()
+    commits = store.recent_commits(config.engine.history_window)
     # Each start is a new incarnation; its attempt ids start at ATTEMPT_STRIDE x incarnation, so a plan of
     # this incarnation never shares an id with one a crashed predecessor had sent.
     incarnation = int(store.get_meta("incarnation") or -1) + 1
@@ -433,8 +479,8 @@ def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Stor
                          attempt_base=(incarnation % 4000) * ATTEMPT_STRIDE,
                          untrusted=tuple(json.loads(store.get_meta("untrusted") or "[]")))
     if commits:
-        log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path, len(commits),
-                 len(engine.members), engine.epoch)
+        log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path,
+                 engine.committed_rounds, len(engine.members), engine.epoch)
     return engine, store, stored
 
 
@@ -466,7 +512,7 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
     service = CoordinatorService(engine, store, run_config_json, load_or_create_key(key_path), admission=admission)
     interceptors = [
         DecodeErrors(),
-        SignedCalls(SERVICE_PREFIX, RequestVerifier(), unsigned=UNSIGNED_METHODS,
+        SignedCalls(SERVICE_PREFIX, RequestVerifier(max_nonces=NONCE_MEMORY), unsigned=UNSIGNED_METHODS,
                     default_limit=RateLimiter(config.request_rate, config.request_burst),
                     limits={JOIN: RateLimiter(config.join_rate, config.join_burst)}),
     ]
@@ -492,10 +538,11 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
     try:
         async with asyncio.TaskGroup() as tg:
             ticker = tg.create_task(service.ticker())
+            heap = tg.create_task(HeapPolicy().run())
             over = tg.create_task(service.until_run_over(config.finish_linger))
             stopped = tg.create_task(stop.wait())
             await asyncio.wait({over, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (ticker, over, stopped):
+            for task in (ticker, heap, over, stopped):
                 task.cancel()
     finally:
         await health.shutdown()

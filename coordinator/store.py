@@ -5,20 +5,55 @@ Two backends share one contract (tests/test_store.py runs the same tests on both
 transaction per write; a write returns only once it is durable, so the server may acknowledge
 what it has written). Model state never lives here: peers hold it.
 
+`batch(durable=...)` groups writes into one transaction (one fsync for a round boundary's members
+and epoch). `durable=False` skips the fsync (synchronous=NORMAL in WAL mode): the transaction
+survives a crash of the process, not of the machine; the coordinator uses it for joins and
+departures only, which a peer repeats if they are lost (it joins again on NOT_FOUND).
+
 Other processes (`shoal swarm`, tests) read a live coordinator's state file through
 `SQLiteStore.reader` (read-only, never blocks the coordinator's writes), never with raw SQL.
 A member's state is stored as its `MemberState.label` ("pending", "syncing", "member").
+
+Opening a state file for writing checks it first (`PRAGMA quick_check`, the application id and the
+schema version): a damaged file, a file of another application or of a newer schema raises
+`StateFileError`, whose message is one line naming the file, what is wrong and what the operator
+can do. A coordinator never starts afresh over a file it cannot read. Backup and recovery of the
+file are in `coordinator.state_file`.
+
+The whole commit history stays in the store; the coordinator keeps only a recent window in memory
+and reads older rounds with `recent_commits` / `recent_aborts`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import sqlite3
 import threading
-from typing import Protocol
+from collections.abc import Iterator
+from typing import ContextManager, Protocol
 
 from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
+
+
+SCHEMA_VERSION = 1  # PRAGMA user_version of the files this code writes
+APPLICATION_ID = 0x53484F4C  # PRAGMA application_id ("SHOL"): a Shoal coordinator state file
+TABLES = ("meta", "members", "commits", "aborts")
+
+DAMAGED_OPTIONS = ("restore a backup (made with `shoal coordinator --state-backup PATH`), or copy what can still be "
+                   "read into a new file with `shoal coordinator --state {path} --state-recover`")
+FOREIGN_OPTIONS = "pass the coordinator's own state file with --state, or move this file away to start a new run"
+
+
+class StateFileError(Exception):
+    """A state file the coordinator must not use: damaged, another application's, or of a newer
+    schema. `str()` is one line: the file, what is wrong, and the operator's options. Nothing was
+    written to the file."""
+
+    def __init__(self, path: str, problem: str, options: str):
+        self.path, self.problem, self.options = str(path), problem, options.format(path=path)
+        super().__init__(f"state file {self.path} {self.problem}; {self.options}")
 
 
 class Store(Protocol):
@@ -28,6 +63,8 @@ class Store(Protocol):
     def load_epoch(self) -> int: ...
     def save_epoch(self, epoch: int) -> None: ...
     def load_commits(self) -> list[CommitRecord]: ...
+    def recent_commits(self, n: int) -> list[CommitRecord]: ...
+    def recent_aborts(self, n: int) -> list[AbortRecord]: ...
     def save_commit(self, rec: CommitRecord) -> None: ...
     def count_commits(self) -> int: ...
     def last_commit(self) -> CommitRecord | None: ...
@@ -35,6 +72,7 @@ class Store(Protocol):
     def save_abort(self, rec: AbortRecord) -> None: ...
     def get_meta(self, key: str) -> str | None: ...
     def set_meta(self, key: str, value: str) -> None: ...
+    def batch(self, durable: bool = True) -> ContextManager[None]: ...
     def close(self) -> None: ...
 
 
@@ -73,6 +111,12 @@ class MemoryStore:
             raise ValueError(f"round {rec.round} already committed")
         self.commits.append(rec)
 
+    def recent_commits(self, n: int) -> list[CommitRecord]:
+        return sorted(self.commits, key=lambda c: c.round)[-n:] if n > 0 else []
+
+    def recent_aborts(self, n: int) -> list[AbortRecord]:
+        return list(self.aborts[-n:]) if n > 0 else []
+
     def count_commits(self) -> int:
         return len(self.commits)
 
@@ -90,6 +134,9 @@ class MemoryStore:
 
     def set_meta(self, key: str, value: str) -> None:
         self.meta[key] = value
+
+    def batch(self, durable: bool = True) -> ContextManager[None]:
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass
@@ -110,23 +157,70 @@ CREATE TABLE IF NOT EXISTS aborts (
 """
 
 
+def check_state_file(db: sqlite3.Connection, path: str) -> bool:
+    """Check an open state file before anything is written to it; True when it is new (empty).
+
+    Raises StateFileError when the file is damaged (`PRAGMA quick_check` fails or finds a
+    problem; a file truncated by a full disk or a bad copy), is not a SQLite database, belongs to
+    another application (its application id, or tables that are not a coordinator's), or was
+    written by a newer schema. A coordinator file of an earlier version (no application id, only
+    coordinator tables) passes: opening it stamps it.
+    """
+    try:
+        problems = [r[0] for r in db.execute("PRAGMA quick_check(5)").fetchall()]
+        app_id = db.execute("PRAGMA application_id").fetchone()[0]
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as exc:
+        if "file is not a database" in str(exc):
+            raise StateFileError(path, "is not a SQLite database (not a Shoal coordinator state file)",
+                                 FOREIGN_OPTIONS) from None
+        if "unable to open" in str(exc):
+            raise StateFileError(path, f"cannot be opened ({exc})", "check the path and its permissions") from None
+        raise StateFileError(path, f"is damaged ({exc})", DAMAGED_OPTIONS) from None
+    if problems != ["ok"]:
+        raise StateFileError(path, f"is damaged (integrity check: {problems[0]})", DAMAGED_OPTIONS)
+    if app_id not in (0, APPLICATION_ID):
+        raise StateFileError(path, f"belongs to another application (application_id {app_id:#x}, not a Shoal "
+                                   f"coordinator state file)", FOREIGN_OPTIONS)
+    others = sorted(tables - set(TABLES) - {"sqlite_sequence"})
+    if others or (app_id == 0 and tables and not tables & set(TABLES)):
+        raise StateFileError(path, f"holds tables {', '.join(others or sorted(tables))} (not a Shoal coordinator "
+                                   f"state file)", FOREIGN_OPTIONS)
+    if version > SCHEMA_VERSION:
+        raise StateFileError(path, f"was written by a newer Shoal (schema version {version}; this one reads up to "
+                                   f"{SCHEMA_VERSION})", "run a newer shoal, or restore a backup of this version's")
+    return not tables
+
+
 class SQLiteStore:
     """`Store` on a SQLite file in WAL mode; each write is one durable transaction.
 
     Raises:
-        sqlite3.DatabaseError: the file is not a SQLite database.
+        StateFileError: (writer) the file is damaged, foreign or of a newer schema
+            (`check_state_file`); nothing was written to it.
+        sqlite3.OperationalError: (reader) the file does not exist.
     """
 
     def __init__(self, path: str, *, read_only: bool = False):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._in_batch = False
+        self.path = str(path)
         if read_only:
             self._db = sqlite3.connect(f"{pathlib.Path(path).absolute().as_uri()}?mode=ro", uri=True,
                                        isolation_level=None, check_same_thread=False)
             return
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        try:
+            check_state_file(self._db, self.path)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except BaseException:
+            self._db.close()
+            raise
 
     @classmethod
     def reader(cls, path: str) -> SQLiteStore:
@@ -142,8 +236,34 @@ class SQLiteStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def batch(self, durable: bool = True) -> Iterator[None]:
+        """One transaction for every write inside (nested batches join the outer one): committed
+        at the end, rolled back when the block raises. durable=False: no fsync (see the module
+        docstring)."""
+        with self._lock:
+            if self._in_batch:
+                yield
+                return
+            self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self._db.execute("BEGIN IMMEDIATE")
+            self._in_batch = True
+            try:
+                yield
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            finally:
+                self._in_batch = False
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
+
     def _write(self, sql: str, args: tuple) -> None:
         with self._lock:
+            if self._in_batch:
+                self._db.execute(sql, args)
+                return
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 self._db.execute(sql, args)
@@ -181,6 +301,17 @@ class SQLiteStore:
             CommitRecord(r, a, bytes(rd), bytes(sd), tuple(json.loads(ps)), loss, sec, tuple(json.loads(fl)), at)
             for r, a, rd, sd, ps, loss, sec, fl, at in rows
         ]
+
+    def recent_commits(self, n: int) -> list[CommitRecord]:
+        """The last `n` committed rounds, oldest first (one indexed read, whatever the history's length)."""
+        rows = self._db.execute("SELECT * FROM commits ORDER BY round DESC LIMIT ?", (max(0, n),)).fetchall()
+        return self._commits(rows[::-1])
+
+    def recent_aborts(self, n: int) -> list[AbortRecord]:
+        """The last `n` aborted attempts, oldest first."""
+        rows = self._db.execute("SELECT round, attempt, reason, excluded, will_retry, at FROM aborts "
+                                "ORDER BY id DESC LIMIT ?", (max(0, n),)).fetchall()
+        return [AbortRecord(r, a, reason, tuple(json.loads(ex)), bool(w), at) for r, a, reason, ex, w, at in rows[::-1]]
 
     def save_commit(self, rec: CommitRecord) -> None:
         try:

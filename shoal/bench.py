@@ -1,4 +1,5 @@
 """`shoal bench allreduce`: time Shoal's all-reduce against the lower bound and against gloo.
+(`shoal bench coordinator`, one coordinator against N simulated members, is shoal.bench_coordinator.)
 
 One invocation starts a coordinator and ``--peers`` collective-job processes
 (`shoal.collective_job`), runs one warm-up round (connections, link probes) plus ``--repeat``
@@ -40,6 +41,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Sequence
+
+from shoal import bench_coordinator
 
 log = logging.getLogger("shoal.bench")
 
@@ -343,9 +346,10 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
 
 
 def add_bench_parser(sub) -> None:
-    """Register `shoal bench allreduce` on the CLI's subparsers."""
+    """Register `shoal bench allreduce` and `shoal bench coordinator` on the CLI's subparsers."""
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
+    bench_coordinator.add_parser(bsub)
     b = bsub.add_parser("allreduce", help="time the all-reduce against the bound and against gloo")
     b.add_argument("--peers", type=int, default=4, help="peer processes (and gloo ranks) (default 4)")
     b.add_argument("--size-mb", type=float, default=64.0, help="tensor size in MB (10^6 bytes), float32 (default 64)")
@@ -382,21 +386,28 @@ def check_extras(opts: BenchOptions) -> None:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     try:
-        opts = options_from_args(a)
-        check_extras(opts)
+        opts = bench_coordinator.options_from_args(a) if a.bench == "coordinator" else options_from_args(a)
+        if a.bench != "coordinator":
+            check_extras(opts)
     except ValueError as exc:
         print(f"shoal bench: {exc}", file=sys.stderr)
         return 2
+
     def _interrupt(signum, frame):  # SIGTERM: unwind like Ctrl-C, so processes and namespaces go
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        report = run_bench(opts)
+        if a.bench == "coordinator":
+            report = bench_coordinator.run_coordinator_bench(opts)
+        else:
+            report = run_bench(opts)
     except KeyboardInterrupt:
         return 130
-    except RuntimeError as exc:  # a process failed or the deadline passed: what it logged follows
-        print(f"shoal bench: {exc}", file=sys.stderr)
+    except (RuntimeError, ValueError) as exc:  # a process failed or the deadline passed: what it logged follows
+        if isinstance(exc, ValueError) and a.bench != "coordinator":
+            raise
+        print(f"shoal bench{' coordinator' if a.bench == 'coordinator' else ''}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(report, indent=None if a.json else 2))
     return 0

@@ -263,12 +263,53 @@ def _coordinator_files(c) -> None:
             raise UsageError(f"{flag}: {exc}") from None
 
 
-def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
+def _recovered_path(state: str) -> str:
+    p = pathlib.Path(state)
+    return str(p.with_name(f"{p.stem}.recovered{p.suffix or '.db'}"))
+
+
+def cmd_state_tool(c, backup: str | None, recover: str | None) -> int:
+    """`shoal coordinator --state-backup PATH` / `--state-recover [PATH]`: one operation on the
+    state file, then exit (0 done; 1 nothing could be recovered; 2 bad paths)."""
+    from shoal.coordinator.state_file import backup_state, recover_state
+    from shoal.coordinator.store import StateFileError
+
+    try:
+        if backup is not None:
+            _parent_dir("--state-backup", backup)
+            summary = backup_state(c.state, backup)
+            print(f"backed up {c.state} to {summary.describe()}")
+            return EXIT_OK
+        dst = recover or _recovered_path(c.state)
+        _parent_dir("--state-recover", dst)
+        report = recover_state(c.state, dst)
+    except (FileExistsError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from None
+    except StateFileError as exc:
+        print(f"shoal coordinator: {exc}", file=sys.stderr)
+        return EXIT_USAGE if backup is not None else EXIT_FAILED
+    s = report.summary
+    print(f"recovered {c.state} into {s.describe()}")
+    for line in report.lost:
+        print(f"  lost: {line}")
+    last = "no committed round" if s.last_round is None else f"round {s.last_round}"
+    print(f"the last committed round kept is {last}: rounds after it are lost, and peers holding one of them "
+          f"must be restarted (they then fetch the kept state). To use it: shoal coordinator --state {dst}")
+    return EXIT_OK
+
+
+def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, state_backup: str | None = None,
+                    state_recover: str | None = None) -> int:
     import dataclasses
 
     from shoal.coordinator.server import CoordinatorConfig, serve
+    from shoal.coordinator.store import StateFileError
 
     c = cfg.coordinator
+    if state_backup is not None or state_recover is not None:
+        if state_backup is not None and state_recover is not None:
+            raise UsageError("--state-backup and --state-recover: give one of them")
+        return cmd_state_tool(c, state_backup, state_recover or None)
     _coordinator_files(c)
     _bindable("--listen", c.listen)
     if c.metrics_port:
@@ -276,7 +317,8 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> in
     security = _security(c.tls_dir, c.mtls, c.insecure, "coordinator",
                          ("coordinator.pem", "coordinator.key") + (("ca.pem",) if c.mtls else ()))
     server_cfg = CoordinatorConfig(
-        listen=c.listen, state_path=c.state, engine=cfg.rounds.to_engine_config(cfg.run),
+        listen=c.listen, state_path=c.state,
+        engine=dataclasses.replace(cfg.rounds.to_engine_config(cfg.run), history_window=c.history_window),
         run_config=dataclasses.asdict(cfg.run.to_run_config(c.num_data_shards)), ready_file=c.ready_file,
         key_path=c.key, metrics_port=c.metrics_port, metrics_host=c.metrics_host,
         security=security, join_token_secret=c.join_token_secret, allow_list=c.allow_list,
@@ -296,6 +338,10 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> in
 
     try:
         _run(main())
+    except StateFileError as exc:
+        # Damaged, foreign or newer: never start afresh over it. One line, the options in it.
+        print(f"shoal coordinator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except RuntimeError as exc:
         failure = _bind_failure(exc, "--listen", c.listen)
         if failure is None:
@@ -406,6 +452,8 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
             raise UsageError(f"--min-peers {min_peers} is greater than --peers {s.peers}: the quorum could "
                              f"never be reached")
         min_peers = s.peers
+    if r.cohort_size > s.peers:
+        raise UsageError(f"--cohort-size {r.cohort_size} is greater than --peers {s.peers}: no round could open")
     _swarm_files(s)
     plan = None
     if s.scenario:
@@ -436,7 +484,7 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                         run_extra=run_extra, extra_coordinator_args=tuple(extra),
                         log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls,
                         byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
-                        compression=run.compression, scenario=plan)
+                        compression=run.compression, cohort_size=r.cohort_size, scenario=plan)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 
@@ -509,6 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         config_mod.add_flags(p, name)
         p.set_defaults(fn=fn)
+        if name == "coordinator":
+            g = p.add_argument_group("state file tools", "do one thing with the --state file, then exit")
+            g.add_argument("--state-backup", metavar="PATH", help="copy the state file to PATH with SQLite's online "
+                           "backup API (the coordinator may be running); never overwrites PATH")
+            g.add_argument("--state-recover", metavar="PATH", nargs="?", const="", help="copy every row still "
+                           "readable in a damaged state file into a new file (default: STATE.recovered.db) and "
+                           "report the last committed round it kept")
 
     # Tools: plain flags, no configuration layers.
     p = sub.add_parser("certs", help="TLS certificates for both planes")
@@ -570,8 +625,9 @@ def _main(argv: list[str] | None) -> int:
         print(f"shoal {a.command}: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     setup_logging(cfg.log.level, cfg.log.format)
+    tools = {k: getattr(a, k) for k in ("state_backup", "state_recover") if getattr(a, k, None) is not None}
     try:
-        return a.fn(cfg, frozenset(sources))
+        return a.fn(cfg, frozenset(sources), **tools)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except UsageError as exc:

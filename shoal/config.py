@@ -125,10 +125,13 @@ class CoordinatorSection:
     rate_limit: float = setting(500.0, "control-plane calls per second per host (burst 2x)")
     finish_linger: float = setting(10.0, "once the run finished (rounds.rounds committed) and every member left: "
                                          "keep answering `shoal status` this long, then exit 0")
+    history_window: int = setting(100, "committed rounds and aborted attempts kept in memory (the state file keeps "
+                                       "all of them; `shoal status --recent N` reads older ones from it)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         c = "coordinator"
+        _check(self.history_window >= 1, c, "history_window", ">= 1", self.history_window)
         check_address(c, "listen", self.listen)
         _check(bool(self.state), c, "state", "a file path", self.state)
         _check(0 <= self.metrics_port <= 65535, c, "metrics_port", "in 0..65535", self.metrics_port)
@@ -162,6 +165,12 @@ class RoundsSection:
     collective: str = setting("auto", "collective algorithm of the all-reduce (auto: chosen by the planner from the "
                                       "peers' measured links; butterfly with equal tensor shards until links are "
                                       "known)", choices=("ring", "butterfly", "auto"))
+    cohort_size: int = setting(0, "participants per round: a cohort drawn uniformly at random (seeded by run.seed) "
+                                  "from the ready peers, also the fewest ready peers a round opens with; only "
+                                  "drawn peers fetch the committed state, the others keep theirs until drawn "
+                                  "(0 = every ready peer)")
+    cohort_timeout: float = setting(60.0, "a drawn peer holding an older state has this long to fetch the committed "
+                                          "state, train and say ready, then its place is drawn again (seconds)")
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
 
@@ -171,7 +180,7 @@ class RoundsSection:
         _check(self.rounds >= 0, r, "rounds", ">= 0 (0 = run forever)", self.rounds)
         _check(self.min_peers >= 1, r, "min_peers", ">= 1", self.min_peers)
         _check(self.initial_peers >= 0, r, "initial_peers", ">= 0 (0 = min_peers)", self.initial_peers)
-        for key in ("lease_seconds", "collective_timeout", "chunk_timeout", "chunk_safety"):
+        for key in ("lease_seconds", "collective_timeout", "chunk_timeout", "chunk_safety", "cohort_timeout"):
             v = getattr(self, key)
             _check(v > 0 and _finite(v), r, key, "> 0", v)
         for key in ("ready_timeout", "retry_backoff"):
@@ -182,6 +191,7 @@ class RoundsSection:
                self.shm_chunk_bytes)
         _check(1 <= self.max_attempts < ATTEMPT_STRIDE, r, "max_attempts", f"in 1..{ATTEMPT_STRIDE - 1}",
                self.max_attempts)
+        _check(self.cohort_size >= 0, r, "cohort_size", ">= 0 (0 = every ready peer)", self.cohort_size)
 
     def to_engine_config(self, run: "RunSection | None" = None):
         """The engine's settings; `run` adds the aggregator and codec the plans carry."""
@@ -196,7 +206,8 @@ class RoundsSection:
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
                             shm_chunk_bytes=self.shm_chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
-                            total_rounds=self.rounds, collective=collective)
+                            total_rounds=self.rounds, collective=collective, cohort_size=self.cohort_size,
+                            cohort_seed=run.seed, cohort_timeout=self.cohort_timeout)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ class SwarmOptions:
     attack_args: tuple[str, ...] = ()
     aggregator: str = "mean"  # reported in the summary (the coordinator gets it via run_extra)
     compression: str = "none"
+    cohort_size: int = 0  # reported in the summary (the coordinator gets it via extra_coordinator_args)
     scenario: Scenario | None = None  # `--scenario FILE` (shoal.scenario), already checked
 
     def run_config(self):
@@ -283,6 +284,15 @@ class Swarm:
         with SQLiteStore.reader(str(self.workdir / "coordinator.db")) as store:
             return store.count_commits(), store.count_aborts()
 
+    def cohort_sizes(self) -> dict[str, int]:
+        """{participants of a committed round: how many rounds had that many}, from the state file."""
+        with SQLiteStore.reader(str(self.workdir / "coordinator.db")) as store:
+            commits = store.recent_commits(store.count_commits())
+        sizes: dict[str, int] = {}
+        for c in commits:
+            sizes[str(len(c.participants))] = sizes.get(str(len(c.participants)), 0) + 1
+        return dict(sorted(sizes.items(), key=lambda kv: int(kv[0])))
+
 
 def _last_commit_digest(swarm: "Swarm") -> str:
     with SQLiteStore.reader(str(swarm.workdir / "coordinator.db")) as store:
@@ -344,6 +354,8 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
         "attack": swarm.opts.attack_args[1] if swarm.opts.attack_args else "",
         "rounds_with_flagged": len({e["round"] for e in commits if e.get("flagged")}),
         "flagged_peers": sorted({f for e in commits for f in e.get("flagged", [])}),
+        "cohort_size": swarm.opts.cohort_size,
+        "cohort_sizes": swarm.cohort_sizes(),
     }
     if chaos is not None:
         summary.update(chaos.summary(commits))

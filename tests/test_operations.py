@@ -78,7 +78,9 @@ def test_metrics_of_coordinator_and_peer(swarm):
 
     def coordinator_ready():
         text = scrape(urls["coordinator"])
-        return text if sample(text, "shoal_coordinator_members") == PEERS and \
+        # Gauges refresh every second; link estimates are set when reported (maybe before the refresh
+        # that counts the peers as members).
+        return text if 'shoal_coordinator_members{state="member"} 3.0' in text and \
             sample(text, "shoal_coordinator_link_up_bytes_per_second") > 0 else None
 
     text = wait_for(coordinator_ready, 20, "coordinator gauges")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 import sqlite3
 
 import pytest
 
 from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
-from shoal.coordinator.store import MemoryStore, SQLiteStore
+from shoal.coordinator.store import APPLICATION_ID, SCHEMA_VERSION, MemoryStore, SQLiteStore, StateFileError
 
 
 @pytest.fixture(params=["memory", "sqlite"])
@@ -124,3 +126,89 @@ def test_reader_sees_a_live_writer_and_cannot_write(tmp_path):
         writer.close()
     with pytest.raises(sqlite3.OperationalError):
         SQLiteStore.reader(str(tmp_path / "missing.db"))
+
+
+def test_recent_commits_and_aborts_are_the_newest_oldest_first(make_store):
+    s = make_store()
+    for r in range(5):
+        s.save_commit(rec(r))
+        s.save_abort(AbortRecord(r, 1, f"x{r}", ("a",), True, 2.0))
+    s2 = make_store()
+    assert s2.recent_commits(2) == [rec(3), rec(4)] and s2.recent_commits(99) == [rec(r) for r in range(5)]
+    assert [a.reason for a in s2.recent_aborts(3)] == ["x2", "x3", "x4"] and s2.recent_aborts(0) == []
+
+
+# ------------------------------------------------------------------ a state file the coordinator must refuse
+
+
+def filled(path: str, commits: int = 300) -> None:
+    s = SQLiteStore(path)
+    for i in range(10):
+        s.save_member(Member(f"{i:064x}", b"k" * 32, f"h:{i}", 5, 0.0, MemberState.MEMBER))
+    for r in range(commits):
+        s.save_commit(CommitRecord(r, 0, b"r" * 32, b"s" * 32, tuple(f"{i:064x}" for i in range(4)), 0.5, 0.1))
+    s.set_meta("run_config", "{}")
+    s.close()
+
+
+def test_a_state_file_truncated_to_half_is_refused_naming_the_file(tmp_path):
+    path = str(tmp_path / "state.db")
+    filled(path)
+    size = os.path.getsize(path)
+    os.truncate(path, size // 2)
+    with pytest.raises(StateFileError) as err:
+        SQLiteStore(path)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"state file {path} is damaged")
+    assert "--state-backup" in msg and "--state-recover" in msg
+    assert os.path.getsize(path) == size // 2  # nothing written to it
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda p: pathlib.Path(p).write_text("not sqlite at all " * 100), "is not a SQLite database"),
+    (lambda p: _sql(p, "CREATE TABLE invoices (id INTEGER)"), "holds tables invoices"),
+    (lambda p: _sql(p, "PRAGMA application_id = 42"), "belongs to another application"),
+    (lambda p: (SQLiteStore(p).close(), _sql(p, "PRAGMA user_version = 99")), "newer Shoal (schema version 99"),
+])
+def test_a_foreign_or_newer_file_is_refused(tmp_path, make, problem):
+    path = str(tmp_path / "x.db")
+    make(path)
+    with pytest.raises(StateFileError) as err:
+        SQLiteStore(path)
+    assert problem in str(err.value) and path in str(err.value)
+
+
+def _sql(path: str, sql: str) -> None:
+    db = sqlite3.connect(path)
+    db.execute(sql)
+    db.commit()
+    db.close()
+
+
+def test_a_file_of_an_earlier_version_is_stamped_with_the_schema(tmp_path):
+    path = str(tmp_path / "old.db")
+    _sql(path, "CREATE TABLE commits (round INTEGER PRIMARY KEY, attempt INTEGER NOT NULL, result_digest BLOB "
+               "NOT NULL, state_digest BLOB NOT NULL, participants TEXT NOT NULL, train_loss REAL NOT NULL, "
+               "seconds REAL NOT NULL, flagged TEXT NOT NULL, at REAL NOT NULL)")
+    SQLiteStore(path).close()
+    db = sqlite3.connect(path)
+    assert (db.execute("PRAGMA application_id").fetchone()[0], db.execute("PRAGMA user_version").fetchone()[0]) == (
+        APPLICATION_ID, SCHEMA_VERSION)
+    db.close()
+
+
+def test_a_batch_is_one_transaction(make_store):
+    s = make_store()
+    with s.batch():
+        s.save_commit(rec(0))
+        s.save_epoch(3)
+    with pytest.raises(RuntimeError):
+        with s.batch(durable=False):
+            s.save_member(Member("a", b"k" * 32, "h:1", 5, 0.0, MemberState.MEMBER))
+            raise RuntimeError("boom")
+    with s.batch(durable=False):
+        s.save_member(Member("b", b"k" * 32, "h:2", 5, 0.0, MemberState.MEMBER))
+    s2 = make_store()
+    assert s2.count_commits() == 1 and s2.load_epoch() == 3
+    if isinstance(s2, SQLiteStore):  # the in-memory store has no transactions to roll back
+        assert [m.peer_id for m in s2.load_members()] == ["b"]

@@ -108,6 +108,10 @@ class CoordinatorMetrics(_Metrics):
 
     specs = COORDINATOR_METRICS
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._link_labels: set[str] = set()  # peers with link series now
+
     def on_commit(self, seconds: float, bytes_sent: int = 0, *, rounds_committed: int | None = None) -> None:
         """A round committed; `rounds_committed` (the engine's count) moves the round gauge at once
         instead of at the next `observe_members`."""
@@ -126,22 +130,28 @@ class CoordinatorMetrics(_Metrics):
     def on_sync(self) -> None:
         self.m["shoal_coordinator_state_syncs_total"].inc()
 
-    def observe_members(self, epoch: int, round_: int, members: list[tuple[str, str, float, float, float]]) -> None:
-        """members: (peer_id, state, up B/s, down B/s, rtt s) of every live member."""
+    def observe_members(self, epoch: int, round_: int, counts: dict[str, int]) -> None:
+        """counts: live members per state label ("pending", "syncing", "member")."""
         self.m["shoal_coordinator_epoch"].set(epoch)
         self.m["shoal_coordinator_round"].set(round_)
-        counts = {"pending": 0, "syncing": 0, "member": 0}
-        for _, state, *_ in members:
-            counts[state] = counts.get(state, 0) + 1
-        for state, n in counts.items():
-            self.m["shoal_coordinator_members"].labels(state).set(n)
-        for name in ("shoal_coordinator_link_up_bytes_per_second", "shoal_coordinator_link_down_bytes_per_second",
-                     "shoal_coordinator_link_rtt_seconds"):
-            self.m[name].clear()
-        for peer_id, _, up, down, rtt in members:
-            self.m["shoal_coordinator_link_up_bytes_per_second"].labels(peer_id[:16]).set(up)
-            self.m["shoal_coordinator_link_down_bytes_per_second"].labels(peer_id[:16]).set(down)
-            self.m["shoal_coordinator_link_rtt_seconds"].labels(peer_id[:16]).set(rtt)
+        for state in {"pending", "syncing", "member", *counts}:
+            self.m["shoal_coordinator_members"].labels(state).set(counts.get(state, 0))
+
+    def observe_link(self, peer_id: str, up: float, down: float, rtt: float) -> None:
+        """A member's reported link estimates (bytes/s, seconds); set when it reports them, not
+        re-created periodically (thousands of members: thousands of series)."""
+        self.m["shoal_coordinator_link_up_bytes_per_second"].labels(peer_id[:16]).set(up)
+        self.m["shoal_coordinator_link_down_bytes_per_second"].labels(peer_id[:16]).set(down)
+        self.m["shoal_coordinator_link_rtt_seconds"].labels(peer_id[:16]).set(rtt)
+        self._link_labels.add(peer_id[:16])
+
+    def forget_link(self, peer_id: str) -> None:
+        """The member left: its link series go."""
+        if peer_id[:16] in self._link_labels:
+            self._link_labels.discard(peer_id[:16])
+            for name in ("shoal_coordinator_link_up_bytes_per_second", "shoal_coordinator_link_down_bytes_per_second",
+                         "shoal_coordinator_link_rtt_seconds"):
+                self.m[name].remove(peer_id[:16])
 
     def observe_waiting(self, reason: str, reasons: list[str]) -> None:
         """Set the wait-reason gauge: 1 for `reason`, 0 for every other one of `reasons`."""

@@ -1,0 +1,627 @@
+"""`shoal bench coordinator`: one real coordinator against N simulated members.
+
+The driver starts a `shoal coordinator` process (its own state file, plaintext on loopback) and
+``--processes`` member processes (``python -m shoal.bench_coordinator members``) that share the
+N members between them. A simulated member is a few coroutines that make the calls a peer makes,
+signed with its own Ed25519 key, over its own connection (or ``--members-per-connection``
+members per connection): Join, a WatchRounds stream, a Heartbeat every heartbeat interval the
+coordinator gives it, Ready for every round, and, when it is in the round's cohort, a Vote.
+A member left out of a round does what a peer does: it says ready holding the previous state,
+takes the sync order, adopts the ordered state (a simulated download: no bytes move) and says
+ready again. Nothing else runs: no tensors, no training, so every CPU second and byte of the
+coordinator is the control plane's.
+
+The report (one JSON object):
+- ``joins_per_second``: N / (last join answered - first join sent).
+- ``heartbeat_p50_seconds`` / ``heartbeat_p99_seconds``: latency of the heartbeats sent after
+  round 0 committed (every member joined), measured by the members (call to answer).
+- ``round_open_to_plan_p99_seconds``: per round, from the last Ready that let it open to the
+  last participant holding the plan.
+- A member in a round's cohort spends ``--train-seconds`` (uniformly 0.5x to 1.5x) of simulated
+  local work after the commit, or after its state sync, before it says ready: the rounds come at
+  the pace of training, not as fast as the coordinator can answer.
+- ``rss_bytes``: the coordinator's peak resident memory (VmHWM); ``rss_growth_bytes_per_round``:
+  the slope of its resident memory over the committed rounds of the second half of the run.
+- ``cpu_seconds_per_second``: the coordinator's CPU time (user + system) per wall second from the
+  first join to the end.
+- ``bounds`` and ``within_bounds``: the targets of docs/performance.md next to the figures.
+
+Members, coordinator and driver share this machine, so the latencies include the members' own
+scheduling delays: a loaded machine reads as a slower coordinator, never a faster one.
+Every process it starts is killed when it returns, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+
+import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shoal.common.identity import public_bytes, sign_metadata
+from shoal.coordinator.store import SQLiteStore
+from shoal.v1 import shoal_pb2 as pb
+from shoal.v1 import shoal_pb2_grpc as pb_grpc
+
+log = logging.getLogger("shoal.bench")
+
+SERVICE = "/shoal.v1.Coordinator/"
+BOUNDS = {"heartbeat_p99_seconds": 0.1, "rss_bytes": 1 << 30, "rss_growth_bytes_per_round": 100.0}
+_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorBenchOptions:
+    """What to run. lease_seconds: the coordinator's lease (members heartbeat every lease / 4;
+    60 s: a heartbeat every 15 s, what a deployment of thousands of volunteers runs with, since
+    every heartbeat costs the coordinator a signature check and a gRPC call, ~0.3 ms of CPU).
+    ready_timeout: the coordinator's ready deadline (the rounds wait at most this long for the
+    last members' Ready). processes: member processes. members_per_connection: members that
+    share one gRPC connection (1 = one TCP connection per member, as volunteers have)."""
+
+    members: int = 1000
+    rounds: int = 50
+    cohort_size: int = 16
+    processes: int = 4
+    lease_seconds: float = 60.0
+    ready_timeout: float = 10.0
+    members_per_connection: int = 1
+    train_seconds: float = 1.0
+    coordinator_nice: int = 0
+    timeout: float = 3600.0
+    workdir: str | None = None
+    seed: int = 0
+
+
+# ------------------------------------------------------------------------------ measurements
+
+
+class Histogram:
+    """Latencies in log-spaced bins (2 % wide from 10 us): percentiles within 2 %, any count,
+    a few hundred numbers to merge across processes."""
+
+    BASE, RATIO = 1e-5, 1.02
+
+    def __init__(self, bins: dict[int, int] | None = None) -> None:
+        self.bins: dict[int, int] = dict(bins or {})
+
+    def add(self, seconds: float) -> None:
+        b = 0 if seconds <= self.BASE else int(math.log(seconds / self.BASE) / math.log(self.RATIO)) + 1
+        self.bins[b] = self.bins.get(b, 0) + 1
+
+    def merge(self, other: Histogram) -> None:
+        for b, n in other.bins.items():
+            self.bins[b] = self.bins.get(b, 0) + n
+
+    @property
+    def count(self) -> int:
+        return sum(self.bins.values())
+
+    def quantile(self, q: float) -> float:
+        """The upper edge of the bin holding quantile `q` (seconds); 0 when empty."""
+        total = self.count
+        if not total:
+            return 0.0
+        seen = 0
+        for b in sorted(self.bins):
+            seen += self.bins[b]
+            if seen >= q * total:
+                return self.BASE * self.RATIO ** b
+        return self.BASE * self.RATIO ** max(self.bins)
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def growth_per_round(samples: Iterable[tuple[int, int]], rounds: int) -> float:
+    """Least-squares slope (bytes per round) of (committed rounds, RSS bytes) samples taken in
+    the second half of a run of `rounds` rounds; 0 with fewer than two distinct rounds."""
+    pts = [(r, rss) for r, rss in samples if r >= rounds // 2]
+    if len({r for r, _ in pts}) < 2:
+        return 0.0
+    mx = sum(r for r, _ in pts) / len(pts)
+    my = sum(v for _, v in pts) / len(pts)
+    var = sum((r - mx) ** 2 for r, _ in pts)
+    return sum((r - mx) * (v - my) for r, v in pts) / var
+
+
+# ------------------------------------------------------------------------------ simulated members
+
+
+_NUDGE = pb.RoundEvent()  # from the heartbeat loop: the run moved past this member's round
+ROUND_SILENCE = 15.0  # peer.agent's default round_silence
+
+
+def _digest(label: str, r: int) -> bytes:
+    return hashlib.blake2b(f"{label}:{r}".encode(), digest_size=32).digest()
+
+
+@dataclasses.dataclass
+class _Stats:
+    """What one member process measured."""
+
+    join_first: float = math.inf
+    join_last: float = 0.0
+    joins: int = 0
+    heartbeats: Histogram = dataclasses.field(default_factory=Histogram)
+    loop_lag: Histogram = dataclasses.field(default_factory=Histogram)  # this process's own scheduling delay
+    heartbeat_errors: int = 0
+    errors: dict[str, int] = dataclasses.field(default_factory=dict)
+    ready_at: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> last in-sync Ready sent
+    plan_at: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> last plan received
+    votes: int = 0
+    syncs: int = 0
+    finished: int = 0
+    steady: bool = False  # round 0 committed: every member joined
+
+    def error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+    def to_json(self) -> dict:
+        return {"join_first": self.join_first if self.joins else None, "join_last": self.join_last,
+                "joins": self.joins, "heartbeats": self.heartbeats.bins, "loop_lag": self.loop_lag.bins, "heartbeat_errors": self.heartbeat_errors,
+                "errors": self.errors, "ready_at": self.ready_at, "plan_at": self.plan_at, "votes": self.votes,
+                "syncs": self.syncs, "finished": self.finished}
+
+
+class SimulatedMember:
+    """One member: the control-plane calls of a peer, no data plane (see the module docstring)."""
+
+    def __init__(self, index: int, key: Ed25519PrivateKey, channel: grpc.aio.Channel, stats: _Stats,
+                 train_seconds: float = 0.0):
+        self.index, self.key, self.stats, self.train_seconds = index, key, stats, train_seconds
+        self.stub = pb_grpc.CoordinatorStub(channel)
+        self.peer_id = ""
+        self.state_round = 0
+        self.state_digest = b""
+        self.events: asyncio.Queue[pb.RoundEvent] = asyncio.Queue()
+        self.interval = 2.5
+        self.done = asyncio.Event()
+
+    async def _call(self, name: str, request, **kw):
+        method = getattr(self.stub, name)
+        return await method(request, metadata=sign_metadata(self.key, SERVICE + name, request), **kw)
+
+    async def run(self) -> None:
+        """Join, then play rounds until the run finishes; heartbeats and the event stream run beside."""
+        await self._join()
+        async with asyncio.TaskGroup() as tg:
+            watch = tg.create_task(self._watch())
+            beat = tg.create_task(self._heartbeats())
+            try:
+                await self._rounds()
+            finally:
+                self.done.set()
+                watch.cancel()
+                beat.cancel()
+
+    async def _join(self) -> None:
+        req = pb.JoinRequest(public_key=public_bytes(self.key), data_address=f"127.0.0.1:{20000 + self.index % 40000}",
+                             num_samples=100, version="bench")
+        t0 = time.time()
+        while True:
+            try:
+                resp = await self._call("Join", req, timeout=30.0)
+                break
+            except grpc.aio.AioRpcError as exc:
+                self.stats.error(f"join {exc.code().name}")
+                await asyncio.sleep(random.uniform(0.1, 1.0))
+        self.stats.join_first = min(self.stats.join_first, t0)
+        self.stats.join_last = max(self.stats.join_last, time.time())
+        self.stats.joins += 1
+        self.peer_id = resp.peer_id
+        self.interval = resp.heartbeat_interval_seconds
+        if resp.HasField("sync"):
+            self._adopt(resp.sync)
+
+    async def _watch(self) -> None:
+        while not self.done.is_set():
+            req = pb.WatchRequest(peer_id=self.peer_id)
+            try:
+                async for ev in self.stub.WatchRounds(req, metadata=sign_metadata(self.key, SERVICE + "WatchRounds",
+                                                                                  req)):
+                    self.events.put_nowait(ev)
+                    if ev.HasField("finished"):
+                        return
+            except grpc.aio.AioRpcError as exc:
+                self.stats.error(f"watch {exc.code().name}")
+            await asyncio.sleep(random.uniform(0.05, 0.5))
+
+    async def _heartbeats(self) -> None:
+        await asyncio.sleep(random.uniform(0, self.interval))  # members' phases spread over the interval
+        behind = False
+        while not self.done.is_set():
+            req = pb.HeartbeatRequest(peer_id=self.peer_id)
+            t0 = time.perf_counter()
+            try:
+                resp = await self._call("Heartbeat", req, timeout=10.0)
+                if self.stats.steady:
+                    self.stats.heartbeats.add(time.perf_counter() - t0)
+                # A peer's safety net for a lost event (its stream opened after a commit was sent):
+                # two heartbeats in a row saying the run is past this member's round.
+                if resp.round > self.state_round and behind:
+                    self.events.put_nowait(_NUDGE)
+                behind = resp.round > self.state_round
+            except grpc.aio.AioRpcError as exc:
+                self.stats.heartbeat_errors += 1
+                self.stats.error(f"heartbeat {exc.code().name}")
+            await asyncio.sleep(max(0.0, self.interval - (time.perf_counter() - t0)))
+
+    def _adopt(self, order: pb.SyncOrder) -> bool:
+        """A simulated state sync: take the ordered state (no bytes move). False when not newer."""
+        if order.round < self.state_round or (order.round == self.state_round and order.state_digest == self.state_digest):
+            return False
+        self.state_round, self.state_digest = order.round, order.state_digest
+        self.stats.syncs += 1
+        return True
+
+    async def _ready(self, round_: int) -> None:
+        req = pb.ReadyRequest(peer_id=self.peer_id, round=round_, num_elements=1000, dtype=pb.FLOAT32,
+                              num_samples=100, state_digest=self.state_digest, state_round=self.state_round)
+        in_sync = round_ == self.state_round
+        while True:
+            sent = time.time()
+            try:
+                resp = await self._call("Ready", req, timeout=30.0)
+                break
+            except grpc.aio.AioRpcError as exc:
+                self.stats.error(f"ready {exc.code().name}")
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    return  # the round moved on meanwhile: the events say what to do
+                await asyncio.sleep(random.uniform(0.05, 0.5))
+        if in_sync:
+            self.stats.ready_at[round_] = max(self.stats.ready_at.get(round_, 0.0), sent)
+        if resp.HasField("sync") and self._adopt(resp.sync):
+            await self._ready(self.state_round)
+
+    async def _train(self) -> None:
+        """Simulated local work of one round."""
+        if self.train_seconds > 0:
+            await asyncio.sleep(random.uniform(0.5, 1.5) * self.train_seconds)
+
+    async def _rounds(self) -> None:
+        await self._ready(self.state_round)
+        while True:
+            try:
+                ev = await asyncio.wait_for(self.events.get(), ROUND_SILENCE)
+            except TimeoutError:
+                ev = _NUDGE  # a peer announces itself again after `round_silence` without events
+            if ev is _NUDGE:
+                await self._ready(self.state_round)
+                continue
+            kind = ev.WhichOneof("event")
+            if kind == "finished":
+                self.stats.finished += 1
+                return
+            if kind == "sync":
+                self.stats.steady = True  # a commit reached this member as its sync order
+                if self._adopt(ev.sync):
+                    await self._train()
+                    await self._ready(self.state_round)
+            elif kind == "plan" and ev.plan.round == self.state_round:
+                p = ev.plan
+                self.stats.plan_at[p.round] = max(self.stats.plan_at.get(p.round, 0.0), time.time())
+                req = pb.VoteRequest(peer_id=self.peer_id, round=p.round, attempt=p.attempt, ok=True,
+                                     result_digest=_digest("result", p.round),
+                                     state_digest=_digest("state", p.round + 1))
+                try:
+                    await self._call("Vote", req, timeout=30.0)
+                    self.stats.votes += 1
+                except grpc.aio.AioRpcError as exc:
+                    self.stats.error(f"vote {exc.code().name}")
+            elif kind == "commit":
+                c = ev.commit
+                self.stats.steady = True
+                if c.round == self.state_round and self.peer_id in c.participants:
+                    self.state_round, self.state_digest = c.round + 1, c.state_digest
+                    await self._train()
+                    await self._ready(self.state_round)
+                elif c.round >= self.state_round:
+                    # Left out of the round: say ready holding the old state; the answer is a sync order.
+                    await self._ready(c.round + 1)
+
+
+def member_key(seed: int, index: int) -> Ed25519PrivateKey:
+    """The deterministic identity of simulated member `index`."""
+    return Ed25519PrivateKey.from_private_bytes(hashlib.blake2b(f"shoal-bench:{seed}:{index}".encode(),
+                                                                digest_size=32).digest())
+
+
+async def run_members(address: str, first: int, count: int, *, seed: int, per_connection: int,
+                      join_rate: float, train_seconds: float, out: str) -> None:
+    """Run members first .. first+count-1 against `address` until the run finishes; write the
+    process's `_Stats` as JSON to `out`. Joins are spread at `join_rate` per second."""
+    stats = _Stats()
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    channels: list[grpc.aio.Channel] = []
+    members: list[SimulatedMember] = []
+    for k in range(count):
+        if k % max(1, per_connection) == 0:
+            # A distinct channel argument keeps grpc from sharing one connection between channels.
+            channels.append(grpc.aio.insecure_channel(address, options=options + [("shoal.bench.member", first + k)]))
+        members.append(SimulatedMember(first + k, member_key(seed, first + k), channels[-1], stats, train_seconds))
+    async def lag() -> None:
+        # How late this process's own event loop runs: the part of a measured latency that is
+        # the member's, not the coordinator's.
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.01)
+            if stats.steady:
+                stats.loop_lag.add(max(1e-6, time.perf_counter() - t0 - 0.01))
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            lag_task = tg.create_task(lag())
+            for k, m in enumerate(members):
+                tg.create_task(m.run())
+                if join_rate > 0:
+                    await asyncio.sleep(1.0 / join_rate)
+            await asyncio.gather(*(m.done.wait() for m in members))
+            lag_task.cancel()
+    finally:
+        for ch in channels:
+            await ch.close()
+        pathlib.Path(out).write_text(json.dumps(stats.to_json()))
+
+
+# ------------------------------------------------------------------------------ the driver
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (bytes), utime + stime (seconds x CLK_TCK) of `pid`."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    out["cpu_ticks"] = int(fields[11]) + int(fields[12])
+    return out
+
+
+class _Processes:
+    def __init__(self, workdir: pathlib.Path):
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str], nice: int = 0) -> subprocess.Popen:
+        out = open(self.workdir / f"{name}.log", "ab")
+        try:
+            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=_ROOT,
+                                 env={**os.environ, "PYTHONPATH": _ROOT}, start_new_session=True,
+                                 preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        finally:
+            out.close()
+        self.procs.append((name, p))
+        return p
+
+    def tail(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+    def close(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for _, p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+
+
+def _coordinator_argv(opts: CoordinatorBenchOptions, wd: pathlib.Path) -> list[str]:
+    n = opts.members
+    return [sys.executable, "-m", "shoal.cli", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
+            "--state", str(wd / "coordinator.db"), "--ready-file", str(wd / "coordinator.addr"),
+            "--rounds", str(opts.rounds), "--min-peers", "2", "--initial-peers", str(n),
+            "--cohort-size", str(opts.cohort_size), "--lease-seconds", str(opts.lease_seconds),
+            "--ready-timeout", str(opts.ready_timeout), "--collective-timeout", "120",
+            # Every member runs on 127.0.0.1: the per-host limits are for the internet, not this.
+            "--rate-limit", "1000000", "--join-rate", "1000000", "--join-burst", str(max(50, n)),
+            "--log-level", "warning"]
+
+
+def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
+    """Run the benchmark; returns the report (see the module docstring).
+
+    Raises RuntimeError when a process fails or the run passes `opts.timeout`. Every process it
+    started is gone when it returns or raises.
+    """
+    if opts.members < 2:
+        raise ValueError("--members must be at least 2")
+    deadline = time.monotonic() + opts.timeout
+    with contextlib.ExitStack() as stack:
+        if opts.workdir:
+            wd = pathlib.Path(opts.workdir)
+            wd.mkdir(parents=True, exist_ok=True)
+        else:
+            wd = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shoal-bench-coord-")))
+        procs = _Processes(wd)
+        stack.callback(procs.close)
+        ready = wd / "coordinator.addr"
+        ready.unlink(missing_ok=True)
+        coord = procs.start("coordinator", _coordinator_argv(opts, wd), nice=opts.coordinator_nice)
+        while not ready.exists():
+            if coord.poll() is not None:
+                raise RuntimeError(f"coordinator exited {coord.returncode}:\n{procs.tail('coordinator')}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("coordinator did not start")
+            time.sleep(0.05)
+        address = ready.read_text().strip()
+        base = _proc_status(coord.pid)
+        t_start = time.time()
+        k = max(1, min(opts.processes, opts.members))
+        share = [opts.members // k + (1 if i < opts.members % k else 0) for i in range(k)]
+        workers = []
+        first = 0
+        for i, count in enumerate(share):
+            out = wd / f"members-{i}.json"
+            out.unlink(missing_ok=True)
+            workers.append((f"members-{i}", out, procs.start(f"members-{i}", [
+                sys.executable, "-m", "shoal.bench_coordinator", "members", "--coordinator", address,
+                "--first", str(first), "--count", str(count), "--seed", str(opts.seed),
+                "--per-connection", str(opts.members_per_connection), "--join-rate", str(max(50.0, 2000.0 / k)),
+                "--train-seconds", str(opts.train_seconds), "--out", str(out)])))
+            first += count
+        samples: list[tuple[int, int]] = []  # (rounds committed, RSS)
+        last_round = -1
+        while any(p.poll() is None for _, _, p in workers):
+            for name, _, p in workers:
+                if p.poll() not in (None, 0):
+                    raise RuntimeError(f"{name} exited {p.returncode}:\n{procs.tail(name)}")
+            if coord.poll() is not None:
+                raise RuntimeError(f"coordinator exited {coord.returncode}:\n{procs.tail('coordinator')}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the run did not finish within {opts.timeout:.0f} s (round {last_round})")
+            with contextlib.suppress(Exception), SQLiteStore.reader(str(wd / "coordinator.db")) as store:
+                last = store.last_commit()
+                last_round = last.round if last is not None else -1
+            st = _proc_status(coord.pid)
+            samples.append((last_round + 1, st["VmRSS"]))
+            time.sleep(0.5)
+        end = _proc_status(coord.pid)
+        t_end = time.time()
+        stats = [json.loads(out.read_text()) for _, out, _ in workers]
+    return _report(opts, stats, samples, base, end, t_start, t_end)
+
+
+def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tuple[int, int]], base: dict,
+            end: dict, t_start: float, t_end: float) -> dict:
+    beats, lag = Histogram(), Histogram()
+    for s in stats:
+        beats.merge(Histogram({int(b): n for b, n in s["heartbeats"].items()}))
+        lag.merge(Histogram({int(b): n for b, n in s["loop_lag"].items()}))
+    join_first = min(s["join_first"] for s in stats if s["join_first"] is not None)
+    join_last = max(s["join_last"] for s in stats)
+    ready_at: dict[int, float] = {}
+    plan_at: dict[int, float] = {}
+    for s in stats:
+        for r, t in s["ready_at"].items():
+            ready_at[int(r)] = max(ready_at.get(int(r), 0.0), t)
+        for r, t in s["plan_at"].items():
+            plan_at[int(r)] = max(plan_at.get(int(r), 0.0), t)
+    open_to_plan = [max(0.0, plan_at[r] - ready_at[r]) for r in plan_at if r in ready_at]
+    errors: dict[str, int] = {}
+    for s in stats:
+        for k, n in s["errors"].items():
+            errors[k] = errors.get(k, 0) + n
+    wall = t_end - t_start
+    hz = os.sysconf("SC_CLK_TCK")
+    report = {
+        "members": opts.members,
+        "rounds": opts.rounds,
+        "cohort_size": opts.cohort_size,
+        "processes": len(stats),
+        "members_per_connection": opts.members_per_connection,
+        "heartbeat_interval_seconds": opts.lease_seconds / 4,
+        "train_seconds": opts.train_seconds,
+        "coordinator_nice": opts.coordinator_nice,
+        "joins_per_second": round(sum(s["joins"] for s in stats) / max(1e-9, join_last - join_first), 1),
+        "heartbeats_measured": beats.count,
+        "heartbeat_p50_seconds": round(beats.quantile(0.5), 5),
+        "heartbeat_p99_seconds": round(beats.quantile(0.99), 5),
+        "member_loop_lag_p99_seconds": round(lag.quantile(0.99), 5),
+        "load_average": os.getloadavg()[0],
+        "round_open_to_plan_p50_seconds": round(_quantile(open_to_plan, 0.5), 5),
+        "round_open_to_plan_p99_seconds": round(_quantile(open_to_plan, 0.99), 5),
+        "seconds_per_round": round((t_end - join_last) / max(1, opts.rounds), 3),
+        "rss_bytes": end["VmHWM"],
+        "rss_growth_bytes_per_round": round(growth_per_round(samples, opts.rounds), 1),
+        "cpu_seconds_per_second": round((end["cpu_ticks"] - base["cpu_ticks"]) / hz / max(1e-9, wall), 3),
+        "wall_seconds": round(wall, 1),
+        "votes": sum(s["votes"] for s in stats),
+        "state_syncs": sum(s["syncs"] for s in stats),
+        "members_finished": sum(s["finished"] for s in stats),
+        "errors": errors,
+        "bounds": dict(BOUNDS),
+    }
+    report["within_bounds"] = (report["heartbeat_p99_seconds"] < BOUNDS["heartbeat_p99_seconds"]
+                               and report["rss_bytes"] < BOUNDS["rss_bytes"]
+                               and report["rss_growth_bytes_per_round"] < BOUNDS["rss_growth_bytes_per_round"])
+    return report
+
+
+def add_parser(bsub) -> None:
+    """Register `shoal bench coordinator` on the bench subparsers."""
+    d = CoordinatorBenchOptions()
+    b = bsub.add_parser("coordinator", help="one real coordinator against N simulated members")
+    b.add_argument("--members", type=int, default=d.members, help=f"simulated members (default {d.members})")
+    b.add_argument("--rounds", type=int, default=d.rounds, help=f"committed rounds to run (default {d.rounds})")
+    b.add_argument("--cohort-size", type=int, default=d.cohort_size,
+                   help=f"participants per round (default {d.cohort_size})")
+    b.add_argument("--processes", type=int, default=d.processes,
+                   help=f"member processes (default {d.processes})")
+    b.add_argument("--lease-seconds", type=float, default=d.lease_seconds,
+                   help=f"the coordinator's lease; members heartbeat every lease/4 (default {d.lease_seconds:g})")
+    b.add_argument("--ready-timeout", type=float, default=d.ready_timeout,
+                   help=f"the coordinator's ready deadline (default {d.ready_timeout:g})")
+    b.add_argument("--members-per-connection", type=int, default=d.members_per_connection,
+                   help="members sharing one gRPC connection (default 1: one each)")
+    b.add_argument("--train-seconds", type=float, default=d.train_seconds,
+                   help=f"simulated local work of a cohort member per round (default {d.train_seconds:g})")
+    b.add_argument("--coordinator-nice", type=int, default=d.coordinator_nice,
+                   help="scheduling niceness of the coordinator process (negative: ahead of the members and of "
+                        "other load on a shared machine, as on a host of its own; needs root)")
+    b.add_argument("--seed", type=int, default=d.seed, help="seed of the members' keys")
+    b.add_argument("--timeout", type=float, default=d.timeout, help="give up after this many seconds")
+    b.add_argument("--workdir", help="keep the state file, logs and member reports here")
+    b.add_argument("--json", action="store_true", help="print one JSON object on one line")
+
+
+def options_from_args(a: argparse.Namespace) -> CoordinatorBenchOptions:
+    return CoordinatorBenchOptions(members=a.members, rounds=a.rounds, cohort_size=a.cohort_size,
+                                   processes=a.processes, lease_seconds=a.lease_seconds,
+                                   ready_timeout=a.ready_timeout, members_per_connection=a.members_per_connection,
+                                   train_seconds=a.train_seconds, coordinator_nice=a.coordinator_nice,
+                                   timeout=a.timeout, workdir=a.workdir, seed=a.seed)
+
+
+def _members_main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m shoal.bench_coordinator members")
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--first", type=int, required=True)
+    ap.add_argument("--count", type=int, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--per-connection", type=int, default=1)
+    ap.add_argument("--join-rate", type=float, default=500.0)
+    ap.add_argument("--train-seconds", type=float, default=0.0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - non-Linux
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    runner(run_members(a.coordinator, a.first, a.count, seed=a.seed, per_connection=a.per_connection,
+                       join_rate=a.join_rate, train_seconds=a.train_seconds, out=a.out))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "members":
+        _members_main(sys.argv[2:])
+    else:
+        sys.exit("usage: python -m shoal.bench_coordinator members ...  (or: shoal bench coordinator ...)")
