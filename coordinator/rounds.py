@@ -457,6 +457,13 @@ class RoundEngine:
     def last_state_digest(self) -> bytes:
         return self.commits[-1].state_digest if self.commits else b""
 
+    def pooled(self, peer_id: str) -> bool:
+        """With cohorts: this peer's Ready waits in the pool, not in the cohort being prepared nor
+        in the running attempt (it need not announce itself again until an event comes)."""
+        return (bool(self.config.cohort_size) and peer_id in self.ready
+                and not (self.cohort is not None and peer_id in self.cohort.members)
+                and not (self.running is not None and peer_id in self.running.plan.participants))
+
     def holds_ready(self, peer_id: str) -> bool:
         """Whether this peer's Ready for the current round is recorded, or it plays the running attempt."""
         return peer_id in self.ready or (self.running is not None and peer_id in self.running.plan.participants)

@@ -292,7 +292,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 raise _raise(exc) from None
             return pb.HeartbeatResponse(lease_seconds=self.engine.config.lease_seconds, epoch=self.engine.epoch,
                                         round=self.engine.committed_rounds,
-                                        ready=self.engine.holds_ready(request.peer_id))
+                                        ready=self.engine.holds_ready(request.peer_id),
+                                        pooled=self.engine.pooled(request.peer_id))
 
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
         async with grpc_errors(context):
@@ -310,7 +311,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except RoundError as exc:
                 raise _raise(exc) from None
             self.apply(actions, replying_to=request.peer_id)
-            resp = pb.ReadyResponse(round=self.engine.committed_rounds)
+            resp = pb.ReadyResponse(round=self.engine.committed_rounds, pooled=self.engine.pooled(request.peer_id))
             for a in actions:
                 if isinstance(a, SendSync) and a.peer_id == request.peer_id:
                     # In the reply only (after the run finished, the event stream is closed).

@@ -196,6 +196,7 @@ class SimulatedMember:
         self.state_digest = b""
         self.events: asyncio.Queue[pb.RoundEvent] = asyncio.Queue()
         self.interval = 2.5
+        self.pooled = False  # the coordinator's last answer: this member's Ready waits in the pool
         self.done = asyncio.Event()
 
     async def _call(self, name: str, request, **kw):
@@ -258,10 +259,13 @@ class SimulatedMember:
                 if self.stats.steady:
                     self.stats.heartbeats.add(time.perf_counter() - t0)
                 # A peer's safety net for a lost event (its stream opened after a commit was sent):
-                # two heartbeats in a row saying the run is past this member's round.
-                if resp.round > self.state_round and behind:
+                # two heartbeats in a row saying the run is past this member's round, unless its
+                # Ready waits in the cohort pool.
+                self.pooled = resp.pooled
+                late = resp.round > self.state_round and not resp.pooled
+                if late and behind:
                     self.events.put_nowait(_NUDGE)
-                behind = resp.round > self.state_round
+                behind = late
             except grpc.aio.AioRpcError as exc:
                 self.stats.heartbeat_errors += 1
                 self.stats.error(f"heartbeat {exc.code().name}")
@@ -289,6 +293,7 @@ class SimulatedMember:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     return  # the round moved on meanwhile: the events say what to do
                 await asyncio.sleep(random.uniform(0.05, 0.5))
+        self.pooled = resp.pooled
         if in_sync:
             self.stats.ready_at[round_] = max(self.stats.ready_at.get(round_, 0.0), sent)
         if resp.HasField("sync") and self._adopt(resp.sync):
@@ -305,6 +310,8 @@ class SimulatedMember:
             try:
                 ev = await asyncio.wait_for(self.events.get(), ROUND_SILENCE)
             except TimeoutError:
+                if self.pooled:
+                    continue  # held in the pool: nothing to say
                 ev = _NUDGE  # a peer announces itself again after `round_silence` without events
             if ev is _NUDGE:
                 await self._ready(self.state_round)
