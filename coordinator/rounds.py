@@ -413,9 +413,12 @@ class RoundEngine:
         self.policy = config.plan_policy()
         self.members: dict[str, Member] = {}
         for m in members or []:
-            # A restarted coordinator gives every known member a fresh lease to reconnect.
+            # A restarted coordinator (or a standby taking over) gives every known member a fresh
+            # lease to reconnect, and counts its stream as open until it is seen closed: the first
+            # round waits (up to the ready deadline) for the members to come back, instead of
+            # opening with the first two and leaving the others to chase it.
             self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds,
-                                                          connected=False)
+                                                          connected=True)
         self.epoch = epoch
         window = max(1, config.history_window)
         self.commits: deque[CommitRecord] = deque(committed or [], maxlen=window)
@@ -477,8 +480,10 @@ class RoundEngine:
         if not self.commits:
             return ()
         last = set(self.commits[-1].participants)
+        # A participant that joined again from another address since is a new process: it no
+        # longer holds the committed state (its state is no longer a member's).
         alive = sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now
-                       and self.members[p].connected)
+                       and self.members[p].connected and self.members[p].state.is_member)
         if not alive:
             return ()
         k = self._donor_rotation % len(alive)

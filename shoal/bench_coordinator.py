@@ -174,8 +174,11 @@ class _Stats:
     finished: int = 0
     steady: bool = False  # round 0 committed: every member joined
 
-    def error(self, what: str) -> None:
-        self.errors[what] = self.errors.get(what, 0) + 1
+    def error(self, **call: grpc.aio.AioRpcError) -> None:
+        """Count a failed call by method, status code and the first words of its details."""
+        ((what, exc),) = call.items()
+        key = f"{what} {exc.code().name}: {(exc.details() or '')[:48]}"
+        self.errors[key] = self.errors.get(key, 0) + 1
 
     def to_json(self) -> dict:
         return {"join_first": self.join_first if self.joins else None, "join_last": self.join_last,
@@ -225,7 +228,7 @@ class SimulatedMember:
                 resp = await self._call("Join", req, timeout=30.0)
                 break
             except grpc.aio.AioRpcError as exc:
-                self.stats.error(f"join {exc.code().name}")
+                self.stats.error(join=exc)
                 await asyncio.sleep(random.uniform(0.1, 1.0))
         self.stats.join_first = min(self.stats.join_first, t0)
         self.stats.join_last = max(self.stats.join_last, time.time())
@@ -245,7 +248,7 @@ class SimulatedMember:
                     if ev.HasField("finished"):
                         return
             except grpc.aio.AioRpcError as exc:
-                self.stats.error(f"watch {exc.code().name}")
+                self.stats.error(watch=exc)
             await asyncio.sleep(random.uniform(0.05, 0.5))
 
     async def _heartbeats(self) -> None:
@@ -268,7 +271,7 @@ class SimulatedMember:
                 behind = late
             except grpc.aio.AioRpcError as exc:
                 self.stats.heartbeat_errors += 1
-                self.stats.error(f"heartbeat {exc.code().name}")
+                self.stats.error(heartbeat=exc)
             await asyncio.sleep(max(0.0, self.interval - (time.perf_counter() - t0)))
 
     def _adopt(self, order: pb.SyncOrder) -> bool:
@@ -289,7 +292,7 @@ class SimulatedMember:
                 resp = await self._call("Ready", req, timeout=30.0)
                 break
             except grpc.aio.AioRpcError as exc:
-                self.stats.error(f"ready {exc.code().name}")
+                self.stats.error(ready=exc)
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     return  # the round moved on meanwhile: the events say what to do
                 await asyncio.sleep(random.uniform(0.05, 0.5))
@@ -335,7 +338,7 @@ class SimulatedMember:
                     await self._call("Vote", req, timeout=30.0)
                     self.stats.votes += 1
                 except grpc.aio.AioRpcError as exc:
-                    self.stats.error(f"vote {exc.code().name}")
+                    self.stats.error(vote=exc)
             elif kind == "commit":
                 c = ev.commit
                 self.stats.steady = True
