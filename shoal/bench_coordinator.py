@@ -513,6 +513,8 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
             time.sleep(0.5)
         end = _proc_status(coord.pid)
         t_end = time.time()
+        # The coordinator's resident memory over the rounds, for a look beyond the one slope.
+        (wd / "rss.csv").write_text("rounds,rss_bytes\n" + "".join(f"{r},{v}\n" for r, v in samples))
         stats = [json.loads(out.read_text()) for _, out, _ in workers]
     return _report(opts, stats, samples, base, end, t_start, t_end)
 
