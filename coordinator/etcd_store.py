@@ -144,11 +144,12 @@ class EtcdStore:
 
     # ------------------------------------------------------------ writes
 
-    def _write(self, ops: list[etcd.RequestOp], compare: Sequence[etcd.Compare] = ()) -> etcd.TxnResponse:
-        if self._batch is not None and not compare:
+    def _write(self, ops: list[etcd.RequestOp]) -> None:
+        """`ops` now, in one fenced transaction, or at the end of the batch in progress."""
+        if self._batch is not None:
             self._batch.extend(ops)
-            return etcd.TxnResponse(succeeded=True)
-        return self._txn(ops, compare)
+        else:
+            self._txn(ops)
 
     def _txn(self, ops: list[etcd.RequestOp], compare: Sequence[etcd.Compare] = ()) -> etcd.TxnResponse:
         """`ops` in transactions of at most MAX_OPS, each fenced; `compare` guards the first."""
