@@ -413,9 +413,12 @@ class RoundEngine:
         self.policy = config.plan_policy()
         self.members: dict[str, Member] = {}
         for m in members or []:
-            # A restarted coordinator gives every known member a fresh lease to reconnect.
+            # A restarted coordinator (or a standby taking over) gives every known member a fresh
+            # lease to reconnect, and counts its stream as open until it is seen closed: the first
+            # round waits (up to the ready deadline) for the members to come back, instead of
+            # opening with the first two and leaving the others to chase it.
             self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds,
-                                                          connected=False)
+                                                          connected=True)
         self.epoch = epoch
         window = max(1, config.history_window)
         self.commits: deque[CommitRecord] = deque(committed or [], maxlen=window)
@@ -457,6 +460,13 @@ class RoundEngine:
     def last_state_digest(self) -> bytes:
         return self.commits[-1].state_digest if self.commits else b""
 
+    def pooled(self, peer_id: str) -> bool:
+        """With cohorts: this peer's Ready waits in the pool, not in the cohort being prepared nor
+        in the running attempt (it need not announce itself again until an event comes)."""
+        return (bool(self.config.cohort_size) and peer_id in self.ready
+                and not (self.cohort is not None and peer_id in self.cohort.members)
+                and not (self.running is not None and peer_id in self.running.plan.participants))
+
     def holds_ready(self, peer_id: str) -> bool:
         """Whether this peer's Ready for the current round is recorded, or it plays the running attempt."""
         return peer_id in self.ready or (self.running is not None and peer_id in self.running.plan.participants)
@@ -470,8 +480,10 @@ class RoundEngine:
         if not self.commits:
             return ()
         last = set(self.commits[-1].participants)
+        # A participant that joined again from another address since is a new process: it no
+        # longer holds the committed state (its state is no longer a member's).
         alive = sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now
-                       and self.members[p].connected)
+                       and self.members[p].connected and self.members[p].state.is_member)
         if not alive:
             return ()
         k = self._donor_rotation % len(alive)

@@ -52,7 +52,9 @@ from shoal.coordinator.rounds import (
 )
 from shoal.coordinator.admission import Admission, AllowList, load_secret
 from shoal.coordinator.heap import HeapPolicy
-from shoal.coordinator.store import SQLiteStore, Store
+from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget, is_etcd
+from shoal.coordinator.leadership import Leadership
+from shoal.coordinator.store import SQLiteStore, StateFileError, Store
 from shoal.common.attempts import ATTEMPT_STRIDE, shown_attempt
 from shoal.common.errors import DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
 from shoal.common.identity import RequestVerifier, load_or_create_key, peer_id_of, public_bytes
@@ -323,7 +325,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 raise _raise(exc) from None
             return pb.HeartbeatResponse(lease_seconds=self.engine.config.lease_seconds, epoch=self.engine.epoch,
                                         round=self.engine.committed_rounds,
-                                        ready=self.engine.holds_ready(request.peer_id))
+                                        ready=self.engine.holds_ready(request.peer_id),
+                                        pooled=self.engine.pooled(request.peer_id))
 
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
         async with grpc_errors(context):
@@ -341,7 +344,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except RoundError as exc:
                 raise _raise(exc) from None
             self.apply(actions, replying_to=request.peer_id)
-            resp = pb.ReadyResponse(round=self.engine.committed_rounds)
+            resp = pb.ReadyResponse(round=self.engine.committed_rounds, pooled=self.engine.pooled(request.peer_id))
             for a in actions:
                 if isinstance(a, SendSync) and a.peer_id == request.peer_id:
                     # In the reply only (after the run finished, the event stream is closed).
@@ -456,13 +459,14 @@ def grpc_options() -> list[tuple[str, int]]:
     ]
 
 
-def open_state(config: CoordinatorConfig, now: float) -> tuple[RoundEngine, Store, str]:
-    """Open (or create) the durable state and rebuild the engine from it.
+def open_state(config: CoordinatorConfig, now: float, store: Store | None = None) -> tuple[RoundEngine, Store, str]:
+    """Open (or create) the durable state (`store`, default the SQLite file `config.state_path`)
+    and rebuild the engine from it.
 
     The run configuration stored on first start wins over the one passed on a restart, so a
-    restarted coordinator resumes the same run.
+    restarted coordinator (or a standby taking over) resumes the same run.
     """
-    store = SQLiteStore(config.state_path)
+    store = store if store is not None else SQLiteStore(config.state_path)
     stored = store.get_meta("run_config")
     if stored is None:
         stored = json.dumps(config.run_config, sort_keys=True)
@@ -502,14 +506,86 @@ def load_admission(config: CoordinatorConfig) -> Admission:
     return admission
 
 
+class LostLeadership(Exception):
+    """This coordinator's etcd lease expired while it led: another may lead now. The process
+    must stop (its supervisor restarts it, as a standby)."""
+
+
+def _key_path(config: CoordinatorConfig) -> str:
+    if config.key_path:
+        return config.key_path
+    if is_etcd(config.state_path):
+        return "shoal-coordinator.key"  # every coordinator of a prefix must sign with the same key
+    return str(pathlib.Path(config.state_path).with_suffix(".key"))
+
+
 async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None) -> None:
     """Run the coordinator until `stop` is set, the task is cancelled, or the run is over (it
     finished, every member was told and left, `finish_linger` passed: CoordinatorService
-    .run_over); shuts down in order."""
-    engine, store, run_config_json = open_state(config, time.time())
-    key_path = config.key_path or str(pathlib.Path(config.state_path).with_suffix(".key"))
+    .run_over); shuts down in order.
+
+    With `state_path` an etcd:// URL (coordinator.etcd_store) it first stands by until elected
+    (coordinator.leadership). A standby binds no port: peers given every coordinator's address
+    (or a DNS name with one record per coordinator) reach only the leader and move to the next
+    one when its connection breaks. A leader whose lease expires stops serving and raises
+    LostLeadership.
+
+    Raises:
+        StateFileError: the state file is damaged, foreign or newer (nothing was served), or the
+            etcd state was signed by another ticket key (coordinators of a prefix share `--key`).
+        LostLeadership: see above.
+    """
+    stop = stop or asyncio.Event()
+    key = load_or_create_key(_key_path(config))
+    if not is_etcd(config.state_path):
+        engine, store, run_config_json = open_state(config, time.time())
+        await _serve(config, engine, store, run_config_json, key, stop)
+        return
+    target = EtcdTarget.parse(config.state_path)
+    leadership = Leadership(target, config.listen)
+    try:
+        if not await _until_first(leadership.campaign(), stop.wait()) or stop.is_set():
+            return
+        store = EtcdStore(target, fence=leadership.fence)
+        _check_ticket_key(store, key, config.state_path)
+        engine, store, run_config_json = open_state(config, time.time(), store=store)
+        await _serve(config, engine, store, run_config_json, key, stop, lost=leadership.keep)
+    finally:
+        await leadership.resign()
+        await leadership.close()
+
+
+async def _until_first(work, stopping) -> bool:
+    """Run both; True when `work` finished first (the other is cancelled)."""
+    tasks = [asyncio.ensure_future(work), asyncio.ensure_future(stopping)]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for t in done:
+        t.result()  # an error of either surfaces
+    return tasks[0] in done
+
+
+def _check_ticket_key(store: Store, key, where: str) -> None:
+    """Peers verify round tickets with the key they got at join: every coordinator of one etcd
+    prefix must sign with the same one. The first leader records it; a later one with another
+    key refuses to lead."""
+    mine = public_bytes(key).hex()
+    stored = store.get_meta("coordinator_public_key")
+    if stored is None:
+        store.set_meta("coordinator_public_key", mine)
+    elif stored != mine:
+        raise StateFileError(where, f"is led with another ticket key (public key {stored[:16]}..., this "
+                                    f"coordinator's is {mine[:16]}...)",
+                             "give every coordinator of the prefix the same --key file")
+
+
+async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, run_config_json: str, key,
+                 stop: asyncio.Event, lost=None) -> None:
+    """Bind, serve until `stop` (or until `lost()` returns: LostLeadership), shut down in order."""
     admission = load_admission(config)
-    service = CoordinatorService(engine, store, run_config_json, load_or_create_key(key_path), admission=admission)
+    service = CoordinatorService(engine, store, run_config_json, key, admission=admission)
     interceptors = [
         DecodeErrors(),
         SignedCalls(SERVICE_PREFIX, RequestVerifier(max_nonces=NONCE_MEMORY), unsigned=UNSIGNED_METHODS,
@@ -534,18 +610,26 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
         tmp = pathlib.Path(config.ready_file + ".tmp")
         tmp.write_text(address)
         tmp.rename(config.ready_file)
-    stop = stop or asyncio.Event()
+    deposed = False
     try:
         async with asyncio.TaskGroup() as tg:
             ticker = tg.create_task(service.ticker())
             heap = tg.create_task(HeapPolicy().run())
             over = tg.create_task(service.until_run_over(config.finish_linger))
             stopped = tg.create_task(stop.wait())
-            await asyncio.wait({over, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (ticker, heap, over, stopped):
+            waits = {over, stopped}
+            deposing = None
+            if lost is not None:
+                deposing = tg.create_task(lost())  # the lease went first: LostLeadership below
+                waits.add(deposing)
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            deposed = deposing is not None and deposing in done and not stopped.done()
+            for task in (ticker, heap, *waits):
                 task.cancel()
     finally:
         await health.shutdown()
-        await server.stop(grace=1.0)
+        await server.stop(grace=0.0 if deposed else 1.0)
         service.metrics.close()
         store.close()
+    if deposed:
+        raise LostLeadership(f"lost the leadership of {config.state_path}: another coordinator may lead now")

@@ -406,6 +406,7 @@ class RoundClient:
         self._asked_at = 0.0  # monotonic time the last Ready left (before its reply)
         self._waiting: RoundState | None = None  # the round `play` waits in
         self._suspicious: int | None = None  # the waiting round the previous heartbeat found forgotten
+        self._pooled = False  # the coordinator holds this peer's Ready in its cohort pool (last answer)
 
     @property
     def me(self) -> str:
@@ -453,6 +454,8 @@ class RoundClient:
                 await self.announce(rs)
             case Forgotten() if not rs.collective_running:
                 await self.announce(rs)
+            case Silence(seconds) if self._pooled:
+                log.debug("no round event for %.0fs; waiting in the cohort pool", seconds)
             case Silence(seconds):
                 log.info("no round event for %.0fs; announcing readiness again", seconds)
                 await self.announce(rs)
@@ -476,6 +479,7 @@ class RoundClient:
         self.last_announce = self._asked_at = time.monotonic()
         resp = await self.control.ready(req)
         self.last_announce = time.monotonic()
+        self._pooled = resp.pooled
         if resp.HasField("sync") and resp.sync.donors:
             self.events.put_nowait(SyncOrdered(resp.sync))
 
@@ -489,10 +493,15 @@ class RoundClient:
         """A heartbeat answer (sent at monotonic `sent`): the safety net for a lost Ready. A peer
         waiting in a round that the coordinator does not count as ready (or has committed past)
         twice in a row, with no Ready of its own in between, gets a `Forgotten` event and
-        announces again (a lost message costs one or two heartbeats, not `round_silence`)."""
+        announces again (a lost message costs one or two heartbeats, not `round_silence`); one
+        whose Ready waits in a cohort pool (`resp.pooled`) neither, nor after `round_silence`."""
         rs = self._waiting
         r = rs.round if rs is not None else None
-        forgotten = r is not None and self.last_announce < sent and (resp.round > r or not resp.ready)
+        if self.last_announce < sent:
+            self._pooled = resp.pooled
+        # Waiting in the cohort pool (resp.pooled), a peer's Ready is held whatever `round` says.
+        forgotten = (r is not None and self.last_announce < sent and not resp.pooled
+                     and (resp.round > r or not resp.ready))
         if forgotten and self._suspicious == r:
             log.info("the coordinator holds no Ready of this peer for round %d (it is at %d); announcing again",
                      r, resp.round)

@@ -174,8 +174,11 @@ class _Stats:
     finished: int = 0
     steady: bool = False  # round 0 committed: every member joined
 
-    def error(self, what: str) -> None:
-        self.errors[what] = self.errors.get(what, 0) + 1
+    def error(self, **call: grpc.aio.AioRpcError) -> None:
+        """Count a failed call by method, status code and the first words of its details."""
+        ((what, exc),) = call.items()
+        key = f"{what} {exc.code().name}: {(exc.details() or '')[:48]}"
+        self.errors[key] = self.errors.get(key, 0) + 1
 
     def to_json(self) -> dict:
         return {"join_first": self.join_first if self.joins else None, "join_last": self.join_last,
@@ -196,6 +199,7 @@ class SimulatedMember:
         self.state_digest = b""
         self.events: asyncio.Queue[pb.RoundEvent] = asyncio.Queue()
         self.interval = 2.5
+        self.pooled = False  # the coordinator's last answer: this member's Ready waits in the pool
         self.done = asyncio.Event()
 
     async def _call(self, name: str, request, **kw):
@@ -224,7 +228,7 @@ class SimulatedMember:
                 resp = await self._call("Join", req, timeout=30.0)
                 break
             except grpc.aio.AioRpcError as exc:
-                self.stats.error(f"join {exc.code().name}")
+                self.stats.error(join=exc)
                 await asyncio.sleep(random.uniform(0.1, 1.0))
         self.stats.join_first = min(self.stats.join_first, t0)
         self.stats.join_last = max(self.stats.join_last, time.time())
@@ -244,7 +248,7 @@ class SimulatedMember:
                     if ev.HasField("finished"):
                         return
             except grpc.aio.AioRpcError as exc:
-                self.stats.error(f"watch {exc.code().name}")
+                self.stats.error(watch=exc)
             await asyncio.sleep(random.uniform(0.05, 0.5))
 
     async def _heartbeats(self) -> None:
@@ -258,13 +262,16 @@ class SimulatedMember:
                 if self.stats.steady:
                     self.stats.heartbeats.add(time.perf_counter() - t0)
                 # A peer's safety net for a lost event (its stream opened after a commit was sent):
-                # two heartbeats in a row saying the run is past this member's round.
-                if resp.round > self.state_round and behind:
+                # two heartbeats in a row saying the run is past this member's round, unless its
+                # Ready waits in the cohort pool.
+                self.pooled = resp.pooled
+                late = resp.round > self.state_round and not resp.pooled
+                if late and behind:
                     self.events.put_nowait(_NUDGE)
-                behind = resp.round > self.state_round
+                behind = late
             except grpc.aio.AioRpcError as exc:
                 self.stats.heartbeat_errors += 1
-                self.stats.error(f"heartbeat {exc.code().name}")
+                self.stats.error(heartbeat=exc)
             await asyncio.sleep(max(0.0, self.interval - (time.perf_counter() - t0)))
 
     def _adopt(self, order: pb.SyncOrder) -> bool:
@@ -285,10 +292,11 @@ class SimulatedMember:
                 resp = await self._call("Ready", req, timeout=30.0)
                 break
             except grpc.aio.AioRpcError as exc:
-                self.stats.error(f"ready {exc.code().name}")
+                self.stats.error(ready=exc)
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     return  # the round moved on meanwhile: the events say what to do
                 await asyncio.sleep(random.uniform(0.05, 0.5))
+        self.pooled = resp.pooled
         if in_sync:
             self.stats.ready_at[round_] = max(self.stats.ready_at.get(round_, 0.0), sent)
         if resp.HasField("sync") and self._adopt(resp.sync):
@@ -305,6 +313,8 @@ class SimulatedMember:
             try:
                 ev = await asyncio.wait_for(self.events.get(), ROUND_SILENCE)
             except TimeoutError:
+                if self.pooled:
+                    continue  # held in the pool: nothing to say
                 ev = _NUDGE  # a peer announces itself again after `round_silence` without events
             if ev is _NUDGE:
                 await self._ready(self.state_round)
@@ -328,7 +338,7 @@ class SimulatedMember:
                     await self._call("Vote", req, timeout=30.0)
                     self.stats.votes += 1
                 except grpc.aio.AioRpcError as exc:
-                    self.stats.error(f"vote {exc.code().name}")
+                    self.stats.error(vote=exc)
             elif kind == "commit":
                 c = ev.commit
                 self.stats.steady = True
@@ -503,6 +513,8 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
             time.sleep(0.5)
         end = _proc_status(coord.pid)
         t_end = time.time()
+        # The coordinator's resident memory over the rounds, for a look beyond the one slope.
+        (wd / "rss.csv").write_text("rounds,rss_bytes\n" + "".join(f"{r},{v}\n" for r, v in samples))
         stats = [json.loads(out.read_text()) for _, out, _ in workers]
     return _report(opts, stats, samples, base, end, t_start, t_end)
 

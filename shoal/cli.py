@@ -243,8 +243,17 @@ def _coordinator_files(c) -> None:
     """Every file the coordinator reads or writes is usable before it starts; raises UsageError."""
     from shoal.coordinator.admission import AllowList, load_secret
 
-    _parent_dir("--state", c.state)
-    key = c.key or str(pathlib.Path(c.state).with_suffix(".key"))
+    from shoal.coordinator.etcd_store import EtcdTarget, is_etcd
+
+    if is_etcd(c.state):
+        try:
+            EtcdTarget.parse(c.state)
+        except ValueError as exc:
+            raise UsageError(f"--state {exc}") from None
+        key = c.key or "shoal-coordinator.key"  # shared by every coordinator of the prefix
+    else:
+        _parent_dir("--state", c.state)
+        key = c.key or str(pathlib.Path(c.state).with_suffix(".key"))
     _key_file(key)
     _parent_dir("--ready-file", c.ready_file)
     for flag, path, load, hint in (
@@ -302,13 +311,16 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, st
                     state_recover: str | None = None) -> int:
     import dataclasses
 
-    from shoal.coordinator.server import CoordinatorConfig, serve
+    from shoal.coordinator.server import CoordinatorConfig, LostLeadership, serve
     from shoal.coordinator.store import StateFileError
 
     c = cfg.coordinator
     if state_backup is not None or state_recover is not None:
         if state_backup is not None and state_recover is not None:
             raise UsageError("--state-backup and --state-recover: give one of them")
+        if c.state.startswith("etcd://"):
+            raise UsageError("--state-backup and --state-recover work on a SQLite state file; back etcd up with "
+                             "`etcdctl snapshot save`")
         return cmd_state_tool(c, state_backup, state_recover or None)
     _coordinator_files(c)
     _bindable("--listen", c.listen)
@@ -342,6 +354,9 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, st
         # Damaged, foreign or newer: never start afresh over it. One line, the options in it.
         print(f"shoal coordinator: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except LostLeadership as exc:
+        print(f"shoal coordinator: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except RuntimeError as exc:
         failure = _bind_failure(exc, "--listen", c.listen)
         if failure is None:
@@ -371,7 +386,8 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     security = _security(p.tls_dir, p.mtls, p.insecure, "peer", ("ca.pem", "peer.pem", "peer.key"))
     peer_cfg = PeerConfig(security=security, join_token=p.join_token or os.environ.get("SHOAL_JOIN_TOKEN", ""),
                           attack=p.attack, attack_scale=p.attack_scale,
-                          coordinator=p.coordinator, listen=p.listen, key_path=p.key, data_shard=p.data_shard,
+                          coordinator=config_mod.grpc_target(p.coordinator), listen=p.listen, key_path=p.key,
+                          data_shard=p.data_shard,
                           events_path=p.events, ready_file=p.ready_file, rpc_timeout=p.rpc_timeout,
                           round_silence=p.round_silence, sync_donors=p.sync_donors,
                           sync_range_bytes=p.sync_range_bytes,
@@ -484,7 +500,8 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                         run_extra=run_extra, extra_coordinator_args=tuple(extra),
                         log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls,
                         byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
-                        compression=run.compression, cohort_size=r.cohort_size, scenario=plan)
+                        compression=run.compression, cohort_size=r.cohort_size, scenario=plan,
+                        coordinators=s.coordinators)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 

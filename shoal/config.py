@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import ipaddress
 import logging
 import os
 import tomllib
@@ -69,6 +70,28 @@ def _finite(x: float) -> bool:
     return x == x and x not in (float("inf"), float("-inf"))
 
 
+def grpc_target(addresses: str) -> str:
+    """A gRPC channel target for `addresses`: one HOST:PORT as it is; several IP:PORT (comma
+    separated) as an `ipv4:` / `ipv6:` target, whose pick-first policy connects to the first
+    address that accepts (standby coordinators bind no port: the leader) and moves on when that
+    connection breaks. Raises ConfigError when a list holds a host name."""
+    parts = [a.strip() for a in addresses.split(",") if a.strip()]
+    if len(parts) <= 1:
+        return addresses
+    family = None
+    for a in parts:
+        host = a.rsplit(":", 1)[0].strip("[]")
+        try:
+            version = ipaddress.ip_address(host).version
+        except ValueError:
+            raise ConfigError(f"{a}: a list of coordinators takes IP:PORT addresses (or give one DNS name with "
+                              f"several records)") from None
+        if family not in (None, version):
+            raise ConfigError(f"{addresses}: IPv4 and IPv6 coordinators cannot be mixed in one list")
+        family = version
+    return f"ipv{family}:{','.join(parts)}"
+
+
 def check_address(section: str, key: str, value: str, *, port_zero: bool = True) -> None:
     """HOST:PORT with a non-empty host and a port in 0..65535 (1..65535 without `port_zero`)."""
     host, sep, port = value.rpartition(":")
@@ -108,7 +131,9 @@ class CoordinatorSection:
     """[coordinator]: the control-plane daemon (`shoal coordinator`)."""
 
     listen: str = setting("127.0.0.1:7070", "HOST:PORT to serve gRPC on (port 0 = any free port)")
-    state: str = setting("shoal-coordinator.db", "SQLite state file (members, epochs, commits); reloaded on restart")
+    state: str = setting("shoal-coordinator.db", "SQLite state file (members, epochs, commits), reloaded on restart; "
+                                                 "or etcd://HOST:PORT[,HOST:PORT...]/PREFIX: the state in etcd, shared "
+                                                 "by standby coordinators (one leads; docs/deploy.md)")
     key: str | None = setting(None, "Ed25519 key file that signs round tickets (default: the state file with .key)")
     ready_file: str | None = setting(None, "write the bound address to this file once serving")
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0 = off)")
@@ -321,7 +346,9 @@ class RunSection:
 class PeerSection:
     """[peer]: the agent on a volunteer machine (`shoal peer`)."""
 
-    coordinator: str = setting("127.0.0.1:7070", "coordinator HOST:PORT")
+    coordinator: str = setting("127.0.0.1:7070", "coordinator HOST:PORT; several (IP:PORT,IP:PORT: standby "
+                                                 "coordinators on etcd) or a DNS name with several records: the peer "
+                                                 "talks to the one that serves (the leader)")
     listen: str = setting("127.0.0.1:0", "data-plane HOST:PORT (port 0 = any free port)")
     advertise: str | None = setting(None, "data-plane HOST:PORT other peers dial (default: the bound address; "
                                           "set it behind NAT or in containers)")
@@ -353,7 +380,8 @@ class PeerSection:
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         p = "peer"
-        check_address(p, "coordinator", self.coordinator, port_zero=False)
+        for address in self.coordinator.split(","):
+            check_address(p, "coordinator", address, port_zero=False)
         check_address(p, "listen", self.listen)
         if self.advertise is not None:
             check_address(p, "advertise", self.advertise, port_zero=False)
@@ -382,6 +410,8 @@ class SwarmSection:
     chaos: bool = setting(False, "kill -9 and restart random peers, SIGSTOP one, kill -9 and restart the coordinator "
                                  "(rounds default to 150 unless set)")
     chaos_interval: float = setting(2.0, "seconds between chaos actions")
+    coordinators: int = setting(1, "coordinator processes; 2 or more share their state in a local etcd (one leads, "
+                                   "the others stand by; --chaos then kills the leader; needs the etcd binary)")
     timeout: float = setting(600.0, "give up (exit 1) when the run has not finished after this many seconds")
     byzantine: int = setting(0, "how many peers (the last K) send forged updates; needs attack")
     attack: str = setting("", "what the Byzantine peers send (owner: honest updates, corrupted owned aggregates)",
@@ -396,6 +426,7 @@ class SwarmSection:
         """Raise ConfigError naming the first out-of-range setting."""
         w = "swarm"
         _check(self.peers >= 1, w, "peers", ">= 1", self.peers)
+        _check(1 <= self.coordinators <= 5, w, "coordinators", "in 1..5", self.coordinators)
         _check(self.timeout > 0 and _finite(self.timeout), w, "timeout", "> 0 seconds", self.timeout)
         _check(self.chaos_interval > 0 and _finite(self.chaos_interval), w, "chaos_interval", "> 0 seconds",
                self.chaos_interval)

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from shoal import scenario as scenario_mod
 from shoal.scenario import Event, Scenario
 
+from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget
 from shoal.coordinator.store import SQLiteStore
 
 log = logging.getLogger("shoal.swarm")
@@ -63,6 +65,7 @@ class SwarmOptions:
     aggregator: str = "mean"  # reported in the summary (the coordinator gets it via run_extra)
     compression: str = "none"
     cohort_size: int = 0  # reported in the summary (the coordinator gets it via extra_coordinator_args)
+    coordinators: int = 1  # 2+: standby coordinators sharing their state in a local etcd
     scenario: Scenario | None = None  # `--scenario FILE` (shoal.scenario), already checked
 
     def run_config(self):
@@ -131,8 +134,12 @@ class Swarm:
 
     opts: SwarmOptions
     workdir: pathlib.Path
-    coordinator: _Proc | None = None
+    coordinator: _Proc | None = None  # the one that serves (with standbys: the leader, last seen)
     peers: list[_Proc] = field(default_factory=list)
+    standbys: list[_Proc] = field(default_factory=list)  # every coordinator process, with opts.coordinators > 1
+    etcd: _Proc | None = None
+    etcd_endpoint: str = ""
+    coordinator_ports: list[int] = field(default_factory=list)
     address: str = ""
     join_token: str = ""
     # Per slot: (bytes of the events file already parsed, the events parsed so far). The files
@@ -180,10 +187,34 @@ class Swarm:
             args += ["--metrics-port", str(self.metrics_port(name)), "--metrics-host", "127.0.0.1"]
         return args
 
-    def coordinator_argv(self) -> list[str]:
+    @property
+    def replicated(self) -> bool:
+        """Standby coordinators sharing a local etcd (opts.coordinators > 1)."""
+        return self.opts.coordinators > 1
+
+    @property
+    def state(self) -> str:
+        """The coordinators' --state: the SQLite file, or the etcd URL."""
+        if self.replicated:
+            return f"etcd://{self.etcd_endpoint}/shoal-swarm"
+        return str(self.workdir / "coordinator.db")
+
+    def state_reader(self) -> contextlib.AbstractContextManager:
+        """A read-only view of the coordinators' durable state (a context manager giving a Store)."""
+        if not self.replicated:
+            return SQLiteStore.reader(str(self.workdir / "coordinator.db"))
+        return contextlib.closing(EtcdStore(EtcdTarget.parse(self.state)))
+
+    def coordinator_argv(self, i: int = 0) -> list[str]:
         o = self.opts
-        return [sys.executable, "-m", "shoal.cli", "coordinator", "--listen", "127.0.0.1:0",
-                "--state", str(self.workdir / "coordinator.db"), "--ready-file", str(self.workdir / "coordinator.addr"),
+        if self.replicated:
+            where = ["--listen", f"127.0.0.1:{self.coordinator_ports[i]}", "--state", self.state,
+                     "--ready-file", str(self.workdir / f"coordinator-{i}.addr"),
+                     "--key", str(self.workdir / "coordinator.key")]
+        else:
+            where = ["--listen", "127.0.0.1:0", "--state", str(self.workdir / "coordinator.db"),
+                     "--ready-file", str(self.workdir / "coordinator.addr")]
+        return [sys.executable, "-m", "shoal.cli", "coordinator", *where,
                 "--rounds", str(o.rounds), "--min-peers", str(o.min_peers),
                 "--initial-peers", str(o.peers), "--num-data-shards", str(o.peers),
                 "--ready-timeout", str(o.ready_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
@@ -202,6 +233,8 @@ class Swarm:
         return args
 
     def start_coordinator(self, timeout: float = 30.0) -> str:
+        if self.replicated:
+            return self._start_coordinators(timeout)
         ready = self.workdir / "coordinator.addr"
         self.secure()
         if self.coordinator is None:
@@ -221,6 +254,69 @@ class Swarm:
             time.sleep(0.05)
         self.address = ready.read_text().strip()
         return self.address
+
+    def _start_etcd(self, timeout: float = 30.0) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise RuntimeError("--coordinators > 1 needs the etcd binary (apt-get install etcd-server)")
+        client, peer = free_port(), free_port()
+        self.etcd_endpoint = f"127.0.0.1:{client}"
+        self.etcd = _Proc("etcd", [
+            binary, "--name", "swarm", "--data-dir", str(self.workdir / "etcd"),
+            "--listen-client-urls", f"http://{self.etcd_endpoint}", "--advertise-client-urls",
+            f"http://{self.etcd_endpoint}", "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"swarm=http://127.0.0.1:{peer}"], self.workdir / "etcd.log")
+        self.etcd.start()
+        end = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", client), timeout=0.2):
+                return
+            if not self.etcd.alive() or time.monotonic() > end:
+                raise RuntimeError(f"etcd did not start:\n{self.etcd.tail()}")
+            time.sleep(0.05)
+
+    def _start_coordinators(self, timeout: float) -> str:
+        """Start etcd (once) and every coordinator not running; wait for a leader. The peers get
+        every coordinator's address (fixed ports: a standby binds its port only once it leads)."""
+        self.secure()
+        if self.etcd is None:
+            self._start_etcd()
+            self.coordinator_ports = [free_port() for _ in range(self.opts.coordinators)]
+            self.standbys = [_Proc(f"coordinator-{i}", self.coordinator_argv(i), self.workdir / f"coordinator-{i}.log")
+                             for i in range(self.opts.coordinators)]
+        for i, proc in enumerate(self.standbys):
+            if not proc.alive():
+                (self.workdir / f"coordinator-{i}.addr").unlink(missing_ok=True)
+                proc.start()
+        self.address = ",".join(f"127.0.0.1:{port}" for port in self.coordinator_ports)
+        end = time.monotonic() + timeout
+        while self.leader() is None:
+            if not any(p.alive() for p in self.standbys):
+                raise RuntimeError(f"every coordinator exited:\n{self.standbys[0].tail()}")
+            if time.monotonic() > end:
+                raise TimeoutError("no coordinator was elected in time")
+            time.sleep(0.05)
+        return self.address
+
+    def leader(self) -> _Proc | None:
+        """The coordinator that serves: alive, and it wrote its ready file (it binds its port and
+        writes the file only once elected); the last elected when several did."""
+        serving = [(os.path.getmtime(self.workdir / f"coordinator-{i}.addr"), p) for i, p in enumerate(self.standbys)
+                   if p.alive() and (self.workdir / f"coordinator-{i}.addr").exists()]
+        if not serving:
+            return None
+        self.coordinator = max(serving, key=lambda tp: tp[0])[1]
+        return self.coordinator
+
+    def coordinators_alive(self) -> bool:
+        return any(p.alive() for p in self.standbys) if self.replicated else (
+            self.coordinator is not None and self.coordinator.alive())
+
+    def coordinator_finished(self) -> bool:
+        """A coordinator exited 0: the run finished (every peer was told)."""
+        procs = self.standbys if self.replicated else [self.coordinator]
+        return any(p is not None and p.popen is not None and p.popen.returncode == 0 for p in procs)
 
     def peer_argv(self, i: int) -> list[str]:
         advertise = self.opts.scenario.peer_spec(i).advertise if self.opts.scenario is not None else ""
@@ -251,11 +347,16 @@ class Swarm:
             env["SHOAL_FAULT"] = sc.peer_spec(i).fault
         return env
 
-    def stop_all(self) -> None:
+    def stop_all(self, state_too: bool = True) -> None:
+        """Stop every process; `state_too=False` leaves etcd running (the summary reads it)."""
         for p in self.peers:
             p.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
+        for p in self.standbys:
+            p.stop()
+        if self.etcd is not None and state_too:
+            self.etcd.stop()
         from shoal.peer.shm import remove_stale_of_keys
 
         remove_stale_of_keys(self.workdir)  # slabs of peers the chaos monkey killed
@@ -280,13 +381,13 @@ class Swarm:
         return [e for i in range(len(self.peers)) for e in self.events(i)]
 
     def durable_counts(self) -> tuple[int, int]:
-        """(rounds committed, attempts aborted) read from the coordinator's state file."""
-        with SQLiteStore.reader(str(self.workdir / "coordinator.db")) as store:
+        """(rounds committed, attempts aborted) read from the coordinator's durable state."""
+        with self.state_reader() as store:
             return store.count_commits(), store.count_aborts()
 
     def cohort_sizes(self) -> dict[str, int]:
-        """{participants of a committed round: how many rounds had that many}, from the state file."""
-        with SQLiteStore.reader(str(self.workdir / "coordinator.db")) as store:
+        """{participants of a committed round: how many rounds had that many}, from the durable state."""
+        with self.state_reader() as store:
             commits = store.recent_commits(store.count_commits())
         sizes: dict[str, int] = {}
         for c in commits:
@@ -295,7 +396,7 @@ class Swarm:
 
 
 def _last_commit_digest(swarm: "Swarm") -> str:
-    with SQLiteStore.reader(str(swarm.workdir / "coordinator.db")) as store:
+    with swarm.state_reader() as store:
         last = store.last_commit()
     return last.state_digest.hex() if last is not None else ""
 
@@ -354,6 +455,7 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
         "attack": swarm.opts.attack_args[1] if swarm.opts.attack_args else "",
         "rounds_with_flagged": len({e["round"] for e in commits if e.get("flagged")}),
         "flagged_peers": sorted({f for e in commits for f in e.get("flagged", [])}),
+        "coordinators": swarm.opts.coordinators,
         "cohort_size": swarm.opts.cohort_size,
         "cohort_sizes": swarm.cohort_sizes(),
     }
@@ -452,6 +554,7 @@ class ChaosLog:
     peers_joined: int = 0
     peers_stopped: int = 0
     coordinator_restarts: int = 0
+    coordinator_failovers: int = 0  # leaders killed while a standby was there to take over
 
     def summary(self, commits: list[dict]) -> dict:
         first_commit: dict[int, float] = {}
@@ -465,7 +568,10 @@ class ChaosLog:
                 per_kill.append((what, max(0.0, nxt - t)))
         recovery = sorted(r for _, r in per_kill)
         p50 = recovery[(len(recovery) - 1) // 2] if recovery else None
+        failovers = [r for w, r in per_kill if w == "coordinator-leader"]
         return {
+            "coordinator_failovers": self.coordinator_failovers,
+            "failover_seconds_max": round(max(failovers), 3) if failovers else None,
             "peers_killed": self.peers_killed,
             "peers_joined": self.peers_joined,
             "peers_stopped": self.peers_stopped,
@@ -498,6 +604,7 @@ class Chaos:
         self.step = 0
         self.stopped: tuple[int, float] | None = None  # (peer index, resume at)
         self.started = (0.0, 0)  # (time, committed rounds) when chaos began
+        self.recovering_from: int | None = None  # rounds committed when the coordinator was killed
 
     def tick(self, committed: int) -> None:
         now = time.monotonic()
@@ -507,6 +614,14 @@ class Chaos:
             self.stopped = None
         if committed < 1:
             return
+        if self.recovering_from is not None:
+            # After a coordinator kill nothing else happens until a round commits again: the
+            # restart (or the failover to a standby) is measured on its own, and peers killed
+            # while nobody leads could take the last copies of the state with them.
+            if committed <= self.recovering_from:
+                return
+            self.recovering_from = None
+            self.next_at = now + self.interval
         if self.next_at is None:
             self.next_at = now + self.interval / 2
             self.started = (now, committed)
@@ -522,13 +637,19 @@ class Chaos:
         self.step += 1
         candidates = [i for i, p in enumerate(self.swarm.peers) if p.alive() and (self.stopped is None or self.stopped[0] != i)]
         if self.step == 2 and self.log.coordinator_restarts == 0:
-            log.info("chaos: kill -9 coordinator")
-            self.swarm.coordinator.signal(signal.SIGKILL)
+            victim = self.swarm.leader() if self.swarm.replicated else self.swarm.coordinator
+            log.info("chaos: kill -9 coordinator%s", f" {victim.name} (the leader)" if self.swarm.replicated else "")
+            victim.signal(signal.SIGKILL)
             killed_at = time.time()
-            self.swarm.coordinator.popen.wait(timeout=10)
-            self.log.kills.append((killed_at, "coordinator", self.swarm.durable_counts()[0]))
+            victim.popen.wait(timeout=10)
+            what = "coordinator-leader" if self.swarm.replicated else "coordinator"
+            self.recovering_from = self.swarm.durable_counts()[0]
+            self.log.kills.append((killed_at, what, self.recovering_from))
+            # Alone: restarted on the same state. With standbys: one of them takes over; the killed
+            # one comes back as a standby.
             self.swarm.start_coordinator()
             self.log.coordinator_restarts += 1
+            self.log.coordinator_failovers += int(self.swarm.replicated)
             return
         if self.step == 1 and self.stopped is None and len(candidates) > 2:
             i = self.rng.choice(candidates)
@@ -646,7 +767,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
                 if time.monotonic() - t0 > opts.timeout:
                     raise TimeoutError(f"swarm did not finish within {opts.timeout:.0f}s")
                 # A coordinator that exits 0 finished the run (peers told); any other exit is early.
-                if not swarm.coordinator.alive() and swarm.coordinator.popen.returncode != 0 \
+                if not swarm.coordinators_alive() and not swarm.coordinator_finished() \
                         and not all(p.popen.poll() == 0 for p in swarm.peers):
                     raise RuntimeError(f"coordinator exited early:\n{swarm.coordinator.tail()}")
                 failed = [p for p in swarm.peers if p.popen is not None and p.popen.poll() not in (None, 0)]
@@ -681,7 +802,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
         finally:
             if chaos is not None:
                 chaos.finish()
-            swarm.stop_all()
+            swarm.stop_all(state_too=False)  # etcd, if any, stays for the summary
         wall = time.monotonic() - t0
         steps = opts.peers * opts.rounds * opts.inner_steps
         _say(bar, f"baseline: training one process for the same {steps} optimizer steps, to compare accuracy")

@@ -248,7 +248,11 @@ async def test_the_servicer_tells_the_cohort_and_leaves_the_pool_alone():
     assert all(got[p] == [] for p in peers if p not in cohort)  # the pool hears nothing
     # A pooled peer that says ready with its old state is not told to sync (it waits to be drawn).
     pooled = next(p for p in peers if p not in cohort)
-    assert not (await ready(pooled, 0, b"")).HasField("sync")
+    answer = await ready(pooled, 0, b"")
+    assert not answer.HasField("sync") and answer.pooled
+    beat = await svc.Heartbeat(pb.HeartbeatRequest(peer_id=pooled), None)
+    assert beat.pooled and beat.ready and beat.round == 1  # held in the pool: no need to announce again
+    assert not (await svc.Heartbeat(pb.HeartbeatRequest(peer_id=cohort[0]), None)).pooled
     # The cohort comes back; the draw for round 1 orders the drawn stale peers to sync, on their
     # streams; a stale Ready of a drawn peer gets its order in the reply only.
     for p in cohort:

@@ -75,3 +75,23 @@ def test_a_restarted_coordinator_loads_only_the_window(tmp_path):
         assert store.count_commits() == 12
     finally:
         store.close()
+
+
+def test_a_restarted_coordinator_waits_for_its_members_and_a_restarted_peer_is_no_donor():
+    from shoal.coordinator.rounds import Member, MemberState, SendPlan
+
+    cfg = EngineConfig(min_peers=2, ready_timeout=5.0, lease_seconds=60.0)
+    known = [Member(p, KEY, f"10.0.0.{i}:1", 1, 0.0, MemberState.MEMBER) for i, p in enumerate("abcd")]
+    e = RoundEngine(cfg, members=known, committed=[], now=100.0)
+    for p in "ab":  # the first two back say ready: the round waits for c and d (they reconnect)
+        acts = e.ready_(p, 0, ReadyInfo(10, pb.FLOAT32, 1, b"", 0, 100.0), 100.0)
+    assert not [a for a in acts if isinstance(a, SendPlan)] and e.waiting(101.0).peers == ("c", "d")
+    # Up to the ready deadline only: then the round opens without them.
+    (plan,) = [a for a in e.tick(105.0) if isinstance(a, SendPlan)]
+    assert plan.plan.participants == ("a", "b")
+    for p in "ab":
+        e.vote(p, 0, plan.plan.attempt, True, b"r", b"s0", 105.5)
+    assert e.donors(106.0) in (("a", "b"), ("b", "a"))
+    # b is restarted (a new process: another data address): it no longer holds the state.
+    e.join("b", KEY, "10.0.0.9:2", 1, 107.0)
+    assert e.donors(107.0) == ("a",)

@@ -451,3 +451,22 @@ async def test_a_peer_back_from_a_long_local_update_asks_once():
         play.cancel()
         with pytest.raises(asyncio.CancelledError):
             await play
+
+
+async def test_a_ready_held_in_the_cohort_pool_is_not_announced_again():
+    client, control, wl, events, _ = make_client(round_silence=0.05)
+    control.ready_answer = pb.ReadyResponse(round=3, pooled=True)
+    task = asyncio.create_task(client.play(update(), 0.0))
+    await until(lambda: len(control.readies) >= 1)
+    await asyncio.sleep(0.3)  # several round_silence periods
+    # The coordinator is rounds ahead, but holds the Ready in its pool: no Forgotten either.
+    for _ in range(3):
+        client.heard(pb.HeartbeatResponse(round=5, ready=True, pooled=True), time.monotonic())
+    assert len(control.readies) == 1 and events.empty()
+    # Out of the pool (the coordinator restarted, say): announce again as before.
+    control.ready_answer = pb.ReadyResponse(round=5)
+    client.heard(pb.HeartbeatResponse(round=5, ready=False), time.monotonic())
+    client.heard(pb.HeartbeatResponse(round=5, ready=False), time.monotonic())
+    await until(lambda: len(control.readies) >= 2)
+    events.put_nowait(RunFinished(0))
+    assert (await asyncio.wait_for(task, 10)).kind is Outcome.FINISHED

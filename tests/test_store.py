@@ -9,15 +9,31 @@ import sqlite3
 import pytest
 
 from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
+from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget
 from shoal.coordinator.store import APPLICATION_ID, SCHEMA_VERSION, MemoryStore, SQLiteStore, StateFileError
 
+from etcdserver import etcd_server  # noqa: F401 - the fixture
 
-@pytest.fixture(params=["memory", "sqlite"])
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("etcd", marks=pytest.mark.integration)])
 def make_store(request, tmp_path):
     path = str(tmp_path / "state.db")
     if request.param == "memory":
         shared = MemoryStore()
         yield lambda: shared
+    elif request.param == "etcd":  # a real etcd server (skipped when etcd is not installed)
+        server = request.getfixturevalue("etcd_server")
+        target = EtcdTarget.parse(server.url())
+        opened = []
+
+        def make():
+            s = EtcdStore(target)
+            opened.append(s)
+            return s
+
+        yield make
+        for s in opened:
+            s.close()
     else:
         opened = []
 
@@ -210,5 +226,5 @@ def test_a_batch_is_one_transaction(make_store):
         s.save_member(Member("b", b"k" * 32, "h:2", 5, 0.0, MemberState.MEMBER))
     s2 = make_store()
     assert s2.count_commits() == 1 and s2.load_epoch() == 3
-    if isinstance(s2, SQLiteStore):  # the in-memory store has no transactions to roll back
+    if not isinstance(s2, MemoryStore):  # the in-memory store has no transactions to roll back
         assert [m.peer_id for m in s2.load_members()] == ["b"]

@@ -80,16 +80,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_seconds", "epoch", "round", "ready")
+    __slots__ = ("lease_seconds", "epoch", "round", "ready", "pooled")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     lease_seconds: float
     epoch: int
     round: int
     ready: bool
-    def __init__(self, lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    pooled: bool
+    def __init__(self, lease_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., ready: _Optional[bool] = ..., pooled: _Optional[bool] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("peer_id",)
@@ -120,12 +122,14 @@ class ReadyRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
-    __slots__ = ("round", "sync")
+    __slots__ = ("round", "sync", "pooled")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     round: int
     sync: SyncOrder
-    def __init__(self, round: _Optional[int] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ...) -> None: ...
+    pooled: bool
+    def __init__(self, round: _Optional[int] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., pooled: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("peer_id",)

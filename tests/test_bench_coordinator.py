@@ -1,0 +1,58 @@
+"""`shoal bench coordinator`: one JSON object, complete and self-consistent (a small run: the
+benchmark measures; these tests check the report, never timings), and its pure parts."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from shoal.bench_coordinator import Histogram, growth_per_round
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KEYS = ("members", "joins_per_second", "heartbeat_p50_seconds", "heartbeat_p99_seconds",
+        "round_open_to_plan_p99_seconds", "rss_bytes", "rss_growth_bytes_per_round", "cpu_seconds_per_second",
+        "bounds", "within_bounds")
+
+
+def test_histogram_quantiles_are_within_two_percent():
+    h = Histogram()
+    for i in range(1, 1001):
+        h.add(i / 1000)  # 1 ms .. 1 s
+    assert h.count == 1000
+    assert h.quantile(0.5) == pytest.approx(0.5, rel=0.025)
+    assert h.quantile(0.99) == pytest.approx(0.99, rel=0.025)
+    merged = Histogram(h.bins)
+    merged.merge(h)
+    assert merged.count == 2000 and merged.quantile(0.5) == h.quantile(0.5)
+    assert Histogram().quantile(0.99) == 0.0
+
+
+def test_growth_per_round_is_the_slope_of_the_second_half():
+    samples = [(r, 1000 + (0 if r < 50 else 40 * r)) for r in range(100)]
+    assert growth_per_round(samples, 100) == pytest.approx(40.0)
+    assert growth_per_round([(60, 5), (60, 6)], 100) == 0.0  # one round only: no slope
+
+
+@pytest.mark.integration
+def test_a_small_run_reports_every_figure(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "coordinator", "--members", "40",
+                           "--rounds", "6", "--cohort-size", "4", "--processes", "2", "--train-seconds", "0.05",
+                           "--lease-seconds", "4", "--workdir", str(tmp_path), "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stdout
+    rep = json.loads(lines[0])
+    for k in KEYS:
+        assert k in rep, k
+    assert rep["members"] == 40 and rep["members_finished"] == 40
+    assert rep["votes"] == 6 * 4  # every round's cohort voted once (no abort)
+    assert rep["joins_per_second"] > 0 and rep["rss_bytes"] > 0 and rep["cpu_seconds_per_second"] > 0
+    assert 0 < rep["heartbeat_p50_seconds"] <= rep["heartbeat_p99_seconds"]
+    assert rep["within_bounds"] == (rep["heartbeat_p99_seconds"] < 0.1 and rep["rss_bytes"] < 1 << 30
+                                    and rep["rss_growth_bytes_per_round"] < 100)
+    assert not [e for e in rep["errors"] if "UNAUTHENTICATED" in e or "INVALID" in e]
