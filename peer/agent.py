@@ -44,6 +44,7 @@ import numpy as np
 from shoal.common.health import PEER_SERVICE, attach
 from shoal.common.identity import load_or_create_key, public_bytes
 from shoal.common.metrics import PeerMetrics
+from shoal.common.plan import Plan
 from shoal.common.retry import RetryPolicy
 from shoal.common.security import Security, open_channel, signing_interceptors
 from shoal.common.throttle import Throttle, more
@@ -117,6 +118,11 @@ class _Journal(RoundListener):
         self.agent = agent
         self.commit_lines = Throttle(COMMIT_LOG_SECONDS)
         self.collective_bytes = (0, 0)  # (sent, received) by the last collective
+
+    def on_plan(self, plan: Plan) -> None:  # the swarm's per-attempt table (shoal.scenario.rounds_report)
+        self.agent.emit("plan", round=plan.round, attempt=plan.attempt, collective=plan.collective,
+                        participants=list(plan.participants), demoted=list(plan.demoted),
+                        predicted_seconds=plan.predicted_seconds)
 
     def on_collective(self, rec: CollectiveRecord) -> None:
         self.agent.metrics.on_collective(rec.seconds, rec.bytes_sent, rec.bytes_received)

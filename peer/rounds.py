@@ -279,6 +279,8 @@ class SyncRecord:
 class RoundListener:
     """Told what happened (no-op defaults; called in the event loop, must not block)."""
 
+    def on_plan(self, plan: Plan) -> None: ...
+
     def on_collective(self, rec: CollectiveRecord) -> None: ...
 
     def on_vote(self, rec: VoteRecord) -> None: ...
@@ -525,6 +527,7 @@ class RoundClient:
         await self._stop_collective(rs)
         rs.attempt = ev.plan.attempt
         self.last_plan = ev.plan
+        self._tell("on_plan", ev.plan)
         rs.collective = rs.tasks.create_task(self._attempt(rs, ev))
 
     async def _attempt(self, rs: RoundState, ev: PlanReceived) -> None:

@@ -456,7 +456,7 @@ _SWARM_ROUNDS_FIELDS = ("rounds", "min_peers", "initial_peers", "ready_timeout")
 def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     import dataclasses
 
-    from shoal.swarm import SwarmOptions, run_swarm
+    from shoal.swarm import SwarmOptions, netns_refusal, run_swarm
 
     s, r, run = cfg.swarm, cfg.rounds, cfg.run
     run.to_run_config(s.peers)  # validate before starting anything (exit 2 naming the setting)
@@ -479,6 +479,8 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
             plan = load(s.scenario, s.peers)
         except ScenarioError as exc:
             raise UsageError(str(exc)) from None
+        if netns_refusal(plan):  # shaping without root: one line, before anything starts
+            raise UsageError(f"--scenario {s.scenario}: {netns_refusal(plan)}")
     attack_args: tuple[str, ...] = ()
     if s.byzantine:
         attack_args = ("--attack", s.attack) + (("--attack-scale", str(s.attack_scale)) if s.attack_scale else ())

@@ -212,32 +212,59 @@ class NetBed:
         _run(["ip", "addr", "add", f"{self.root_ip}/24", "dev", br])
         _run(["ip", "link", "set", br, "up"])
         for i in range(self.n_hosts):
-            ns, vb = self.netns(i), self.veth_bridge_side(i)
-            _run(["ip", "netns", "add", ns])
-            self._namespaces.append(ns)
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _run(["ip", "link", "add", vb, "type", "veth", "peer", "name", "eth0", "netns", ns])
-            _run(["ip", "link", "set", vb, "alias", self._alias])
-            _run(["ip", "link", "set", vb, "master", br])
-            _run(["ip", "link", "set", vb, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
-            if self.up_mbit[i] is not None:
-                self._shape(["-n", ns], "eth0", float(self.up_mbit[i]))
-            if self.down_mbit[i] is not None:
-                self._shape([], vb, float(self.down_mbit[i]))
+            self._add_host(i)
         log.info(
             "netbed up: %d hosts on 10.%d.0.0/24 via %s (up %s, down %s Mbit/s)",
             self.n_hosts, self.octet, br, self.up_mbit, self.down_mbit,
         )
 
+    def _add_host(self, i: int) -> None:
+        """Host i: its namespace, its veth to the bridge, its address, its shapers. (A host of
+        another kind, e.g. one behind its own router namespace, would be built here too.)"""
+        ns, vb = self.netns(i), self.veth_bridge_side(i)
+        _run(["ip", "netns", "add", ns])
+        self._namespaces.append(ns)
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        _run(["ip", "link", "add", vb, "type", "veth", "peer", "name", "eth0", "netns", ns])
+        _run(["ip", "link", "set", vb, "alias", self._alias])
+        _run(["ip", "link", "set", vb, "master", self.bridge])
+        _run(["ip", "link", "set", vb, "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0"])
+        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        self.shape(i, self.up_mbit[i], self.down_mbit[i])
+
+    def shape(self, i: int, up_mbit: float | None, down_mbit: float | None) -> None:
+        """Set host i's upload / download rate (Mbit/s; None = unshaped) now, also while
+        processes run: the tbf qdisc is replaced in place (connections stay up; packets queued
+        above the new rate's limit are dropped and TCP backs off, as when a real link degrades).
+        Raises NetBedError when tc fails."""
+        self._check_host(i)
+        self._set_rate(["-n", self.netns(i)], "eth0", up_mbit)
+        self._set_rate([], self.veth_bridge_side(i), down_mbit)
+        self.up_mbit[i], self.down_mbit[i] = up_mbit, down_mbit
+
     @staticmethod
-    def _shape(ns_args: list[str], dev: str, rate_mbit: float) -> None:
-        t = tbf_params(rate_mbit)
+    def _set_rate(ns_args: list[str], dev: str, rate_mbit: float | None) -> None:
+        if rate_mbit is None:
+            r = _run(["tc", *ns_args, "qdisc", "del", "dev", dev, "root"], check=False)
+            # No qdisc of ours there: nothing to remove (the kernel's default is unshaped).
+            if r.returncode != 0 and "No such file" not in r.stderr and "Cannot find" not in r.stderr \
+                    and "handle of zero" not in r.stderr:
+                raise NetBedError(f"tc del on {dev} failed: {r.stderr.strip()}")
+            return
+        t = tbf_params(float(rate_mbit))
         _run(
             ["tc", *ns_args, "qdisc", "replace", "dev", dev, "root", "tbf",
              "rate", f"{t['rate_bit']}bit", "burst", str(t["burst"]), "limit", str(t["limit"])]
         )
+
+    def drop_inbound(self, i: int, port: int | None = None) -> None:
+        """Make host i drop (silently, like a firewall) new inbound TCP connections, to `port`
+        only or to any port; replies to its own outbound connections still pass. Needs iptables
+        (raises NetBedError, or OSError when it is missing). Gone with the namespace."""
+        rule = ["-p", "tcp", "-m", "conntrack", "--ctstate", "NEW", *(["--dport", str(port)] if port else []),
+                "-j", "DROP"]
+        _run(["ip", "netns", "exec", self.netns(i), "iptables", "-w", "-A", "INPUT", *rule])
 
     def close(self) -> None:
         """Kill the bed's processes, delete its namespaces, veths and bridge. Idempotent."""

@@ -3,22 +3,29 @@
 A scenario is a TOML file (examples in examples/scenarios/, schema in docs/fault-tolerance.md):
 
     [[peer]]              # one table per peer, in order; more --peers than tables = plain peers
+    up_mbit = 20          # upload shaping in Mbit/s (tc tbf); omit = unshaped
+    down_mbit = 20        # download shaping in Mbit/s; omit = unshaped
     start = 0.0           # seconds after the coordinator starts; > 0 = a late joiner
     fault = ""            # SHOAL_FAULT for this peer (shoal.peer.faults), e.g. "rs:stop@4"
-    advertise = ""        # override the advertised data-plane address
+    resume_after = 20.0   # a peer its fault SIGSTOPped is sent SIGCONT this long after (0 = never)
+    advertise = ""        # override the advertised data-plane address: "HOST:PORT", "refuse" (a
+                          # closed port) or "drop" (its real address behind a firewall that drops)
 
     [[event]]
     at = 10.0             # seconds after the coordinator starts
-    action = "local-work" # see ACTIONS
+    action = "shape"      # see ACTIONS
     peer = 3              # index into the peers (not for coordinator-* actions)
+    up_mbit = 10          # shape: the new rates (omitted = unshaped)
+    down_mbit = 10
     seconds = 90.0        # local-work: how long that peer's next local update takes
 
-This module is pure: it parses and checks a scenario (`load`, `parse`; errors name the field,
-e.g. "event[1].peer: 7 is not a peer index (0..3)") and turns what happened into the summary's
-`events` entries (`event_report`). Carrying the actions out belongs to shoal.swarm.
+Shaping (`up_mbit`/`down_mbit`, action "shape") and `advertise = "drop"` need the network-namespace
+runner (root: one namespace per peer, shoal.netbed); `needs_netns` names the first field that does.
 
-Link shaping (`up_mbit`/`down_mbit`, action "shape") needs the network-namespace test bed; this
-version refuses those keys with a clear error instead of ignoring them.
+This module is pure: it parses and checks a scenario (`load`, `parse`; errors name the field,
+e.g. "event[1].peer: 7 is not a peer index (0..3)") and turns what happened into the summary:
+`event_report` (the `events` entries), `per_peer_report`, `rounds_report`, `touch_windows` and
+`wrongful_exclusions`. Carrying the actions out belongs to shoal.swarm.
 """
 
 from __future__ import annotations
@@ -26,14 +33,18 @@ from __future__ import annotations
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-PEER_ACTIONS = ("local-work", "kill", "stop", "cont", "restart")
+from shoal.common.attempts import shown_attempt
+
+PEER_ACTIONS = ("local-work", "kill", "stop", "cont", "restart", "shape")
 COORDINATOR_ACTIONS = ("coordinator-kill", "coordinator-restart", "coordinator-stop", "coordinator-cont")
 ACTIONS = PEER_ACTIONS + COORDINATOR_ACTIONS
 GAP_WINDOW_SECONDS = 30.0  # max_commit_gap_seconds_30s looks this far past an action's end
-_SHAPING = ("up_mbit", "down_mbit")
+TOUCH_GRACE_SECONDS = 10.0  # a peer stays "touched" this long after what touched it ended (wrongful_exclusions)
+RESUME_AFTER_SECONDS = 20.0  # default `resume_after`
+ADVERTISE_SPECIAL = ("drop", "refuse")
 
 
 class ScenarioError(ValueError):
@@ -42,22 +53,34 @@ class ScenarioError(ValueError):
 
 @dataclass(frozen=True)
 class PeerSpec:
-    """One peer of a scenario. start: seconds after the coordinator starts (0 = at once)."""
+    """One peer of a scenario. up_mbit/down_mbit: link rates in Mbit/s (10^6 bit/s), None =
+    unshaped; start: seconds after the coordinator starts (0 = at once); resume_after: seconds
+    from a fault's SIGSTOP to the swarm's SIGCONT (0 = never)."""
 
     start: float = 0.0
     fault: str = ""
     advertise: str = ""
+    up_mbit: float | None = None
+    down_mbit: float | None = None
+    resume_after: float = RESUME_AFTER_SECONDS
+
+    @property
+    def shaped(self) -> bool:
+        return self.up_mbit is not None or self.down_mbit is not None
 
 
 @dataclass(frozen=True)
 class Event:
     """One action at `at` seconds after the coordinator starts. peer: index (None for the
-    coordinator's actions); seconds: the duration of a local-work action."""
+    coordinator's actions); seconds: the duration of a local-work action; up_mbit/down_mbit: the
+    rates a shape action sets (None = unshaped)."""
 
     at: float
     action: str
     peer: int | None = None
     seconds: float = 0.0
+    up_mbit: float | None = None
+    down_mbit: float | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,21 @@ class Scenario:
     def peer_spec(self, i: int) -> PeerSpec:
         """Peer i's spec (a plain peer beyond the listed ones)."""
         return self.peers[i] if i < len(self.peers) else PeerSpec()
+
+    @property
+    def needs_netns(self) -> str:
+        """The first field that needs the network-namespace runner ("peer[0].up_mbit",
+        "event[2].action"), "" when the scenario runs on loopback."""
+        for i, p in enumerate(self.peers):
+            for key in ("up_mbit", "down_mbit"):
+                if getattr(p, key) is not None:
+                    return f"peer[{i}].{key}"
+            if p.advertise == "drop":
+                return f"peer[{i}].advertise"
+        for e in self.events:
+            if e.action == "shape":
+                return f"the shape event at {e.at:g}s"
+        return ""
 
 
 @dataclass(frozen=True)
@@ -102,6 +140,16 @@ def _number(table: Mapping[str, Any], key: str, where: str, default: float, *, l
     return float(v)
 
 
+def _rate(table: Mapping[str, Any], key: str, where: str) -> float | None:
+    """A link rate in Mbit/s: None when omitted; else a number > 0."""
+    if key not in table:
+        return None
+    v = table[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ScenarioError(f"{where}.{key}: must be a rate in Mbit/s > 0 (omit it for an unshaped link), got {v!r}")
+    return float(v)
+
+
 def _string(table: Mapping[str, Any], key: str, where: str) -> str:
     v = table.get(key, "")
     if not isinstance(v, str):
@@ -113,12 +161,49 @@ def _known(table: Any, allowed: Sequence[str], where: str) -> Mapping[str, Any]:
     if not isinstance(table, dict):
         raise ScenarioError(f"{where}: must be a table, got {table!r}")
     for key in table:
-        if key in _SHAPING:
-            raise ScenarioError(f"{where}.{key}: link shaping needs the network-namespace test bed, which this "
-                                "version of `shoal swarm --scenario` does not run")
         if key not in allowed:
             raise ScenarioError(f"{where}.{key}: unknown key (known: {', '.join(allowed)})")
     return table
+
+
+def _advertise(t: Mapping[str, Any], where: str) -> str:
+    v = _string(t, "advertise", where)
+    if v and v not in ADVERTISE_SPECIAL:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ScenarioError(f"{where}.advertise: {v!r} is neither HOST:PORT nor one of "
+                                f"{', '.join(ADVERTISE_SPECIAL)}")
+    return v
+
+
+def _peer(t: Any, where: str) -> PeerSpec:
+    t = _known(t, ("start", "fault", "advertise", "up_mbit", "down_mbit", "resume_after"), where)
+    return PeerSpec(start=_number(t, "start", where, 0.0), fault=_string(t, "fault", where),
+                    advertise=_advertise(t, where), up_mbit=_rate(t, "up_mbit", where),
+                    down_mbit=_rate(t, "down_mbit", where),
+                    resume_after=_number(t, "resume_after", where, RESUME_AFTER_SECONDS))
+
+
+def _event(t: Any, where: str, num_peers: int) -> Event:
+    t = _known(t, ("at", "action", "peer", "seconds", "up_mbit", "down_mbit"), where)
+    action = _string(t, "action", where)
+    if action not in ACTIONS:
+        raise ScenarioError(f"{where}.action: {action!r} is not one of {', '.join(ACTIONS)}")
+    peer = t.get("peer")
+    if action in PEER_ACTIONS:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < num_peers:
+            raise ScenarioError(f"{where}.peer: {peer!r} is not a peer index (0..{num_peers - 1})")
+    elif peer is not None:
+        raise ScenarioError(f"{where}.peer: {action} acts on the coordinator; remove peer")
+    seconds = _number(t, "seconds", where, 0.0)
+    if action == "local-work" and seconds <= 0:
+        raise ScenarioError(f"{where}.seconds: local-work needs seconds > 0")
+    if action != "shape":
+        for key in ("up_mbit", "down_mbit"):
+            if key in t:
+                raise ScenarioError(f"{where}.{key}: only a shape action sets rates")
+    return Event(_number(t, "at", where, 0.0), action, peer, seconds,
+                 _rate(t, "up_mbit", where), _rate(t, "down_mbit", where))
 
 
 def parse(raw: Mapping[str, Any], num_peers: int) -> Scenario:
@@ -131,31 +216,8 @@ def parse(raw: Mapping[str, Any], num_peers: int) -> Scenario:
     if not isinstance(peers_raw, list) or len(peers_raw) > num_peers:
         raise ScenarioError(f"peer: {len(peers_raw) if isinstance(peers_raw, list) else peers_raw!r} tables for "
                             f"{num_peers} peers (--peers)")
-    peers = []
-    for i, t in enumerate(peers_raw):
-        w = f"peer[{i}]"
-        t = _known(t, ("start", "fault", "advertise"), w)
-        peers.append(PeerSpec(_number(t, "start", w, 0.0), _string(t, "fault", w), _string(t, "advertise", w)))
-    events = []
-    for i, t in enumerate(raw.get("event", [])):
-        w = f"event[{i}]"
-        t = _known(t, ("at", "action", "peer", "seconds"), w)
-        action = _string(t, "action", w)
-        if action == "shape":
-            raise ScenarioError(f"{w}.action: shape needs the network-namespace test bed, which this version of "
-                                "`shoal swarm --scenario` does not run")
-        if action not in ACTIONS:
-            raise ScenarioError(f"{w}.action: {action!r} is not one of {', '.join(ACTIONS)}")
-        peer = t.get("peer")
-        if action in PEER_ACTIONS:
-            if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < num_peers:
-                raise ScenarioError(f"{w}.peer: {peer!r} is not a peer index (0..{num_peers - 1})")
-        elif peer is not None:
-            raise ScenarioError(f"{w}.peer: {action} acts on the coordinator; remove peer")
-        seconds = _number(t, "seconds", w, 0.0)
-        if action == "local-work" and seconds <= 0:
-            raise ScenarioError(f"{w}.seconds: local-work needs seconds > 0")
-        events.append(Event(_number(t, "at", w, 0.0), action, peer, seconds))
+    peers = [_peer(t, f"peer[{i}]") for i, t in enumerate(peers_raw)]
+    events = [_event(t, f"event[{i}]", num_peers) for i, t in enumerate(raw.get("event", []))]
     events.sort(key=lambda e: e.at)
     return Scenario(tuple(peers), tuple(events))
 
@@ -194,4 +256,176 @@ def event_report(event: Event, done_at: float | None, commits: Sequence[CommitPo
         out["peer_next_commit_seconds"] = round(min(mine) - done_at, 3) if mine else None
     gap = max_commit_gap([c.t for c in commits], done_at)
     out["max_commit_gap_seconds_30s"] = None if gap is None else round(gap, 3)
+    return out
+
+
+# ------------------------------------------------------------------ the summary of a scenario run
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """How one attempt ended, as the coordinator recorded it (its durable state). Ids are peer
+    ids; attempt is the raw attempt id (shoal.common.attempts); participants: commits only (an
+    abort record does not list them); seconds: commits only, plan to commit on the coordinator's
+    clock."""
+
+    round: int
+    attempt: int
+    committed: bool
+    participants: tuple[str, ...] = ()
+    excluded: tuple[str, ...] = ()
+    seconds: float | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What the swarm saw happen, in seconds after the coordinator started: per peer index, the
+    times its fault stopped it (SIGSTOP seen) and the swarm resumed it (None: never)."""
+
+    fault_stops: Mapping[int, Sequence[tuple[float, float | None]]] = field(default_factory=dict)
+
+
+def peer_ids(events_by_peer: Mapping[int, Sequence[dict]]) -> dict[str, int]:
+    """{peer id: peer index} from the peers' event records (each names its writer's id)."""
+    return {e["peer"]: i for i, evs in events_by_peer.items() for e in evs if "peer" in e}
+
+
+def _first_t(events_by_peer: Mapping[int, Sequence[dict]], kinds: tuple[str, ...]) -> dict[tuple[int, int], float]:
+    out: dict[tuple[int, int], float] = {}
+    for evs in events_by_peer.values():
+        for e in evs:
+            if e.get("event") in kinds:
+                k = (e["round"], e["attempt"])
+                out[k] = min(e["t"], out.get(k, math.inf))
+    return out
+
+
+def _first_plans(events_by_peer: Mapping[int, Sequence[dict]]) -> dict[tuple[int, int], dict]:
+    plans: dict[tuple[int, int], dict] = {}
+    for evs in events_by_peer.values():
+        for e in evs:
+            if e.get("event") == "plan":
+                k = (e["round"], e["attempt"])
+                if k not in plans or e["t"] < plans[k]["t"]:
+                    plans[k] = e
+    return plans
+
+
+def rounds_report(ends: Sequence[AttemptEnd], events_by_peer: Mapping[int, Sequence[dict]], t0: float,
+                  ids: Mapping[str, int]) -> list[dict]:
+    """The summary's `rounds`: one entry per attempt the coordinator ended, in (round, attempt) order.
+
+    Peers are indices (`ids`; -1 for an id no peer of the swarm wrote). attempt: within its round
+    (0 = first try). collective_algorithm / demoted / predicted_seconds: the plan as the peers
+    received it ("plan" events; None when no peer recorded it). seconds: a commit's from the
+    coordinator; an abort's from the first peer that received the plan to the first that heard the
+    abort (None without both). at_seconds: when the first peer heard the outcome, seconds after t0
+    (wall clock, the time base of the events files).
+    """
+    plans = _first_plans(events_by_peer)
+    outcome_t = _first_t(events_by_peer, ("commit", "abort"))
+
+    def idx(pids) -> list[int]:
+        return sorted(ids.get(p, -1) for p in pids)
+
+    rows = []
+    for end in sorted(ends, key=lambda e: (e.round, e.attempt)):
+        k = (end.round, end.attempt)
+        plan = plans.get(k)
+        t = outcome_t.get(k)
+        seconds = end.seconds
+        if not end.committed:
+            seconds = t - plan["t"] if plan is not None and t is not None else None
+        rows.append({
+            "round": end.round, "attempt": shown_attempt(end.attempt),
+            "status": "committed" if end.committed else "aborted",
+            "participants": idx(end.participants or (plan["participants"] if plan else ())),
+            "collective_algorithm": plan["collective"] if plan else None,
+            "demoted": idx(plan["demoted"]) if plan else [],
+            "predicted_seconds": round(plan["predicted_seconds"], 4) if plan else None,
+            "seconds": None if seconds is None else round(seconds, 4),
+            "excluded": idx(end.excluded),
+            "reason": end.reason,
+            "at_seconds": None if t is None else round(t - t0, 3),
+        })
+    return rows
+
+
+def per_peer_report(events_by_peer: Mapping[int, Sequence[dict]], starts: Mapping[int, float], rows: Sequence[dict],
+                    num_peers: int) -> list[dict]:
+    """The summary's `per_peer`, by index. starts: wall time each peer slot's first process
+    started (absent: never started). rounds_committed: distinct rounds the peer recorded a commit
+    of; first_commit_after_start_seconds: from its start to its first commit (None: none);
+    state_syncs: completed downloads; first_state_sync_seconds / _bytes: the first download's time
+    and size; times_excluded: attempts whose abort excluded it (`rows`, from rounds_report)."""
+    out = []
+    for i in range(num_peers):
+        evs = events_by_peer.get(i, ())
+        commits = [e for e in evs if e.get("event") == "commit"]
+        syncs = [e for e in evs if e.get("event") == "state_sync"]
+        start = starts.get(i)
+        first = min((e["t"] for e in commits), default=None)
+        out.append({
+            "peer": i,
+            "rounds_committed": len({e["round"] for e in commits}),
+            "first_commit_after_start_seconds": None if first is None or start is None else round(first - start, 3),
+            "state_syncs": len(syncs),
+            "first_state_sync_seconds": round(syncs[0]["seconds"], 3) if syncs else None,
+            "first_state_sync_bytes": syncs[0]["bytes"] if syncs else None,
+            "times_excluded": sum(1 for r in rows if i in r["excluded"]),
+        })
+    return out
+
+
+def _stop_faults_only(fault: str) -> bool:
+    items = [t.strip() for t in fault.split(",") if t.strip()]
+    return bool(items) and all(t.partition(":")[2].partition("@")[0] == "stop" for t in items)
+
+
+def touch_windows(plan: Scenario, num_peers: int, observed: Observed,
+                  grace: float = TOUCH_GRACE_SECONDS) -> dict[int, list[tuple[float, float]]]:
+    """When the scenario touched each peer: {index: [(from, to), ...]} in seconds after the
+    coordinator started (to = inf: for the rest of the run).
+
+    - `advertise` set, or a `fault` other than SIGSTOP faults: the whole run;
+    - a SIGSTOP fault: from the stop the swarm saw to its resume + grace (never resumed: inf);
+    - event stop: from `at` to the peer's next cont + grace; kill: to its next restart + grace;
+      restart and shape: [at, at + grace]; local-work: [at, at + seconds + grace];
+    - coordinator-* events and static shaping touch no peer (they are not the peers' fault).
+    """
+    win: dict[int, list[tuple[float, float]]] = {i: [] for i in range(num_peers)}
+    for i in range(num_peers):
+        spec = plan.peer_spec(i)
+        if spec.advertise or (spec.fault and not _stop_faults_only(spec.fault)):
+            win[i].append((0.0, math.inf))
+        for stopped, resumed in observed.fault_stops.get(i, ()):
+            win[i].append((stopped, math.inf if resumed is None else resumed + grace))
+    for k, ev in enumerate(plan.events):
+        if ev.peer is None or ev.peer not in win:
+            continue
+        later = plan.events[k + 1:]
+        if ev.action in ("stop", "kill"):
+            ender = "cont" if ev.action == "stop" else "restart"
+            end = next((e.at for e in later if e.peer == ev.peer and e.action == ender), None)
+            win[ev.peer].append((ev.at, math.inf if end is None else end + grace))
+        elif ev.action in ("restart", "shape"):
+            win[ev.peer].append((ev.at, ev.at + grace))
+        elif ev.action == "local-work":
+            win[ev.peer].append((ev.at, ev.at + ev.seconds + grace))
+    return win
+
+
+def wrongful_exclusions(rows: Sequence[dict], windows: Mapping[int, Sequence[tuple[float, float]]]) -> list[dict]:
+    """Exclusions (`rows`, from rounds_report) of a peer no window of `touch_windows` covered at
+    the abort's `at_seconds`; an abort with no time counts when the peer was never touched.
+    Returns [{round, attempt, peer, at_seconds}]."""
+    out = []
+    for r in rows:
+        t = r["at_seconds"]
+        for p in r["excluded"]:
+            spans = windows.get(p, ())
+            touched = any(a <= t <= b for a, b in spans) if t is not None else bool(spans)
+            if not touched:
+                out.append({"round": r["round"], "attempt": r["attempt"], "peer": p, "at_seconds": t})
     return out

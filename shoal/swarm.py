@@ -27,8 +27,10 @@ import time
 from dataclasses import dataclass, field
 
 from shoal import scenario as scenario_mod
+from shoal.netbed import NetBed, cleanup_stale
 from shoal.scenario import Event, Scenario
 
+from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes
 from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget
 from shoal.coordinator.store import SQLiteStore
 
@@ -77,6 +79,10 @@ class SwarmOptions:
                          **{k: v for k, v in self.run_extra if k in known})
 
 
+NETNS_PEER_PORT = 7000  # the data-plane port of a peer in its own namespace
+CLOSED_PORT = 1  # advertise = "refuse": nothing listens there (tcpmux), a dial is refused at once
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the OS may hand it out again; good enough locally)."""
     with socket.socket() as s:
@@ -93,14 +99,29 @@ class _Proc:
     starts: int = 0
 
     env: dict[str, str] | None = None  # extra environment (scenario faults and hooks)
+    netns: str | None = None  # run inside this network namespace (`ip netns exec` execs the command)
+    first_started: float | None = None  # wall time (time.time) of the first start
 
     def start(self) -> None:
         out = open(self.log_path, "ab")
         env = {**os.environ, **self.env} if self.env else None
-        self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        argv = ["ip", "netns", "exec", self.netns, *self.argv] if self.netns else self.argv
+        self.popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True, env=env)
         out.close()
         self.starts += 1
+        if self.first_started is None:
+            self.first_started = time.time()
+
+    def stopped(self) -> bool:
+        """The process is stopped (SIGSTOP: state T in /proc)."""
+        if not self.alive():
+            return False
+        try:
+            stat = pathlib.Path(f"/proc/{self.popen.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rpartition(")")[2].split()[0] in ("T", "t")
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -145,6 +166,16 @@ class Swarm:
     # Per slot: (bytes of the events file already parsed, the events parsed so far). The files
     # only grow (a restarted peer appends), so each monitor tick reads just the new lines.
     _events: dict[int, tuple[int, list[dict]]] = field(default_factory=dict)
+    # The network-namespace runner (`--scenario` with shaping): peer i runs in bed.netns(i) on
+    # bed.host_ip(i), the coordinator in the root namespace on bed.root_ip. None: all on loopback.
+    bed: NetBed | None = None
+
+    def peer_host(self, i: int) -> str:
+        return self.bed.host_ip(i) if self.bed is not None else "127.0.0.1"
+
+    @property
+    def coordinator_host(self) -> str:
+        return self.bed.root_ip if self.bed is not None else "127.0.0.1"
 
     def secure(self) -> None:
         """With `opts.tls`: create the CA and certificates, the join-token secret and one token
@@ -178,13 +209,17 @@ class Swarm:
         return self.metrics_ports[name]
 
     def metrics_urls(self) -> dict[str, str]:
-        return {n: f"http://127.0.0.1:{p}/metrics" for n, p in self.metrics_ports.items()}
+        return {n: f"http://{self._metrics_host(n)}:{p}/metrics" for n, p in self.metrics_ports.items()}
+
+    def _metrics_host(self, name: str) -> str:
+        """Where process `name` serves /metrics: loopback, or its namespace's address."""
+        return self.peer_host(int(name.removeprefix("peer-"))) if name.startswith("peer-") else "127.0.0.1"
 
     def _common_args(self, name: str) -> list[str]:
         o = self.opts
         args = ["--log-level", o.log_level, "--log-format", o.log_format]
         if o.metrics:
-            args += ["--metrics-port", str(self.metrics_port(name)), "--metrics-host", "127.0.0.1"]
+            args += ["--metrics-port", str(self.metrics_port(name)), "--metrics-host", self._metrics_host(name)]
         return args
 
     @property
@@ -212,7 +247,7 @@ class Swarm:
                      "--ready-file", str(self.workdir / f"coordinator-{i}.addr"),
                      "--key", str(self.workdir / "coordinator.key")]
         else:
-            where = ["--listen", "127.0.0.1:0", "--state", str(self.workdir / "coordinator.db"),
+            where = ["--listen", f"{self.coordinator_host}:0", "--state", str(self.workdir / "coordinator.db"),
                      "--ready-file", str(self.workdir / "coordinator.addr")]
         return [sys.executable, "-m", "shoal.cli", "coordinator", *where,
                 "--rounds", str(o.rounds), "--min-peers", str(o.min_peers),
@@ -318,10 +353,25 @@ class Swarm:
         procs = self.standbys if self.replicated else [self.coordinator]
         return any(p is not None and p.popen is not None and p.popen.returncode == 0 for p in procs)
 
+    def advertised(self, i: int) -> str:
+        """Peer i's --advertise ("" = its bound address): a scenario's HOST:PORT as written,
+        "refuse" a closed port on its host, "drop" its own address (its namespace drops inbound
+        connections: `run_swarm` sets that up)."""
+        spec = self.opts.scenario.peer_spec(i).advertise if self.opts.scenario is not None else ""
+        if spec == "refuse":
+            return f"{self.peer_host(i)}:{CLOSED_PORT}"
+        if spec == "drop":
+            return f"{self.peer_host(i)}:{NETNS_PEER_PORT}"
+        return spec
+
     def peer_argv(self, i: int) -> list[str]:
-        advertise = self.opts.scenario.peer_spec(i).advertise if self.opts.scenario is not None else ""
-        return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", "127.0.0.1:0",
+        advertise = self.advertised(i)
+        # In a namespace each peer has a host of its own: a fixed port (it is known before the
+        # start, e.g. to firewall it), and no shared-memory lane (the namespaces stand for hosts).
+        listen = f"{self.peer_host(i)}:{NETNS_PEER_PORT}" if self.bed is not None else "127.0.0.1:0"
+        return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", listen,
                 *(["--advertise", advertise] if advertise else []),
+                *(["--no-shared-memory"] if self.bed is not None else []),
                 "--key", str(self.workdir / f"peer-{i}.key"), "--data-shard", str(i),
                 "--events", str(self.workdir / f"peer-{i}.jsonl"), *self._common_args(f"peer-{i}"),
                 *self.security_args("peer"), *self.opts.extra_peer_args,
@@ -331,7 +381,7 @@ class Swarm:
         while len(self.peers) <= i:
             n = len(self.peers)
             self.peers.append(_Proc(f"peer-{n}", self.peer_argv(n), self.workdir / f"peer-{n}.log",
-                                    env=self.peer_env(n)))
+                                    env=self.peer_env(n), netns=self.bed.netns(n) if self.bed is not None else None))
         self.peers[i].start()
 
     def local_work_file(self, i: int) -> pathlib.Path:
@@ -379,6 +429,16 @@ class Swarm:
 
     def all_events(self) -> list[dict]:
         return [e for i in range(len(self.peers)) for e in self.events(i)]
+
+    def key_ids(self) -> dict[str, int]:
+        """{peer id: index} of the peer slots whose key file exists (peers create it at start)."""
+        out = {}
+        for i in range(len(self.peers)):
+            path = self.workdir / f"peer-{i}.key"
+            if path.exists():
+                with contextlib.suppress(OSError, ValueError):
+                    out[peer_id_of(public_bytes(load_or_create_key(path)))] = i
+        return out
 
     def durable_counts(self) -> tuple[int, int]:
         """(rounds committed, attempts aborted) read from the coordinator's durable state."""
@@ -487,6 +547,10 @@ class ScenarioDriver:
         self.late = sorted((spec.start, i) for i, spec in enumerate(plan.peers) if spec.start > 0)
         self.done: dict[int, float] = {}  # event index -> done time (seconds after t0)
         self.fired: list[tuple[int, Event]] = []
+        # Peers whose fault may SIGSTOP them: [stopped at, resumed at (None: not yet)] per stop seen.
+        self.watch = [i for i, spec in enumerate(plan.peers) if ":stop" in spec.fault]
+        self.fault_stops: dict[int, list[list]] = {}
+        self.event_stopped: set[int] = set()  # stopped by a `stop` event (not their fault's doing)
 
     def early_peers(self) -> set[int]:
         """Peers started with the coordinator (the others start at their `start`)."""
@@ -507,6 +571,28 @@ class ScenarioDriver:
             self._act(ev)
             if ev.action != "local-work":
                 self.done[k] = time.time() - self.t0
+        self._watch_fault_stops(now)
+
+    def _watch_fault_stops(self, now: float) -> None:
+        """Note when a peer's own fault SIGSTOPs it; SIGCONT it `resume_after` seconds later."""
+        for i in self.watch:
+            if i >= len(self.swarm.peers) or i in self.event_stopped:
+                continue
+            proc, spans = self.swarm.peers[i], self.fault_stops.setdefault(i, [])
+            if spans and spans[-1][1] is None:
+                resume = self.plan.peer_spec(i).resume_after
+                if resume > 0 and now >= spans[-1][0] + resume:
+                    log.info("scenario: peer-%d stopped by its fault at %.1fs; SIGCONT at %.1fs", i, spans[-1][0], now)
+                    proc.signal(signal.SIGCONT)
+                    spans[-1][1] = now
+            elif proc.stopped():
+                spans.append([now, None])
+
+    def finish(self) -> None:
+        """Resume every peer a fault stopped (the run ends; they must be able to leave)."""
+        for i, spans in self.fault_stops.items():
+            if spans and spans[-1][1] is None:
+                self.swarm.peers[i].signal(signal.SIGCONT)
 
     def _act(self, ev: Event) -> None:
         sw = self.swarm
@@ -514,6 +600,10 @@ class ScenarioDriver:
         action = ev.action.removeprefix("coordinator-")
         if action == "local-work":
             sw.local_work_file(ev.peer).write_text(f"{ev.seconds}\n")
+        elif action == "shape":
+            if sw.bed is None:  # Scenario.needs_netns made run_swarm build the bed
+                raise RuntimeError("a shape event needs the network-namespace runner")
+            sw.bed.shape(ev.peer, ev.up_mbit, ev.down_mbit)
         elif action in ("kill", "restart"):
             proc.signal(signal.SIGKILL)
             if proc.popen is not None:
@@ -522,6 +612,8 @@ class ScenarioDriver:
                 sw.start_coordinator() if ev.peer is None else sw.start_peer(ev.peer)
         else:
             proc.signal(signal.SIGSTOP if action == "stop" else signal.SIGCONT)
+            if ev.peer is not None:
+                (self.event_stopped.add if action == "stop" else self.event_stopped.discard)(ev.peer)
 
     def report(self) -> list[dict]:
         """The summary's `events`: one entry per event that fired, in order (shoal.scenario.event_report)."""
@@ -543,6 +635,29 @@ class ScenarioDriver:
                 done = next((t for t in local_work_ends.get(ev.peer, []) if t >= ev.at), None)
             out.append(scenario_mod.event_report(ev, done, points))
         return out
+
+    def tables(self) -> dict:
+        """The summary's `per_peer`, `rounds`, `wrongful_exclusions` (a count) and
+        `wrongful_exclusion_list` (shoal.scenario: rounds_report, per_peer_report, touch_windows)."""
+        sw, n = self.swarm, self.swarm.opts.peers
+        evs = {i: sw.events(i) for i in range(len(sw.peers))}
+        with sw.state_reader() as store:
+            commits = store.recent_commits(store.count_commits())
+            aborts = store.recent_aborts(store.count_aborts())
+        ends = [scenario_mod.AttemptEnd(c.round, c.attempt, True, tuple(c.participants), (), c.seconds)
+                for c in commits]
+        ends += [scenario_mod.AttemptEnd(a.round, a.attempt, False, (), tuple(a.excluded), None, a.reason)
+                 for a in aborts]
+        ids = {**sw.key_ids(), **scenario_mod.peer_ids(evs)}
+        rows = scenario_mod.rounds_report(ends, evs, self.t0, ids)
+        starts = {i: p.first_started for i, p in enumerate(sw.peers) if p.first_started is not None}
+        observed = scenario_mod.Observed({i: [(a, b) for a, b in spans] for i, spans in self.fault_stops.items()})
+        wrong = scenario_mod.wrongful_exclusions(rows, scenario_mod.touch_windows(self.plan, n, observed))
+        return {"network": "netns" if sw.bed is not None else "loopback",
+                "per_peer": scenario_mod.per_peer_report(evs, starts, rows, n), "rounds": rows,
+                "wrongful_exclusions": len(wrong), "wrongful_exclusion_list": wrong,
+                "fault_stops": {str(i): [[round(a, 3), None if b is None else round(b, 3)] for a, b in spans]
+                                for i, spans in self.fault_stops.items()}}
 
 
 @dataclass
@@ -726,6 +841,47 @@ def _terminate(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+NETBED_PREFIX = "shls"  # namespaces and links of `shoal swarm --scenario` beds (shoal.netbed names)
+
+
+def netns_refusal(plan: Scenario) -> str:
+    """"" when `plan` can run here; else the one line saying why not (a field that needs network
+    namespaces, and what is missing)."""
+    what = plan.needs_netns
+    if not what:
+        return ""
+    ok, why = NetBed.available()
+    return "" if ok else f"{what} needs the network-namespace runner, which cannot run here: {why}"
+
+
+@contextlib.contextmanager
+def _netbed(opts: SwarmOptions):
+    """The bed of a scenario with shaping: one namespace per peer, shaped as its [[peer]] table
+    says (more --peers than tables: unshaped hosts), firewalls for `advertise = "drop"`. Beds
+    that killed runs left behind are removed first; this one is gone when the block exits,
+    however it exits."""
+    plan = opts.scenario
+    assert plan is not None
+    why = netns_refusal(plan)
+    if why:
+        raise RuntimeError(why)
+    cleanup_stale(NETBED_PREFIX)
+    specs = [plan.peer_spec(i) for i in range(opts.peers)]
+    with NetBed(opts.peers, [s.up_mbit for s in specs], [s.down_mbit for s in specs], prefix=NETBED_PREFIX) as bed:
+        for i, s in enumerate(specs):
+            if s.advertise == "drop":
+                bed.drop_inbound(i, NETNS_PEER_PORT)
+        log.info("network namespaces: coordinator on %s, peers on %s", bed.root_ip,
+                 ", ".join(f"{bed.host_ip(i)} ({_rates(s)})" for i, s in enumerate(specs)))
+        yield bed
+
+
+def _rates(spec) -> str:
+    def r(v):
+        return "-" if v is None else f"{v:g}"
+    return f"up {r(spec.up_mbit)} / down {r(spec.down_mbit)} Mbit/s"
+
+
 def run_swarm(opts: SwarmOptions) -> dict:
     """Run a local swarm to completion; returns the summary (with "ok") and writes it if asked."""
     from shoal.peer.training import baseline_accuracy
@@ -741,6 +897,8 @@ def run_swarm(opts: SwarmOptions) -> dict:
         else:
             wd = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shoal-swarm-")))
         swarm = Swarm(opts, wd)
+        if opts.scenario is not None and opts.scenario.needs_netns:
+            swarm.bed = stack.enter_context(_netbed(opts))  # closed after the processes stop (LIFO)
         stack.callback(swarm.stop_all)
         bar = _progress(opts)
         if bar is not None:
@@ -802,6 +960,8 @@ def run_swarm(opts: SwarmOptions) -> dict:
         finally:
             if chaos is not None:
                 chaos.finish()
+            if driver is not None:
+                driver.finish()
             swarm.stop_all(state_too=False)  # etcd, if any, stays for the summary
         wall = time.monotonic() - t0
         steps = opts.peers * opts.rounds * opts.inner_steps
@@ -815,6 +975,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
             summary["metrics"] = swarm.metrics_urls()
         if driver is not None:
             summary["events"] = driver.report()
+            summary.update(driver.tables())
         if opts.plot_path:
             from shoal.plots import plot_rounds
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
 
 from shoal import scenario
-from shoal.scenario import CommitPoint, Event, ScenarioError
+from shoal.scenario import AttemptEnd, CommitPoint, Event, Observed, PeerSpec, Scenario, ScenarioError
 
 
 def test_parse_sorts_events_and_fills_plain_peers():
@@ -27,9 +28,15 @@ def test_parse_sorts_events_and_fills_plain_peers():
     ({"event": [{"at": 1, "action": "coordinator-kill", "peer": 1}]}, "event[0].peer"),
     ({"event": [{"at": -1, "action": "kill", "peer": 1}]}, "event[0].at"),
     ({"event": [{"at": 1, "action": "local-work", "peer": 1}]}, "event[0].seconds"),
-    ({"event": [{"at": 1, "action": "shape", "peer": 1}]}, "event[0].action"),
+    ({"event": [{"at": 1, "action": "shape"}]}, "event[0].peer"),
+    ({"event": [{"at": 1, "action": "shape", "peer": 1, "up_mbit": 0}]}, "event[0].up_mbit"),
+    ({"event": [{"at": 1, "action": "kill", "peer": 1, "down_mbit": 5}]}, "event[0].down_mbit"),
     ({"event": [{"at": 1, "action": "kill", "peer": 1, "when": 2}]}, "event[0].when"),
-    ({"peer": [{"up_mbit": 20}]}, "peer[0].up_mbit"),
+    ({"peer": [{"up_mbit": -20}]}, "peer[0].up_mbit"),
+    ({"peer": [{"down_mbit": "fast"}]}, "peer[0].down_mbit"),
+    ({"peer": [{"advertise": "nowhere"}]}, "peer[0].advertise"),
+    ({"peer": [{"nat": True}]}, "peer[0].nat"),
+    ({"peer": [{"resume_after": -1}]}, "peer[0].resume_after"),
     ({"peer": [{"start": "soon"}]}, "peer[0].start"),
     ({"peer": [{}] * 5}, "peer"),
     ({"peers": []}, "unknown table"),
@@ -66,3 +73,86 @@ def test_event_report_for_a_local_work():
     assert rep["done_after_start_seconds"] == 100.05 and rep["seconds"] == 90.0
     never = scenario.event_report(ev, None, commits)
     assert never["peer_next_commit_seconds"] is None and never["max_commit_gap_seconds_30s"] is None
+
+
+# ------------------------------------------------------------------ shaping and the run's tables
+
+
+def test_shaping_is_parsed_and_says_it_needs_namespaces():
+    s = scenario.parse({"peer": [{"up_mbit": 20, "down_mbit": 4}, {"advertise": "refuse"}],
+                        "event": [{"at": 25, "action": "shape", "peer": 3, "up_mbit": 10}]}, 4)
+    assert s.peer_spec(0).up_mbit == 20.0 and s.peer_spec(0).down_mbit == 4.0 and s.peer_spec(0).shaped
+    assert s.events[0] == Event(25.0, "shape", 3, 0.0, 10.0, None)  # omitted rate = unshaped
+    assert s.needs_netns == "peer[0].up_mbit"
+    assert scenario.parse({"peer": [{"advertise": "drop"}]}, 2).needs_netns == "peer[0].advertise"
+    assert "shape event at 3s" in scenario.parse({"event": [{"at": 3, "action": "shape", "peer": 0}]}, 2).needs_netns
+    # Without shaping (and without "drop") it runs on loopback as before.
+    assert scenario.parse({"peer": [{"fault": "rs:stop@4", "advertise": "refuse"}],
+                           "event": [{"at": 1, "action": "coordinator-stop"}]}, 4).needs_netns == ""
+
+
+def _ev(kind, t, rnd, att, **kw):
+    return {"event": kind, "t": t, "round": rnd, "attempt": att, **kw}
+
+
+def test_rounds_report_maps_ids_times_and_plans():
+    ids = {"a": 0, "b": 1, "c": 2}
+    t0 = 1000.0
+    events = {
+        0: [_ev("plan", 1001.0, 0, 1000, collective="ring", participants=["a", "b", "c"], demoted=["c"],
+                predicted_seconds=0.5),
+            _ev("abort", 1003.5, 0, 1000), _ev("plan", 1004.0, 0, 1001, collective="butterfly",
+                                                participants=["a", "b"], demoted=[], predicted_seconds=0.4),
+            _ev("commit", 1004.6, 0, 1001)],
+        1: [_ev("plan", 1001.2, 0, 1000, collective="ring", participants=["a", "b", "c"], demoted=["c"],
+                predicted_seconds=0.5), _ev("abort", 1003.2, 0, 1000)],
+    }
+    ends = [AttemptEnd(0, 1001, True, ("a", "b"), (), 0.55),
+            AttemptEnd(0, 1000, False, (), ("c",), None, "peer failed: no chunk from c within 2.0s")]
+    rows = scenario.rounds_report(ends, events, t0, ids)
+    assert [(r["round"], r["attempt"], r["status"]) for r in rows] == [(0, 0, "aborted"), (0, 1, "committed")]
+    abort, commit = rows
+    assert abort["participants"] == [0, 1, 2] and abort["excluded"] == [2] and abort["demoted"] == [2]
+    assert abort["collective_algorithm"] == "ring" and abort["predicted_seconds"] == 0.5
+    assert abort["seconds"] == pytest.approx(3.2 - 1.0)  # first plan received -> first abort heard
+    assert abort["at_seconds"] == pytest.approx(3.2)
+    assert commit["seconds"] == 0.55 and commit["participants"] == [0, 1] and commit["collective_algorithm"] == "butterfly"
+    # An attempt no peer recorded the plan of still gets a row, with what the coordinator knows.
+    bare = scenario.rounds_report([AttemptEnd(1, 0, False, (), ("zz",))], {}, t0, ids)[0]
+    assert bare["collective_algorithm"] is None and bare["seconds"] is None and bare["excluded"] == [-1]
+
+
+def test_per_peer_report():
+    events = {0: [_ev("commit", 110.0, 0, 0), _ev("commit", 111.0, 1, 0), _ev("commit", 111.5, 1, 0)],
+              1: [{"event": "state_sync", "t": 130.0, "seconds": 20.5, "bytes": 9_800_000, "round": 3},
+                  _ev("commit", 131.0, 3, 0)]}
+    rows = [{"excluded": [1]}, {"excluded": [1, 2]}, {"excluded": []}]
+    pp = scenario.per_peer_report(events, {0: 100.0, 1: 108.0}, rows, 3)
+    assert pp[0]["rounds_committed"] == 2 and pp[0]["first_commit_after_start_seconds"] == 10.0
+    assert pp[1]["first_commit_after_start_seconds"] == 23.0 and pp[1]["state_syncs"] == 1
+    assert pp[1]["first_state_sync_seconds"] == 20.5 and pp[1]["first_state_sync_bytes"] == 9_800_000
+    assert [p["times_excluded"] for p in pp] == [0, 2, 1]
+    assert pp[2]["rounds_committed"] == 0 and pp[2]["first_commit_after_start_seconds"] is None
+
+
+def test_touch_windows_follow_faults_and_events():
+    plan = Scenario(
+        peers=(PeerSpec(fault="rs:stop@4"), PeerSpec(advertise="drop"), PeerSpec(fault="ag:kill@2"), PeerSpec()),
+        events=(Event(10.0, "stop", 3), Event(15.0, "cont", 3), Event(20.0, "coordinator-stop"),
+                Event(30.0, "shape", 3, up_mbit=10.0), Event(50.0, "kill", 3)))
+    w = scenario.touch_windows(plan, 5, Observed({0: [(12.0, 32.0), (60.0, None)]}), grace=10.0)
+    assert w[0] == [(12.0, 42.0), (60.0, math.inf)]  # a stop fault: from the stop seen to resume + grace
+    assert w[1] == [(0.0, math.inf)] and w[2] == [(0.0, math.inf)]  # unreachable / other faults: whole run
+    assert w[3] == [(10.0, 25.0), (30.0, 40.0), (50.0, math.inf)]  # stop..cont+grace, shape, kill never restarted
+    assert w[4] == []  # the coordinator's stall touches no peer
+
+
+def test_wrongful_exclusions_count_only_untouched_peers():
+    windows = {0: [(12.0, 42.0)], 1: [], 2: [(0.0, math.inf)]}
+    rows = [{"round": 4, "attempt": 0, "excluded": [1], "at_seconds": 14.0},   # healthy peer: wrongful
+            {"round": 4, "attempt": 1, "excluded": [0], "at_seconds": 16.0},   # the stalled one: right
+            {"round": 9, "attempt": 0, "excluded": [0], "at_seconds": 50.0},   # after its window: wrongful
+            {"round": 9, "attempt": 1, "excluded": [2, 1], "at_seconds": None}]  # no time: untouched only
+    wrong = scenario.wrongful_exclusions(rows, windows)
+    assert [(x["round"], x["attempt"], x["peer"]) for x in wrong] == [(4, 0, 1), (9, 0, 0), (9, 1, 1)]
+    assert scenario.wrongful_exclusions([], windows) == []
