@@ -31,8 +31,9 @@ e.g. "event[1].peer: 7 is not a peer index (0..3)") and turns what happened into
 from __future__ import annotations
 
 import math
+import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,21 +237,31 @@ def max_commit_gap(commit_times: Sequence[float], start: float, window: float = 
     return max(gaps) if gaps else None
 
 
-def event_report(event: Event, done_at: float | None, commits: Sequence[CommitPoint]) -> dict:
+def event_report(event: Event, done_at: float | None, commits: Sequence[CommitPoint], num_peers: int = 0) -> dict:
     """The summary's entry for one scenario event.
 
     done_at: when the action finished (seconds after the coordinator started; e.g. the end of a
     local work, the restart of a killed peer), None if it never did. peer_next_commit_seconds:
     from done_at to the first later commit the peer took part in. max_commit_gap_seconds_30s:
-    `max_commit_gap` over every commit in the GAP_WINDOW_SECONDS after done_at.
+    `max_commit_gap` over every commit in the GAP_WINDOW_SECONDS after done_at. For the
+    coordinator's actions, peers_next_commit_seconds: the same per peer index (0..num_peers-1;
+    None for a peer with no later commit).
     """
     out: dict = {"at": event.at, "action": event.action, "peer": event.peer,
                  "done_after_start_seconds": None if done_at is None else round(done_at, 3),
                  "peer_next_commit_seconds": None, "max_commit_gap_seconds_30s": None}
     if event.action == "local-work":
         out["seconds"] = event.seconds
+    if event.action == "shape":
+        out["up_mbit"], out["down_mbit"] = event.up_mbit, event.down_mbit
+    if event.peer is None:
+        out["peers_next_commit_seconds"] = [None] * num_peers
     if done_at is None:
         return out
+    if event.peer is None:
+        for i in range(num_peers):
+            mine = [c.t for c in commits if c.t >= done_at and i in c.participants]
+            out["peers_next_commit_seconds"][i] = round(min(mine) - done_at, 3) if mine else None
     if event.peer is not None:
         mine = [c.t for c in commits if c.t >= done_at and event.peer in c.participants]
         out["peer_next_commit_seconds"] = round(min(mine) - done_at, 3) if mine else None
@@ -353,12 +364,13 @@ def rounds_report(ends: Sequence[AttemptEnd], events_by_peer: Mapping[int, Seque
 
 
 def per_peer_report(events_by_peer: Mapping[int, Sequence[dict]], starts: Mapping[int, float], rows: Sequence[dict],
-                    num_peers: int) -> list[dict]:
+                    num_peers: int, joins: Sequence[int] | None = None) -> list[dict]:
     """The summary's `per_peer`, by index. starts: wall time each peer slot's first process
     started (absent: never started). rounds_committed: distinct rounds the peer recorded a commit
     of; first_commit_after_start_seconds: from its start to its first commit (None: none);
     state_syncs: completed downloads; first_state_sync_seconds / _bytes: the first download's time
-    and size; times_excluded: attempts whose abort excluded it (`rows`, from rounds_report)."""
+    and size; times_excluded: attempts whose abort excluded it (`rows`, from rounds_report);
+    joins: from `joins_from_log` (None when unknown)."""
     out = []
     for i in range(num_peers):
         evs = events_by_peer.get(i, ())
@@ -374,8 +386,28 @@ def per_peer_report(events_by_peer: Mapping[int, Sequence[dict]], starts: Mappin
             "first_state_sync_seconds": round(syncs[0]["seconds"], 3) if syncs else None,
             "first_state_sync_bytes": syncs[0]["bytes"] if syncs else None,
             "times_excluded": sum(1 for r in rows if i in r["excluded"]),
+            "joins": joins[i] if joins is not None else None,
         })
     return out
+
+
+_JOINED = re.compile(r"peer ([0-9a-f]{8}) joined from")
+
+
+def joins_from_log(lines: Iterable[str], ids: Mapping[str, int], num_peers: int) -> list[int] | None:
+    """Joins per peer index, counted from the coordinator's log lines "peer <id8> joined from"
+    (a join after the first is an eviction or a restart). None when the log holds no join line
+    at all (a coordinator logging above INFO)."""
+    by_prefix = {pid[:8]: i for pid, i in ids.items()}
+    counts, seen = [0] * num_peers, False
+    for line in lines:
+        m = _JOINED.search(line)
+        if m:
+            seen = True
+            i = by_prefix.get(m.group(1))
+            if i is not None and i < num_peers:
+                counts[i] += 1
+    return counts if seen else None
 
 
 def _stop_faults_only(fault: str) -> bool:

@@ -430,6 +430,14 @@ class Swarm:
     def all_events(self) -> list[dict]:
         return [e for i in range(len(self.peers)) for e in self.events(i)]
 
+    def coordinator_joins(self, ids: dict[str, int]) -> list[int] | None:
+        """Joins per peer index from the coordinator logs (shoal.scenario.joins_from_log)."""
+        lines: list[str] = []
+        for proc in self.standbys if self.replicated else [self.coordinator]:
+            if proc is not None and proc.log_path.exists():
+                lines += proc.log_path.read_text(errors="replace").splitlines()
+        return scenario_mod.joins_from_log(lines, ids, self.opts.peers)
+
     def key_ids(self) -> dict[str, int]:
         """{peer id: index} of the peer slots whose key file exists (peers create it at start)."""
         out = {}
@@ -633,7 +641,7 @@ class ScenarioDriver:
             done = self.done.get(k)
             if ev.action == "local-work":
                 done = next((t for t in local_work_ends.get(ev.peer, []) if t >= ev.at), None)
-            out.append(scenario_mod.event_report(ev, done, points))
+            out.append(scenario_mod.event_report(ev, done, points, self.swarm.opts.peers))
         return out
 
     def tables(self) -> dict:
@@ -654,7 +662,7 @@ class ScenarioDriver:
         observed = scenario_mod.Observed({i: [(a, b) for a, b in spans] for i, spans in self.fault_stops.items()})
         wrong = scenario_mod.wrongful_exclusions(rows, scenario_mod.touch_windows(self.plan, n, observed))
         return {"network": "netns" if sw.bed is not None else "loopback",
-                "per_peer": scenario_mod.per_peer_report(evs, starts, rows, n), "rounds": rows,
+                "per_peer": scenario_mod.per_peer_report(evs, starts, rows, n, sw.coordinator_joins(ids)), "rounds": rows,
                 "wrongful_exclusions": len(wrong), "wrongful_exclusion_list": wrong,
                 "fault_stops": {str(i): [[round(a, 3), None if b is None else round(b, 3)] for a, b in spans]
                                 for i, spans in self.fault_stops.items()}}

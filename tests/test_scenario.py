@@ -156,3 +156,16 @@ def test_wrongful_exclusions_count_only_untouched_peers():
     wrong = scenario.wrongful_exclusions(rows, windows)
     assert [(x["round"], x["attempt"], x["peer"]) for x in wrong] == [(4, 0, 1), (9, 0, 0), (9, 1, 1)]
     assert scenario.wrongful_exclusions([], windows) == []
+
+
+def test_joins_from_the_coordinator_log_and_next_commits_after_a_coordinator_event():
+    ids = {"aaaaaaaa" + "0" * 24: 0, "bbbbbbbb" + "0" * 24: 1}
+    lines = ["12:00:01 INFO shoal.coordinator.server: peer aaaaaaaa joined from 10.0.0.1:7000",
+             "12:00:01 INFO shoal.coordinator.server: peer bbbbbbbb joined from 10.0.0.2:7000",
+             "12:00:31 INFO shoal.coordinator.server: peer aaaaaaaa joined from 10.0.0.1:7000 (token x)",
+             "12:00:31 INFO shoal.coordinator.server: peer cccccccc joined from 10.0.0.9:7000"]
+    assert scenario.joins_from_log(lines, ids, 3) == [2, 1, 0]
+    assert scenario.joins_from_log(["12:00:00 WARNING something else"], ids, 2) is None
+    commits = [CommitPoint(41.0, 9, frozenset({0, 1})), CommitPoint(45.0, 10, frozenset({0, 1, 2}))]
+    rep = scenario.event_report(Event(40.0, "coordinator-cont"), 40.0, commits, num_peers=4)
+    assert rep["peers_next_commit_seconds"] == [1.0, 1.0, 5.0, None]
