@@ -169,3 +169,13 @@ def test_joins_from_the_coordinator_log_and_next_commits_after_a_coordinator_eve
     commits = [CommitPoint(41.0, 9, frozenset({0, 1})), CommitPoint(45.0, 10, frozenset({0, 1, 2}))]
     rep = scenario.event_report(Event(40.0, "coordinator-cont"), 40.0, commits, num_peers=4)
     assert rep["peers_next_commit_seconds"] == [1.0, 1.0, 5.0, None]
+
+
+def test_shaping_without_namespaces_is_refused_in_one_line(monkeypatch):
+    from shoal import swarm
+
+    monkeypatch.setattr(swarm.NetBed, "available", staticmethod(lambda: (False, "NetBed needs root")))
+    shaped = scenario.parse({"peer": [{"up_mbit": 20}]}, 3)
+    why = swarm.netns_refusal(shaped)
+    assert why.startswith("peer[0].up_mbit needs the network-namespace runner") and "root" in why and "\n" not in why
+    assert swarm.netns_refusal(scenario.parse({"peer": [{"fault": "rs:stop@4"}]}, 3)) == ""  # loopback as before
