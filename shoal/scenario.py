@@ -7,7 +7,8 @@ A scenario is a TOML file (examples in examples/scenarios/, schema in docs/fault
     down_mbit = 20        # download shaping in Mbit/s; omit = unshaped
     start = 0.0           # seconds after the coordinator starts; > 0 = a late joiner
     fault = ""            # SHOAL_FAULT for this peer (shoal.peer.faults), e.g. "rs:stop@4"
-    resume_after = 20.0   # a peer its fault SIGSTOPped is sent SIGCONT this long after (0 = never)
+    resume_after = 8.0    # a peer its fault SIGSTOPped gets SIGCONT this long after (0 = never; all are
+                          # resumed once the last round committed, so that they can leave)
     advertise = ""        # override the advertised data-plane address: "HOST:PORT", "refuse" (a
                           # closed port) or "drop" (its real address behind a firewall that drops)
 
@@ -44,7 +45,7 @@ COORDINATOR_ACTIONS = ("coordinator-kill", "coordinator-restart", "coordinator-s
 ACTIONS = PEER_ACTIONS + COORDINATOR_ACTIONS
 GAP_WINDOW_SECONDS = 30.0  # max_commit_gap_seconds_30s looks this far past an action's end
 TOUCH_GRACE_SECONDS = 10.0  # a peer stays "touched" this long after what touched it ended (wrongful_exclusions)
-RESUME_AFTER_SECONDS = 20.0  # default `resume_after`
+RESUME_AFTER_SECONDS = 8.0  # default `resume_after`: a stall shorter than the default 10 s lease
 ADVERTISE_SPECIAL = ("drop", "refuse")
 
 

@@ -565,8 +565,13 @@ class ScenarioDriver:
         late = {i for _, i in self.late}
         return {i for i in range(self.swarm.opts.peers) if i not in late}
 
-    def tick(self) -> None:
+    def tick(self, committed: int = 0) -> None:
+        """One step of the monitor loop; `committed`: rounds committed so far (at the last one,
+        peers their fault stopped are resumed at once, so that they can learn the run is over
+        and leave while the coordinator still waits for them)."""
         now = time.time() - self.t0
+        if committed >= self.swarm.opts.rounds:
+            self.finish(now)
         while self.late and self.late[0][0] <= now:
             _, i = self.late.pop(0)
             log.info("scenario: peer-%d joins at %.1fs", i, now)
@@ -596,11 +601,12 @@ class ScenarioDriver:
             elif proc.stopped():
                 spans.append([now, None])
 
-    def finish(self) -> None:
+    def finish(self, now: float | None = None) -> None:
         """Resume every peer a fault stopped (the run ends; they must be able to leave)."""
         for i, spans in self.fault_stops.items():
             if spans and spans[-1][1] is None:
                 self.swarm.peers[i].signal(signal.SIGCONT)
+                spans[-1][1] = time.time() - self.t0 if now is None else now
 
     def _act(self, ev: Event) -> None:
         sw = self.swarm
@@ -944,7 +950,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
                 if chaos is not None:
                     chaos.tick(top)
                 if driver is not None:
-                    driver.tick()
+                    driver.tick(top)
                 if bar is not None and top > shown:
                     last = max((e for e in commits if e["round"] == top - 1), key=lambda e: e["t"])
                     now = time.monotonic()
