@@ -417,8 +417,9 @@ class SwarmSection:
     attack: str = setting("", "what the Byzantine peers send (owner: honest updates, corrupted owned aggregates)",
                           choices=("", "sign-flip", "scale", "nan", "random", "owner"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
-    scenario: str | None = setting(None, "TOML scenario: late joiners, faults, timed events such as a peer's long local "
-                                         "work (examples/scenarios/, docs/fault-tolerance.md); the summary gains events")
+    scenario: str | None = setting(None, "TOML scenario: late joiners, faults, timed events, shaped links (in network "
+                                         "namespaces, root) (examples/scenarios/, docs/fault-tolerance.md); the summary "
+                                         "gains events, per_peer, rounds, wrongful_exclusions")
     tls: bool = setting(False, "secure swarm: mutual TLS on both planes (certificates made in the workdir) and "
                                "admission by join token; without it the swarm runs plaintext (--insecure)")
 
