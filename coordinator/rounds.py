@@ -426,6 +426,7 @@ class RoundEngine:
         self.config = config
         self.policy = config.plan_policy()
         self.members: dict[str, Member] = {}
+        self.unreachable: set[str] = set()  # members whose address failed the dial-back (Member.reachable)
         for m in members or []:
             # A restarted coordinator (or a standby taking over) gives every known member a fresh
             # lease to reconnect, and counts its stream as open until it is seen closed: the first
@@ -538,6 +539,10 @@ class RoundEngine:
         m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
                    connected=connected or (old.connected if old is not None else False), reachable=reachable)
         self.members[peer_id] = m
+        if reachable is False:
+            self.unreachable.add(peer_id)
+        else:
+            self.unreachable.discard(peer_id)
         # A restarted peer's previous stream/participation is void.
         self.ready.pop(peer_id, None)
         self._refresh(peer_id)
@@ -560,6 +565,7 @@ class RoundEngine:
         m = self.members.get(peer_id)
         if m is None or m.lease_expiry <= now:
             self.members.pop(peer_id, None)
+            self.unreachable.discard(peer_id)
             self.ready.pop(peer_id, None)
             self._refresh(peer_id)
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
@@ -784,6 +790,7 @@ class RoundEngine:
         actions: list[Action] = []
         for p in gone:
             del self.members[p]
+            self.unreachable.discard(p)
             self.ready.pop(p, None)
             self._refresh(p)
             actions.append(ForgetMember(p))
@@ -874,11 +881,13 @@ class RoundEngine:
         return _Draw(None, left_out=missing)  # nobody left to draw: back to waiting for a full pool
 
     def _quorum(self) -> int:
-        """Fewest ready peers a round opens with: min_peers, initial_peers for round 0, and at
+        """Fewest ready peers a round opens with: min_peers, initial_peers (less the unreachable
+        members) for round 0, and at
         least the cohort size (a cohort is drawn from the ready peers, never smaller than K)."""
         quorum = max(1, self.config.min_peers, self.config.cohort_size)
         if self.committed_rounds == 0 and self.tries == 0:
-            quorum = max(quorum, self.config.initial_peers)
+            # A peer nobody can dial never takes part: round 0 does not wait for it.
+            quorum = max(quorum, self.config.initial_peers - len(self.unreachable))
         return quorum
 
     @staticmethod

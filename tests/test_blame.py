@@ -150,3 +150,21 @@ def test_an_unreachable_member_is_placed_in_no_round_and_is_no_donor():
     assert "d" not in plan.plan.participants
     assert e.waiting(0.3).peers and "d" not in e.waiting(0.3).peers
     assert "d" not in e.donors(0.3)
+
+
+def test_round_zero_does_not_wait_for_an_unreachable_initial_peer():
+    e = RoundEngine(EngineConfig(min_peers=2, initial_peers=4, ready_timeout=5.0))
+    for p in ABCD:
+        e.join(p, KEY, f"127.0.0.1:{1000 + ord(p)}", 1, 0.0, reachable=p != "d")
+        e.connected(p, 0.0)
+    e.ready_("d", 0, ReadyInfo(100, 1, 1, b"", 0, 0.0), 0.1)
+    acts = [a for p in "abc" for a in e.ready_(p, 0, ReadyInfo(100, 1, 1, b"", 0, 0.0), 0.1)]
+    (plan,) = [a for a in acts if isinstance(a, SendPlan)]
+    assert set(plan.plan.participants) == {"a", "b", "c"}
+    # The same peer from an address that answers counts again.
+    e2 = RoundEngine(EngineConfig(min_peers=2, initial_peers=4, ready_timeout=5.0))
+    for p in ABCD:
+        e2.join(p, KEY, f"127.0.0.1:{1000 + ord(p)}", 1, 0.0, reachable=False)
+        e2.join(p, KEY, f"127.0.0.1:{2000 + ord(p)}", 1, 0.0, reachable=True)
+        e2.connected(p, 0.0)
+    assert not e2.unreachable
