@@ -388,6 +388,7 @@ class _Running:
     started: float
     votes: dict[str, Vote] = field(default_factory=dict)
     blame_at: float | None = None  # a failed vote accused others: decide whom to exclude by then
+    voted_at: dict[str, float] = field(default_factory=dict)  # when each vote arrived (blame's order)
 
 
 @dataclass(frozen=True)
@@ -710,6 +711,7 @@ class RoundEngine:
                              f"peer_id: {peer_id[:8]} is not a participant of round {round_}.{attempt}")
         v = Vote(ok, result_digest, state_digest, loss, suspects, flagged, error, audit)
         run.votes[peer_id] = v
+        run.voted_at[peer_id] = now
         if not v.ok:
             accused = self._audited_owner(run.plan, peer_id, v.suspects) if v.audit else None
             if accused is not None:
@@ -760,7 +762,8 @@ class RoundEngine:
         stale = [p for p in run.plan.participants
                  if p in self.members and self.members[p].lease_expiry - self.config.lease_seconds < renewed_by]
         unreachable = [p for p in run.plan.participants if p in self.members and self.members[p].reachable is False]
-        blamed = blame(run.plan.participants, accusations, stale=stale, unreachable=unreachable)
+        blamed = blame(run.plan.participants, accusations, voted_at=run.voted_at, stale=stale,
+                       unreachable=unreachable)
         failed = [(p, v) for p, v in run.votes.items() if not v.ok]
         first, vote = failed[0]
         silent = [p for p in run.plan.participants if p not in run.votes]

@@ -168,3 +168,26 @@ def test_round_zero_does_not_wait_for_an_unreachable_initial_peer():
         e2.join(p, KEY, f"127.0.0.1:{2000 + ord(p)}", 1, 0.0, reachable=True)
         e2.connected(p, 0.0)
     assert not e2.unreachable
+
+
+def test_a_short_stall_in_a_ring_blames_the_stalled_peer_not_the_chain_behind_it():
+    # Seen on a loaded machine: peer 2 stopped ~2 s in the all-gather of a ring 0 <- 3 <- 1 <- 2,
+    # resumed within the window and voted last, accusing peer 1 (which had given up already).
+    votes = {"p1": ("p2",), "p3": ("p1",), "p0": ("p3",), "p2": ("p1",)}
+    at = {"p1": 1.0, "p3": 1.1, "p0": 1.2, "p2": 3.5}
+    assert blame(("p0", "p1", "p2", "p3"), votes, voted_at=at) == ("p2",)
+    assert blame(("p0", "p1", "p2", "p3"), votes) != ("p2",)  # by counts alone, peer 1 would pay
+
+
+def test_a_waiting_owner_is_excused_by_its_own_earlier_accusation():
+    # Butterfly: a waited for owner b's shard, b waited for d's rows; d resumed and voted last.
+    votes = {"a": ("b",), "b": ("d",), "c": ("d",), "d": ("a", "b")}
+    at = {"a": 1.0, "b": 1.05, "c": 1.1, "d": 2.9}
+    assert blame(ABCD, votes, voted_at=at) == ("d",)
+
+
+def test_a_cut_off_peer_is_blamed_whatever_the_order_of_votes():
+    votes = {"a": ("d",), "b": ("d",), "c": ("d",), "d": ("a", "b", "c")}
+    for order in (("d", "a", "b", "c"), ("a", "d", "b", "c"), ("a", "b", "c", "d")):
+        at = {p: float(i) for i, p in enumerate(order)}
+        assert blame(ABCD, votes, voted_at=at) == ("d",), order
