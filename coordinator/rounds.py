@@ -29,7 +29,12 @@ Protocol summary:
 - The round commits when every participant voted ok with the same result and state digests.
   Any failed vote, a digest disagreement or the collective deadline aborts the attempt; the
   blamed peers are excluded and the survivors retry (same inputs) after a backoff, up to
-  `max_attempts` attempts.
+  `max_attempts` attempts. A failed vote that accuses other peers does not abort at once: the
+  engine waits (the blame window) for the other participants' votes and excludes whom
+  `coordinator.blame.blame` names from all of them (the silent ones first).
+- Time is the coordinator's own: the server passes a clock that stops while the coordinator
+  does not run (`coordinator.pauses.RunClock`), and after a detected pause `resumed` gives
+  every member a grace period to renew its lease.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from shoal.common.plan import Plan, auditor_positions
+from shoal.coordinator.blame import blame
 from shoal.coordinator.cohorts import Cohort, draw_cohort
 from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round
 
@@ -61,6 +67,9 @@ class EngineConfig:
     chunk_timeout: floor of the per-chunk deadline; the plan's deadline is
         max(chunk_timeout, chunk_safety * chunk_bytes / slowest measured link + 2 * max RTT).
     max_attempts: attempts of one round (first try + retries) before it is given up.
+    blame_window: after a failed vote that accuses other peers, wait this long (at least twice
+        the plan's chunk deadline) for the other participants' votes before deciding whom to
+        exclude (`coordinator.blame`); healthy peers vote within a chunk deadline of a failure.
     retry_backoff: delay before retry k is planned is retry_backoff * 2**(k-1).
     total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
     history_window: committed rounds (and aborted attempts) kept in memory; the store keeps all
@@ -82,6 +91,7 @@ class EngineConfig:
     chunk_timeout: float = 2.0
     chunk_safety: float = 4.0
     max_attempts: int = 5
+    blame_window: float = 3.0
     retry_backoff: float = 0.05
     total_rounds: int = 0
     history_window: int = 100
@@ -187,6 +197,9 @@ class Member:
     # A later out-of-date Ready holding no newer state shows no progress (a backlog of old
     # messages, a peer still busy elsewhere): it gets the sync order again, nothing else.
     stale_state_round: int | None = None
+    # Whether its advertised data address answered the coordinator's dial-back (None: not
+    # checked). A peer nobody can dial is never placed in a round (others would have to dial it).
+    reachable: bool | None = None
 
     def link(self) -> LinkSpec:
         """Its reported links, as the planner reads them."""
@@ -374,6 +387,8 @@ class _Running:
     plan: Plan
     started: float
     votes: dict[str, Vote] = field(default_factory=dict)
+    blame_at: float | None = None  # a failed vote accused others: decide whom to exclude by then
+    voted_at: dict[str, float] = field(default_factory=dict)  # when each vote arrived (blame's order)
 
 
 @dataclass(frozen=True)
@@ -412,6 +427,7 @@ class RoundEngine:
         self.config = config
         self.policy = config.plan_policy()
         self.members: dict[str, Member] = {}
+        self.unreachable: set[str] = set()  # members whose address failed the dial-back (Member.reachable)
         for m in members or []:
             # A restarted coordinator (or a standby taking over) gives every known member a fresh
             # lease to reconnect, and counts its stream as open until it is seen closed: the first
@@ -483,7 +499,8 @@ class RoundEngine:
         # A participant that joined again from another address since is a new process: it no
         # longer holds the committed state (its state is no longer a member's).
         alive = sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now
-                       and self.members[p].connected and self.members[p].state.is_member)
+                       and self.members[p].connected and self.members[p].state.is_member
+                       and self.members[p].reachable is not False)
         if not alive:
             return ()
         k = self._donor_rotation % len(alive)
@@ -508,15 +525,25 @@ class RoundEngine:
     # ------------------------------------------------------------ membership
 
     def join(self, peer_id: str, public_key: bytes, address: str, num_samples: int, now: float,
-             up: float = 0.0, down: float = 0.0) -> list[Action]:
-        """Admit (or re-admit, same identity) a peer with a fresh lease; pending until a boundary."""
+             up: float = 0.0, down: float = 0.0, *, reachable: bool | None = None,
+             connected: bool = False) -> list[Action]:
+        """Admit (or re-admit, same identity) a peer with a fresh lease; pending until a boundary.
+
+        reachable: the outcome of the coordinator's dial-back of `address` (None: not checked);
+        a peer that is not reachable keeps its lease but is placed in no round and is no donor.
+        connected: its round-event stream is open (it stayed open across this rejoin).
+        """
         old = self.members.get(peer_id)
         state = MemberState.SYNCING if self.commits else MemberState.PENDING
         if old is not None and old.state.is_member and old.address == address:
             state = MemberState.MEMBER
         m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
-                   connected=old.connected if old is not None else False)
+                   connected=connected or (old.connected if old is not None else False), reachable=reachable)
         self.members[peer_id] = m
+        if reachable is False:
+            self.unreachable.add(peer_id)
+        else:
+            self.unreachable.discard(peer_id)
         # A restarted peer's previous stream/participation is void.
         self.ready.pop(peer_id, None)
         self._refresh(peer_id)
@@ -525,10 +552,21 @@ class RoundEngine:
             actions += self._abort(now, f"participant {peer_id[:8]} restarted", (peer_id,))
         return actions
 
+    def resumed(self, now: float, paused: float) -> list[Action]:
+        """The coordinator did not run for `paused` seconds (detected by its clock, which left
+        them out): every member gets a full lease from `now` to renew, since its heartbeats went
+        unanswered through no fault of its own. Nothing is evicted for the pause."""
+        for m in self.members.values():
+            m.lease_expiry = max(m.lease_expiry, now + self.config.lease_seconds)
+        log.warning("the coordinator did not run for %.1f s (paused or starved); %d members get %.0f s to renew "
+                    "their leases", paused, len(self.members), self.config.lease_seconds)
+        return []
+
     def heartbeat(self, peer_id: str, now: float) -> Member:
         m = self.members.get(peer_id)
         if m is None or m.lease_expiry <= now:
             self.members.pop(peer_id, None)
+            self.unreachable.discard(peer_id)
             self.ready.pop(peer_id, None)
             self._refresh(peer_id)
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
@@ -656,8 +694,10 @@ class RoundEngine:
              flagged: tuple[str, ...] = (), error: str = "", audit: bool = False) -> list[Action]:
         """Record a participant's vote (the fields of `Vote`); commit when all agree, abort on any failure.
 
-        A late vote for an attempt already decided is ignored. A failed vote blames its suspects
-        that are participants (or the voter, when it names none). A failed owner audit (`audit`)
+        A late vote for an attempt already decided is ignored. A failed vote naming no suspect
+        among the participants blames the voter and aborts at once; one that accuses others opens
+        the blame window: the attempt is aborted when every participant voted or the window
+        passed (`tick`), excluding whom `coordinator.blame.blame` names. A failed owner audit (`audit`)
         also costs the accused owner and the accusing auditor their shard ownership for the rest
         of the run (`untrusted`): a lying owner is caught once, not every round, and a false
         accuser pays as much as its victim. Raises RoundError PRECONDITION when the voter is not a
@@ -671,15 +711,21 @@ class RoundEngine:
                              f"peer_id: {peer_id[:8]} is not a participant of round {round_}.{attempt}")
         v = Vote(ok, result_digest, state_digest, loss, suspects, flagged, error, audit)
         run.votes[peer_id] = v
+        run.voted_at[peer_id] = now
         if not v.ok:
-            blamed = tuple(s for s in v.suspects if s in run.plan.participants) or (peer_id,)
-            persist: list[Action] = []
             accused = self._audited_owner(run.plan, peer_id, v.suspects) if v.audit else None
             if accused is not None:
-                blamed = (accused, peer_id)
-                self.untrusted.update(blamed)
-                persist.append(PersistUntrusted(tuple(sorted(self.untrusted))))
-            return persist + self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}", blamed)
+                self.untrusted.update((accused, peer_id))
+                return [PersistUntrusted(tuple(sorted(self.untrusted))),
+                        *self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}",
+                                     (accused, peer_id))]
+            if not any(s in run.plan.participants and s != peer_id for s in v.suspects):
+                return self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}", (peer_id,))
+            if run.blame_at is None:
+                window = max(self.config.blame_window, 2.0 * run.plan.chunk_timeout_seconds)
+                run.blame_at = now + window
+        if run.blame_at is not None:
+            return self._blame(now) if len(run.votes) == len(run.plan.participants) else []
         if len(run.votes) < len(run.plan.participants):
             return []
         digests = Counter(v.digests for v in run.votes.values())
@@ -706,9 +752,33 @@ class RoundEngine:
             return accused[0]
         return None
 
+    def _blame(self, now: float) -> list[Action]:
+        """Abort the running attempt after a failed vote that accused others, excluding whom
+        `coordinator.blame.blame` names from the votes so far and what the engine knows."""
+        run = self.running
+        assert run is not None
+        accusations = {p: (v.suspects if not v.ok else ()) for p, v in run.votes.items()}
+        renewed_by = now - self.config.lease_seconds / 2  # heartbeats come every lease / 4
+        stale = [p for p in run.plan.participants
+                 if p in self.members and self.members[p].lease_expiry - self.config.lease_seconds < renewed_by]
+        unreachable = [p for p in run.plan.participants if p in self.members and self.members[p].reachable is False]
+        blamed = blame(run.plan.participants, accusations, voted_at=run.voted_at, stale=stale,
+                       unreachable=unreachable)
+        failed = [(p, v) for p, v in run.votes.items() if not v.ok]
+        first, vote = failed[0]
+        silent = [p for p in run.plan.participants if p not in run.votes]
+        why = f"{first[:8]} failed: {vote.error or 'collective error'}"
+        if silent:
+            why += f"; no vote from {[p[:8] for p in silent]}"
+        return self._abort(now, why, blamed)
+
     def tick(self, now: float) -> list[Action]:
-        """Apply deadlines: lease expiry, the ready deadline, the collective deadline, retries."""
+        """Apply deadlines: lease expiry, the blame window, the ready deadline, the collective
+        deadline, retries."""
         actions = self._expire(now)
+        run = self.running
+        if run is not None and run.blame_at is not None and now >= run.blame_at:
+            actions += self._blame(now)
         run = self.running
         if run is not None and now - run.started > run.plan.deadline_seconds:
             silent = tuple(p for p in run.plan.participants if p not in run.votes)
@@ -723,6 +793,7 @@ class RoundEngine:
         actions: list[Action] = []
         for p in gone:
             del self.members[p]
+            self.unreachable.discard(p)
             self.ready.pop(p, None)
             self._refresh(p)
             actions.append(ForgetMember(p))
@@ -749,7 +820,7 @@ class RoundEngine:
             return done
         if self.cohort is not None:
             return self._decide_drawn(now, self.cohort)
-        live = {m.peer_id for m in self.live(now)}
+        live = {m.peer_id for m in self.live(now) if m.reachable is not False}
         candidates = tuple(sorted(p for p in self.ready if p in live and p not in self.excluded))
         quorum = self._quorum()
         if len(candidates) < quorum:
@@ -786,7 +857,7 @@ class RoundEngine:
         info = self.ready.get(peer_id)
         m = self.members.get(peer_id)
         return (info is not None and m is not None and m.lease_expiry > now and peer_id not in self.excluded
-                and self._in_sync(info))
+                and m.reachable is not False and self._in_sync(info))
 
     def _decide_drawn(self, now: float, cohort: Cohort) -> Waiting | _Opening | _Draw:
         """A cohort is drawn: open once every member of it holds the last committed state and said
@@ -802,7 +873,8 @@ class RoundEngine:
             return Waiting(WaitReason.SYNCING, f"waiting up to {until - now:.1f} s for "
                                                 f"{_plural(len(missing), 'drawn peer')} to fetch the committed state "
                                                 f"and say ready", missing, until)
-        pool = [p for p in self.ready if self._live(p, now) and p not in self.excluded]
+        pool = [p for p in self.ready if self._live(p, now) and p not in self.excluded
+                and self.members[p].reachable is not False]
         refill = cohort.refill(ready, pool, self.config.cohort_size, seed=self.config.cohort_seed,
                                round_=self.committed_rounds, now=now)
         if set(refill.members) != set(cohort.members) and len(refill.members) >= quorum:
@@ -812,18 +884,20 @@ class RoundEngine:
         return _Draw(None, left_out=missing)  # nobody left to draw: back to waiting for a full pool
 
     def _quorum(self) -> int:
-        """Fewest ready peers a round opens with: min_peers, initial_peers for round 0, and at
+        """Fewest ready peers a round opens with: min_peers, initial_peers (less the unreachable
+        members) for round 0, and at
         least the cohort size (a cohort is drawn from the ready peers, never smaller than K)."""
         quorum = max(1, self.config.min_peers, self.config.cohort_size)
         if self.committed_rounds == 0 and self.tries == 0:
-            quorum = max(quorum, self.config.initial_peers)
+            # A peer nobody can dial never takes part: round 0 does not wait for it.
+            quorum = max(quorum, self.config.initial_peers - len(self.unreachable))
         return quorum
 
     @staticmethod
     def _waited_on(m: Member) -> bool:
         """Whether a round waits (up to the ready timeout) for this live peer to say ready
-        (`MemberState.waited_on`, and its round-event stream is open)."""
-        return m.connected and m.state.waited_on
+        (`MemberState.waited_on`, its round-event stream is open, and others can dial it)."""
+        return m.connected and m.state.waited_on and m.reachable is not False
 
     def _refresh(self, peer_id: str) -> None:
         """Put `peer_id` in `_unready` or take it out, after any change of its membership, state,

@@ -4,6 +4,15 @@ Thin by design: every decision is made by the pure `coordinator.rounds.RoundEngi
 validates requests, carries out the engine's actions (durable writes first, then events to the
 peers' WatchRounds streams) and runs one ticker task that applies deadlines.
 
+Time: the engine runs on `coordinator.pauses.RunClock`, the coordinator's own time (a stall of
+the coordinator is left out of every lease and deadline); after a detected pause the ticker
+gives every member a grace period (`RoundEngine.resumed`). Round tickets and sync permits carry
+wall time, which the peers check.
+
+Reachability: Join dials the peer's advertised data address back (`shoal.common.reach`, nonce
+challenge, `reach_timeout`) before the engine admits it; a peer that does not answer is admitted
+as unreachable (placed in no round) and told why in its JoinResponse.
+
 Durability: a commit is written to the store (SQLite WAL, synchronous=FULL) before any peer is
 told about it, so a committed round is never lost by a coordinator crash.
 
@@ -21,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import pathlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -54,10 +64,12 @@ from shoal.coordinator.admission import Admission, AllowList, load_secret
 from shoal.coordinator.heap import HeapPolicy
 from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget, is_etcd
 from shoal.coordinator.leadership import Leadership
+from shoal.coordinator.pauses import RunClock
 from shoal.coordinator.store import SQLiteStore, StateFileError, Store
 from shoal.common.attempts import ATTEMPT_STRIDE, shown_attempt
 from shoal.common.errors import DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
 from shoal.common.identity import RequestVerifier, load_or_create_key, peer_id_of, public_bytes
+from shoal.common.reach import Reachability, dial_back
 from shoal.common.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
                          RateLimiter)
 from shoal.common.security import Security, SignedCalls, add_port
@@ -111,6 +123,7 @@ class CoordinatorConfig:
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
     finish_linger: float = 10.0  # after the run finished and every member left: answer status this long, then exit
+    reach_timeout: float = 2.0  # dial-back of a joiner's data address (shoal.common.reach); 0 = not checked
 
 
 # The actions that write to the store.
@@ -125,8 +138,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     """shoal.v1.Coordinator over a `RoundEngine` and a `Store`."""
 
     def __init__(self, engine: RoundEngine, store: Store, run_config_json: str, signing_key, *, clock=time.time,
-                 admission: Admission | None = None, metrics: CoordinatorMetrics | None = None):
+                 admission: Admission | None = None, metrics: CoordinatorMetrics | None = None, wall=None,
+                 reach: Callable[[str, bytes], Awaitable[Reachability]] | None = None):
+        """clock: the engine's time (a `RunClock` when served; tests pass a fake). wall: the time
+        stamped on tickets and permits (default `clock`). reach: the dial-back of a joiner's
+        (address, public key); None: addresses are not checked."""
         self.engine = engine
+        self.wall = wall or clock
+        self.reach = reach
         self.admission = admission or Admission(None, None)
         self.metrics = metrics or CoordinatorMetrics()
         self.store = store
@@ -150,7 +169,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _ticketed(self, plan: pb.Plan) -> pb.Plan:
         """`plan` with its round ticket: (round, attempt, participants, plan digest) signed."""
         plan.ticket = issue_ticket(self.key, plan.round, plan.attempt, [p.peer_id for p in plan.participants],
-                                   plan_digest(plan), plan.deadline_seconds + TICKET_SLACK_SECONDS, now=self.clock())
+                                   plan_digest(plan), plan.deadline_seconds + TICKET_SLACK_SECONDS, now=self.wall())
         return plan
 
     def _wire_plan(self, plan: Plan) -> pb.Plan:
@@ -241,7 +260,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _sync_order(self, round_: int, digest: bytes, donors: tuple[str, ...], *, to: str) -> pb.SyncOrder:
         # The permit is what donors ask for before serving state: proof that `to` is a member.
-        permit = issue_ticket(self.key, round_, SYNC_ATTEMPT, [to], digest, SYNC_PERMIT_SECONDS, now=self.clock())
+        permit = issue_ticket(self.key, round_, SYNC_ATTEMPT, [to], digest, SYNC_PERMIT_SECONDS, now=self.wall())
         return pb.SyncOrder(round=round_, state_digest=digest, permit=permit, donors=[
             pb.Participant(peer_id=d, address=self.engine.members[d].address,
                            public_key=self.engine.members[d].public_key)
@@ -272,8 +291,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         members (at least every METRICS_EVERY_SECONDS; a refresh reads every member: ~25 ms at
         10,000), until cancelled."""
         next_gauges = 0.0
+        take_pause = getattr(self.clock, "take_pause", None)  # a RunClock detects the coordinator's pauses
         while True:
             now = self.clock()
+            paused = take_pause() if take_pause is not None else 0.0
+            if paused:
+                self.apply(self.engine.resumed(now, paused))
             self.apply(self.engine.tick(now))
             if now >= next_gauges:
                 self.observe()
@@ -298,9 +321,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             require(":" in request.data_address, "data_address", "must be HOST:PORT")
             peer_id = peer_id_of(request.public_key)
             claims = self.admission.admit(request.public_key, request.join_token)
+            reach = await self.reach(request.data_address, request.public_key) if self.reach is not None else None
+            if reach is not None and not reach.reachable:
+                log.warning("peer %s cannot be reached at its data address: %s; it takes part in no round",
+                            peer_id[:8], reach.reason)
             now = self.clock()
+            # A stream that stayed open across this rejoin (e.g. the lease ran out while the
+            # coordinator stalled) still delivers its events: the member is connected.
             self.apply(self.engine.join(peer_id, request.public_key, request.data_address, request.num_samples, now,
-                                        request.up_bytes_per_s, request.down_bytes_per_s))
+                                        request.up_bytes_per_s, request.down_bytes_per_s,
+                                        reachable=reach.reachable if reach is not None else None,
+                                        connected=peer_id in self.watchers))
             if request.up_bytes_per_s or request.down_bytes_per_s:
                 self.metrics.observe_link(peer_id, request.up_bytes_per_s, request.down_bytes_per_s, 0.0)
             log.info("peer %s joined from %s%s", peer_id[:8], request.data_address,
@@ -310,6 +341,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 heartbeat_interval_seconds=self.engine.config.lease_seconds / 4, epoch=self.engine.epoch,
                 next_round=self.engine.committed_rounds, run_config_json=self.run_config_json,
                 coordinator_public_key=public_bytes(self.key),
+                unreachable=reach.reason if reach is not None and not reach.reachable else "",
             )
             # With cohorts a joiner fetches the state when a draw picks it (coordinator.cohorts).
             if self.engine.commits and not self.engine.config.cohort_size:
@@ -421,7 +453,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             pb.MemberInfo(peer_id=m.peer_id, address=m.address, state=m.state.label,
                           lease_remaining_seconds=max(0.0, m.lease_expiry - now), num_samples=m.num_samples,
                           up_bytes_per_s=m.up_bytes_per_s, down_bytes_per_s=m.down_bytes_per_s,
-                          rtt_seconds=m.rtt_seconds, untrusted=m.peer_id in e.untrusted, shm_peers=len(m.shm_peers))
+                          rtt_seconds=m.rtt_seconds, untrusted=m.peer_id in e.untrusted, shm_peers=len(m.shm_peers),
+                          reachability={True: "reachable", False: "unreachable", None: "unchecked"}[m.reachable])
             for m in sorted(e.members.values(), key=lambda m: m.peer_id)
         ]
         k = request.recent_rounds or 10
@@ -537,9 +570,10 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
     """
     stop = stop or asyncio.Event()
     key = load_or_create_key(_key_path(config))
+    clock = RunClock()
     if not is_etcd(config.state_path):
-        engine, store, run_config_json = open_state(config, time.time())
-        await _serve(config, engine, store, run_config_json, key, stop)
+        engine, store, run_config_json = open_state(config, clock())
+        await _serve(config, engine, store, run_config_json, key, stop, clock=clock)
         return
     target = EtcdTarget.parse(config.state_path)
     leadership = Leadership(target, config.listen)
@@ -548,8 +582,8 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
             return
         store = EtcdStore(target, fence=leadership.fence)
         _check_ticket_key(store, key, config.state_path)
-        engine, store, run_config_json = open_state(config, time.time(), store=store)
-        await _serve(config, engine, store, run_config_json, key, stop, lost=leadership.keep)
+        engine, store, run_config_json = open_state(config, clock(), store=store)
+        await _serve(config, engine, store, run_config_json, key, stop, lost=leadership.keep, clock=clock)
     finally:
         await leadership.resign()
         await leadership.close()
@@ -582,10 +616,13 @@ def _check_ticket_key(store: Store, key, where: str) -> None:
 
 
 async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, run_config_json: str, key,
-                 stop: asyncio.Event, lost=None) -> None:
+                 stop: asyncio.Event, lost=None, clock: RunClock | None = None) -> None:
     """Bind, serve until `stop` (or until `lost()` returns: LostLeadership), shut down in order."""
     admission = load_admission(config)
-    service = CoordinatorService(engine, store, run_config_json, key, admission=admission)
+    reach = (functools.partial(dial_back, security=config.security, timeout=config.reach_timeout)
+             if config.reach_timeout > 0 else None)
+    service = CoordinatorService(engine, store, run_config_json, key, admission=admission,
+                                 clock=clock or RunClock(), wall=time.time, reach=reach)
     interceptors = [
         DecodeErrors(),
         SignedCalls(SERVICE_PREFIX, RequestVerifier(max_nonces=NONCE_MEMORY), unsigned=UNSIGNED_METHODS,

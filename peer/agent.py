@@ -195,6 +195,7 @@ class PeerAgent(StateSource):
         self.control: CoordinatorClient | None = None
         self.rounds: RoundClient | None = None
         self.address = ""
+        self.unreachable = ""  # why the coordinator could not dial this peer's address back (JoinResponse)
         self.finished = False
         self.leaving = False  # stop was set: no new round (run's graceful leave)
         self.playing = False  # inside RoundClient.play
@@ -241,6 +242,14 @@ class PeerAgent(StateSource):
     def _joined(self, resp: pb.JoinResponse) -> None:
         if self.service is not None:
             self.service.coordinator_public_key = resp.coordinator_public_key
+        if resp.unreachable and resp.unreachable != self.unreachable:
+            # Once per cause, not per rejoin: the one line that tells the operator what is wrong.
+            log.error("the coordinator cannot reach this peer's data address %s (%s): other peers could not send "
+                      "to it, so it takes part in no round; fix --advertise or the firewall/port forwarding and "
+                      "restart", self.address, resp.unreachable)
+        elif not resp.unreachable and self.unreachable:
+            log.info("data address %s is reachable again", self.address)
+        self.unreachable = resp.unreachable
 
     async def _heartbeat_loop(self) -> None:
         """Renew the lease every heartbeat interval; each answer goes to the RoundClient (the
@@ -276,7 +285,7 @@ class PeerAgent(StateSource):
         (its vote arrives, the others need not abort the attempt), training or waiting is
         abandoned at once; then Leave, and everything is closed (shared-memory slabs included)."""
         self.service = PeerService(self.inbox, self.held, on_bytes=self._count_received, links=self.links,
-                                   shared_memory=self.config.shared_memory)
+                                   shared_memory=self.config.shared_memory, key=self.key)
         health_box: list = []
         server, bound = await serve_data_plane(
             self.service, self.config.listen, self.config.security,

@@ -12,7 +12,8 @@ coordinator-signed round ticket naming the sender, this round attempt and the pl
 holds; every chunk must then match the plan (dtype, 1-D shape within the shard bounds, chunk
 size) and the first chunk's sender/round/attempt. Anything else is refused before a single value
 reaches the inbox. FetchState needs a signed request and a ticket or sync permit naming the
-requester (proof of membership); Probe a signed request.
+requester (proof of membership); Probe a signed request. Reach (the coordinator's reachability
+dial-back, shoal.common.reach) is unsigned: it only signs a nonce under its own context.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from shoal.common.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondit
                          ResourceExhausted, ShoalError, grpc_errors, require)
 from shoal.common.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public_bytes
 from shoal.peer.shm import SegmentReader
+from shoal.common import reach
 from shoal.common.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
 from shoal.common.security import (MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
                            push_metadata, signing_interceptors)
@@ -48,6 +50,7 @@ MAX_MESSAGE_BYTES = DATA_MAX_MESSAGE_BYTES
 STATE_CHUNK_BYTES = 1 << 20
 # A stream whose first chunk arrives before the local plan waits this long for it (seconds).
 SESSION_WAIT_SECONDS = 10.0
+REACH = "/shoal.v1.Peer/Reach"  # unsigned: the coordinator's dial-back (shoal.common.reach)
 MAX_WAITING_STREAMS = 64
 MAX_SHM_SENDERS = 64  # senders whose shared-memory segments stay mapped (least recently used dropped)
 
@@ -292,7 +295,9 @@ class PeerService(pb_grpc.PeerServicer):
 
     def __init__(self, inbox: Inbox, state: StateSource | None = None, *, on_bytes: Callable[[int], None] | None = None,
                  verifier: RequestVerifier | None = None, coordinator_public_key: bytes = b"",
-                 session_wait: float = SESSION_WAIT_SECONDS, links=None, shared_memory: bool = True):
+                 session_wait: float = SESSION_WAIT_SECONDS, links=None, shared_memory: bool = True,
+                 key: Ed25519PrivateKey | None = None):
+        self.key = key  # answers the coordinator's reachability dial-back (Reach); None: UNIMPLEMENTED
         self.links = links  # peer.links.LinkMeter: one passive download sample per stream
         self.shared_memory = shared_memory and shm.available()  # accept the shared-memory lane
         self._readers: dict[str, SegmentReader] = {}  # per sender, kept across its streams
@@ -438,6 +443,17 @@ class PeerService(pb_grpc.PeerServicer):
             return resp
 
 
+    async def Reach(self, request: pb.ReachRequest, context) -> pb.ReachResponse:
+        """The coordinator's dial-back (shoal.common.reach): sign its nonce. Unsigned, rate limited."""
+        async with grpc_errors(context):
+            if self.key is None:
+                raise FailedPrecondition("Reach: this data-plane server has no identity key")
+            try:
+                return reach.answer(self.key, request.nonce)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+
+
 async def serve_data_plane(service: PeerService, listen: str, security: Security, *,
                            rate_per_s: float = 2000.0, burst: int = 4000,
                            before_start: Callable[[grpc.aio.Server], object] | None = None,
@@ -445,7 +461,7 @@ async def serve_data_plane(service: PeerService, listen: str, security: Security
     """Start the data-plane server for `service` on `listen` (TLS per `security`); returns the
     started server and its HOST:PORT. Calls are rate limited per host and FetchState/Probe must
     be signed (PushChunks is checked by the handler). Raises OSError when `listen` cannot be bound."""
-    interceptors = [DecodeErrors(), SignedCalls("/shoal.v1.Peer/", service.verifier,
+    interceptors = [DecodeErrors(), SignedCalls("/shoal.v1.Peer/", service.verifier, unsigned=(REACH,),
                                                 default_limit=RateLimiter(rate_per_s, burst))]
     server = grpc.aio.server(options=channel_options(), interceptors=interceptors,
                              maximum_concurrent_rpcs=PEER_MAX_CONCURRENT_RPCS)

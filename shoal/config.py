@@ -152,11 +152,15 @@ class CoordinatorSection:
                                          "keep answering `shoal status` this long, then exit 0")
     history_window: int = setting(100, "committed rounds and aborted attempts kept in memory (the state file keeps "
                                        "all of them; `shoal status --recent N` reads older ones from it)")
+    reach_timeout: float = setting(2.0, "dial a joiner's advertised data address back within this many seconds "
+                                        "(nonce challenge); a peer that does not answer takes part in no round "
+                                        "(0 = do not check)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         c = "coordinator"
         _check(self.history_window >= 1, c, "history_window", ">= 1", self.history_window)
+        _check(self.reach_timeout >= 0 and _finite(self.reach_timeout), c, "reach_timeout", ">= 0", self.reach_timeout)
         check_address(c, "listen", self.listen)
         _check(bool(self.state), c, "state", "a file path", self.state)
         _check(0 <= self.metrics_port <= 65535, c, "metrics_port", "in 0..65535", self.metrics_port)
@@ -198,6 +202,9 @@ class RoundsSection:
                                           "state, train and say ready, then its place is drawn again (seconds)")
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
+    blame_window: float = setting(3.0, "after a failed vote that accuses other peers, wait this long (at least "
+                                       "twice the chunk deadline) for every participant's vote before choosing whom "
+                                       "to exclude (silent peers first; docs/fault-tolerance.md)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
@@ -208,7 +215,7 @@ class RoundsSection:
         for key in ("lease_seconds", "collective_timeout", "chunk_timeout", "chunk_safety", "cohort_timeout"):
             v = getattr(self, key)
             _check(v > 0 and _finite(v), r, key, "> 0", v)
-        for key in ("ready_timeout", "retry_backoff"):
+        for key in ("ready_timeout", "retry_backoff", "blame_window"):
             v = getattr(self, key)
             _check(v >= 0 and _finite(v), r, key, ">= 0", v)
         _check(self.chunk_bytes >= 1024, r, "chunk_bytes", ">= 1024", self.chunk_bytes)
@@ -231,6 +238,7 @@ class RoundsSection:
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
                             shm_chunk_bytes=self.shm_chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
+                            blame_window=self.blame_window,
                             total_rounds=self.rounds, collective=collective, cohort_size=self.cohort_size,
                             cohort_seed=run.seed, cohort_timeout=self.cohort_timeout)
 

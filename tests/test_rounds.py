@@ -33,6 +33,19 @@ def of(actions, kind):
     return [a for a in actions if isinstance(a, kind)]
 
 
+def accuse(e: RoundEngine, suspect: str, now: float, error: str = "no chunk") -> list:
+    """Every participant but `suspect` votes failed accusing it; `suspect` stays silent until the
+    blame window closes (the engine's actions until then, the abort included)."""
+    run = e.running
+    acts = []
+    for p in run.plan.participants:
+        if p != suspect:
+            acts += e.vote(p, run.plan.round, run.plan.attempt, False, b"", b"", now, suspects=(suspect,),
+                           error=error)
+    assert of(acts, SendAbort) == []  # the suspect has not voted: the window is open
+    return acts + e.tick(run.blame_at)
+
+
 def test_round_opens_when_all_ready_and_commits_on_equal_digests():
     e = engine()
     joined(e, "a", "b", "c")
@@ -67,10 +80,10 @@ def test_failed_vote_aborts_excludes_suspect_and_retries_with_survivors():
     joined(e, "a", "b", "c")
     for p in "abc":
         e.ready_(p, 0, info(), 0.0)
-    acts = e.vote("a", 0, 0, False, b"", b"", 1.0, suspects=("b",), error="stream broke")
+    acts = accuse(e, "b", 1.0, error="stream broke")
     (abort,) = of(acts, SendAbort)
     assert abort.record.excluded == ("b",) and abort.record.will_retry
-    (plan,) = of(e.tick(1.0), SendPlan)
+    (plan,) = of(acts, SendPlan)  # the tick that aborted opened the retry
     assert plan.plan.attempt == 1 and plan.plan.participants == ("a", "c")
     assert e.vote("b", 0, 0, True, b"r", b"s", 1.1) == []  # late vote of the old attempt is ignored
     e.vote("a", 0, 1, True, b"r", b"s", 1.2)
@@ -240,15 +253,15 @@ def test_attempt_ids_are_never_reused():
     joined(e, "a", "b", "c")
     for p in "abc":
         e.ready_(p, 0, info(), 0.0)
-    e.vote("a", 0, 0, False, b"", b"", 0.1, suspects=("c",))  # retry 1 with a, b
-    (plan,) = of(e.tick(0.2), SendPlan)
+    (plan,) = of(accuse(e, "c", 0.1), SendPlan)  # retry 1 with a, b
     assert plan.plan.attempt == 1
-    e.vote("a", 0, 1, False, b"", b"", 0.3, suspects=("b",))  # given up: everyone says ready again
+    t = e.running.started
+    e.vote("a", 0, 1, False, b"", b"", t, suspects=())  # given up: everyone says ready again
     acts = []
     for p in "abc":
-        e.heartbeat(p, 0.4)
-        acts += e.ready_(p, 0, info(), 0.4)
-    (plan,) = of(acts + e.tick(0.5), SendPlan)
+        e.heartbeat(p, t + 0.1)
+        acts += e.ready_(p, 0, info(), t + 0.1)
+    (plan,) = of(acts + e.tick(t + 0.2), SendPlan)
     assert plan.plan.attempt == 2  # not 0 again
     # A restarted coordinator (incarnation 1) numbers its attempts from 1000.
     again = RoundEngine(e.config, members=list(e.members.values()), now=1.0, attempt_base=1000)
@@ -275,13 +288,14 @@ def test_peer_behind_at_the_end_can_still_fetch_the_final_state():
     joined(e, "a", "b", "c")
     for p in "abc":
         e.ready_(p, 0, info(), 0.0)
-    e.vote("a", 0, 0, False, b"", b"", 0.1, suspects=("c",))
-    e.tick(0.2)
-    commit_all(e, 0.3, b"s1")
-    assert of(e.tick(0.4), SendFinished)
-    (sync,) = of(e.ready_("c", 1, info(rounds=0), 0.5), SendSync)
+    accuse(e, "c", 0.1)
+    t = e.running.started
+    e.heartbeat("c", t)
+    commit_all(e, t + 0.1, b"s1")
+    assert of(e.tick(t + 0.2), SendFinished)
+    (sync,) = of(e.ready_("c", 1, info(rounds=0), t + 0.3), SendSync)
     assert set(sync.donors) == {"a", "b"} and sync.state_digest == b"s1"
-    assert of(e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.5), SendFinished)
+    assert of(e.ready_("a", 1, info(rounds=1, digest=b"s1"), t + 0.3), SendFinished)
 
 
 def test_holds_ready_covers_the_ready_set_and_the_running_attempt_only():
@@ -417,12 +431,15 @@ def test_waiting_out_the_retry_backoff():
     for p in "abc":
         e.ready_(p, 0, info(), 0.0)
     e.vote("a", 0, 0, False, b"", b"", 2.0, suspects=("c",), error="stream broke")
-    w = e.waiting(2.5)
-    assert w.reason is WaitReason.BACKOFF and w.until == 3.0 and w.peers == ("a", "b")
+    e.vote("b", 0, 0, False, b"", b"", 2.0, suspects=("c",), error="stream broke")
+    t = e.running.blame_at
+    e.tick(t)  # c never voted: blamed when the window closes
+    w = e.waiting(t + 0.5)
+    assert w.reason is WaitReason.BACKOFF and w.until == t + 1.0 and w.peers == ("a", "b")
     assert "retry backoff" in w.message and "stream broke" in w.message
-    assert of(e.tick(2.9), SendPlan) == []
-    assert e.waiting(3.0).reason is WaitReason.OPENING
-    (plan,) = of(e.tick(3.0), SendPlan)
+    assert of(e.tick(t + 0.9), SendPlan) == []
+    assert e.waiting(t + 1.0).reason is WaitReason.OPENING
+    (plan,) = of(e.tick(t + 1.0), SendPlan)
     assert plan.plan.participants == ("a", "b")
 
 

@@ -54,7 +54,7 @@ class JoinRequest(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key")
+    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class JoinResponse(_message.Message):
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     lease_seconds: float
     heartbeat_interval_seconds: float
@@ -71,7 +72,8 @@ class JoinResponse(_message.Message):
     run_config_json: str
     sync: SyncOrder
     coordinator_public_key: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., coordinator_public_key: _Optional[bytes] = ...) -> None: ...
+    unreachable: str
+    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., coordinator_public_key: _Optional[bytes] = ..., unreachable: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("peer_id",)
@@ -330,7 +332,7 @@ class StatusRequest(_message.Message):
     def __init__(self, recent_rounds: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "untrusted", "shm_peers")
+    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "untrusted", "shm_peers", "reachability")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +343,7 @@ class MemberInfo(_message.Message):
     RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UNTRUSTED_FIELD_NUMBER: _ClassVar[int]
     SHM_PEERS_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     state: str
@@ -351,7 +354,8 @@ class MemberInfo(_message.Message):
     rtt_seconds: float
     untrusted: bool
     shm_peers: int
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ...) -> None: ...
+    reachability: str
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ..., reachability: _Optional[str] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
     __slots__ = ("round", "attempt", "status", "state_digest", "participants", "seconds", "reason", "train_loss", "collective")
@@ -490,6 +494,20 @@ class ProbeResponse(_message.Message):
     payload: bytes
     shm_nonce: bytes
     def __init__(self, payload: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+
+class ReachRequest(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class ReachResponse(_message.Message):
+    __slots__ = ("public_key", "signature")
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    public_key: bytes
+    signature: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class RoundTicket(_message.Message):
     __slots__ = ("round", "attempt", "participants", "plan_digest", "expires_unix")

@@ -438,6 +438,11 @@ class PeerStub:
                 request_serializer=shoal_dot_v1_dot_shoal__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_shoal__pb2.ProbeResponse.FromString,
                 _registered_method=True)
+        self.Reach = channel.unary_unary(
+                '/shoal.v1.Peer/Reach',
+                request_serializer=shoal_dot_v1_dot_shoal__pb2.ReachRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_shoal__pb2.ReachResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -466,6 +471,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reach(self, request, context):
+        """Reachability dial-back (unsigned): the coordinator dials the advertised data address with a
+        fresh nonce; the peer answers with its Ed25519 signature over REACH_CONTEXT + nonce, which
+        proves that the address reaches this identity.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -483,6 +497,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=shoal_dot_v1_dot_shoal__pb2.ProbeRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_shoal__pb2.ProbeResponse.SerializeToString,
+            ),
+            'Reach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reach,
+                    request_deserializer=shoal_dot_v1_dot_shoal__pb2.ReachRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_shoal__pb2.ReachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -568,6 +587,33 @@ class Peer:
             '/shoal.v1.Peer/Probe',
             shoal_dot_v1_dot_shoal__pb2.ProbeRequest.SerializeToString,
             shoal_dot_v1_dot_shoal__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.Peer/Reach',
+            shoal_dot_v1_dot_shoal__pb2.ReachRequest.SerializeToString,
+            shoal_dot_v1_dot_shoal__pb2.ReachResponse.FromString,
             options,
             channel_credentials,
             insecure,
