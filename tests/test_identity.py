@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import grpc
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -191,6 +193,19 @@ def test_key_file_is_0600_and_reloads(tmp_path):
     key = load_or_create_key(path)
     assert path.stat().st_mode & 0o777 == 0o600
     assert public_bytes(load_or_create_key(path)) == public_bytes(key)
+
+
+def test_key_created_by_another_process_meanwhile_is_loaded_not_overwritten(tmp_path, monkeypatch):
+    # Two coordinators started together on one --key path: the second finds no file, then the
+    # first creates it before the second writes. The second must load that key (the coordinators
+    # of a prefix share their ticket key), not fail with "File exists" nor replace it.
+    path = tmp_path / "coordinator.key"
+    first = load_or_create_key(path)
+    real_exists = pathlib.Path.exists
+    monkeypatch.setattr(pathlib.Path, "exists", lambda self: False if self == path else real_exists(self))
+    second = load_or_create_key(path)
+    assert public_bytes(second) == public_bytes(first)
+    assert [p.name for p in tmp_path.iterdir()] == ["coordinator.key"]  # no temporary file left
 
 
 def test_hex_with_whitespace_is_refused(key):

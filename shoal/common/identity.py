@@ -13,6 +13,7 @@ security (see `shoal.common.certs`) nor admission (see `shoal.coordinator.admiss
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import heapq
 import os
@@ -50,27 +51,51 @@ def public_bytes(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
 def load_or_create_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """Load the Ed25519 private key at `path`, creating it (mode 0600) when absent.
 
+    Processes that start together on one path (standby coordinators sharing a ticket key) all
+    end up with the same key: a new key is written to a temporary file and linked into place,
+    which fails when another process got there first; its key, complete by then, is loaded.
+
     Raises:
         ValueError: the file exists but does not hold an unencrypted PEM Ed25519 private key.
         OSError: the file cannot be read or created (e.g. its directory cannot be created).
     """
     p = pathlib.Path(path)
     if p.exists():
-        try:
-            key = serialization.load_pem_private_key(p.read_bytes(), password=None)
-        except (ValueError, TypeError):  # not PEM, or encrypted
-            raise ValueError(f"{p}: not a PEM Ed25519 private key without passphrase") from None
-        if not isinstance(key, Ed25519PrivateKey):
-            raise ValueError(f"{p}: not an Ed25519 private key")
-        return key
+        return _load_key(p)
     p.parent.mkdir(parents=True, exist_ok=True)
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        try:
+            os.link(tmp, p)  # atomic, and never replaces a key another process created meanwhile
+        except FileExistsError:
+            raise
+        except OSError as exc:  # a file system without hard links: create in place, exclusively
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(pem)
+    except FileExistsError:
+        return _load_key(p)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return key
+
+
+def _load_key(p: pathlib.Path) -> Ed25519PrivateKey:
+    try:
+        key = serialization.load_pem_private_key(p.read_bytes(), password=None)
+    except (ValueError, TypeError):  # not PEM, or encrypted
+        raise ValueError(f"{p}: not a PEM Ed25519 private key without passphrase") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{p}: not an Ed25519 private key")
     return key
 
 
