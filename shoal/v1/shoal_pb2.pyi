@@ -330,7 +330,7 @@ class StatusRequest(_message.Message):
     def __init__(self, recent_rounds: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "untrusted", "shm_peers")
+    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "untrusted", "shm_peers", "links_age_seconds")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +341,7 @@ class MemberInfo(_message.Message):
     RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     UNTRUSTED_FIELD_NUMBER: _ClassVar[int]
     SHM_PEERS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     state: str
@@ -351,7 +352,8 @@ class MemberInfo(_message.Message):
     rtt_seconds: float
     untrusted: bool
     shm_peers: int
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ...) -> None: ...
+    links_age_seconds: float
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ..., links_age_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
     __slots__ = ("round", "attempt", "status", "state_digest", "participants", "seconds", "reason", "train_loss", "collective")
