@@ -1039,8 +1039,8 @@ class RoundEngine:
             self._refresh(p)
         self.running = None
         grew = self.growth.on_abort(run.plan.round, reason)
-        if grew is not None:
-            log.warning("%s", grew)
+        if grew is not None:  # the reason once, at the streak's first growth; the later ones quieter
+            log.log(logging.WARNING if self.growth.streak == 2 else logging.INFO, "%s", grew)
         self.rounds_aborted += 1
         survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.ready]
         will_retry = self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers

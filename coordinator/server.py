@@ -420,7 +420,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except ValueError:
                 caller = ""
             if caller not in self.engine.members:
-                raise NotFound("caller: only members may probe the coordinator (join first)")
+                raise NotFound(f"caller: {caller[:8] or 'unsigned'} is not a member; only members may probe the "
+                               "coordinator (join first)")
             return pb.ProbeResponse(payload=bytes(request.reply_bytes))
 
     def recent(self, k: int) -> tuple[list[CommitRecord], list[AbortRecord]]:

@@ -65,6 +65,7 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 log = logging.getLogger("shoal.peer")
 
 LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
+COORDINATOR_PROBE_TRIES = 3  # before the first plan (see PeerAgent._probe_coordinator)
 COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
 LEAVE_GRACE_SECONDS = 5.0  # a graceful leave lets the round in play end for this long, then abandons it
 
@@ -420,8 +421,7 @@ class PeerAgent(StateSource):
         try:
             async with asyncio.timeout(LINK_MEASURE_SECONDS):
                 if plan is None:
-                    if not self.links.needs_probe(COORDINATOR) or not await probe_peer(
-                            self.links, self.control.stub, COORDINATOR, nbytes=COORDINATOR_PROBE_BYTES):
+                    if not await self._probe_coordinator():
                         return
                     report = self.links.report(self.peer_id)
                 else:
@@ -434,6 +434,19 @@ class PeerAgent(StateSource):
                 await self.control.report_links(report)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             log.debug("link report not delivered: %s", exc)
+
+
+    async def _probe_coordinator(self) -> bool:
+        """The first estimate of this peer's own link: probe the coordinator (a few tries, a
+        second apart: a lease lost while the workload was built is renewed meanwhile). True
+        when there is an estimate to report."""
+        for _ in range(COORDINATOR_PROBE_TRIES):
+            if not self.links.needs_probe(COORDINATOR):
+                return False
+            if await probe_peer(self.links, self.control.stub, COORDINATOR, nbytes=COORDINATOR_PROBE_BYTES):
+                return True
+            await asyncio.sleep(1.0)
+        return False
 
 
 async def run_peer(config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None, *,

@@ -68,7 +68,7 @@ def run(a: argparse.Namespace) -> dict:
                 peers.append(bed.popen(i, [
                     sys.executable, "-m", "shoal.cli", "peer", "--coordinator", addr, "--insecure",
                     "--listen", f"{bed.host_ip(i)}:0", "--key", str(wd / f"peer-{i}.key"), "--data-shard", str(i),
-                    "--events", str(wd / f"peer-{i}.jsonl"), "--log-level", "info", "--no-shared-memory"],
+                    "--events", str(wd / f"peer-{i}.jsonl"), "--log-level", a.peer_log_level, "--no-shared-memory"],
                     stdout=open(wd / f"peer-{i}.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=wd))
             shaped_at = None
             while cproc.poll() is None and time.monotonic() - t0 < a.timeout:
@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--shape-peer", type=int, default=0)
     ap.add_argument("--shape-mbit", type=float, default=10.0)
     ap.add_argument("--workdir")
+    ap.add_argument("--peer-log-level", default="info")
     ap.add_argument("coordinator_args", nargs="*", help="after --: extra `shoal coordinator` flags")
     print(json.dumps(run(ap.parse_args()), indent=1))
 
