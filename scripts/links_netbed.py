@@ -121,8 +121,14 @@ def _report(wd: pathlib.Path, n: int) -> dict:
     for _, _, reason in aborts:
         key = re.sub(r"[0-9a-f]{8}", "X", reason)[:90]
         reasons[key] = reasons.get(key, 0) + 1
+    sent = []  # per peer: data-plane bytes sent per committed round (its "finished" summary)
+    for i in range(n):
+        events = wd / f"peer-{i}.jsonl"
+        fin = [json.loads(x) for x in (events.read_text().splitlines() if events.exists() else ())]
+        fin = [e for e in fin if e.get("event") == "finished" and e.get("rounds")]
+        sent.append(fin[-1]["bytes_sent"] / fin[-1]["rounds"] if fin else None)
     return {"rounds_committed": len(commits), "attempts_aborted": len(aborts), "abort_reasons": reasons,
-            "rounds": rounds}
+            "bytes_sent_per_round": sent, "rounds": rounds}
 
 
 def main() -> None:
