@@ -90,7 +90,10 @@ __all__ = [
     "allreduce_lower_bound",
     "best_ring_order",
     "butterfly_fractions",
+    "attempt_deadline",
     "chunk_deadline",
+    "conservative_seconds",
+    "deadline_links",
     "plan_collective",
     "plan_layout",
     "plan_round",
@@ -600,6 +603,11 @@ ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 1, 5: 8, 6: 1}
 # chunk per hop, so big chunks on a slow link leave the other links idle at the start and end.
 CHUNK_SECONDS = 0.15
 MIN_CHUNK_BYTES = 64 * 1024
+# What a participant that never reported its links is assumed to reach (4 Mbit/s, a slow home
+# link): deadlines derive from this until it is measured, so a slow first round is not cut short.
+ASSUMED_LINK_BYTES_PER_S = 0.5e6
+# Deadlines of a round that keeps timing out grow by at most this factor (`chunk_deadline`'s scale).
+MAX_DEADLINE_SCALE = 8.0
 # Aggregators that are a plain (weighted) mean: any collective can compute them; every other one
 # runs at the shard owners (the butterfly).
 _MEAN_AGGREGATORS = ("mean", "fedavg")
@@ -620,6 +628,9 @@ class PlanPolicy:
         participant reaches every other through shared memory (one host).
     chunk_timeout: floor of the per-chunk deadline, seconds; chunk_safety: its factor over the
         chunk's transfer time on the slowest link (`chunk_deadline`).
+    assumed_link: bytes/s assumed for a participant that has not reported its links (a slow
+        home link: deadlines must hold on it; `chunk_deadline`). Never used to lay out a plan.
+    collective_timeout: the least deadline of one attempt, seconds (`attempt_deadline`).
     """
 
     collective: str = "auto"
@@ -633,6 +644,8 @@ class PlanPolicy:
     shm_chunk_bytes: int = 4 << 20
     chunk_timeout: float = 2.0
     chunk_safety: float = 4.0
+    assumed_link: float = ASSUMED_LINK_BYTES_PER_S
+    collective_timeout: float = 30.0
 
     @property
     def owner_reduces(self) -> bool:
@@ -755,18 +768,53 @@ def without_untrusted_owners(plan: Plan, untrusted: Collection[str]) -> Plan | N
     return dataclasses.replace(plan, shard_owner=moved, demoted=demoted)
 
 
-def chunk_deadline(links: Sequence[LinkSpec], policy: PlanPolicy, chunk_bytes: int) -> float:
-    """Per-chunk deadline (seconds) from the slowest reported link of the participants.
+def deadline_links(links: Sequence[LinkSpec], policy: PlanPolicy) -> list[LinkSpec]:
+    """The links deadlines are computed on: as reported, with `policy.assumed_link` for a rate a
+    participant has not reported (0, negative or NaN). Conservative by construction: an
+    unmeasured link is taken as slow, never as the median of the others."""
+    def rate(r: float) -> float:
+        return r if r > 0 and math.isfinite(r) else policy.assumed_link
 
-    A chunk of `chunk_bytes` (the plan's) must arrive within `policy.chunk_safety` times its
-    transfer time at the slowest measured rate, plus two round trips; never less than the
-    `policy.chunk_timeout` floor (also the value when no link has been measured yet).
+    return [LinkSpec(l.peer_id, rate(l.up_bytes_per_s), rate(l.down_bytes_per_s), max(0.0, l.rtt_seconds), l.shm_peers)
+            for l in links]
+
+
+def conservative_seconds(links: Sequence[LinkSpec], num_elements: int, itemsize: int, policy: PlanPolicy) -> float:
+    """Model time (seconds) of an equal-shard butterfly over `deadline_links`: what a collective
+    over these participants may take when nothing better is known (the static layout's plan
+    predicts nothing). 0 for fewer than two participants."""
+    if len(links) < 2:
+        return 0.0
+    dl = deadline_links(links, policy)
+    return predict_butterfly([l.up_bytes_per_s for l in dl], [l.down_bytes_per_s for l in dl],
+                             float(num_elements) * itemsize, None, [l.rtt_seconds for l in dl])
+
+
+def chunk_deadline(links: Sequence[LinkSpec], policy: PlanPolicy, chunk_bytes: int, *,
+                   expected_seconds: float = 0.0, scale: float = 1.0) -> float:
+    """Per-chunk deadline (seconds): how long a participant waits for any one chunk.
+
+    ``chunk_safety`` times the chunk's transfer time on the slowest of `deadline_links` (an
+    unreported link counts as `policy.assumed_link`, never as fast), plus two round trips, plus
+    `expected_seconds` (the collective's model time: a chunk may wait behind everything its
+    sender must move first, e.g. the first all-gather chunk of a butterfly behind the owner's
+    whole reduce-scatter); at least `policy.chunk_timeout`. Times `scale` (>= 1, the growth of a
+    round that keeps timing out, at most MAX_DEADLINE_SCALE). Never a fixed value a slow link
+    cannot meet: every term grows as the links get slower.
     """
-    rates = [r for l in links for r in (l.up_bytes_per_s, l.down_bytes_per_s) if r > 0]
-    rtt = max((l.rtt_seconds for l in links), default=0.0)
-    if not rates:
-        return policy.chunk_timeout
-    return max(policy.chunk_timeout, policy.chunk_safety * chunk_bytes / min(rates) + 2 * rtt)
+    dl = deadline_links(links, policy)
+    rtt = max((l.rtt_seconds for l in dl), default=0.0)
+    slowest = min((r for l in dl for r in (l.up_bytes_per_s, l.down_bytes_per_s)), default=policy.assumed_link)
+    t = policy.chunk_safety * chunk_bytes / slowest + 2 * rtt + max(0.0, expected_seconds)
+    return min(MAX_DEADLINE_SCALE, max(1.0, scale)) * max(policy.chunk_timeout, t)
+
+
+def attempt_deadline(policy: PlanPolicy, expected_seconds: float, chunk_seconds: float, scale: float = 1.0) -> float:
+    """Deadline of one collective attempt (seconds, plan to last vote): `policy.collective_timeout`,
+    or `chunk_safety` times the expected model time plus one chunk deadline when that is longer;
+    times `scale` as in `chunk_deadline`."""
+    t = max(policy.collective_timeout, policy.chunk_safety * max(0.0, expected_seconds) + chunk_seconds)
+    return min(MAX_DEADLINE_SCALE, max(1.0, scale)) * t
 
 
 def _one_host(links: Sequence[LinkSpec]) -> bool:
@@ -775,7 +823,7 @@ def _one_host(links: Sequence[LinkSpec]) -> bool:
 
 
 def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy: PlanPolicy, *,
-               untrusted: Collection[str] = frozenset()) -> Plan | NoPlan:
+               untrusted: Collection[str] = frozenset(), deadline_scale: float = 1.0) -> Plan | NoPlan:
     """The plan of one round's collective over these participants (in the engine's order). Pure.
 
     `links` as reported by the peers; `num_elements` and `dtype` (a `shoal.v1.DType` code) of the
@@ -784,10 +832,13 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
     `NoPlan` instead (nobody can tell which of them lied: no round until a trusted peer is among
     them). The plan is audited (`audit_owners`) when the policy asks for it and at least two peers
     own shards (one owner has nobody to audit it). Chunks: `policy.shm_chunk_bytes` when every
-    participant reaches every other through shared memory, else the layout's; the chunk deadline
-    is `chunk_deadline`'s. The result carries the collective, participants, tensor shards,
-    prediction, chunking, aggregator, compression and tensor; round, attempt, epoch, the attempt
-    deadline and the participants' addresses, sample counts and keys are the engine's to stamp.
+    participant reaches every other through shared memory, else the layout's. Deadlines: the
+    expected time is the larger of the plan's prediction and `conservative_seconds` (unreported
+    links count as `policy.assumed_link`); the chunk deadline is `chunk_deadline`'s and the
+    attempt deadline (`deadline_seconds`) `attempt_deadline`'s, both times `deadline_scale`
+    (the engine grows it for a round that keeps timing out). The result carries the collective, participants, tensor shards,
+    prediction, chunking, deadlines, aggregator, compression and tensor; round, attempt, epoch and
+    the participants' addresses, sample counts and keys are the engine's to stamp.
     """
     plan = plan_layout(links, num_elements, ITEMSIZE.get(dtype, 4), policy)
     if plan.collective == "butterfly" and set(untrusted) & set(plan.participants):
@@ -797,6 +848,12 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
         plan = stripped
     chunk = policy.shm_chunk_bytes if _one_host(links) else plan.chunk_bytes
     audit = policy.audit_owners and plan.collective == "butterfly" and len(set(plan.shard_owner)) >= 2
-    return dataclasses.replace(plan, dtype=dtype, chunk_bytes=chunk,
-                               chunk_timeout_seconds=chunk_deadline(links, policy, chunk),
+    expected = max(plan.predicted_seconds, conservative_seconds(links, num_elements, ITEMSIZE.get(dtype, 4), policy))
+    if _one_host(links):
+        expected = 0.0  # shared memory: no link to wait on
+    # A chunk is never larger than the tensor: a small tensor is not waited on as if it were big.
+    largest = min(chunk, plan.num_elements * ITEMSIZE.get(dtype, 4))
+    per_chunk = chunk_deadline(links, policy, largest, expected_seconds=expected, scale=deadline_scale)
+    return dataclasses.replace(plan, dtype=dtype, chunk_bytes=chunk, chunk_timeout_seconds=per_chunk,
+                               deadline_seconds=attempt_deadline(policy, expected, per_chunk, deadline_scale),
                                aggregator=policy.aggregator, compression=policy.compression, audit_owners=audit)

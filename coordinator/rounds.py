@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from shoal.common.plan import Plan, auditor_positions
 from shoal.coordinator.blame import blame
 from shoal.coordinator.cohorts import Cohort, draw_cohort
-from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round
+from shoal.coordinator.planner import MAX_DEADLINE_SCALE, LinkSpec, NoPlan, PlanPolicy, plan_round
 
 __all__ = ["draw_cohort"]  # re-exported: the draw is part of the engine's rules
 
@@ -63,9 +63,12 @@ class EngineConfig:
     lease_seconds: a peer that has not heartbeated for this long is dropped.
     ready_timeout: after the first ready of a round, wait at most this long for the other
         members (the straggler timeout) before opening the round with those ready.
-    collective_timeout: hard deadline of one collective attempt, from plan to the last vote.
+    collective_timeout: least deadline of one collective attempt, from plan to the last vote
+        (longer when the links are slow: planner.attempt_deadline).
     chunk_timeout: floor of the per-chunk deadline; the plan's deadline is
-        max(chunk_timeout, chunk_safety * chunk_bytes / slowest measured link + 2 * max RTT).
+        max(chunk_timeout, chunk_safety * chunk_bytes / slowest link + 2 * max RTT + expected
+        collective time), an unreported link counting as slow (planner.chunk_deadline). A round
+        that keeps timing out grows both (`DeadlineGrowth`).
     max_attempts: attempts of one round (first try + retries) before it is given up.
     blame_window: after a failed vote that accuses other peers, wait this long (at least twice
         the plan's chunk deadline) for the other participants' votes before deciding whom to
@@ -115,7 +118,7 @@ class EngineConfig:
                           audit_owners=self.audit_owners, link_cap=self.link_cap_bytes_per_s,
                           min_gain=self.plan_min_gain, chunk_bytes=self.chunk_bytes,
                           shm_chunk_bytes=self.shm_chunk_bytes, chunk_timeout=self.chunk_timeout,
-                          chunk_safety=self.chunk_safety)
+                          chunk_safety=self.chunk_safety, collective_timeout=self.collective_timeout)
 
 
 class MemberState(enum.Enum):
@@ -193,6 +196,7 @@ class Member:
     rtt_seconds: float = 0.0
     connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
     shm_peers: frozenset[str] = frozenset()  # reached through shared memory (LinkReport.shm_peers)
+    links_at: float | None = None  # engine time of its last link report (None: never reported)
     # The state round of this peer's last out-of-date Ready (None: none since it was last in sync).
     # A later out-of-date Ready holding no newer state shows no progress (a backlog of old
     # messages, a peer still busy elsewhere): it gets the sync order again, nothing else.
@@ -411,6 +415,44 @@ class _Draw:
     ready: int = 0
 
 
+# An abort reason that says a deadline passed: a chunk that did not come (peer.collectives) or
+# the attempt's deadline (the peer's or the engine's own `tick`).
+_TIMEOUT_MARKERS = ("no chunk from", "deadline")
+
+
+@dataclass
+class DeadlineGrowth:
+    """How much longer than planned the next attempt's deadlines are (`scale`, 1..MAX_DEADLINE_SCALE).
+
+    One timeout abort may be a stalled peer (excluded on the retry); a round that times out
+    again is more likely held by links slower than their estimates: from the second consecutive
+    timeout abort of a round on, every further one doubles the scale, up to the cap. Another
+    abort breaks the streak (the scale stays); a commit halves the scale (a link that needed it
+    may still be slow), down to 1. `on_abort` returns the line to log when the scale grows.
+    """
+
+    scale: float = 1.0
+    streak: int = 0  # consecutive timeout aborts of `round`
+    round: int = -1
+
+    def on_abort(self, round_: int, reason: str) -> str | None:
+        if round_ != self.round:
+            self.round, self.streak = round_, 0
+        if not any(m in reason for m in _TIMEOUT_MARKERS):
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.streak < 2 or self.scale >= MAX_DEADLINE_SCALE:
+            return None
+        self.scale = min(MAX_DEADLINE_SCALE, 2 * self.scale)
+        return (f"round {round_} timed out {self.streak} times in a row ({reason}): the links are slower "
+                f"than their estimates; deadlines of its next attempts x{self.scale:g} (at most "
+                f"x{MAX_DEADLINE_SCALE:g})")
+
+    def on_commit(self) -> None:
+        self.scale, self.streak, self.round = max(1.0, self.scale / 2), 0, -1
+
+
 class RoundEngine:
     """The coordinator's state and the protocol's rules; see the module docstring.
 
@@ -464,6 +506,7 @@ class RoundEngine:
         self._no_trusted_logged = False
         self.finished = False
         self._donor_rotation = 0
+        self.growth = DeadlineGrowth()
         self._refresh_all()
 
     # ------------------------------------------------------------ queries
@@ -580,13 +623,16 @@ class RoundEngine:
         return self._expire(now)
 
     def report_links(self, peer_id: str, up: float, down: float, rtt: float,
-                     shm_peers: tuple[str, ...] | None = None) -> None:
+                     shm_peers: tuple[str, ...] | None = None, now: float | None = None) -> None:
         """Record a peer's measured links (bytes/s, seconds) and, when given, the peers it reaches
-        through shared memory."""
+        through shared memory; `now` (engine time) dates the estimate (`Member.links_at`). The
+        next plan uses them: a report replaces the previous one, lower or higher."""
         m = self.members.get(peer_id)
         if m is None:
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: unknown peer {peer_id[:8]}")
         m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds = up, down, rtt
+        if now is not None:
+            m.links_at = now
         if shm_peers is not None:
             m.shm_peers = frozenset(shm_peers)
 
@@ -977,7 +1023,7 @@ class RoundEngine:
         participants = opening.participants
         info = self.ready[participants[0]]
         planned = plan_round([self.members[p].link() for p in participants], info.num_elements, info.dtype,
-                             self.policy, untrusted=self.untrusted)
+                             self.policy, untrusted=self.untrusted, deadline_scale=self.growth.scale)
         if isinstance(planned, NoPlan):
             # E.g. two peers, one of them lying in an owner audit: nobody can tell which.
             if not self._no_trusted_logged:
@@ -1006,7 +1052,7 @@ class RoundEngine:
             actions.append(PersistEpoch(self.epoch))
         plan = dataclasses.replace(
             planned, round=self.committed_rounds, attempt=self.attempt, epoch=self.epoch,
-            deadline_seconds=self.config.collective_timeout,
+            deadline_seconds=planned.deadline_seconds,
             addresses=tuple(self.members[p].address for p in planned.participants),
             num_samples=tuple(self.ready[p].num_samples for p in planned.participants),
             public_keys=tuple(self.members[p].public_key for p in planned.participants))
@@ -1040,6 +1086,7 @@ class RoundEngine:
         )
         self.commits.append(rec)
         self._committed += 1
+        self.growth.on_commit()
         if self.config.cohort_size:
             # The pool stays; the participants re-enter it when they say ready with the new state.
             for p in rec.participants:
@@ -1065,6 +1112,9 @@ class RoundEngine:
         for p in excluded:
             self._refresh(p)
         self.running = None
+        grew = self.growth.on_abort(run.plan.round, reason)
+        if grew is not None:  # the reason once, at the streak's first growth; the later ones quieter
+            log.log(logging.WARNING if self.growth.streak == 2 else logging.INFO, "%s", grew)
         self.rounds_aborted += 1
         survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.ready]
         will_retry = self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers

@@ -68,7 +68,7 @@ from shoal.coordinator.pauses import RunClock
 from shoal.coordinator.store import SQLiteStore, StateFileError, Store
 from shoal.common.attempts import ATTEMPT_STRIDE, shown_attempt
 from shoal.common.errors import DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
-from shoal.common.identity import RequestVerifier, load_or_create_key, peer_id_of, public_bytes
+from shoal.common.identity import MD_PUBKEY, RequestVerifier, load_or_create_key, peer_id_of, public_bytes
 from shoal.common.reach import Reachability, dial_back
 from shoal.common.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
                          RateLimiter)
@@ -94,6 +94,7 @@ TICKET_SLACK_SECONDS = 60.0
 SYNC_PERMIT_SECONDS = 300.0
 METRICS_EVERY_SECONDS = 1.0
 RUN_OVER_POLL_SECONDS = 0.2
+PROBE_MAX_BYTES = 1 << 20  # a coordinator Probe moves at most this much each way (a joiner's first estimate)
 COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
 # Request nonces remembered for the signature window (30 s): above the calls of 10,000 members in
 # that window (heartbeats every lease/4, Readys), ~200 bytes each; past it, RESOURCE_EXHAUSTED.
@@ -428,7 +429,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 require(len(request.shm_peers) <= 4096, "shm_peers", "at most 4096 peers")
                 self.engine.report_links(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
                                          sum(rtts) / len(rtts) if rtts else 0.0,
-                                         tuple(request.shm_peers))
+                                         tuple(request.shm_peers), now=self.clock())
                 self.metrics.observe_link(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
                                           sum(rtts) / len(rtts) if rtts else 0.0)
             except RoundError as exc:
@@ -437,6 +438,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                      request.peer_id[:8], request.up_bytes_per_s * 8e-6, request.down_bytes_per_s * 8e-6,
                      1e3 * (sum(rtts) / len(rtts) if rtts else 0.0), len(request.links))
             return pb.LinkReportResponse()
+
+    async def Probe(self, request: pb.ProbeRequest, context) -> pb.ProbeResponse:
+        """A member's first link estimate (peer.links.probe_peer against the coordinator): echo
+        `reply_bytes` zero bytes. Members only (the signature names the caller), both directions
+        at most PROBE_MAX_BYTES; rate limited like every signed call."""
+        async with grpc_errors(context):
+            require(request.reply_bytes <= PROBE_MAX_BYTES, "reply_bytes", f"at most {PROBE_MAX_BYTES}")
+            require(len(request.payload) <= PROBE_MAX_BYTES, "payload", f"at most {PROBE_MAX_BYTES} bytes")
+            pub = next((v for k, v in (context.invocation_metadata() or ()) if k == MD_PUBKEY), "")
+            try:
+                caller = peer_id_of(bytes.fromhex(pub))
+            except ValueError:
+                caller = ""
+            if caller not in self.engine.members:
+                raise NotFound(f"caller: {caller[:8] or 'unsigned'} is not a member; only members may probe the "
+                               "coordinator (join first)")
+            return pb.ProbeResponse(payload=bytes(request.reply_bytes))
 
     def recent(self, k: int) -> tuple[list[CommitRecord], list[AbortRecord]]:
         """The last `k` commits and aborts, oldest first: from memory when the engine's window
@@ -454,7 +472,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           lease_remaining_seconds=max(0.0, m.lease_expiry - now), num_samples=m.num_samples,
                           up_bytes_per_s=m.up_bytes_per_s, down_bytes_per_s=m.down_bytes_per_s,
                           rtt_seconds=m.rtt_seconds, untrusted=m.peer_id in e.untrusted, shm_peers=len(m.shm_peers),
-                          reachability={True: "reachable", False: "unreachable", None: "unchecked"}[m.reachable])
+                          reachability={True: "reachable", False: "unreachable", None: "unchecked"}[m.reachable],
+                          links_age_seconds=-1.0 if m.links_at is None else max(0.0, now - m.links_at))
             for m in sorted(e.members.values(), key=lambda m: m.peer_id)
         ]
         k = request.recent_rounds or 10

@@ -53,7 +53,7 @@ from shoal.peer.byzantine import OWNER_ATTACKS, tamper
 from shoal.peer.contribution import Contribution, FedAvgContribution, Forgery
 from shoal.peer.control import CoordinatorClient
 from shoal.peer.dataplane import Inbox, PeerService, StateSource, Transport, channel_options, serve_data_plane
-from shoal.peer.links import LinkMeter, probe_missing
+from shoal.peer.links import COORDINATOR, COORDINATOR_PROBE_BYTES, LinkMeter, probe_missing, probe_peer
 from shoal.peer.rounds import (Aborted, CollectiveRecord, EventMailbox, Outcome, Reconnected, RoundClient,
                                RoundListener, RoundOutcome, RunFinished, SyncRecord, SyncSettings, Traffic,
                                VoteRecord, event_of)
@@ -66,6 +66,7 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 log = logging.getLogger("shoal.peer")
 
 LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
+COORDINATOR_PROBE_TRIES = 3  # before the first plan (see PeerAgent._probe_coordinator)
 COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
 LEAVE_GRACE_SECONDS = 5.0  # a graceful leave lets the round in play end for this long, then abandons it
 
@@ -127,6 +128,9 @@ class _Journal(RoundListener):
     def on_collective(self, rec: CollectiveRecord) -> None:
         self.agent.metrics.on_collective(rec.seconds, rec.bytes_sent, rec.bytes_received)
         self.collective_bytes = (rec.bytes_sent, rec.bytes_received)
+        # Much slower than predicted: probe these links again before the next Ready (a re-plan).
+        self.agent.links.after_collective(rec.plan.participants, self.agent.peer_id, rec.seconds,
+                                          rec.plan.predicted_seconds)
 
     def on_vote(self, rec: VoteRecord) -> None:
         fields = {"reason": rec.reason, "suspects": list(rec.suspects), "failed_at": rec.failed_at} if not rec.ok else {}
@@ -418,24 +422,46 @@ class PeerAgent(StateSource):
         self.emit("local_work", seconds=seconds, round=self.workload.state.rounds)
 
     async def _measure_links(self) -> None:
-        """Probe the last round's participants without link history, report to the coordinator.
+        """Measure links and report them to the coordinator, alongside local training (so before
+        every Ready, the first one included: the first plan already knows the links).
 
-        Never raises: a failed probe or report only leaves the coordinator with older estimates
-        (bounded by LINK_MEASURE_SECONDS in all).
+        Before any plan this peer knows only the coordinator: it probes that (a first estimate of
+        its own access link, docs/performance.md "Links"). Afterwards it probes the last round's
+        participants without history, with an old probe, or made due by a slow collective
+        (`LinkMeter.after_collective`), and drops the coordinator's estimate (peers measure
+        what the plan uses). Never raises: a failed probe or report only leaves the coordinator
+        with older estimates (bounded by LINK_MEASURE_SECONDS in all).
         """
         plan = self.rounds.last_plan
-        if plan is None:
-            return
-        peers = list(zip(plan.participants, plan.addresses))
         try:
             async with asyncio.timeout(LINK_MEASURE_SECONDS):
-                await probe_missing(self.links, self.transport, peers, self.peer_id)
-                await self.transport.probe_lanes(a for pid, a in peers if pid != self.peer_id)
-                report = self.links.report(self.peer_id)
-                report.shm_peers.extend(self.transport.shm_peers(peers))
+                if plan is None:
+                    if not await self._probe_coordinator():
+                        return
+                    report = self.links.report(self.peer_id)
+                else:
+                    peers = list(zip(plan.participants, plan.addresses))
+                    if await probe_missing(self.links, self.transport, peers, self.peer_id):
+                        self.links.forget(COORDINATOR)
+                    await self.transport.probe_lanes(a for pid, a in peers if pid != self.peer_id)
+                    report = self.links.report(self.peer_id)
+                    report.shm_peers.extend(self.transport.shm_peers(peers))
                 await self.control.report_links(report)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             log.debug("link report not delivered: %s", exc)
+
+
+    async def _probe_coordinator(self) -> bool:
+        """The first estimate of this peer's own link: probe the coordinator (a few tries, a
+        second apart: a lease lost while the workload was built is renewed meanwhile). True
+        when there is an estimate to report."""
+        for _ in range(COORDINATOR_PROBE_TRIES):
+            if not self.links.needs_probe(COORDINATOR):
+                return False
+            if await probe_peer(self.links, self.control.stub, COORDINATOR, nbytes=COORDINATOR_PROBE_BYTES):
+                return True
+            await asyncio.sleep(1.0)
+        return False
 
 
 async def run_peer(config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None, *,

@@ -130,6 +130,7 @@ class _Stream:
         self.queue: asyncio.Queue[pb.Chunk | None] = asyncio.Queue(SEND_QUEUE_CHUNKS)
         self.bytes_sent = 0
         self.links = links  # peer.links.LinkMeter: one passive upload sample per stream
+        self.solo = False  # the sender's only stream (ring): its goodput while queued is the link's
         self.lane: str | None = None  # "shm" or "socket", chosen at the first chunk
         self._choosing = asyncio.Lock()
         self.writer: SegmentWriter | None = None
@@ -161,18 +162,23 @@ class _Stream:
     async def run(self) -> None:
         call = None
         try:
+            busy_bytes, busy_s = 0, 0.0  # written while more chunks were queued behind (peer.links)
             while (msg := await self.queue.get()) is not None:
                 if call is None:  # the stream opens with the ticket, signed with the first chunk
                     msg.ticket = self.plan.ticket
                     call = self.transport.stub(self.address).PushChunks(
                         timeout=self.timeout, metadata=self.transport.push_metadata(msg))
                     t0 = time.perf_counter()
+                queued, tw = not self.queue.empty(), time.perf_counter()
                 await call.write(msg)
+                if queued and self.solo:
+                    busy_bytes, busy_s = busy_bytes + len(msg.data), busy_s + time.perf_counter() - tw
             if call is not None:
                 await call.done_writing()
                 await call  # the receiver took every chunk: the writer may be reused
                 if self.links is not None and self.lane != "shm":  # shared memory says nothing of links
-                    self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0)
+                    self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0,
+                                            busy_bytes=busy_bytes, busy_seconds=busy_s)
             if self.writer is not None:
                 self.transport.give_back_writer(self.address, self.writer)
                 self.writer = None
@@ -469,6 +475,7 @@ class _Ring:
         self.prev = part.peer_id((part.me - 1) % part.size)
         nxt = (part.me + 1) % part.size
         self.out = _Stream(transport, plan.addresses[nxt], part.peer_id(nxt), plan, plan.deadline_seconds, links)
+        self.out.solo = True
 
     async def run(self) -> _Outcome:
         async with asyncio.TaskGroup() as tg:

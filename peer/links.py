@@ -11,13 +11,25 @@ remote → this ("down") in bytes/s and of the round-trip time, from two sources
   down and `probe_bytes` up) when a peer has no history or its probe is older than
   `probe_interval` seconds.
 
-A passive sample is a *lower bound* of the link's capacity: inside a collective a stream shares
-the upload with the others and waits for reductions and for slower peers, so it rarely runs at
-the link's speed. The capacity estimate of a link is therefore ``max(probe EWMA, passive EWMA)``:
-real transfers can raise it, only probes (refreshed every `probe_interval`) can lower it. The
-peer's aggregate upload (download), what the planner uses, is the largest of its per-link up
+Estimates follow the link both ways (docs/performance.md, "Links"):
+
+* a **probe** replaces the estimate of the link it measured (the link as it is now);
+* a **saturated** passive sample (`observe_send` with ``busy_bytes``/``busy_seconds``: goodput
+  while the sender had more data queued, so nothing but the path held it back) moves the
+  estimate towards it, both ways; one below the estimate by LOWER_FACTOR replaces it;
+* any other passive sample is a *lower bound* of the link's capacity (inside a collective a
+  stream waits for reductions and for slower peers), so it can only raise the estimate:
+  ``max(base, passive EWMA)``; a probe or a lowering saturated sample forgets it.
+
+The peer's aggregate upload (download), what the planner uses, is the largest of its per-link up
 (down) estimates and its passive whole-collective rate: with per-peer access links, the fastest
-path out of a peer is limited by its own upload only.
+path out of a peer is limited by its own upload only; a link that got slower at this peer's end
+shows on all its links (probed again after a slow round, `after_collective`), one that got
+slower at the other end only on that link.
+
+A collective that ran more than SLOW_FACTOR times longer than its plan predicted makes every
+link of its participants due for a probe (at most once per REPROBE_SECONDS per link), so the
+next report (before the next Ready) carries fresh estimates and the coordinator re-plans.
 
 The meter is plain data plus arithmetic (the clock is injectable); `probe_peer` is the only
 coroutine, and a failed probe only leaves the estimates as they were.
@@ -40,6 +52,11 @@ log = logging.getLogger("shoal.peer.links")
 PROBE_BYTES = 1 << 20
 PROBE_INTERVAL_SECONDS = 300.0
 PROBE_TIMEOUT_SECONDS = 10.0
+COORDINATOR = "coordinator"  # the pseudo peer id of probes of the coordinator (a joiner's first estimate)
+COORDINATOR_PROBE_BYTES = 256 << 10  # bounded by the coordinator (its PROBE_MAX_BYTES)
+LOWER_FACTOR = 1.5  # a saturated sample this much below the estimate replaces it
+SLOW_FACTOR = 1.5  # a collective this much slower than predicted makes its links due for a probe
+REPROBE_SECONDS = 30.0  # ... at most this often per link
 # Streams shorter than this (or carrying fewer bytes) say more about scheduling than about links.
 _MIN_SAMPLE_SECONDS = 0.005
 _MIN_SAMPLE_BYTES = 64 * 1024
@@ -57,26 +74,67 @@ class _Ewma:
         self.samples += 1
 
 
+    def reset(self) -> None:
+        self.value, self.samples = 0.0, 0
+
+
 @dataclass
-class _Link:
-    up_passive: _Ewma
-    down_passive: _Ewma
-    up_probe: _Ewma
-    down_probe: _Ewma
-    rtt: _Ewma
-    probed_at: float = float("-inf")
+class _Direction:
+    """One direction of one link: `base` from probes and saturated samples (follows the link
+    both ways), `passive` the EWMA of the other samples (lower bounds, raise only)."""
+
+    base: _Ewma
+    passive: _Ewma
 
     @property
-    def up(self) -> float:
-        return max(self.up_probe.value, self.up_passive.value)
-
-    @property
-    def down(self) -> float:
-        return max(self.down_probe.value, self.down_passive.value)
+    def value(self) -> float:
+        return max(self.base.value, self.passive.value)
 
     @property
     def samples(self) -> int:
-        return self.up_passive.samples + self.down_passive.samples + self.up_probe.samples + self.down_probe.samples
+        return self.base.samples + self.passive.samples
+
+    def probe(self, x: float) -> bool:
+        """A probe's rate replaces the estimate; True when that lowered it."""
+        lowered = x < self.value
+        self.base.value, self.base.samples = x, self.base.samples + 1
+        self.passive.reset()
+        return lowered
+
+    def saturated(self, x: float, alpha: float) -> bool:
+        """Goodput while the sender had data queued; True when it lowered the estimate."""
+        if self.value > 0 and x * LOWER_FACTOR < self.value:
+            self.base.value, self.base.samples = x, self.base.samples + 1
+            self.passive.reset()
+            return True
+        self.base.add(x, alpha)
+        return False
+
+
+def _direction() -> _Direction:
+    return _Direction(_Ewma(), _Ewma())
+
+
+@dataclass
+class _Link:
+    up_: _Direction
+    down_: _Direction
+    rtt: _Ewma
+    probed_at: float = float("-inf")
+    updated_at: float = float("-inf")  # last sample of any kind
+    due: bool = False  # a slow collective asked for a probe (`LinkMeter.after_collective`)
+
+    @property
+    def up(self) -> float:
+        return self.up_.value
+
+    @property
+    def down(self) -> float:
+        return self.down_.value
+
+    @property
+    def samples(self) -> int:
+        return self.up_.samples + self.down_.samples
 
 
 @dataclass(frozen=True)
@@ -88,6 +146,7 @@ class LinkView:
     down_bytes_per_s: float
     rtt_seconds: float
     samples: int
+    age_seconds: float = 0.0  # since its last sample
 
 
 class LinkMeter:
@@ -105,8 +164,15 @@ class LinkMeter:
     def _link(self, peer_id: str) -> _Link:
         link = self._links.get(peer_id)
         if link is None:
-            link = self._links[peer_id] = _Link(_Ewma(), _Ewma(), _Ewma(), _Ewma(), _Ewma())
+            link = self._links[peer_id] = _Link(_direction(), _direction(), _Ewma())
+        link.updated_at = self.clock()
         return link
+
+    def _lowered(self) -> None:
+        """A link got slower: the whole-collective rates (lower bounds from before) no longer
+        hold the aggregate up; later collectives rebuild them."""
+        self._up_total.reset()
+        self._down_total.reset()
 
     @staticmethod
     def _usable(nbytes: int, seconds: float) -> bool:
@@ -114,15 +180,24 @@ class LinkMeter:
 
     # --- passive ----------------------------------------------------------------------------
 
-    def observe_send(self, peer_id: str, nbytes: int, seconds: float) -> None:
-        """A stream to `peer_id` carried `nbytes` in `seconds` (first write to last ack)."""
+    def observe_send(self, peer_id: str, nbytes: int, seconds: float, *, busy_bytes: int = 0,
+                     busy_seconds: float = 0.0) -> None:
+        """A stream to `peer_id` carried `nbytes` in `seconds` (first write to last ack), of
+        which `busy_bytes` in `busy_seconds` while more data was queued behind them (the sender
+        was not waiting on anyone: a saturated sample, which may lower the estimate). Give busy
+        figures only where this stream is the sender's only one (else it shares the upload)."""
         if self._usable(nbytes, seconds):
-            self._link(peer_id).up_passive.add(nbytes / seconds, self.alpha)
+            self._link(peer_id).up_.passive.add(nbytes / seconds, self.alpha)
+        if self._usable(busy_bytes, busy_seconds) and busy_bytes * 2 >= nbytes:
+            if self._link(peer_id).up_.saturated(busy_bytes / busy_seconds, self.alpha):
+                log.info("link to %s slower: %.1f Mbit/s while sending with data queued", peer_id[:8],
+                         busy_bytes / busy_seconds * 8e-6)
+                self._lowered()
 
     def observe_receive(self, peer_id: str, nbytes: int, seconds: float) -> None:
         """A stream from `peer_id` delivered `nbytes` in `seconds` (first to last chunk)."""
         if self._usable(nbytes, seconds):
-            self._link(peer_id).down_passive.add(nbytes / seconds, self.alpha)
+            self._link(peer_id).down_.passive.add(nbytes / seconds, self.alpha)
 
     def observe_collective(self, sent: int, received: int, seconds: float) -> None:
         """This peer sent and received these totals during one collective of `seconds`."""
@@ -139,24 +214,56 @@ class LinkMeter:
         link = self._link(peer_id)
         if rtt is not None and rtt >= 0:
             link.rtt.add(rtt, self.alpha)
+        lowered = False
         if up is not None and up > 0:
-            link.up_probe.add(up, self.alpha)
+            lowered |= link.up_.probe(up)
         if down is not None and down > 0:
-            link.down_probe.add(down, self.alpha)
-        link.probed_at = self.clock()
+            lowered |= link.down_.probe(down)
+        if lowered:
+            self._lowered()
+        link.probed_at = link.updated_at = self.clock()
+        link.due = False
 
     def needs_probe(self, peer_id: str) -> bool:
-        """No throughput history for this peer, or its last probe is older than probe_interval."""
+        """No throughput history for this peer, its last probe is older than probe_interval, or
+        a slow collective made it due (`after_collective`)."""
         link = self._links.get(peer_id)
         if link is None or (link.up <= 0 and link.down <= 0):
             return True
-        return self.clock() - link.probed_at > self.probe_interval
+        return link.due or self.clock() - link.probed_at > self.probe_interval
+
+    def forget(self, peer_id: str) -> None:
+        """Drop what is known of the link to `peer_id` (e.g. the coordinator's first estimate
+        once the real peers are measured)."""
+        if self._links.pop(peer_id, None) is not None:
+            self._lowered()
+
+    def after_collective(self, participants: Iterable[str], me: str, seconds: float, predicted: float) -> list[str]:
+        """A collective over `participants` took `seconds` where its plan predicted `predicted`:
+        more than SLOW_FACTOR times longer makes the links to them due for a probe (those not
+        probed within REPROBE_SECONDS). Returns the peers made due (empty when it was not slow)."""
+        if not predicted > 0 or seconds <= SLOW_FACTOR * predicted:
+            return []
+        now = self.clock()
+        due = []
+        for p in participants:
+            link = self._links.get(p)
+            if p == me or link is None or link.due or now - link.probed_at < REPROBE_SECONDS:
+                continue
+            link.due = True
+            due.append(p)
+        if due:
+            log.info("collective took %.2fs, %.1fx the predicted %.2fs: probing %d links again before the next round",
+                     seconds, seconds / predicted, predicted, len(due))
+        return due
 
     # --- views ------------------------------------------------------------------------------
 
     def links(self) -> list[LinkView]:
         """Per-remote estimates, sorted by peer id."""
-        return [LinkView(p, l.up, l.down, l.rtt.value, l.samples) for p, l in sorted(self._links.items())]
+        now = self.clock()
+        return [LinkView(p, l.up, l.down, l.rtt.value, l.samples, max(0.0, now - l.updated_at))
+                for p, l in sorted(self._links.items())]
 
     def aggregate(self) -> tuple[float, float, float]:
         """(upload bytes/s, download bytes/s, mean RTT seconds) of this peer; 0 where unknown."""

@@ -1,5 +1,7 @@
 """`shoal status`: the operator's view of a coordinator (members, their links, recent rounds, and
-why the next round is not open).
+why the next round is not open). A member's links are the estimates the planner uses now (its
+last report, up and down bytes/s and RTT) and their age (seconds since that report; reports come
+before every Ready, re-measured after a round slower than predicted).
 
 One GetStatus call (bounded by `timeout`) over TLS or explicit plaintext (`shoal.common.security
 .Security`, like every other connection), rendered either as JSON (stable keys, for scripts and
@@ -43,7 +45,9 @@ async def fetch_status_async(address: str, *, recent: int = 10, timeout: float =
             {"peer_id": m.peer_id, "address": m.address, "state": m.state,
              "lease_remaining_seconds": round(m.lease_remaining_seconds, 3), "num_samples": m.num_samples,
              "links": {"up_bytes_per_s": m.up_bytes_per_s, "down_bytes_per_s": m.down_bytes_per_s,
-                       "rtt_seconds": m.rtt_seconds},
+                       "rtt_seconds": m.rtt_seconds,
+                       # since the member's last link report; None when it never reported one
+                       "age_seconds": round(m.links_age_seconds, 1) if m.links_age_seconds >= 0 else None},
              "untrusted": m.untrusted, "shm_peers": m.shm_peers}
             for m in resp.members
         ],
@@ -77,17 +81,22 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt.format(*headers), fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in rows)])
 
 
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.0f}s"
+
+
 def render_table(s: dict) -> str:
     """Human view of `fetch_status`'s dict."""
     algo = s["run_config"].get("algorithm", "?")
     head = (f"coordinator {s['coordinator']}  epoch {s['epoch']}  round {s['round']}  "
             f"committed {s['rounds_committed']}  aborted {s['rounds_aborted']}  algorithm {algo}")
     members = _table(
-        ["peer", "address", "state", "lease", "samples", "up", "down", "rtt", "shm peers"],
+        ["peer", "address", "state", "lease", "samples", "up", "down", "rtt", "links age", "shm peers"],
         [[m["peer_id"][:12], m["address"], m["state"] + (" (untrusted)" if m["untrusted"] else ""),
           f"{m['lease_remaining_seconds']:.1f}s", str(m["num_samples"]),
           _rate(m["links"]["up_bytes_per_s"]), _rate(m["links"]["down_bytes_per_s"]),
-          f"{m['links']['rtt_seconds'] * 1000:.1f}ms" if m["links"]["rtt_seconds"] else "-", str(m["shm_peers"])]
+          f"{m['links']['rtt_seconds'] * 1000:.1f}ms" if m["links"]["rtt_seconds"] else "-",
+          _age(m["links"].get("age_seconds")), str(m["shm_peers"])]
          for m in s["members"]])
     rounds = _table(
         ["round", "attempt", "status", "peers", "seconds", "loss", "reason"],

@@ -19,6 +19,7 @@ from shoal.coordinator.planner import (
     best_ring_order,
     butterfly_fractions,
     chunk_deadline,
+    conservative_seconds,
     plan_collective,
     plan_round,
     predict_butterfly,
@@ -279,7 +280,12 @@ def test_plan_round_without_measurements_is_static_and_carries_the_policy() -> N
     assert plan.participants == ("a", "b", "c") and plan.collective == "butterfly"  # median: owners reduce
     assert plan.shard_bounds == (0, 3, 6, 10) and plan.shard_owner == (0, 1, 2) and plan.demoted == ()
     assert (plan.aggregator, plan.compression, plan.dtype, plan.num_elements) == ("median", "int8", 1, 10)
-    assert plan.chunk_bytes == 1 << 18 and plan.chunk_timeout_seconds == policy.chunk_timeout
+    # Nothing measured: deadlines from the assumed slow link, not the floor (docs/performance.md, "Links").
+    assert plan.chunk_bytes == 1 << 18 and plan.chunk_timeout_seconds == policy.chunk_timeout  # 40 bytes
+    big = plan_round(links, 1_000_000, 1, policy)
+    expected = conservative_seconds(links, 1_000_000, 4, policy)
+    assert big.chunk_timeout_seconds == chunk_deadline(links, policy, 1 << 18, expected_seconds=expected)
+    assert big.chunk_timeout_seconds > 4.0 * (1 << 18) / policy.assumed_link > policy.chunk_timeout
     assert not plan.audit_owners and plan.predicted_seconds == 0.0
     ring = plan_round(links, 10, 1, PlanPolicy(collective="ring"))
     assert ring.collective == "ring" and ring.shard_bounds == (0, 3, 6, 10)
@@ -313,9 +319,11 @@ def test_chunks_follow_the_slowest_link_or_shared_memory() -> None:
     slow = [LinkSpec(p, 10 * MBIT, 10 * MBIT, 0.01) for p in "abcd"]
     plan = plan_round(slow, 4_000_000, 1, policy)
     assert plan.chunk_bytes == int(10 * MBIT * 0.15)
-    assert plan.chunk_timeout_seconds == pytest.approx(max(2.0, 4.0 * plan.chunk_bytes / (10 * MBIT) + 0.02))
-    assert plan.chunk_timeout_seconds == chunk_deadline(slow, policy, plan.chunk_bytes)
-    assert chunk_deadline([LinkSpec("a", 0.0, 0.0)], policy, 1 << 20) == policy.chunk_timeout
+    expected = max(plan.predicted_seconds, conservative_seconds(slow, 4_000_000, 4, policy))
+    assert plan.chunk_timeout_seconds == pytest.approx(
+        max(2.0, 4.0 * plan.chunk_bytes / (10 * MBIT) + 0.02 + expected))
+    assert plan.chunk_timeout_seconds == chunk_deadline(slow, policy, plan.chunk_bytes, expected_seconds=expected)
+    assert chunk_deadline([LinkSpec("a", 0.0, 0.0)], policy, 1 << 20) == 4.0 * (1 << 20) / policy.assumed_link
     one_host = [LinkSpec(p, 2e9, 2e9, 1e-4, frozenset(set("abcd") - {p})) for p in "abcd"]
     assert plan_round(one_host, 4_000_000, 1, policy).chunk_bytes == policy.shm_chunk_bytes
     almost = [dataclasses.replace(l, shm_peers=l.shm_peers - {"a"}) if l.peer_id == "d" else l for l in one_host]

@@ -71,6 +71,11 @@ class CoordinatorStub:
                 request_serializer=shoal_dot_v1_dot_shoal__pb2.LinkReport.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_shoal__pb2.LinkReportResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/shoal.v1.Coordinator/Probe',
+                request_serializer=shoal_dot_v1_dot_shoal__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_shoal__pb2.ProbeResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/shoal.v1.Coordinator/GetStatus',
                 request_serializer=shoal_dot_v1_dot_shoal__pb2.StatusRequest.SerializeToString,
@@ -132,6 +137,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """A joiner's first link estimate, before it knows any other peer: it times an empty probe
+        (RTT), one asking for `reply_bytes` (its download) and one carrying a payload (its upload).
+        Members only; both sizes at most 1 MiB.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Operator view: members, links, recent rounds.
         """
@@ -176,6 +190,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ReportLinks,
                     request_deserializer=shoal_dot_v1_dot_shoal__pb2.LinkReport.FromString,
                     response_serializer=shoal_dot_v1_dot_shoal__pb2.LinkReportResponse.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=shoal_dot_v1_dot_shoal__pb2.ProbeRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_shoal__pb2.ProbeResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -374,6 +393,33 @@ class Coordinator:
             '/shoal.v1.Coordinator/ReportLinks',
             shoal_dot_v1_dot_shoal__pb2.LinkReport.SerializeToString,
             shoal_dot_v1_dot_shoal__pb2.LinkReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.Coordinator/Probe',
+            shoal_dot_v1_dot_shoal__pb2.ProbeRequest.SerializeToString,
+            shoal_dot_v1_dot_shoal__pb2.ProbeResponse.FromString,
             options,
             channel_credentials,
             insecure,
