@@ -35,6 +35,17 @@ def _events(path: pathlib.Path) -> list[dict]:
     return out
 
 
+def _joined_at(log: pathlib.Path, after: float) -> float | None:
+    """Unix time of the joiner's "joined as" line (its log stamps HH:MM:SS, local time)."""
+    for line in log.read_text().splitlines() if log.exists() else ():
+        if " joined as " in line:
+            hh, mm, ss = (int(x) for x in line[:8].split(":"))
+            base = time.localtime(after)
+            t = time.mktime((base.tm_year, base.tm_mon, base.tm_mday, hh, mm, ss, 0, 0, -1))
+            return t if t >= after - 1 else t + 86400
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=16384)
@@ -44,6 +55,8 @@ def main() -> int:
     ap.add_argument("--inner-steps", type=int, default=5)
     ap.add_argument("--workdir", default="")
     ap.add_argument("--extra-peer-args", default="")
+    ap.add_argument("--extra-coordinator-args", default="", help='e.g. "--chunk-timeout 10" (until the '
+                    'per-chunk deadlines follow measured links)')
     a = ap.parse_args()
     ok, why = NetBed.available()
     if not ok:
@@ -53,6 +66,9 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     common = ["--log-level", "info", "--insecure"]
+    # Every peer runs on this one host: without this the collective would take the shared-memory
+    # lane and bypass the namespaces' shaped links.
+    peer_common = ["--no-shared-memory"]
     with NetBed(4, up_mbit=[None, None, None, a.joiner_mbit], down_mbit=[None, None, None, a.joiner_mbit],
                 prefix="cat") as bed:
         ready = work / "coordinator.addr"
@@ -61,7 +77,8 @@ def main() -> int:
         coord = subprocess.Popen(
             [py, "-m", "shoal.cli", "coordinator", "--listen", f"{bed.root_ip}:0", "--state", str(work / "c.db"),
              "--ready-file", str(ready), "--rounds", "100000", "--min-peers", "2", "--initial-peers", "3",
-             "--num-data-shards", "4", "--inner-steps", str(a.inner_steps), "--hidden", str(a.hidden), *common],
+             "--num-data-shards", "4", "--inner-steps", str(a.inner_steps), "--hidden", str(a.hidden), *common,
+             *a.extra_coordinator_args.split()],
             stdout=coord_log, stderr=subprocess.STDOUT)
         procs = [coord]
         try:
@@ -77,7 +94,7 @@ def main() -> int:
                 log = open(work / f"peer-{i}.log", "w")
                 return bed.popen(i, [py, "-m", "shoal.cli", "peer", "--coordinator", address,
                                      "--listen", f"{bed.host_ip(i)}:0", "--key", str(work / f"peer-{i}.key"),
-                                     "--data-shard", str(i), "--events", str(work / f"peer-{i}.jsonl"), *common,
+                                     "--data-shard", str(i), "--events", str(work / f"peer-{i}.jsonl"), *common, *peer_common,
                                      *a.extra_peer_args.split()],
                                  stdout=log, stderr=subprocess.STDOUT)
 
@@ -97,12 +114,15 @@ def main() -> int:
                     break
                 time.sleep(0.5)
             ev = _events(work / "peer-3.jsonl")
+            joined_at = _joined_at(work / "peer-3.log", joiner_started)
             syncs = [e for e in ev if e.get("event") == "state_sync"]
             failed = [e for e in ev if e.get("event") == "state_sync_failed"]
             result = {
                 "hidden": a.hidden, "joiner_mbit": a.joiner_mbit, "join_at": a.join_at,
                 "joiner_first_commit_after_start_s": (round(first_commit["t"] - joiner_started, 2)
                                                       if first_commit and "t" in first_commit else None),
+                "joiner_first_commit_after_join_s": (round(first_commit["t"] - joined_at, 2)
+                                                     if first_commit and joined_at else None),
                 "joiner_commits": sum(e.get("event") == "commit" for e in ev),
                 "state_syncs": [{k: s.get(k) for k in ("round", "bytes", "seconds")} for s in syncs],
                 "state_syncs_failed": len(failed),
