@@ -83,6 +83,9 @@ class EngineConfig:
     cohort_timeout: a drawn peer that holds an older state has this long to fetch the committed
         state, train and say ready; then its place is drawn again. Longer than one state sync plus
         one round of local work.
+    sync_hold: the most a round waits for a peer downloading the committed state (`sync_plan`:
+        its expected download time, from its measured rate, when known); past it the swarm goes
+        on and the peer catches up from the state it fetched with a second order.
     The planning settings (collective .. compression) are `PlanPolicy`'s (`plan_policy`).
     """
 
@@ -101,6 +104,7 @@ class EngineConfig:
     cohort_size: int = 0
     cohort_seed: int = 0
     cohort_timeout: float = 60.0
+    sync_hold: float = 60.0  # longest a round waits for a catching-up peer's state download (seconds)
     chunk_bytes: int = 1 << 20  # largest chunk through sockets; see planner.plan_layout
     # Chunk size when every participant reaches every other through shared memory (peer.shm):
     # no socket to keep busy, and every chunk costs CPU on both sides.
@@ -119,6 +123,30 @@ class EngineConfig:
                           min_gain=self.plan_min_gain, chunk_bytes=self.chunk_bytes,
                           shm_chunk_bytes=self.shm_chunk_bytes, chunk_timeout=self.chunk_timeout,
                           chunk_safety=self.chunk_safety, collective_timeout=self.collective_timeout)
+
+
+SYNC_PERMIT_SECONDS = 300.0  # a sync permit when the peer's download rate is unknown
+SYNC_PERMIT_BOUNDS = (60.0, 900.0)  # seconds; a permit sized from a measured rate stays within
+
+
+def sync_plan(state_bytes: int, bytes_per_s: float, config: EngineConfig, *,
+              joining: bool = False) -> tuple[float, float]:
+    """(hold, permit) seconds for a peer about to download `state_bytes` at `bytes_per_s` (its
+    last state download, else its measured download link; 0 = unknown).
+
+    hold: how long rounds wait for it: 1.5x the expected download plus the ready timeout, at most
+    `config.sync_hold` (when the rate is unknown: all of it for a peer `joining` (never a
+    member: it says ready once done, which ends the wait), the ready timeout for a member that
+    fell behind, which may still be busy elsewhere). permit: how long its sync permit lasts,
+    which is how long donors keep that state for it: 3x the expected download, within
+    SYNC_PERMIT_BOUNDS (SYNC_PERMIT_SECONDS when unknown). Pure.
+    """
+    if state_bytes <= 0 or bytes_per_s <= 0:
+        return config.sync_hold if joining else config.ready_timeout, SYNC_PERMIT_SECONDS
+    expected = state_bytes / bytes_per_s
+    hold = min(config.sync_hold, 1.5 * expected + config.ready_timeout)
+    lo, hi = SYNC_PERMIT_BOUNDS
+    return hold, min(hi, max(lo, 3.0 * expected))
 
 
 class MemberState(enum.Enum):
@@ -204,6 +232,9 @@ class Member:
     # Whether its advertised data address answered the coordinator's dial-back (None: not
     # checked). A peer nobody can dial is never placed in a round (others would have to dial it).
     reachable: bool | None = None
+    state_bytes: int = 0  # size of its serialized state (its Ready): what a sync downloads
+    sync_bytes_per_s: float = 0.0  # rate of its last state download (its Ready; 0 = unknown)
+    sync_until: float = 0.0  # rounds wait for its download until then (set with each sync order)
 
     def link(self) -> LinkSpec:
         """Its reported links, as the planner reads them."""
@@ -218,6 +249,8 @@ class ReadyInfo:
     state_digest: bytes
     state_round: int
     at: float
+    state_bytes: int = 0  # size of the serialized state (0 = not said)
+    sync_bytes_per_s: float = 0.0  # the peer's last state download rate (0 = unknown)
 
 
 @dataclass(frozen=True)
@@ -332,10 +365,13 @@ class SendAbort:
 
 @dataclass(frozen=True)
 class SendSync:
+    """A sync order; permit_seconds: how long its permit lasts (donors keep the state that long)."""
+
     peer_id: str
     round: int
     state_digest: bytes
     donors: tuple[str, ...]
+    permit_seconds: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -582,6 +618,11 @@ class RoundEngine:
             state = MemberState.MEMBER
         m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
                    connected=connected or (old.connected if old is not None else False), reachable=reachable)
+        if state is MemberState.SYNCING:
+            # Its join answer orders a sync: rounds wait for that download (up to sync_hold; it
+            # says ready once done), so the state it fetches is still the head when it is done,
+            # however slow its link.
+            m.state, m.sync_until = MemberState.CATCHING_UP, now + self.config.sync_hold
         self.members[peer_id] = m
         if reachable is False:
             self.unreachable.add(peer_id)
@@ -682,6 +723,8 @@ class RoundEngine:
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
         m.num_samples = info.num_samples
+        m.state_bytes = info.state_bytes or m.state_bytes
+        m.sync_bytes_per_s = info.sync_bytes_per_s or m.sync_bytes_per_s
         in_sync = self._in_sync(info)
         if not in_sync and self.config.cohort_size and not (self.cohort and peer_id in self.cohort.members):
             # A cohort's pool: it waits, with the state it has, until a draw picks it.
@@ -694,6 +737,7 @@ class RoundEngine:
                 raise RoundError(ErrorKind.PRECONDITION, "state_round: no up-to-date donor is live; retry later")
             return [order]
         m.stale_state_round = None
+        m.sync_until = 0.0
         if round_ != self.committed_rounds:
             raise RoundError(ErrorKind.INVALID, f"round: expected {self.committed_rounds}, got {round_}")
         self._check_size(info)
@@ -727,13 +771,16 @@ class RoundEngine:
         donors = self.donors(now, exclude=m.peer_id)
         if not donors:
             return None
+        hold, permit = sync_plan(m.state_bytes, m.sync_bytes_per_s or m.down_bytes_per_s, self.config,
+                                 joining=not m.state.is_member)
         if m.stale_state_round is None or held_round > m.stale_state_round:
             # Progress (first word since it fell behind, or a newer state than last time): wait
-            # for it while it syncs, so a fast swarm does not outrun it for ever.
+            # for it while it syncs (up to `hold`), so a fast swarm does not outrun it for ever.
             m.state = m.state.after_ready(in_sync=False)
+            m.sync_until = max(m.sync_until, now + hold)
         m.stale_state_round = held_round
         self._refresh(m.peer_id)
-        return SendSync(m.peer_id, self.committed_rounds, self.last_state_digest, donors)
+        return SendSync(m.peer_id, self.committed_rounds, self.last_state_digest, donors, permit)
 
     def vote(self, peer_id: str, round_: int, attempt: int, ok: bool, result_digest: bytes,
              state_digest: bytes, now: float, *, loss: float = 0.0, suspects: tuple[str, ...] = (),
@@ -878,7 +925,11 @@ class RoundEngine:
         # joiner forever); the ready timeout bounds the wait for a straggler. A retry waits for
         # nobody: its participants are the survivors.
         waiting_on = tuple(sorted(p for p in self._unready if p in live))
-        late = self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout
+        until = (self.first_ready_at if self.first_ready_at is not None else now) + self.config.ready_timeout
+        # A peer downloading the committed state is waited on while its download should last.
+        until = max([until] + [self.members[p].sync_until for p in waiting_on
+                               if self.members[p].state is MemberState.CATCHING_UP])
+        late = self.first_ready_at is not None and now >= until
         if not waiting_on or self.tries > 0 or late:
             left_out = waiting_on if late and self.tries == 0 else ()
             if self.config.cohort_size:
@@ -886,7 +937,6 @@ class RoundEngine:
                                     round_=self.committed_rounds, attempt=0)
                 return _Draw(Cohort(drawn, now), left_out, ready=len(candidates))
             return _Opening(candidates, left_out, ready=len(candidates))
-        until = (self.first_ready_at if self.first_ready_at is not None else now) + self.config.ready_timeout
         syncing = sum(self.members[p].state is MemberState.CATCHING_UP for p in waiting_on)
         if syncing == len(waiting_on):
             return Waiting(WaitReason.SYNCING, f"syncing {_plural(syncing, 'member')}: waiting up to "

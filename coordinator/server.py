@@ -91,7 +91,6 @@ GET_STATUS = SERVICE_PREFIX + "GetStatus"
 UNSIGNED_METHODS = frozenset({GET_STATUS})
 # A ticket outlives its plan's deadline by this much (clock skew between peers, seconds).
 TICKET_SLACK_SECONDS = 60.0
-SYNC_PERMIT_SECONDS = 300.0
 METRICS_EVERY_SECONDS = 1.0
 RUN_OVER_POLL_SECONDS = 0.2
 PROBE_MAX_BYTES = 1 << 20  # a coordinator Probe moves at most this much each way (a joiner's first estimate)
@@ -247,8 +246,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         elif isinstance(a, SendSync):
             self.metrics.on_sync()
             if a.peer_id != replying_to:  # a Ready's own order travels in its reply
-                self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a.round, a.state_digest, a.donors,
-                                                                          to=a.peer_id)))
+                self._send(a.peer_id, pb.RoundEvent(sync=self._sync_order(a, to=a.peer_id)))
         elif isinstance(a, SendFinished):
             # The engine answers every late Ready with SendFinished again; say it once.
             if self.finished_event is None:
@@ -259,9 +257,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             for p in list(self.watchers):
                 self._send(p, self.finished_event)
 
-    def _sync_order(self, round_: int, digest: bytes, donors: tuple[str, ...], *, to: str) -> pb.SyncOrder:
+    def _sync_order(self, a: SendSync, *, to: str) -> pb.SyncOrder:
         # The permit is what donors ask for before serving state: proof that `to` is a member.
-        permit = issue_ticket(self.key, round_, SYNC_ATTEMPT, [to], digest, SYNC_PERMIT_SECONDS, now=self.wall())
+        # Donors keep the state for `to` until it expires (its length follows `to`'s rate).
+        round_, digest, donors = a.round, a.state_digest, a.donors
+        permit = issue_ticket(self.key, round_, SYNC_ATTEMPT, [to], digest, a.permit_seconds, now=self.wall())
         return pb.SyncOrder(round=round_, state_digest=digest, permit=permit, donors=[
             pb.Participant(peer_id=d, address=self.engine.members[d].address,
                            public_key=self.engine.members[d].public_key)
@@ -346,8 +346,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
             # With cohorts a joiner fetches the state when a draw picks it (coordinator.cohorts).
             if self.engine.commits and not self.engine.config.cohort_size:
-                resp.sync.CopyFrom(self._sync_order(self.engine.committed_rounds, self.engine.last_state_digest,
-                                                    self.engine.donors(now, exclude=peer_id), to=peer_id))
+                resp.sync.CopyFrom(self._sync_order(SendSync(peer_id, self.engine.committed_rounds,
+                                                             self.engine.last_state_digest,
+                                                             self.engine.donors(now, exclude=peer_id)), to=peer_id))
             return resp
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
@@ -371,7 +372,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             require(request.num_elements > 0, "num_elements", "must be positive")
             require(request.dtype != pb.DTYPE_UNSPECIFIED, "dtype", "must be set")
             info = ReadyInfo(request.num_elements, request.dtype, request.num_samples, request.state_digest,
-                             request.state_round, self.clock())
+                             request.state_round, self.clock(), request.state_bytes, request.sync_bytes_per_s)
             try:
                 actions = self.engine.ready_(request.peer_id, request.round, info, self.clock())
             except RoundError as exc:
@@ -381,7 +382,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             for a in actions:
                 if isinstance(a, SendSync) and a.peer_id == request.peer_id:
                     # In the reply only (after the run finished, the event stream is closed).
-                    resp.sync.CopyFrom(self._sync_order(a.round, a.state_digest, a.donors, to=a.peer_id))
+                    resp.sync.CopyFrom(self._sync_order(a, to=a.peer_id))
             return resp
 
     async def WatchRounds(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.RoundEvent]:

@@ -227,8 +227,8 @@ class PeerAgent(StateSource):
     def committed_state(self) -> tuple[int, bytes, bytes]:
         return self.held.committed_state()
 
-    def state_for(self, rounds: int) -> tuple[bytes, bytes] | None:
-        return self.held.state_for(rounds)
+    def state_for(self, rounds: int, holder: str = "", until: float = 0.0) -> tuple[bytes, bytes] | None:
+        return self.held.state_for(rounds, holder, until)
 
     def emit(self, event: str, **fields) -> None:
         """Append one record to the events file (if any): {"event", "peer", "t", **fields}."""

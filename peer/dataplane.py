@@ -281,9 +281,10 @@ class StateSource:
     def committed_state(self) -> tuple[int, bytes, bytes]:  # (rounds, blob, digest)
         raise NotImplementedError
 
-    def state_for(self, rounds: int) -> tuple[bytes, bytes] | None:
+    def state_for(self, rounds: int, holder: str = "", until: float = 0.0) -> tuple[bytes, bytes] | None:
         """(blob, digest) of the committed state after `rounds` rounds, if still held. Donors keep
-        the last few, so a download in flight survives the swarm committing another round."""
+        the last few, and one `holder` is fetching until `until` (unix seconds, its permit's
+        expiry), so a download in flight survives the swarm committing other rounds."""
         held, blob, dig = self.committed_state()
         return (blob, dig) if held == rounds else None
 
@@ -412,10 +413,11 @@ class PeerService(pb_grpc.PeerServicer):
             permit = next((v for k, v in (context.invocation_metadata() or ()) if k == MD_TICKET), b"")
             if not permit:
                 raise PermissionDenied(f"{MD_TICKET}: missing; FetchState needs a round ticket or sync permit")
-            verify_membership(self._coordinator_key(), permit, peer_id=request.peer_id)
+            ticket = verify_membership(self._coordinator_key(), permit, peer_id=request.peer_id)
             if self.state is None:
                 raise FailedPrecondition("round: this peer serves no state")
-            found = self.state.state_for(request.round)
+            # The state stays held for the requester while its permit lasts (peer.state_sync).
+            found = self.state.state_for(request.round, request.peer_id, ticket.expires_unix)
             if found is None:
                 held = self.state.committed_state()[0]
                 raise FailedPrecondition(f"round: this peer holds state of round {held}, not {request.round}")

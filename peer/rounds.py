@@ -50,6 +50,7 @@ import numpy as np
 from shoal.common.attempts import shown_attempt
 from shoal.common.plan import Plan
 from shoal.common.tensors import dtype_code
+from shoal.common.throttle import Throttle, more
 from shoal.peer import faults
 from shoal.peer.collectives import CollectiveError, OwnerReducer, all_reduce
 from shoal.peer.compression import ErrorFeedback
@@ -57,11 +58,16 @@ from shoal.peer.contribution import Contribution
 from shoal.peer.control import CoordinatorClient
 from shoal.peer.dataplane import Inbox, Session, Transport
 from shoal.peer.links import LinkMeter
-from shoal.peer.state_sync import SyncError, download_state
+from shoal.peer.state_sync import Download, SyncError, SyncResult, download_state
 from shoal.peer.workload import State, Workload
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.rounds")
+
+SYNC_LOG_SECONDS = 10.0  # at most one "state sync failed" line per this many seconds (the rest at debug)
+# A download at least this far along is finished even when a newer order comes (the donors keep
+# it for this peer while its permit lasts): a second, later order then catches up from it.
+RESUME_OLDER_FRACTION = 0.5
 
 
 # ------------------------------------------------------------------------------ outcomes
@@ -409,6 +415,11 @@ class RoundClient:
         self._waiting: RoundState | None = None  # the round `play` waits in
         self._suspicious: int | None = None  # the waiting round the previous heartbeat found forgotten
         self._pooled = False  # the coordinator holds this peer's Ready in its cohort pool (last answer)
+        self._download: Download | None = None  # the state download in progress (kept across orders)
+        self._last_sync_stale = False  # the last sync failed because its order was out of date
+        self._syncing = False  # a state download is running (heartbeats then do not re-announce)
+        self._sync_lines = Throttle(SYNC_LOG_SECONDS)
+        self.sync_rate = 0.0  # bytes/s of the last state download (told to the coordinator: its hold)
 
     @property
     def me(self) -> str:
@@ -489,7 +500,8 @@ class RoundClient:
         st = self.workload.state
         return pb.ReadyRequest(peer_id=self.me, round=round_, num_elements=rs.update.size,
                                dtype=dtype_code(rs.update.dtype), num_samples=self.workload.num_samples,
-                               state_digest=st.digest(), state_round=st.rounds)
+                               state_digest=st.digest(), state_round=st.rounds,
+                               state_bytes=len(st.to_bytes()), sync_bytes_per_s=self.sync_rate)
 
     def heard(self, resp: pb.HeartbeatResponse, sent: float) -> None:
         """A heartbeat answer (sent at monotonic `sent`): the safety net for a lost Ready. A peer
@@ -502,7 +514,8 @@ class RoundClient:
         if self.last_announce < sent:
             self._pooled = resp.pooled
         # Waiting in the cohort pool (resp.pooled), a peer's Ready is held whatever `round` says.
-        forgotten = (r is not None and self.last_announce < sent and not resp.pooled
+        # Downloading the state (`_syncing`), it is not ready by design: the coordinator ordered it.
+        forgotten = (r is not None and self.last_announce < sent and not resp.pooled and not self._syncing
                      and (resp.round > r or not resp.ready))
         if forgotten and self._suspicious == r:
             log.info("the coordinator holds no Ready of this peer for round %d (it is at %d); announcing again",
@@ -668,7 +681,8 @@ class RoundClient:
         await self._stop_collective(rs)
         synced = await self.try_sync(order, rs)
         if synced is None:
-            await asyncio.sleep(random.uniform(0.05, 0.2))
+            if not self._last_sync_stale:  # a stale order: ask at once; a failure: after a pause
+                await asyncio.sleep(random.uniform(0.05, 0.2))
             await self.announce(rs, rs.round + 1)  # asks for another order
             return None
         if not synced:
@@ -681,19 +695,53 @@ class RoundClient:
         return order.round < st.rounds or (order.round == st.rounds and order.state_digest == st.digest())
 
     async def try_sync(self, order: pb.SyncOrder, rs: RoundState | None = None) -> bool | None:
-        """`sync`, with a failed download reported to the listeners: None when it failed."""
+        """`sync`, with a failed download reported to the listeners: None when it failed. One
+        line per failure at most every SYNC_LOG_SECONDS (the others at debug, counted)."""
         try:
             return await self.sync(order, rs)
         except SyncError as exc:
-            log.warning("state sync failed: %s; asking for another order", exc)
+            self._last_sync_stale = exc.stale
+            held = self._sync_lines.due()
+            what = ("the order is out of date (its donors moved past round %d)" % order.round if exc.stale
+                    else str(exc))
+            log.log(logging.DEBUG if held is None else logging.WARNING, "state sync failed: %s; asking for another "
+                    "order%s", what, more(held or 0))
             self._tell("on_sync_failed", order, exc)
             return None
 
+    def _download_for(self, order: pb.SyncOrder) -> Download:
+        """The download that `order` continues: the one kept for the same digest; or an older one
+        this peer has mostly fetched (it finishes it, then catches up with a second order rather
+        than chase the head from byte 0); else a new one."""
+        dl, held = self._download, self.workload.state.rounds
+        if dl is not None and (dl.digest == order.state_digest or (
+                held < dl.round < order.round and dl.fraction() >= RESUME_OLDER_FRACTION)):
+            return dl
+        self._download = Download(order.round, order.state_digest, self.sync_settings.range_bytes)
+        return self._download
+
+    async def _fetch_state(self, order: pb.SyncOrder) -> tuple[SyncResult, Download]:
+        """Download the state `order` (or the older download it continues) names; an older one
+        whose donors no longer hold it is dropped and the order's own state fetched."""
+        dl = self._download_for(order)
+        try:
+            return await download_state(order, me=self.me, transport=self.transport, k=self.sync_settings.donors,
+                                        range_bytes=self.sync_settings.range_bytes, partial=dl), dl
+        except SyncError as exc:
+            if dl.digest == order.state_digest or not exc.stale:
+                raise
+            log.info("the donors no longer hold round %d (%.0f%% fetched); fetching round %d", dl.round,
+                     100 * dl.fraction(), order.round)
+            self._download = None
+            return await self._fetch_state(order)
+
     async def sync(self, order: pb.SyncOrder, rs: RoundState | None = None) -> bool:
         """Adopt the committed state named by `order`: from a matching tentative state of `rs`,
-        or downloaded from its donors and verified. False (nothing done) for an order naming the
-        state this peer holds or an older one: a peer never moves back. Raises SyncError when no
-        verified copy could be assembled (the committed state is untouched)."""
+        or downloaded from its donors and verified; or an older committed state this peer had
+        mostly downloaded before (`_download_for`: it then announces it and gets a second
+        order). False (nothing done) for an order naming the state this peer holds or an older
+        one: a peer never moves back. Raises SyncError when no verified copy could be assembled
+        (the committed state is untouched; the bytes received are kept for the next order)."""
         if self.already_holds(order):
             log.debug("sync order for round %d ignored: this peer holds round %d", order.round,
                       self.workload.state.rounds)
@@ -705,16 +753,23 @@ class RoundClient:
                 log.info("state for round %d adopted from the local tentative copy", order.round)
                 return True
         t0 = time.monotonic()
-        res = await download_state(order, me=self.me, transport=self.transport, k=self.sync_settings.donors,
-                                   range_bytes=self.sync_settings.range_bytes)
+        self._syncing = True
+        try:
+            res, dl = await self._fetch_state(order)
+        finally:
+            self._syncing = False
+        self._download = None
+        self.sync_rate = dl.rate() or self.sync_rate
         st = self.workload.state_from_bytes(res.blob)
         self.workload.apply(st)
         if rs is not None:
             rs.tentative.clear()
         self.traffic.state_syncs += 1
-        self.traffic.bytes_received += len(res.blob)
-        log.info("state synced: round %d, %d bytes from %d donors in %.2fs (failed donors: %d)", st.rounds,
-                 len(res.blob), len(res.donors_used), res.seconds, len(res.donors_failed))
+        self.traffic.bytes_received += len(res.blob) - res.resumed_bytes
+        behind = f"; round {order.round} is committed, catching up" if st.rounds < order.round else ""
+        log.info("state synced: round %d, %d bytes (%d resumed) from %d donors in %.2fs, %.2f MB/s (failed "
+                 "donors: %d)%s", st.rounds, len(res.blob), res.resumed_bytes, len(res.donors_used), res.seconds,
+                 self.sync_rate / 1e6, len(res.donors_failed), behind)
         self._tell("on_sync", SyncRecord(st.rounds, len(res.blob), time.monotonic() - t0, res.donors_used,
                                          res.donors_failed))
         return True

@@ -200,6 +200,9 @@ class RoundsSection:
                                   "(0 = every ready peer)")
     cohort_timeout: float = setting(60.0, "a drawn peer holding an older state has this long to fetch the committed "
                                           "state, train and say ready, then its place is drawn again (seconds)")
+    sync_hold: float = setting(60.0, "longest a round waits for a joiner (or a peer that fell behind) downloading "
+                                     "the committed state, seconds; the wait is 1.5x its expected download time "
+                                     "when its rate is known, and ends when it says ready")
     max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
     retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
     blame_window: float = setting(3.0, "after a failed vote that accuses other peers, wait this long (at least "
@@ -212,7 +215,8 @@ class RoundsSection:
         _check(self.rounds >= 0, r, "rounds", ">= 0 (0 = run forever)", self.rounds)
         _check(self.min_peers >= 1, r, "min_peers", ">= 1", self.min_peers)
         _check(self.initial_peers >= 0, r, "initial_peers", ">= 0 (0 = min_peers)", self.initial_peers)
-        for key in ("lease_seconds", "collective_timeout", "chunk_timeout", "chunk_safety", "cohort_timeout"):
+        for key in ("lease_seconds", "collective_timeout", "chunk_timeout", "chunk_safety", "cohort_timeout",
+                    "sync_hold"):
             v = getattr(self, key)
             _check(v > 0 and _finite(v), r, key, "> 0", v)
         for key in ("ready_timeout", "retry_backoff", "blame_window"):
@@ -240,7 +244,7 @@ class RoundsSection:
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
                             blame_window=self.blame_window,
                             total_rounds=self.rounds, collective=collective, cohort_size=self.cohort_size,
-                            cohort_seed=run.seed, cohort_timeout=self.cohort_timeout)
+                            cohort_seed=run.seed, cohort_timeout=self.cohort_timeout, sync_hold=self.sync_hold)
 
 
 @dataclass(frozen=True)

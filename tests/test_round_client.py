@@ -165,7 +165,7 @@ async def until(cond, timeout: float = 10.0) -> None:
 
 
 def fake_download(monkeypatch, blob: bytes | None, calls: list):
-    async def download(order, *, me, transport, k, range_bytes):
+    async def download(order, *, me, transport, k, range_bytes, partial=None):
         calls.append(order)
         if blob is None:
             raise SyncError("every donor failed (1)", ("b" * 32,))

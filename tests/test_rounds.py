@@ -6,7 +6,7 @@ import pytest
 
 from shoal.coordinator.rounds import (
     EngineConfig, ErrorKind, MemberState, PersistUntrusted, ReadyInfo, RoundEngine, RoundError, SendAbort, SendCommit,
-    SendFinished, SendPlan, SendSync, WaitReason,
+    SendFinished, SendPlan, SendSync, WaitReason, sync_plan,
 )
 
 KEY = bytes(32)
@@ -140,7 +140,8 @@ def test_stale_peer_gets_sync_order_from_last_committers():
     e.vote("a", 0, 0, True, b"r", b"s1", 0.5)
     e.vote("b", 0, 0, True, b"r", b"s1", 0.5)
     joined(e, "c", now=0.6)
-    assert e.members["c"].state is MemberState.SYNCING
+    # Its join answer carries a sync order: rounds wait for that download (bounded by sync_hold).
+    assert e.members["c"].state is MemberState.CATCHING_UP and e.members["c"].state.label == "syncing"
     (sync,) = of(e.ready_("c", 1, info(rounds=0), 0.7), SendSync)
     assert sync.donors == ("a", "b") and sync.state_digest == b"s1" and sync.round == 1
     # After syncing it is ready like anyone else, and a wrong digest is another sync order.
@@ -219,7 +220,7 @@ def test_disconnected_participant_aborts_at_once_and_is_not_waited_on():
 
 
 def test_restarted_peer_with_same_identity_rejoins_through_sync():
-    e = engine()
+    e = engine(lease_seconds=1000.0)  # no heartbeats here
     joined(e, "a", "b", "c")
     for p in "abc":
         e.ready_(p, 0, info(), 0.0)
@@ -227,10 +228,13 @@ def test_restarted_peer_with_same_identity_rejoins_through_sync():
     e.disconnected("c", 0.2)
     e.join("c", KEY, "127.0.0.1:9999", 1, 0.3)  # same identity, new process and address
     e.connected("c", 0.3)
-    assert e.members["c"].state is MemberState.SYNCING
+    # Its join answer orders a sync: the round waits for that download (bounded by sync_hold).
+    assert e.members["c"].state is MemberState.CATCHING_UP and e.members["c"].sync_until == 0.3 + 60.0
     e.ready_("a", 1, info(rounds=1, digest=b"s1"), 0.4)
-    (plan,) = of(e.ready_("b", 1, info(rounds=1, digest=b"s1"), 0.4), SendPlan)  # not waited on before it is ready
-    assert plan.plan.participants == ("a", "b")
+    assert of(e.ready_("b", 1, info(rounds=1, digest=b"s1"), 0.4), SendPlan) == []
+    assert of(e.tick(10.0), SendPlan) == []  # past the ready timeout: the download may take longer
+    (plan,) = of(e.ready_("c", 1, info(rounds=1, digest=b"s1"), 11.0), SendPlan)
+    assert plan.plan.participants == ("a", "b", "c")
 
 
 def test_simultaneous_joiners_start_at_different_donors():
@@ -407,22 +411,55 @@ def test_waiting_for_the_quorum_then_for_a_straggler_then_running():
 
 
 def test_waiting_for_a_syncing_member():
-    e = engine()
+    e = engine(lease_seconds=1000.0)  # no heartbeats here
     joined(e, "a", "b")
     e.ready_("a", 0, info(), 0.0)
     e.ready_("b", 0, info(), 0.0)
     commit_all(e, 0.5, b"s1")
     joined(e, "c", now=1.0)
-    assert e.members["c"].state is MemberState.SYNCING
+    assert e.members["c"].state is MemberState.CATCHING_UP  # its join answer ordered a sync
     assert of(e.ready_("c", 1, info(rounds=0), 1.0), SendSync)  # alive: it is waited on while it downloads
     assert e.members["c"].state is MemberState.CATCHING_UP
     e.ready_("a", 1, info(rounds=1, digest=b"s1"), 2.0)
     e.ready_("b", 1, info(rounds=1, digest=b"s1"), 2.0)
     w = e.waiting(3.0)
-    assert w.reason is WaitReason.SYNCING and w.peers == ("c",) and w.message == "syncing 1 member: waiting up to 4.0 s"
-    # It does not finish in time: the round opens without it, and the next one does not wait for it.
-    (plan,) = of(e.tick(7.0), SendPlan)
+    assert w.reason is WaitReason.SYNCING and w.peers == ("c",) and w.message == "syncing 1 member: waiting up to 58.0 s"
+    assert of(e.tick(7.0), SendPlan) == []
+    # It does not finish within the sync hold: the round opens without it, and the next one does
+    # not wait for it.
+    (plan,) = of(e.tick(61.0), SendPlan)
     assert plan.plan.participants == ("a", "b") and e.members["c"].state is MemberState.SYNCING
+
+
+def test_a_catching_up_peer_is_waited_on_for_its_measured_download_time():
+    e = engine(lease_seconds=1000.0)  # no heartbeats here
+    joined(e, "a", "b")
+    e.ready_("a", 0, info(), 0.0)
+    e.ready_("b", 0, info(), 0.0)
+    commit_all(e, 0.5, b"s1")
+    e.members["a"].state = e.members["b"].state = MemberState.MEMBER
+    joined(e, "c", now=1.0)
+    e.members["c"].state, e.members["c"].sync_until = MemberState.SYNCING, 0.0  # its join hold ran out
+    # It comes back holding an older state it downloaded at 0.5 MB/s: 10 MB take 20 s, so the round
+    # waits 1.5 * 20 + ready_timeout = 35 s, and its permit (donors keep the state) lasts 60 s.
+    ready = ReadyInfo(10, 1, 1, b"s0", 0, 100.0, state_bytes=10_000_000, sync_bytes_per_s=500_000.0)
+    (sync,) = of(e.ready_("c", 1, ready, 100.0), SendSync)
+    assert sync.permit_seconds == 60.0 and e.members["c"].sync_until == 135.0
+    e.ready_("a", 1, info(rounds=1, digest=b"s1"), 100.0)
+    e.ready_("b", 1, info(rounds=1, digest=b"s1"), 100.0)
+    assert of(e.tick(120.0), SendPlan) == []
+    (plan,) = of(e.tick(135.0), SendPlan)
+    assert plan.plan.participants == ("a", "b")
+
+
+def test_sync_plan_sizes_hold_and_permit_from_the_rate():
+    cfg = EngineConfig(ready_timeout=5.0, sync_hold=60.0)
+    assert sync_plan(0, 0.0, cfg) == (5.0, 300.0)  # unknown: the ready timeout, the default permit
+    assert sync_plan(0, 0.0, cfg, joining=True) == (60.0, 300.0)  # a joiner says ready once done
+    assert sync_plan(10_000_000, 500_000.0, cfg) == (35.0, 60.0)
+    assert sync_plan(10_000_000, 50_000.0, cfg) == (60.0, 600.0)  # 200 s: hold capped, permit 3x
+    assert sync_plan(10_000_000, 10_000.0, cfg) == (60.0, 900.0)  # 1000 s: permit capped
+    assert sync_plan(10_000_000, 100e6, cfg)[1] == 60.0  # a fast link: the shortest permit
 
 
 def test_waiting_out_the_retry_backoff():

@@ -106,7 +106,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReadyRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round")
+    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,8 @@ class ReadyRequest(_message.Message):
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     STATE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SYNC_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     num_elements: int
@@ -121,7 +123,9 @@ class ReadyRequest(_message.Message):
     num_samples: int
     state_digest: bytes
     state_round: int
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ...) -> None: ...
+    state_bytes: int
+    sync_bytes_per_s: float
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
     __slots__ = ("round", "sync", "pooled")

@@ -1,0 +1,229 @@
+"""State sync that a slow joiner can finish (docs/fault-tolerance.md, "Slow joiners"): resumable
+downloads (`Download`), donors that keep a state for its joiner (`HeldStates` pins), the joiner's
+rules for orders (`RoundClient._download_for`), and a real-gRPC download cut off mid-range that
+resumes at its offset from another donor holding the same digest."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shoal.common.identity import peer_id_of, public_bytes
+from shoal.common.security import Security
+from shoal.common.tickets import SYNC_ATTEMPT, issue_ticket
+from shoal.peer.dataplane import Inbox, PeerService, Transport, serve_data_plane
+from shoal.peer.state_sync import Download, HeldStates, SyncError, download_state
+from shoal.peer.workload import ArrayState
+from shoal.v1 import shoal_pb2 as pb
+
+from test_round_client import make_client  # the RoundClient test double
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def state(rounds: int, n: int = 64) -> ArrayState:
+    return ArrayState(np.full(n, float(rounds), np.float32), rounds)
+
+
+# ---------------------------------------------------------------- Download: the resume point
+
+
+def test_download_missing_ranges_resume_where_each_range_stopped():
+    dl = Download(3, b"d", range_bytes=10)
+    assert dl.missing() == [(0, 10)]  # size unknown: the first range learns it
+    dl.total = 25
+    dl.add(0, b"x" * 10)
+    dl.add(10, b"y" * 4)  # cut off after 4 bytes of the second range
+    assert dl.missing() == [(14, 6), (20, 5)]
+    assert dl.received == 14 and dl.fraction() == pytest.approx(14 / 25)
+    with pytest.raises(SyncError):
+        dl.add(16, b"z")  # a gap inside a range is refused, never stored
+    dl.add(14, b"y" * 6)
+    dl.add(20, b"w" * 5)
+    assert dl.missing() == [] and dl.blob() == b"x" * 10 + b"y" * 10 + b"w" * 5
+
+
+def test_download_rate_is_fetched_bytes_over_time():
+    dl = Download(1, b"d")
+    assert dl.rate() == 0.0
+    dl.fetched, dl.seconds = 1_000_000, 2.0
+    assert dl.rate() == 500_000.0
+
+
+# ---------------------------------------------------------------- HeldStates: what donors keep
+
+
+def test_a_state_being_fetched_is_kept_until_the_permit_expires():
+    clock = Clock()
+    current = [state(1)]
+    held = HeldStates(lambda: current[0], keep=2, clock=clock)
+    held.hold()
+    assert held.state_for(1, "joiner", clock.t + 60) is not None  # pinned for the joiner
+    for r in range(2, 8):  # the swarm commits on; the joiner keeps asking
+        current[0] = state(r)
+        held.hold()
+        clock.t += 5
+        assert held.state_for(1, "joiner", clock.t + 30) is not None
+    assert held.pinned() == {1: ("joiner",)}
+    assert held.state_for(5) is None  # unpinned older states go as before
+    clock.t += 31  # the permit expired
+    assert held.state_for(1) is None and held.pinned() == {}
+
+
+def test_a_pin_lapses_when_its_joiner_goes_quiet():
+    clock = Clock()
+    current = [state(1)]
+    held = HeldStates(lambda: current[0], keep=1, pin_idle=30.0, clock=clock)
+    assert held.state_for(1, "joiner", clock.t + 300) is not None
+    current[0] = state(2)
+    clock.t += 20
+    assert held.state_for(1) is not None  # quiet for 20 s: still kept
+    clock.t += 11
+    assert held.state_for(1) is None  # quiet for 31 s: gone, though the permit lasts
+
+
+def test_pinned_states_are_bounded_the_pin_ending_first_goes():
+    clock = Clock()
+    current = [state(0)]
+    held = HeldStates(lambda: current[0], keep=1, max_pinned=2, clock=clock)
+    for r, until in ((0, 100), (1, 300), (2, 200)):
+        current[0] = state(r)
+        assert held.state_for(r, f"j{r}", clock.t + until) is not None
+    current[0] = state(3)
+    held.hold()
+    assert set(held.pinned()) == {1, 2}  # round 0's pin ends first: dropped to stay within 2
+    assert held.state_for(0) is None and held.state_for(1) is not None
+
+
+def test_an_expired_permit_pins_nothing():
+    clock = Clock()
+    current = [state(1)]
+    held = HeldStates(lambda: current[0], keep=1, clock=clock)
+    assert held.state_for(1, "joiner", clock.t - 1) is not None
+    current[0] = state(2)
+    assert held.state_for(1) is None
+
+
+# ---------------------------------------------------------------- the joiner's orders
+
+
+def order(rounds: int, dig: bytes) -> pb.SyncOrder:
+    return pb.SyncOrder(round=rounds, state_digest=dig, donors=[pb.Participant(peer_id="b" * 32, address="x:1")])
+
+
+def test_an_order_for_the_same_digest_resumes_the_download():
+    client, *_ = make_client()
+    dl = client._download_for(order(3, b"d3"))
+    dl.total = 100
+    dl.add(0, b"x" * 40)
+    assert client._download_for(order(3, b"d3")) is dl
+
+
+def test_a_newer_order_finishes_a_mostly_done_older_download_first():
+    client, *_ = make_client()
+    dl = client._download_for(order(3, b"d3"))
+    dl.total = 100
+    dl.add(0, b"x" * 60)
+    assert client._download_for(order(7, b"d7")) is dl  # 60 % done: finish it, catch up after
+
+
+def test_a_newer_order_replaces_a_barely_started_download():
+    client, *_ = make_client()
+    dl = client._download_for(order(3, b"d3"))
+    dl.total = 100
+    dl.add(0, b"x" * 10)
+    new = client._download_for(order(7, b"d7"))
+    assert new is not dl and new.round == 7 and new.received == 0
+
+
+def test_a_stale_or_duplicate_order_is_dropped():
+    client, _, wl, *_ = make_client()
+    wl.apply(ArrayState(wl.state.params.copy(), 3))
+    held = wl.state
+    assert client.already_holds(order(3, held.digest()))  # a duplicate
+    assert client.already_holds(order(2, b"older"))  # stale: a peer never moves back
+    assert not client.already_holds(order(4, b"newer"))
+
+
+# ---------------------------------------------------------------- real gRPC: resume at the offset
+
+
+CHUNK = 1 << 20  # peer.dataplane.STATE_CHUNK_BYTES: a range of 4 MiB arrives in 4 chunks
+
+
+class CutOff(PeerService):
+    """A donor that dies (UNAVAILABLE) after sending `chunks` chunks of its first answer, and
+    refuses every request after that (as a crashed process would)."""
+
+    def __init__(self, *args, chunks: int, **kw):
+        super().__init__(*args, **kw)
+        self.chunks = chunks
+
+    async def FetchState(self, request, context):
+        sent = 0
+        async for c in super().FetchState(request, context):
+            if sent == self.chunks:
+                self.chunks = 0
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "donor went away")
+            sent += 1
+            yield c
+
+
+class Recording(PeerService):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.requests: list[tuple[int, int]] = []
+
+    async def FetchState(self, request, context):
+        self.requests.append((request.offset, request.length))
+        async for c in super().FetchState(request, context):
+            yield c
+
+
+@pytest.mark.integration
+async def test_a_download_cut_off_mid_range_resumes_at_its_offset_from_another_donor():
+    coordinator = Ed25519PrivateKey.generate()
+    me_key = Ed25519PrivateKey.generate()
+    me = peer_id_of(public_bytes(me_key))
+    st = ArrayState(np.arange(3 << 20, dtype=np.float32), 5)  # 12 MiB: three ranges of 4 MiB
+    security = Security(insecure=True)
+    pub = public_bytes(coordinator)
+    a = CutOff(Inbox(), HeldStates(lambda: st), coordinator_public_key=pub, chunks=2, shared_memory=False)
+    b = Recording(Inbox(), HeldStates(lambda: st), coordinator_public_key=pub, shared_memory=False)
+    server_a, addr_a = await serve_data_plane(a, "127.0.0.1:0", security)
+    server_b, addr_b = await serve_data_plane(b, "127.0.0.1:0", security)
+    transport = Transport(security, me_key, shared_memory=False)
+    try:
+        permit = issue_ticket(coordinator, 5, SYNC_ATTEMPT, [me], st.digest(), 60.0)
+        first = pb.SyncOrder(round=5, state_digest=st.digest(), permit=permit,
+                             donors=[pb.Participant(peer_id="a" * 32, address=addr_a)])
+        dl = Download(5, st.digest(), range_bytes=4 * CHUNK)
+        with pytest.raises(SyncError):  # a dies after 2 MiB, then refuses: no donor left
+            await asyncio.wait_for(download_state(first, me=me, transport=transport, k=1,
+                                                  range_bytes=4 * CHUNK, partial=dl), 30)
+        assert dl.received == 2 * CHUNK and dl.missing()[0] == (2 * CHUNK, 2 * CHUNK)
+        # A later order names another donor holding the same digest: it resumes at 2 MiB.
+        second = pb.SyncOrder(round=5, state_digest=st.digest(), permit=permit,
+                              donors=[pb.Participant(peer_id="b" * 32, address=addr_b)])
+        res = await asyncio.wait_for(download_state(second, me=me, transport=transport, k=1,
+                                                    range_bytes=4 * CHUNK, partial=dl), 30)
+        assert res.blob == st.to_bytes() and res.resumed_bytes == 2 * CHUNK
+        assert b.requests[0] == (2 * CHUNK, 2 * CHUNK)  # not byte 0
+        assert sum(length for _, length in b.requests) == len(st.to_bytes()) - 2 * CHUNK
+        assert dl.fetched == len(st.to_bytes())  # every byte crossed the wire once
+    finally:
+        await transport.close()
+        await server_a.stop(None)
+        await server_b.stop(None)
