@@ -89,7 +89,7 @@ def test_growth_starts_at_the_second_consecutive_timeout_and_is_capped():
 
 
 def test_engine_plans_retries_of_a_timing_out_round_with_longer_deadlines():
-    e = RoundEngine(EngineConfig(min_peers=2, lease_seconds=60.0, ready_timeout=5.0, max_attempts=10,
+    e = RoundEngine(EngineConfig(min_peers=2, lease_seconds=600.0, ready_timeout=5.0, max_attempts=10,
                                  retry_backoff=0.0))
     for p in "abcd":
         e.join(p, bytes(32), f"127.0.0.1:{1000 + ord(p)}", 1, 0.0)
@@ -104,11 +104,16 @@ def test_engine_plans_retries_of_a_timing_out_round_with_longer_deadlines():
         now += 1.0
         (plan,) = plans or [a.plan for a in e.tick(now) if isinstance(a, SendPlan)]
         seen.append(plan)
-        voter, silent = plan.participants[0], plan.participants[-1]
-        acts = e.vote(voter, 0, plan.attempt, False, b"", b"", now, suspects=(silent,),
-                      error=f"no chunk from {silent[:8]} within 9.9s")
-        assert [a for a in acts if isinstance(a, SendAbort)]
+        silent = plan.participants[-1]
         acts = []
+        for voter in plan.participants[:-1]:  # everyone but the silent peer accuses it
+            acts += e.vote(voter, 0, plan.attempt, False, b"", b"", now, suspects=(silent,),
+                           error=f"no chunk from {silent[:8]} within 9.9s")
+        if not acts:  # an accusation opens the blame window (coordinator/blame.py); it closes at a tick
+            now += max(e.config.blame_window, 2.0 * plan.chunk_timeout_seconds) + 0.1
+            acts = e.tick(now)
+        assert [a for a in acts if isinstance(a, SendAbort)]
+        acts = [a for a in acts if isinstance(a, SendPlan)]  # a retry planned in the same tick
     # After one timeout abort the retry is planned as usual; after a second one, twice as long.
     for plan, scale in zip(seen, (1.0, 1.0, 2.0)):
         links = [e.members[p].link() for p in plan.participants]
