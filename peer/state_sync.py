@@ -86,7 +86,7 @@ class SyncResult:
 
 async def _fetch(transport: Transport, donor: pb.Participant, me: str, round_: int, offset: int, length: int,
                  timeout: float, permit: bytes = b"") -> tuple[bytes, int, bytes]:
-    stub = transport.stub(donor.address)
+    stub = transport.stub(donor.address, donor.peer_id)
     parts: list[bytes] = []
     total, dig = 0, b""
     # The donor serves only members: the coordinator's sync permit names this peer.

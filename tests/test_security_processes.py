@@ -27,7 +27,8 @@ from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes, 
 from shoal.common.security import MD_TICKET, Security, open_channel, push_metadata, signing_interceptors
 from shoal.common.tickets import issue_ticket, plan_digest
 from procs import read_json
-from shoal.common.certs import channel_credentials, init_certs
+from legacy_tls import legacy_certs
+from shoal.common.certs import channel_credentials
 from shoal.collective_job import make_input
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -56,7 +57,7 @@ async def _code(coro) -> grpc.StatusCode:
 
 async def test_control_plane_refuses_strangers(procs):
     wd = procs.workdir
-    tls = init_certs(wd / "tls").dir
+    tls = legacy_certs(wd / "tls").dir  # the coordinator demands client certificates only with a shared peer.key
     secret = create_secret(wd / "join.secret")
     token = create_token(secret, 600, label="test")
     honest = [load_or_create_key(wd / f"job-{r}.key") for r in range(2)]
