@@ -114,6 +114,8 @@ async def test_control_plane_refuses_strangers(procs):
         jobs = [_job(procs, r, addr, "--tls-dir", str(tls), "--join-token", token) for r in range(2)]
         for p, _ in jobs:
             assert procs.wait_exit(p, 60) == 0, procs.log(p.name)
+            # A legacy directory with the shared peer.key keeps working for one release, with a warning.
+            assert "holds a shared peer.key: deprecated" in procs.log(p.name), procs.log(p.name)
         st = await stub.GetStatus(pb.StatusRequest(), timeout=5)
         assert st.rounds_committed == 1
         assert {m.peer_id for m in st.members} <= {peer_id_of(public_bytes(k)) for k in honest}
