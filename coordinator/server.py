@@ -71,8 +71,9 @@ from shoal.common.errors import DecodeErrors, FailedPrecondition, InvalidArgumen
 from shoal.common.identity import MD_PUBKEY, RequestVerifier, load_or_create_key, peer_id_of, public_bytes
 from shoal.common.reach import Reachability, dial_back
 from shoal.common.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
-                         RateLimiter)
+                         RateLimiter, host_of)
 from shoal.common.security import Security, SignedCalls, add_port
+from shoal.coordinator.ca import DEFAULT_LIFETIME_S, CertificateAuthority
 from shoal.common.throttle import Throttle, more
 from shoal.common.tickets import SYNC_ATTEMPT, issue_ticket, plan_digest
 from shoal.common.health import COORDINATOR_SERVICE, attach
@@ -124,10 +125,25 @@ class CoordinatorConfig:
     metrics_host: str = "0.0.0.0"
     finish_linger: float = 10.0  # after the run finished and every member left: answer status this long, then exit
     reach_timeout: float = 2.0  # dial-back of a joiner's data address (shoal.common.reach); 0 = not checked
+    cert_lifetime: float = DEFAULT_LIFETIME_S  # issued data-plane certificates, seconds (coordinator.ca)
 
 
 # The actions that write to the store.
 _WRITES = (PersistMember, ForgetMember, PersistEpoch, PersistUntrusted, SendCommit, SendAbort)
+
+
+def advertised_address(data_address: str, context) -> str:
+    """`data_address` with a wildcard host (a peer listening on 0.0.0.0 or [::] that advertised no
+    address) replaced by the host its Join came from (`context.peer()`), so `--listen 0.0.0.0:PORT`
+    works without `--advertise` wherever the coordinator sees the peer's own address (no NAT)."""
+    host, _, port = data_address.rpartition(":")
+    if host.strip("[]") not in ("0.0.0.0", "::") or context is None:
+        return data_address
+    grpc_peer = context.peer() or ""
+    seen = host_of(grpc_peer)
+    if not seen or seen == grpc_peer:  # not an IP peer (e.g. a unix socket): leave it as it was
+        return data_address
+    return f"[{seen}]:{port}" if ":" in seen else f"{seen}:{port}"
 
 
 def _raise(exc: RoundError) -> ShoalError:
@@ -139,13 +155,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def __init__(self, engine: RoundEngine, store: Store, run_config_json: str, signing_key, *, clock=time.time,
                  admission: Admission | None = None, metrics: CoordinatorMetrics | None = None, wall=None,
-                 reach: Callable[[str, bytes], Awaitable[Reachability]] | None = None):
+                 reach: Callable[[str, bytes], Awaitable[Reachability]] | None = None,
+                 ca: CertificateAuthority | None = None):
         """clock: the engine's time (a `RunClock` when served; tests pass a fake). wall: the time
         stamped on tickets and permits (default `clock`). reach: the dial-back of a joiner's
-        (address, public key); None: addresses are not checked."""
+        (address, public key); None: addresses are not checked. ca: issues data-plane
+        certificates (None: this coordinator issues none)."""
         self.engine = engine
         self.wall = wall or clock
         self.reach = reach
+        self.ca = ca
         self.admission = admission or Admission(None, None)
         self.metrics = metrics or CoordinatorMetrics()
         self.store = store
@@ -320,6 +339,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         async with grpc_errors(context):
             require(len(request.public_key) == 32, "public_key", "must be a raw 32-byte Ed25519 key")
             require(":" in request.data_address, "data_address", "must be HOST:PORT")
+            request.data_address = advertised_address(request.data_address, context)
             peer_id = peer_id_of(request.public_key)
             claims = self.admission.admit(request.public_key, request.join_token)
             reach = await self.reach(request.data_address, request.public_key) if self.reach is not None else None
@@ -344,6 +364,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 coordinator_public_key=public_bytes(self.key),
                 unreachable=reach.reason if reach is not None and not reach.reachable else "",
             )
+            self._certify(resp, peer_id, request.tls_csr)
             # With cohorts a joiner fetches the state when a draw picks it (coordinator.cohorts).
             if self.engine.commits and not self.engine.config.cohort_size:
                 resp.sync.CopyFrom(self._sync_order(SendSync(peer_id, self.engine.committed_rounds,
@@ -383,6 +404,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 if isinstance(a, SendSync) and a.peer_id == request.peer_id:
                     # In the reply only (after the run finished, the event stream is closed).
                     resp.sync.CopyFrom(self._sync_order(a, to=a.peer_id))
+            return resp
+
+    def _certify(self, resp: pb.JoinResponse | pb.RenewCertificateResponse, peer_id: str, csr: bytes) -> None:
+        """Fill `resp`'s certificate fields for `peer_id` (the signer of the call) when it sent a
+        CSR and this coordinator holds a CA key. Raises InvalidArgument for a bad CSR."""
+        if csr and self.ca is not None:
+            issued = self.ca.issue(peer_id, csr)
+            resp.tls_certificate, resp.tls_ca, resp.tls_not_after = issued.certificate, issued.ca, issued.not_after
+
+    async def RenewCertificate(self, request: pb.RenewCertificateRequest, context) -> pb.RenewCertificateResponse:
+        """A new certificate for a live member (the signature check made `peer_id` the signer)."""
+        async with grpc_errors(context):
+            require(bool(request.tls_csr), "tls_csr", "missing")
+            if self.ca is None:
+                raise FailedPrecondition("tls_csr: this coordinator issues no certificates (no ca.key)")
+            m = self.engine.members.get(request.peer_id)
+            if m is None or m.lease_expiry <= self.clock():
+                raise NotFound(f"peer_id: no live lease for {request.peer_id[:8]}; join again")
+            resp = pb.RenewCertificateResponse()
+            self._certify(resp, request.peer_id, request.tls_csr)
             return resp
 
     async def WatchRounds(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.RoundEvent]:
@@ -642,7 +683,8 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
     reach = (functools.partial(dial_back, security=config.security, timeout=config.reach_timeout)
              if config.reach_timeout > 0 else None)
     service = CoordinatorService(engine, store, run_config_json, key, admission=admission,
-                                 clock=clock or RunClock(), wall=time.time, reach=reach)
+                                 clock=clock or RunClock(), wall=time.time, reach=reach,
+                                 ca=CertificateAuthority.from_dir(config.security.tls_dir, config.cert_lifetime))
     interceptors = [
         DecodeErrors(),
         SignedCalls(SERVICE_PREFIX, RequestVerifier(max_nonces=NONCE_MEMORY), unsigned=UNSIGNED_METHODS,

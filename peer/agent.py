@@ -42,7 +42,7 @@ import grpc
 import numpy as np
 
 from shoal.common.health import PEER_SERVICE, attach
-from shoal.common.identity import load_or_create_key, public_bytes
+from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes
 from shoal.common.metrics import PeerMetrics
 from shoal.common.plan import Plan
 from shoal.common.retry import RetryPolicy
@@ -52,6 +52,8 @@ from shoal.peer import faults
 from shoal.peer.byzantine import OWNER_ATTACKS, tamper
 from shoal.peer.contribution import Contribution, FedAvgContribution, Forgery
 from shoal.peer.control import CoordinatorClient
+from shoal.common.certs import PeerTLS
+from shoal.peer.certificates import keep_renewed, legacy_mode, take_join_certificate
 from shoal.peer.dataplane import Inbox, PeerService, StateSource, Transport, channel_options, serve_data_plane
 from shoal.peer.links import COORDINATOR, COORDINATOR_PROBE_BYTES, LinkMeter, probe_missing, probe_peer
 from shoal.peer.rounds import (Aborted, CollectiveRecord, EventMailbox, Outcome, Reconnected, RoundClient,
@@ -188,7 +190,11 @@ class PeerAgent(StateSource):
         self.key = load_or_create_key(config.key_path)
         self.public_key = public_bytes(self.key)
         self.inbox = Inbox()
-        self.transport = Transport(config.security, self.key, shared_memory=config.shared_memory)
+        # The data-plane certificate issued at join (TLS without a legacy shared peer.key).
+        self.peer_tls = PeerTLS(peer_id_of(self.public_key)) \
+            if config.security.tls_dir and not legacy_mode(config.security) else None
+        self.transport = Transport(config.security, self.key, shared_memory=config.shared_memory,
+                                   peer_tls=self.peer_tls)
         self.links = LinkMeter()  # passive from the collectives' streams, probes when no history
         self.retry = RetryPolicy(config.backoff_initial, config.backoff_max, config.connect_timeout)
         self.events = EventMailbox()  # coalesced: the newest state of the world, never a backlog
@@ -241,9 +247,12 @@ class PeerAgent(StateSource):
     def _join_request(self) -> pb.JoinRequest:
         samples = self.workload.num_samples if self.workload else 0
         return pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
-                              version="0.1.0", join_token=self.config.join_token)
+                              version="0.1.0", join_token=self.config.join_token,
+                              tls_csr=self.peer_tls.csr() if self.peer_tls is not None else b"")
 
     def _joined(self, resp: pb.JoinResponse) -> None:
+        if self.peer_tls is not None:
+            take_join_certificate(self.peer_tls, resp, self.config.coordinator)
         if self.service is not None:
             self.service.coordinator_public_key = resp.coordinator_public_key
         if resp.unreachable and resp.unreachable != self.unreachable:
@@ -293,7 +302,7 @@ class PeerAgent(StateSource):
         health_box: list = []
         server, bound = await serve_data_plane(
             self.service, self.config.listen, self.config.security,
-            before_start=lambda s: health_box.append(attach(s, (PEER_SERVICE,))))
+            before_start=lambda s: health_box.append(attach(s, (PEER_SERVICE,))), peer_tls=self.peer_tls)
         self.address = self.config.advertise or bound
         health = health_box[0]
         await health.serving()
@@ -308,12 +317,16 @@ class PeerAgent(StateSource):
             async with asyncio.TaskGroup() as tg:
                 hb = tg.create_task(self._heartbeat_loop())
                 watch = tg.create_task(self.control.watch(self._deliver, self._reconnected))
+                renew = tg.create_task(keep_renewed(self.control, self.peer_tls, self.config.rpc_timeout)) \
+                    if self.peer_tls is not None else None
                 try:
                     left = await self._play_until(stop)
                 finally:
                     self.finished = True
                     hb.cancel()
                     watch.cancel()
+                    if renew is not None:
+                        renew.cancel()
             summary = {**self._summary(), "left": left}
             self.emit("left" if left else "finished", **{k: v for k, v in summary.items() if k != "peer"})
             if not left:  # serve the final state a little longer, for a peer that fell behind at the end
@@ -443,7 +456,7 @@ class PeerAgent(StateSource):
                     peers = list(zip(plan.participants, plan.addresses))
                     if await probe_missing(self.links, self.transport, peers, self.peer_id):
                         self.links.forget(COORDINATOR)
-                    await self.transport.probe_lanes(a for pid, a in peers if pid != self.peer_id)
+                    await self.transport.probe_lanes((pid, a) for pid, a in peers if pid != self.peer_id)
                     report = self.links.report(self.peer_id)
                     report.shm_peers.extend(self.transport.shm_peers(peers))
                 await self.control.report_links(report)

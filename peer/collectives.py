@@ -143,7 +143,7 @@ class _Stream:
         msg, body = item
         async with self._choosing:  # scatter and publish may both open the stream (butterfly)
             if self.lane is None:
-                shared = await self.transport.shm_lane(self.address)
+                shared = await self.transport.shm_lane(self.address, self.peer_id)
                 self.writer = self.transport.take_writer(self.address) if shared else None
                 self.lane = "shm" if shared else "socket"
         if self.lane == "shm":
@@ -166,7 +166,7 @@ class _Stream:
             while (msg := await self.queue.get()) is not None:
                 if call is None:  # the stream opens with the ticket, signed with the first chunk
                     msg.ticket = self.plan.ticket
-                    call = self.transport.stub(self.address).PushChunks(
+                    call = self.transport.stub(self.address, self.peer_id).PushChunks(
                         timeout=self.timeout, metadata=self.transport.push_metadata(msg))
                     t0 = time.perf_counter()
                 queued, tw = not self.queue.empty(), time.perf_counter()

@@ -13,7 +13,12 @@ holds; every chunk must then match the plan (dtype, 1-D shape within the shard b
 size) and the first chunk's sender/round/attempt. Anything else is refused before a single value
 reaches the inbox. FetchState needs a signed request and a ticket or sync permit naming the
 requester (proof of membership); Probe a signed request. Reach (the coordinator's reachability
-dial-back, shoal.common.reach) is unsigned: it only signs a nonce under its own context.
+dial-back, shoal.common.reach) is unsigned: it only signs a nonce under its own context. With a
+certificate issued at join
+(`shoal.common.certs.PeerTLS`) the server is mutual TLS and every call's client certificate must
+name the peer that signed it (`shoal.common.security.tls_sender_check`): a peer holding another
+peer's certificate is refused (UNAUTHENTICATED). `Transport` dials a peer by the id the plan names
+(the server's certificate must be issued for that id), whatever its address.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from shoal.common.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public
 from shoal.peer.shm import SegmentReader
 from shoal.common import reach
 from shoal.common.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
-from shoal.common.security import (MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_channel,
-                           push_metadata, signing_interceptors)
+from shoal.common.certs import PeerTLS
+from shoal.common.security import (MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_peer_channel,
+                           push_metadata, signing_interceptors, tls_sender_check)
 from shoal.common.tensors import decode_chunk, to_numpy_dtype
 from shoal.common.tickets import plan_digest, verify_membership, verify_ticket
 from shoal.v1 import shoal_pb2 as pb
@@ -309,6 +315,7 @@ class PeerService(pb_grpc.PeerServicer):
         self.verifier = verifier or RequestVerifier()
         self.coordinator_public_key = coordinator_public_key
         self.session_wait = session_wait
+        self.tls_identity = False  # set by serve_data_plane with an issued certificate
 
     def _coordinator_key(self) -> bytes:
         if len(self.coordinator_public_key) != 32:
@@ -343,6 +350,8 @@ class PeerService(pb_grpc.PeerServicer):
                 require(bool(first.sender), "sender", "missing")
                 # Who: the signature binds the stream to the sender's key (peer id = hash of it).
                 self.verifier.verify(context.invocation_metadata() or (), PUSH_CHUNKS, first)
+                if self.tls_identity:  # and the connection's certificate is that sender's own
+                    tls_sender_check(context, first.sender)
                 # May they: a coordinator-signed ticket naming them for this attempt, checked before
                 # any waiting so a stranger holds no buffer and no waiting slot.
                 key = self._coordinator_key()
@@ -459,18 +468,23 @@ class PeerService(pb_grpc.PeerServicer):
 async def serve_data_plane(service: PeerService, listen: str, security: Security, *,
                            rate_per_s: float = 2000.0, burst: int = 4000,
                            before_start: Callable[[grpc.aio.Server], object] | None = None,
+                           peer_tls: PeerTLS | None = None,
                            ) -> tuple[grpc.aio.Server, str]:
     """Start the data-plane server for `service` on `listen` (TLS per `security`); returns the
     started server and its HOST:PORT. Calls are rate limited per host and FetchState/Probe must
-    be signed (PushChunks is checked by the handler). Raises OSError when `listen` cannot be bound."""
+    be signed (PushChunks is checked by the handler). With `peer_tls` (TLS and a certificate
+    issued at join) the server presents its newest installed certificate, demands the client's
+    and checks that it names the signer. Raises OSError when `listen` cannot be bound."""
+    bound = security.tls_dir is not None and peer_tls is not None
+    service.tls_identity = bound
     interceptors = [DecodeErrors(), SignedCalls("/shoal.v1.Peer/", service.verifier, unsigned=(REACH,),
-                                                default_limit=RateLimiter(rate_per_s, burst))]
+                                                default_limit=RateLimiter(rate_per_s, burst), tls_identity=bound)]
     server = grpc.aio.server(options=channel_options(), interceptors=interceptors,
                              maximum_concurrent_rpcs=PEER_MAX_CONCURRENT_RPCS)
     pb_grpc.add_PeerServicer_to_server(service, server)
     if before_start is not None:
         before_start(server)  # e.g. add the health and reflection services
-    port = add_port(server, listen, security, "peer")
+    port = add_port(server, listen, security, "peer", peer_tls if bound else None)
     await server.start()
     return server, f"{listen.rsplit(':', 1)[0]}:{port}"
 
@@ -493,12 +507,19 @@ class Transport:
     """Outgoing data-plane channels, one per remote address, reused across rounds.
 
     With a `key`, unary and server-streaming calls are signed with it (PushChunks streams are
-    signed by their first chunk, `push_metadata`); `security` picks TLS or plaintext.
+    signed by their first chunk, `push_metadata`); `security` picks TLS or plaintext. With
+    `peer_tls` holding an issued certificate, a channel verifies the server by the peer id it is
+    opened for (`stub(address, peer_id)`); a channel opened before a renewal or for another id at
+    that address is replaced at its next use (the old one is closed with the transport, so
+    streams still on it finish).
     """
 
     def __init__(self, security: Security | None = None, key: Ed25519PrivateKey | None = None, *,
-                 shared_memory: bool = True):
+                 shared_memory: bool = True, peer_tls: PeerTLS | None = None):
         self.security = security or Security(insecure=True)
+        self.peer_tls = peer_tls if self.security.tls_dir else None
+        self._opened: dict[str, tuple[str, int]] = {}  # per address: (peer id, certificate generation)
+        self._retired: list[grpc.aio.Channel] = []
         self.key = key
         self.peer_id = peer_id_of(public_bytes(key)) if key is not None else ""
         # The shared-memory lane needs an identity (segment names carry it, probes are signed).
@@ -512,7 +533,7 @@ class Transport:
         if self.shared_memory:
             shm.remove_stale(self.peer_id)  # slabs a killed predecessor with this identity left
 
-    async def shm_lane(self, address: str) -> bool:
+    async def shm_lane(self, address: str, peer_id: str = "") -> bool:
         """Whether chunks to `address` go through shared memory (peer.shm): true once a probe
         showed that the receiver reads this peer's segments. Cached per address; an RPC error
         answers false without caching (the stream will tell what is wrong)."""
@@ -520,7 +541,7 @@ class Transport:
         if self.shared_memory:
             task = self._lanes.get(address)
             if task is None:
-                task = self._lanes[address] = asyncio.ensure_future(self._probe_lane(address))
+                task = self._lanes[address] = asyncio.ensure_future(self._probe_lane(address, peer_id))
             try:
                 ok = await asyncio.shield(task)
             except grpc.aio.AioRpcError:
@@ -529,10 +550,11 @@ class Transport:
         self._chosen[address] = "shm" if ok else "socket"
         return ok
 
-    async def probe_lanes(self, addresses) -> None:
-        """Choose the lane to each of `addresses` now (probes are cached), so that this peer can
-        report every peer it reaches through shared memory, not only those it streamed to."""
-        await asyncio.gather(*(self.shm_lane(a) for a in addresses), return_exceptions=True)
+    async def probe_lanes(self, peers) -> None:
+        """Choose the lane to each of `peers` ((peer id, address) pairs) now (probes are cached),
+        so that this peer can report every peer it reaches through shared memory, not only those
+        it streamed to."""
+        await asyncio.gather(*(self.shm_lane(a, pid) for pid, a in peers), return_exceptions=True)
 
     def lane_failed(self, address: str, exc: OSError) -> None:
         """Writing a segment failed (/dev/shm full?): this transport uses sockets from now on."""
@@ -562,10 +584,10 @@ class Transport:
         else:
             writer.close()
 
-    async def _probe_lane(self, address: str) -> bool:
+    async def _probe_lane(self, address: str, peer_id: str) -> bool:
         name, nonce, seg = shm.make_probe(self.peer_id)
         try:
-            resp = await self.stub(address).Probe(pb.ProbeRequest(shm_name=name), timeout=5.0)
+            resp = await self.stub(address, peer_id).Probe(pb.ProbeRequest(shm_name=name), timeout=5.0)
         finally:
             seg.close()
         ok = hmac.compare_digest(resp.shm_nonce, nonce)
@@ -576,17 +598,32 @@ class Transport:
         """Signature metadata for a PushChunks stream opening with `first_chunk`."""
         return None if self.key is None else push_metadata(self.key, first_chunk)
 
-    def stub(self, address: str) -> pb_grpc.PeerStub:
+    def stub(self, address: str, peer_id: str = "") -> pb_grpc.PeerStub:
+        """A stub on the channel to peer `peer_id` at `address` (opened, or replaced, as needed).
+
+        Raises:
+            ValueError: `peer_id` is empty while this transport uses an issued certificate (the
+                server could not be verified).
+        """
+        tls = self.peer_tls
+        if tls is not None and tls.issued and not peer_id:
+            raise ValueError(f"data plane: dialling {address} needs the peer id the plan names")
+        want = (peer_id, tls.generation) if tls is not None and tls.issued else ("", 0)
         ch = self._channels.get(address)
+        if ch is not None and self._opened.get(address) != want:
+            self._retired.append(self._channels.pop(address))
+            ch = None
         if ch is None:
             interceptors = signing_interceptors(self.key) if self.key is not None else None
-            ch = open_channel(address, self.security, channel_options(), interceptors)
+            ch = open_peer_channel(address, peer_id, self.security, tls, channel_options(), interceptors)
             self._channels[address] = ch
+            self._opened[address] = want
         return pb_grpc.PeerStub(ch)
 
     async def forget(self, address: str) -> None:
         """Close the channel to `address` (after a failure, so the next use reconnects fresh)."""
         self._lanes.pop(address, None)
+        self._opened.pop(address, None)
         for w in self._writers.pop(address, []):
             w.close()
         ch = self._channels.pop(address, None)
@@ -598,6 +635,7 @@ class Transport:
             for w in pool:
                 w.close()
         self._writers.clear()
-        for ch in self._channels.values():
+        for ch in [*self._channels.values(), *self._retired]:
             await ch.close(grace=None)
         self._channels.clear()
+        self._retired.clear()

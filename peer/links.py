@@ -327,6 +327,6 @@ async def probe_missing(meter: LinkMeter, transport, peers: Iterable[tuple[str, 
         pid, addr = peers[(start + k) % len(peers)]
         if pid == me or not meter.needs_probe(pid):
             continue
-        if await probe_peer(meter, transport.stub(addr), pid, nbytes=nbytes):
+        if await probe_peer(meter, transport.stub(addr, pid), pid, nbytes=nbytes):
             done += 1
     return done

@@ -199,7 +199,7 @@ async def _fetch(transport: Transport, donor: pb.Participant, me: str, dl: Downl
                  timeout: float, permit: bytes = b"") -> int:
     """Fetch [offset, offset + length) of `dl` from `donor` into `dl`; returns the bytes added.
     Whatever arrived before a failure stays in `dl` (the next request resumes after it)."""
-    stub = transport.stub(donor.address)
+    stub = transport.stub(donor.address, donor.peer_id)
     added = 0
     # The donor serves only members: the coordinator's sync permit names this peer.
     async for c in stub.FetchState(pb.StateRequest(peer_id=me, round=dl.round, offset=offset, length=length),

@@ -196,8 +196,9 @@ def cmd_certs_init(a: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"shoal certs init: --out {a.out}: {_why(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"wrote {paths.dir}: ca.pem ca.key coordinator.pem coordinator.key peer.pem peer.key "
-          f"(keys 0600; keep ca.key offline)")
+    print(f"wrote {paths.dir}: ca.pem ca.key coordinator.pem coordinator.key (keys 0600). The coordinator "
+          f"uses the whole directory (ca.key signs each peer's certificate at join); a volunteer needs only "
+          f"ca.pem and a join token")
     return EXIT_OK
 
 
@@ -335,7 +336,8 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, st
         key_path=c.key, metrics_port=c.metrics_port, metrics_host=c.metrics_host,
         security=security, join_token_secret=c.join_token_secret, allow_list=c.allow_list,
         join_rate=c.join_rate, join_burst=c.join_burst, request_rate=c.rate_limit,
-        request_burst=max(1, int(2 * c.rate_limit)), finish_linger=c.finish_linger, reach_timeout=c.reach_timeout)
+        request_burst=max(1, int(2 * c.rate_limit)), finish_linger=c.finish_linger, reach_timeout=c.reach_timeout,
+        cert_lifetime=c.cert_lifetime)
 
     got: list[int] = []
 
@@ -383,7 +385,7 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     _bindable("--listen", p.listen)
     if p.metrics_port:
         _bindable("--metrics-port", f"{p.metrics_host}:{p.metrics_port}")
-    security = _security(p.tls_dir, p.mtls, p.insecure, "peer", ("ca.pem", "peer.pem", "peer.key"))
+    security = _security(p.tls_dir, p.mtls, p.insecure, "peer", ("ca.pem",))
     peer_cfg = PeerConfig(security=security, join_token=p.join_token or os.environ.get("SHOAL_JOIN_TOKEN", ""),
                           attack=p.attack, attack_scale=p.attack_scale,
                           coordinator=config_mod.grpc_target(p.coordinator), listen=p.listen, key_path=p.key,
@@ -512,8 +514,7 @@ def cmd_status(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from shoal.status import fetch_status, render_table
 
     st = cfg.status
-    security = _security(st.tls_dir, st.mtls, st.insecure, "status",
-                         ("ca.pem",) + (("peer.pem", "peer.key") if st.mtls else ()))
+    security = _security(st.tls_dir, st.mtls, st.insecure, "status", ("ca.pem",))
     try:
         status = fetch_status(st.coordinator, recent=st.recent, timeout=st.timeout, security=security)
     except Exception as exc:  # noqa: BLE001
@@ -587,10 +588,11 @@ def build_parser() -> argparse.ArgumentParser:
     # Tools: plain flags, no configuration layers.
     p = sub.add_parser("certs", help="TLS certificates for both planes")
     csub = p.add_subparsers(dest="certs_command", required=True)
-    c = csub.add_parser("init", help="create a CA, a coordinator and a peer certificate in a directory")
-    c.add_argument("--out", required=True, help="directory to write (ca.pem, ca.key, coordinator.*, peer.*)")
+    c = csub.add_parser("init", help="create a CA and the coordinator's certificate in a directory (peers get "
+                                     "theirs from the coordinator at join)")
+    c.add_argument("--out", required=True, help="directory to write (ca.pem, ca.key, coordinator.pem, coordinator.key)")
     c.add_argument("--host", action="append", default=None,
-                   help="hostname or IP the certificates are valid for (repeat; default 127.0.0.1 and localhost)")
+                   help="hostname or IP peers dial the coordinator by (repeat; default 127.0.0.1 and localhost)")
     c.add_argument("--days", type=int, default=365, help="days the certificates are valid (default 365)")
     c.add_argument("--force", action="store_true", help="overwrite existing material (invalidates old certificates)")
     c.set_defaults(tool=cmd_certs_init)

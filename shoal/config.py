@@ -139,8 +139,13 @@ class CoordinatorSection:
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0 = off)")
     metrics_host: str = setting("0.0.0.0", "address the /metrics server binds")
     num_data_shards: int = setting(4, "data shards: parts the default workload's training data is cut into")
-    tls_dir: str | None = setting(None, "TLS directory made by `shoal certs init` (ca.pem, coordinator.*, peer.*)")
-    mtls: bool = setting(False, "mutual TLS: demand a client certificate signed by ca.pem")
+    tls_dir: str | None = setting(None, "TLS directory made by `shoal certs init` (ca.pem, coordinator.*; with ca.key "
+                                        "the coordinator issues each peer its data-plane certificate at join)")
+    mtls: bool = setting(False, "mutual TLS on the control plane: demand a client certificate signed by ca.pem; "
+                                "applied only with a legacy directory holding a shared peer.key (peers get their "
+                                "certificate at join, every call is signed)")
+    cert_lifetime: float = setting(86400.0, "seconds a peer's data-plane certificate issued at join is valid (renewed "
+                                            "after two thirds of it)")
     insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
     join_token_secret: str | None = setting(None, "admit only peers with a join token made from this secret file "
                                                   "(`shoal token create`)")
@@ -167,6 +172,8 @@ class CoordinatorSection:
         _check(self.num_data_shards >= 1, c, "num_data_shards", ">= 1", self.num_data_shards)
         _check(self.join_rate > 0 and _finite(self.join_rate), c, "join_rate", "> 0", self.join_rate)
         _check(self.join_burst >= 1, c, "join_burst", ">= 1", self.join_burst)
+        _check(self.cert_lifetime >= 10 and _finite(self.cert_lifetime), c, "cert_lifetime", ">= 10",
+               self.cert_lifetime)
         _check(self.rate_limit > 0 and _finite(self.rate_limit), c, "rate_limit", "> 0", self.rate_limit)
         _check(self.finish_linger >= 0 and _finite(self.finish_linger), c, "finish_linger", ">= 0",
                self.finish_linger)
@@ -379,9 +386,10 @@ class PeerSection:
     shared_memory: bool = setting(True, "move tensor chunks to peers on this host through /dev/shm (after a "
                                         "probe proves they can read it) instead of the socket",
                                   flag="--no-shared-memory", negate=True)
-    tls_dir: str | None = setting(None, "TLS directory made by `shoal certs init` (ca.pem, peer.*)")
-    mtls: bool = setting(False, "mutual TLS: present peer.pem to the coordinator and demand client certificates "
-                                "on the data plane")
+    tls_dir: str | None = setting(None, "TLS directory holding ca.pem (the CA that signed the coordinator's "
+                                        "certificate); the data-plane certificate is issued at join")
+    mtls: bool = setting(False, "mutual TLS on the data plane (always so with the certificate issued at join); "
+                                "with a legacy shared peer.key, also present peer.pem to the coordinator")
     insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
     join_token: str = setting("", "join token from the operator (also read from $SHOAL_JOIN_TOKEN)")
     attack: str = setting("", "testing only: send forged updates, or corrupt owned aggregates with owner "
@@ -460,7 +468,8 @@ class StatusSection:
     recent: int = setting(10, "recent rounds to list")
     timeout: float = setting(5.0, "deadline of the GetStatus call, seconds")
     tls_dir: str | None = setting(None, "TLS directory made by `shoal certs init` (ca.pem; peer.* for mutual TLS)")
-    mtls: bool = setting(False, "mutual TLS: present peer.pem (needed against a coordinator started with mtls)")
+    mtls: bool = setting(False, "mutual TLS: present a legacy peer.pem (needed against a coordinator with a legacy "
+                                "shared peer.key started with mtls)")
     insecure: bool = setting(False, "plaintext gRPC; required when there is no tls_dir")
 
     def validate(self) -> None:

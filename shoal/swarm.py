@@ -188,6 +188,9 @@ class Swarm:
         tls = self.workdir / "tls"
         if not (tls / "ca.key").exists():
             init_certs(tls)
+        # What a volunteer gets: the CA certificate only (its own certificate is issued at join).
+        (self.workdir / "tls-peer").mkdir(exist_ok=True)
+        shutil.copyfile(tls / "ca.pem", self.workdir / "tls-peer" / "ca.pem")
         secret_path = self.workdir / "join-token.secret"
         secret = load_secret(secret_path) if secret_path.exists() else create_secret(secret_path)
         self.join_token = create_token(secret, self.opts.timeout + 60.0, label="shoal-swarm")
@@ -195,10 +198,10 @@ class Swarm:
     def security_args(self, role: str) -> list[str]:
         if not self.opts.tls:
             return ["--insecure"]
-        args = ["--tls-dir", str(self.workdir / "tls"), "--mtls"]
         if role == "coordinator":
-            return args + ["--join-token-secret", str(self.workdir / "join-token.secret")]
-        return args + ["--join-token", self.join_token]
+            return ["--tls-dir", str(self.workdir / "tls"), "--join-token-secret",
+                    str(self.workdir / "join-token.secret")]
+        return ["--tls-dir", str(self.workdir / "tls-peer"), "--mtls", "--join-token", self.join_token]
     metrics_ports: dict[str, int] = field(default_factory=dict)
 
     def metrics_port(self, name: str) -> int:

@@ -1,5 +1,7 @@
 """TLS material: files and modes, certificate contents, and real grpc.aio handshakes (TLS, mTLS,
-refusals) against the standard health service."""
+refusals) against the standard health service. The mTLS handshakes here use a legacy directory with
+the shared peer.pem (still supported for one release); certificates issued at join are in
+tests/test_peer_certificates.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from legacy_tls import legacy_certs
 from shoal.common.certs import CertPaths, channel_credentials, init_certs, server_credentials
 
 RPC_TIMEOUT_S = 5.0
@@ -20,13 +23,15 @@ pytestmark = pytest.mark.timeout(30)
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory) -> CertPaths:
-    return init_certs(tmp_path_factory.mktemp("tls"))
+    return legacy_certs(tmp_path_factory.mktemp("tls"))
 
 
-def test_files_and_key_modes(tls):
-    for p in (tls.ca_key, tls.coordinator_key, tls.peer_key):
+def test_init_writes_no_shared_peer_key(tmp_path):
+    paths = init_certs(tmp_path / "d")
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["ca.key", "ca.pem", "coordinator.key", "coordinator.pem"]
+    for p in (paths.ca_key, paths.coordinator_key):
         assert p.stat().st_mode & 0o777 == 0o600, p
-    for p in (tls.ca_cert, tls.coordinator_cert, tls.peer_cert):
+    for p in (paths.ca_cert, paths.coordinator_cert):
         assert p.read_bytes().startswith(b"-----BEGIN CERTIFICATE-----")
 
 
@@ -35,7 +40,7 @@ def test_certificate_contents(tls):
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     for path, usages in (
         (tls.coordinator_cert, {ExtendedKeyUsageOID.SERVER_AUTH}),
-        (tls.peer_cert, {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}),
+        (tls.dir / "peer.pem", {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}),
     ):
         cert = x509.load_pem_x509_certificate(path.read_bytes())
         assert cert.issuer == ca.subject
@@ -121,7 +126,7 @@ async def test_plaintext_client_fails_against_tls_server(mtls_server):
 
 
 async def test_client_trusting_another_ca_fails(tmp_path, mtls_server):
-    other = init_certs(tmp_path / "other")
+    other = legacy_certs(tmp_path / "other")
     async with grpc.aio.secure_channel(
         f"127.0.0.1:{mtls_server}", channel_credentials(other.dir, client_cert=True)
     ) as ch:
@@ -132,11 +137,11 @@ async def test_client_trusting_another_ca_fails(tmp_path, mtls_server):
 
 async def test_server_refuses_client_cert_from_another_ca(tls, tmp_path, mtls_server):
     # A client that trusts our CA but presents a certificate from a foreign CA.
-    other = init_certs(tmp_path / "other")
+    other = legacy_certs(tmp_path / "other")
     creds = grpc.ssl_channel_credentials(
         root_certificates=tls.ca_cert.read_bytes(),
-        private_key=other.peer_key.read_bytes(),
-        certificate_chain=other.peer_cert.read_bytes(),
+        private_key=(other.dir / "peer.key").read_bytes(),
+        certificate_chain=(other.dir / "peer.pem").read_bytes(),
     )
     async with grpc.aio.secure_channel(f"127.0.0.1:{mtls_server}", creds) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as err:

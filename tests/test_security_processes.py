@@ -27,7 +27,8 @@ from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes, 
 from shoal.common.security import MD_TICKET, Security, open_channel, push_metadata, signing_interceptors
 from shoal.common.tickets import issue_ticket, plan_digest
 from procs import read_json
-from shoal.common.certs import channel_credentials, init_certs
+from legacy_tls import legacy_certs
+from shoal.common.certs import channel_credentials
 from shoal.collective_job import make_input
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -56,7 +57,7 @@ async def _code(coro) -> grpc.StatusCode:
 
 async def test_control_plane_refuses_strangers(procs):
     wd = procs.workdir
-    tls = init_certs(wd / "tls").dir
+    tls = legacy_certs(wd / "tls").dir  # the coordinator demands client certificates only with a shared peer.key
     secret = create_secret(wd / "join.secret")
     token = create_token(secret, 600, label="test")
     honest = [load_or_create_key(wd / f"job-{r}.key") for r in range(2)]
@@ -113,6 +114,8 @@ async def test_control_plane_refuses_strangers(procs):
         jobs = [_job(procs, r, addr, "--tls-dir", str(tls), "--join-token", token) for r in range(2)]
         for p, _ in jobs:
             assert procs.wait_exit(p, 60) == 0, procs.log(p.name)
+            # A legacy directory with the shared peer.key keeps working for one release, with a warning.
+            assert "holds a shared peer.key: deprecated" in procs.log(p.name), procs.log(p.name)
         st = await stub.GetStatus(pb.StatusRequest(), timeout=5)
         assert st.rounds_committed == 1
         assert {m.peer_id for m in st.members} <= {peer_id_of(public_bytes(k)) for k in honest}

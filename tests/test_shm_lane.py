@@ -167,7 +167,7 @@ async def test_ring_peers_probe_every_participant_so_they_can_report_all_shm_pee
         await peers.run(xs, attempt=0, algorithm="ring", chunk_bytes=16 << 10)
         t = peers.transports[0]
         assert set(t.lanes()) == {peers.addresses[1]}  # the ring streams only to the successor
-        await t.probe_lanes(peers.addresses[1:])
+        await t.probe_lanes(list(zip(peers.ids, peers.addresses))[1:])
         assert t.shm_peers(zip(peers.ids, peers.addresses)) == peers.ids[1:]
 
 

@@ -2,7 +2,10 @@
 
 `Security` says how a process talks: TLS from a directory made by `shoal certs init` (optionally
 mutual), or plaintext when the operator passed `--insecure`. `open_channel` / `add_port` turn it
-into gRPC channels and listening ports. `signing_interceptors` sign every unary and
+into gRPC channels and listening ports. On the data plane a peer uses the certificate the
+coordinator issued it (`shoal.common.certs.PeerTLS`): `open_peer_channel` verifies the server by
+the peer id the plan names (never by its address), and `tls_sender_check` makes sure a client's
+certificate names the peer that signed the request or stream. `signing_interceptors` sign every unary and
 server-streaming call made on a channel with the caller's Ed25519 key (`shoal.common.identity
 .sign_metadata`); `SignedCalls` is the server side: a per-host rate limit, then the signature
 check (`shoal.common.identity.RequestVerifier`), before any handler runs. `PushChunks` (a client stream)
@@ -22,10 +25,11 @@ from collections.abc import Collection
 import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.common.errors import ShoalError
-from shoal.common.identity import RequestVerifier, sign_metadata
+from shoal.common.errors import ShoalError, Unauthenticated
+from shoal.common.identity import RequestVerifier, peer_id_of, sign_metadata
 from shoal.common.limits import RateLimiter, host_of
-from shoal.common.certs import channel_credentials, server_credentials
+from shoal.common.certs import (PeerTLS, channel_credentials, legacy_peer_key, peer_dns_name, PEER_URI_PREFIX,
+                                server_credentials)
 
 log = logging.getLogger("shoal.security")
 
@@ -38,9 +42,12 @@ MD_TICKET = "x-shoal-ticket-bin"
 class Security:
     """How a process secures its gRPC connections.
 
-    tls_dir: directory written by `shoal certs init` (ca.pem, <role>.pem/.key, peer.pem/.key);
-        None means plaintext, allowed only when `insecure` is set explicitly.
-    mtls: servers demand a client certificate signed by ca.pem; clients present peer.pem.
+    tls_dir: directory written by `shoal certs init` (a volunteer's holds only ca.pem; the
+        coordinator's also coordinator.pem/.key and ca.key); None means plaintext, allowed only
+        when `insecure` is set explicitly.
+    mtls: a peer's data-plane server demands a client certificate (always so with a certificate
+        issued at join). On the coordinator it demands one only with a legacy directory holding a
+        shared peer.key (volunteers get their certificate at join, after the first call).
     insecure: the operator asked for plaintext (`--insecure`); a warning is logged.
     """
 
@@ -63,7 +70,8 @@ class Security:
             log.warning("%s: --insecure: plaintext gRPC; anyone on the path can read and alter traffic", who)
 
     def client_cert(self) -> bool:
-        return bool(self.tls_dir) and (pathlib.Path(self.tls_dir) / "peer.key").exists()
+        """Whether this process presents the legacy shared peer.pem (its directory holds peer.key)."""
+        return legacy_peer_key(self.tls_dir)
 
 
 def open_channel(target: str, security: Security, options: list, interceptors: list | None = None) -> grpc.aio.Channel:
@@ -75,14 +83,74 @@ def open_channel(target: str, security: Security, options: list, interceptors: l
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
 
 
-def add_port(server: grpc.aio.Server, address: str, security: Security, role: str) -> int:
+def open_peer_channel(address: str, peer_id: str, security: Security, peer_tls: PeerTLS | None, options: list,
+                      interceptors: list | None = None) -> grpc.aio.Channel:
+    """A data-plane channel to peer `peer_id` at `address`.
+
+    With an issued certificate (`peer_tls.issued`) the server must present a certificate for
+    `<peer_id>.peer.shoal` signed by the peer CA, whatever `address` is, and this peer presents
+    its own; otherwise as `open_channel` (a legacy shared peer.pem: the address is verified).
+    """
+    if security.tls_dir and peer_tls is not None and peer_tls.issued:
+        opts = [*options, ("grpc.ssl_target_name_override", peer_dns_name(peer_id))]
+        return grpc.aio.secure_channel(address, peer_tls.channel_credentials(), options=opts,
+                                       interceptors=interceptors)
+    return open_channel(address, security, options, interceptors)
+
+
+def tls_peer_id(context) -> str | None:
+    """The peer id named by the client certificate of this call's connection (its URI
+    `shoal://peer/<id>`); "" for a certificate that names none (a legacy shared one); None when
+    the connection carries no client certificate (plaintext, or a server not asking for one)."""
+    auth = context.auth_context() or {}
+    if not auth.get("x509_subject") and not auth.get("peer_uri") and not auth.get("x509_pem_cert"):
+        return None
+    ids = [u.decode() for u in auth.get("peer_uri", ()) if u.startswith(PEER_URI_PREFIX.encode())]
+    return ids[0][len(PEER_URI_PREFIX):] if len(ids) == 1 else ""
+
+
+def tls_sender_check(context, signer_id: str) -> None:
+    """On a server that demands issued certificates: the client's certificate must name
+    `signer_id`, the peer whose key signed the request (or the stream's first chunk), so a peer
+    holding another peer's certificate (or the legacy shared one) gets nothing through.
+
+    Raises:
+        Unauthenticated: no client certificate, one that names no peer, or another peer.
+    """
+    named = tls_peer_id(context)
+    if named == signer_id:
+        return
+    if named is None:
+        raise Unauthenticated("tls: no client certificate; the data plane needs the one issued at join")
+    if not named:
+        raise Unauthenticated("tls: the client certificate names no peer id (a shared legacy peer.pem?)")
+    raise Unauthenticated(f"tls: the client certificate is for peer {named[:8]}, the request is signed by "
+                          f"{signer_id[:8]}")
+
+
+def add_port(server: grpc.aio.Server, address: str, security: Security, role: str,
+             peer_tls: PeerTLS | None = None) -> int:
     """Bind `address` with TLS for `role` ("coordinator" | "peer") or plaintext; returns the port.
+
+    A peer with `peer_tls` serves the certificate issued to it (mutual TLS, the newest
+    certificate at each handshake); without, the legacy shared peer.pem of its directory. The
+    coordinator demands client certificates (`mtls`) only when its directory holds a legacy
+    shared peer.key: volunteers get theirs at join, so demanding one would refuse every joiner
+    (every control-plane call is signed by the caller's key instead).
 
     Raises:
         OSError: the address cannot be bound.
     """
     if security.tls_dir:
-        creds = server_credentials(security.tls_dir, role=role, require_client_auth=security.mtls)
+        if role == "peer" and peer_tls is not None:
+            creds = peer_tls.server_credentials()
+        else:
+            mtls = security.mtls
+            if role == "coordinator" and mtls and not legacy_peer_key(security.tls_dir):
+                log.warning("--mtls: not applied to the control plane: peers get their certificate at join, and every "
+                            "call is signed by the caller's key (the data plane is always mutual TLS)")
+                mtls = False
+            creds = server_credentials(security.tls_dir, role=role, require_client_auth=mtls)
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)
@@ -138,11 +206,14 @@ class SignedCalls(grpc.aio.ServerInterceptor):
 
     `limits` maps a full method path to its own `RateLimiter` (e.g. a strict one for Join);
     every other method uses `default_limit`. Refusals: RESOURCE_EXHAUSTED (rate, nonce memory),
-    UNAUTHENTICATED (signature missing, malformed, stale, replayed, or naming another identity).
+    UNAUTHENTICATED (signature missing, malformed, stale, replayed, or naming another identity;
+    with `tls_identity`, a client certificate that does not name the signer).
     """
 
     def __init__(self, prefix: str, verifier: RequestVerifier, *, unsigned: Collection[str] = (),
-                 default_limit: RateLimiter | None = None, limits: dict[str, RateLimiter] | None = None):
+                 default_limit: RateLimiter | None = None, limits: dict[str, RateLimiter] | None = None,
+                 tls_identity: bool = False):
+        self.tls_identity = tls_identity  # the client certificate must name the signer (tls_sender_check)
         self.prefix = prefix
         self.verifier = verifier
         self.unsigned = frozenset(unsigned)
@@ -162,7 +233,9 @@ class SignedCalls(grpc.aio.ServerInterceptor):
                 if limiter is not None:
                     limiter.check(host_of(context.peer()))
                 if sign:
-                    self.verifier.verify(context.invocation_metadata() or (), method, request)
+                    pub = self.verifier.verify(context.invocation_metadata() or (), method, request)
+                    if self.tls_identity:
+                        tls_sender_check(context, peer_id_of(pub))
             except ShoalError as exc:
                 await context.abort(exc.code, str(exc))
 

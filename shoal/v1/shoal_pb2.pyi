@@ -36,7 +36,7 @@ ALL_GATHER: Phase
 DISTANCES: Phase
 
 class JoinRequest(_message.Message):
-    __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s")
+    __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s", "tls_csr")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class JoinRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TLS_CSR_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     data_address: str
     join_token: str
@@ -51,10 +52,11 @@ class JoinRequest(_message.Message):
     version: str
     up_bytes_per_s: float
     down_bytes_per_s: float
-    def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ...) -> None: ...
+    tls_csr: bytes
+    def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., tls_csr: _Optional[bytes] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable")
+    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable", "tls_certificate", "tls_ca", "tls_not_after")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +66,9 @@ class JoinResponse(_message.Message):
     SYNC_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    TLS_CA_FIELD_NUMBER: _ClassVar[int]
+    TLS_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     lease_seconds: float
     heartbeat_interval_seconds: float
@@ -73,7 +78,28 @@ class JoinResponse(_message.Message):
     sync: SyncOrder
     coordinator_public_key: bytes
     unreachable: str
-    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., coordinator_public_key: _Optional[bytes] = ..., unreachable: _Optional[str] = ...) -> None: ...
+    tls_certificate: bytes
+    tls_ca: bytes
+    tls_not_after: float
+    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., coordinator_public_key: _Optional[bytes] = ..., unreachable: _Optional[str] = ..., tls_certificate: _Optional[bytes] = ..., tls_ca: _Optional[bytes] = ..., tls_not_after: _Optional[float] = ...) -> None: ...
+
+class RenewCertificateRequest(_message.Message):
+    __slots__ = ("peer_id", "tls_csr")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    TLS_CSR_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    tls_csr: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., tls_csr: _Optional[bytes] = ...) -> None: ...
+
+class RenewCertificateResponse(_message.Message):
+    __slots__ = ("tls_certificate", "tls_ca", "tls_not_after")
+    TLS_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    TLS_CA_FIELD_NUMBER: _ClassVar[int]
+    TLS_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    tls_certificate: bytes
+    tls_ca: bytes
+    tls_not_after: float
+    def __init__(self, tls_certificate: _Optional[bytes] = ..., tls_ca: _Optional[bytes] = ..., tls_not_after: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("peer_id",)

@@ -81,6 +81,11 @@ class CoordinatorStub:
                 request_serializer=shoal_dot_v1_dot_shoal__pb2.StatusRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_shoal__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.RenewCertificate = channel.unary_unary(
+                '/shoal.v1.Coordinator/RenewCertificate',
+                request_serializer=shoal_dot_v1_dot_shoal__pb2.RenewCertificateRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_shoal__pb2.RenewCertificateResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -153,6 +158,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewCertificate(self, request, context):
+        """A fresh data-plane certificate for a live member's new TLS key (docs/security.md, "Certificate
+        renewal"). FAILED_PRECONDITION when the coordinator issues none; NOT_FOUND without a lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -200,6 +213,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=shoal_dot_v1_dot_shoal__pb2.StatusRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_shoal__pb2.StatusResponse.SerializeToString,
+            ),
+            'RenewCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewCertificate,
+                    request_deserializer=shoal_dot_v1_dot_shoal__pb2.RenewCertificateRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_shoal__pb2.RenewCertificateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -447,6 +465,33 @@ class Coordinator:
             '/shoal.v1.Coordinator/GetStatus',
             shoal_dot_v1_dot_shoal__pb2.StatusRequest.SerializeToString,
             shoal_dot_v1_dot_shoal__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.Coordinator/RenewCertificate',
+            shoal_dot_v1_dot_shoal__pb2.RenewCertificateRequest.SerializeToString,
+            shoal_dot_v1_dot_shoal__pb2.RenewCertificateResponse.FromString,
             options,
             channel_credentials,
             insecure,
