@@ -148,8 +148,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.run_config_json = run_config_json
         self.key = signing_key
         self.clock = clock
-        # None on a queue closes that stream (its peer was revoked or fenced).
-        self.watchers: dict[str, asyncio.Queue[pb.RoundEvent | None]] = {}
+        # A str on a queue closes that stream with PERMISSION_DENIED and that message (revoked, fenced).
+        self.watchers: dict[str, asyncio.Queue[pb.RoundEvent | str]] = {}
         self.finished_event: pb.RoundEvent | None = None
         self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
         self.commit_lines = Throttle(COMMIT_LOG_SECONDS)  # INFO "round N committed" lines
@@ -316,12 +316,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             now = self.clock()
             rec = self.memberships.admit(self.admission, peer_id, request.public_key, request.join_token, now)
             fenced = self.memberships.claim(peer_id, _instance(context), self._live(peer_id, now))
-            with self.store.batch(durable=rec.admitted_at == now):  # a new admission durably
+            # Without an fsync, like the member row (a 10,000-member start must not fsync each join):
+            # a machine crash (not a process crash) may lose a fresh admission; that peer then needs
+            # its token once more. A revocation is written durably.
+            with self.store.batch(durable=False):
                 self.store.save_membership(rec)
             if fenced is not None:
                 log.warning("peer %s: a new process took over the identity (the old one stopped renewing its "
                             "lease); the old process is fenced", peer_id[:8])
-                self._close_watch(peer_id)
+                self._close_watch(peer_id, f"peer {peer_id}: another process with this key took over the identity; "
+                                           f"this one is fenced")
             self.apply(self.engine.join(peer_id, request.public_key, request.data_address, request.num_samples, now,
                                         request.up_bytes_per_s, request.down_bytes_per_s))
             if request.up_bytes_per_s or request.down_bytes_per_s:
@@ -349,10 +353,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return False
         return m.lease_expiry - self.engine.config.lease_seconds >= now - self.memberships.live_seconds
 
-    def _close_watch(self, peer_id: str) -> None:
+    def _close_watch(self, peer_id: str, why: str) -> None:
+        """End `peer_id`'s round-event stream with PERMISSION_DENIED and `why`."""
         q = self.watchers.pop(peer_id, None)
         if q is not None:
-            q.put_nowait(None)
+            q.put_nowait(why)
 
     def check_member(self, peer_id: str, instance: str) -> None:
         """Before a member's call: refuse it when revoked or fenced (PermissionDenied); note its
@@ -397,7 +402,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             with self.store.batch():
                 self.store.save_membership(rec)
             log.warning("membership of peer %s (%s) revoked by the operator", rec.peer_id[:8], rec.label)
-            self._close_watch(rec.peer_id)
+            self._close_watch(rec.peer_id, f"peer {rec.peer_id}: membership revoked by the operator")
             self.apply(self.engine.leave(rec.peer_id, now))
             return pb.RevokeMemberResponse(member=self._membership_info(rec, now))
 
@@ -438,7 +443,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def WatchRounds(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.RoundEvent]:
         if request.peer_id not in self.engine.members:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"peer_id: unknown peer {request.peer_id[:8]}; join first")
-        q: asyncio.Queue[pb.RoundEvent | None] = asyncio.Queue()
+        q: asyncio.Queue[pb.RoundEvent | str] = asyncio.Queue()
         self.watchers[request.peer_id] = q
         self.apply(self.engine.connected(request.peer_id, self.clock()))
         try:
@@ -450,10 +455,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield pb.RoundEvent(plan=self._wire_plan(run.plan))
             while True:
                 ev = await q.get()
-                if ev is None:
-                    await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                        f"peer {request.peer_id}: revoked, or another process took over this "
-                                        f"identity; this stream is closed")
+                if isinstance(ev, str):
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, ev)
                 yield ev
                 if ev.HasField("finished"):
                     return

@@ -51,6 +51,7 @@ _FIXES = {
     "revoked": "the operator revoked this key; ask them, or join with a new key",
     "allow-list": "send the operator this peer's public key for the allow-list",
     "live": "stop the other process, or give this one its own key (--key FILE or --name NAME)",
+    "fenced": "another process with this key took over while this one was silent; run one process per key",
     "other": "check the coordinator's address and --tls-dir/--insecure",
 }
 
@@ -127,8 +128,8 @@ def diagnose(exc: grpc.aio.AioRpcError, target: str, *,
     low = text.lower()
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
                 grpc.StatusCode.ALREADY_EXISTS):
-        fix = ("live" if code == grpc.StatusCode.ALREADY_EXISTS else "revoked" if "revoked" in low else
-               "allow-list" if "allow-list" in low else "token")
+        fix = ("live" if code == grpc.StatusCode.ALREADY_EXISTS else "fenced" if "took over" in low else
+               "revoked" if "revoked" in low else "allow-list" if "allow-list" in low else "token")
         return Diagnosis("admission", f"refused this peer: {text}", _FIXES[fix])
     if code == grpc.StatusCode.DEADLINE_EXCEEDED or "timeout" in low or "timed out" in low:
         return Diagnosis("timeout", "timed out (no answer)", _FIXES["timeout"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -170,6 +171,31 @@ def test_a_second_process_with_a_live_key_exits_2_naming_the_id_and_the_rounds_g
     print(f"aborts while the second processes came and went: {after['rounds_aborted'] - before['rounds_aborted']}")
     assert all(p.poll() is None for p in ps)
     assert "fenced" not in procs.log("p0") and "took over" not in procs.log("coordinator")
+
+
+def test_a_holder_that_stopped_renewing_is_taken_over_and_then_fenced(procs):
+    wd = procs.workdir
+    _, addr = procs.coordinator("--rounds", "0", "--min-peers", "2", "--initial-peers", "2", "--inner-steps", "10",
+                                "--lease-seconds", "6")
+    ps = [peer(procs, f"p{i}", addr, "--insecure", "--key", str(wd / f"p{i}.key"), "--data-shard", str(i),
+               "--connect-timeout", "60") for i in range(2)]
+    wait_for("2 committed rounds", lambda: fetch_status(addr)["rounds_committed"] >= 2, 180, procs)
+    pid = id_of(wd / "p0.key")
+    procs.kill(ps[0], signal.SIGSTOP)  # frozen: its stream stays open, its heartbeats stop
+    time.sleep(4.0)  # more than half a lease without renewal: no longer live
+    shutil.copy(wd / "p0.key", wd / "copy.key")
+    new = peer(procs, "p0-new", addr, "--insecure", "--key", str(wd / "copy.key"), "--data-shard", "0",
+               "--connect-timeout", "60")
+    wait_for("the new process took over", lambda: "took over" in procs.log("coordinator"), 120, procs)
+    wait_for("a commit of the new process", lambda: commits(procs, "p0-new"), 180, procs)
+    procs.kill(ps[0], signal.SIGCONT)
+    assert procs.wait_exit(ps[0], 60) == 2
+    lines = error_lines(procs.log("p0"))
+    assert len(lines) == 1 and f"peer {pid}: another process with this key took over" in lines[0], \
+        procs.log("p0")[-3000:]
+    c = fetch_status(addr)["rounds_committed"]
+    wait_for("the new process keeps committing", lambda: fetch_status(addr)["rounds_committed"] >= c + 2, 120, procs)
+    assert new.poll() is None and ps[1].poll() is None
 
 
 def test_two_peers_from_one_directory_without_key_are_two_identities(procs, monkeypatch):

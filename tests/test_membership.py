@@ -168,6 +168,9 @@ DETAILS = {
     "timed out": (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"),
     "join_token: expired 5 s ago": (grpc.StatusCode.UNAUTHENTICATED, "join_token: expired 5 s ago"),
     "already running": (grpc.StatusCode.ALREADY_EXISTS, "peer abc is already running: another process ..."),
+    "took over": (grpc.StatusCode.PERMISSION_DENIED, "peer abc: another process with this key took over the identity; "
+                  "this one is fenced"),
+    "revoked by the operator": (grpc.StatusCode.PERMISSION_DENIED, "peer abc: membership revoked by the operator"),
 }
 
 
