@@ -20,6 +20,8 @@ from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes
 from shoal.coordinator.admission import create_secret, create_token
 from shoal.status import fetch_status
 
+from etcdserver import etcd_server  # noqa: F401 - the fixture
+
 pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -247,3 +249,50 @@ def test_each_connection_failure_says_what_is_wrong(procs):
         final = error_lines(procs.log(name))
         assert len(final) == 1 and "gave up after --connect-timeout 6s" in final[0] and says in final[0], final
         assert "fix: " in final[0]
+
+
+def test_memberships_on_etcd_outlive_the_coordinator_and_a_revocation_holds_for_the_next(procs, etcd_server):
+    """Standby coordinators share memberships through etcd: a member admitted with a token (now
+    expired) rejoins through the next coordinator without one; a revocation made on the first
+    holds on the next."""
+    wd = procs.workdir
+    url = etcd_server.url()
+    secret = create_secret(wd / "join.secret")
+    ttl = 45.0
+    token = create_token(secret, ttl, "etcd")
+    made = time.time()
+
+    def coordinator(name: str):
+        ready = wd / f"{name}.addr"
+        p = procs.start(name, [sys.executable, "-m", "shoal.cli", "coordinator", "--insecure", "--listen",
+                               "127.0.0.1:0", "--state", url, "--key", str(wd / "coord.key"), "--ready-file",
+                               str(ready), "--join-token-secret", str(wd / "join.secret"), "--rounds", "0",
+                               "--min-peers", "2", "--initial-peers", "2", "--inner-steps", "10"])
+        return p, procs.wait_file(ready, 60, p)
+
+    first, addr = coordinator("c1")
+    ps = [peer(procs, f"p{i}", addr, "--insecure", "--join-token", token, "--key", str(wd / f"p{i}.key"),
+               "--data-shard", str(i), "--connect-timeout", "60") for i in range(2)]
+    wait_for("2 members", lambda: len(fetch_status(addr)["members"]) == 2, ttl, procs)
+    admin = ("--coordinator", addr, "--insecure", "--admin-key", str(wd / "coord.key"))
+    out = shoal("member", "revoke", id_of(wd / "p1.key"), *admin)
+    assert out.returncode == 0, out
+    assert procs.wait_exit(ps[1], 60) == 2
+    procs.kill(ps[0])
+    procs.kill(first)
+    procs.wait_exit(first, 30)
+    time.sleep(max(0.0, made + ttl + 1.0 - time.time()))  # the token has expired
+
+    _, addr2 = coordinator("c2")
+    back = peer(procs, "p0-back", addr2, "--insecure", "--join-token", token, "--key", str(wd / "p0.key"),
+                "--data-shard", "0", "--connect-timeout", "60")
+    wait_for("the member rejoined the next coordinator",
+             lambda: id_of(wd / "p0.key") in {m["peer_id"] for m in fetch_status(addr2)["members"]}, 120, procs)
+    revoked = peer(procs, "p1-back", addr2, "--insecure", "--join-token", token, "--key", str(wd / "p1.key"),
+                   "--data-shard", "1", "--connect-timeout", "60")
+    assert procs.wait_exit(revoked, 60) == 2 and "membership revoked" in procs.log("p1-back")
+    listed = json.loads(shoal("member", "list", "--coordinator", addr2, "--insecure", "--admin-key",
+                              str(wd / "coord.key"), "--json").stdout)
+    assert {m["member"]: m["status"] for m in listed["members"]} == {
+        id_of(wd / "p0.key"): "admitted", id_of(wd / "p1.key"): "revoked"}
+    assert back.poll() is None
