@@ -121,7 +121,8 @@ class Memberships:
     def check(self, peer_id: str, instance: str) -> None:
         """Refuse a call of a revoked membership or of a fenced instance (any call but Join).
 
-        An identity whose holder is unknown (a restarted coordinator) is held by its first caller.
+        An admitted identity whose holder is unknown (a restarted coordinator) is held by its first
+        caller; a key without a membership is not recorded (any signer could fill the table).
 
         Raises:
             PermissionDenied: naming the peer and why.
@@ -129,8 +130,8 @@ class Memberships:
         rec = self.records.get(peer_id)
         if rec is not None and rec.revoked:
             raise PermissionDenied(f"peer {peer_id}: membership revoked by the operator")
-        holder = self.instances.setdefault(peer_id, instance)
-        if holder != instance:
+        holder = self.instances.setdefault(peer_id, instance) if rec is not None else self.instances.get(peer_id)
+        if holder is not None and holder != instance:
             raise PermissionDenied(f"peer {peer_id}: another process with this key took over the identity; "
                                    f"this one is fenced")
 

@@ -15,7 +15,7 @@ import pytest
 from shoal.common.errors import AlreadyExists, PermissionDenied, Unauthenticated
 from shoal.common.identity import KeyInUse, hold_default_key, hold_key, peer_key_path
 from shoal.coordinator.admission import Admission, AllowList, create_token
-from shoal.coordinator.membership import TOUCH_SECONDS, Memberships
+from shoal.coordinator.membership import TOUCH_SECONDS, Membership, Memberships
 from shoal.peer.diagnosis import OutageLog, diagnose
 
 SECRET = b"s" * 32
@@ -75,11 +75,15 @@ def test_one_process_per_identity_the_live_holder_keeps_it_a_silent_one_is_fence
     with pytest.raises(PermissionDenied, match="fenced"):
         ms.check("p", "one")
     ms.check("p", "two")
-    # A restarted coordinator knows no holder: the first caller holds it.
-    ms2 = fresh()
+    # A restarted coordinator knows no holder: the first caller of an admitted key holds it.
+    ms2 = Memberships([],
+                      retention=DAY, live_seconds=5.0)
+    ms2.records["q"] = Membership("q", KEY_A, "open", 0.0, 0.0)
     ms2.check("q", "x")
     with pytest.raises(PermissionDenied):
         ms2.check("q", "y")
+    ms2.check("stranger", "x")  # no membership: nothing recorded
+    assert "stranger" not in ms2.instances
 
 
 def test_last_use_is_written_at_most_hourly_and_unused_memberships_are_pruned_but_not_revoked_ones():
