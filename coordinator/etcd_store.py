@@ -10,6 +10,7 @@ Keys (values are JSON, byte strings in hex):
     PREFIX/leader                   the leader's address, bound to its etcd lease
     PREFIX/meta/KEY                 run_config, epoch, incarnation, untrusted, ...
     PREFIX/members/PEER_ID          {public_key, address, num_samples, state}
+    PREFIX/memberships/PEER_ID      {public_key, label, admitted_at, last_seen, revoked_at}
     PREFIX/commits/ROUND            {round, attempt, result_digest, ...}, ROUND zero-padded to 12 digits
     PREFIX/aborts/ROUND/ATTEMPT     {round, attempt, reason, excluded, will_retry, at}
 
@@ -38,6 +39,7 @@ import grpc
 from aetcd.rpc import rpc_pb2 as etcd
 from aetcd.rpc import rpc_pb2_grpc as etcd_grpc
 
+from shoal.coordinator.membership import Membership
 from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
 
 log = logging.getLogger("shoal.coordinator")
@@ -208,6 +210,23 @@ class EtcdStore:
 
     def forget_member(self, peer_id: str) -> None:
         self._write([_delete(self.target.key("members", peer_id))])
+
+    def load_memberships(self) -> list[Membership]:
+        prefix = self.target.key("memberships", "")
+        out = []
+        for kv in self.client.range(prefix, prefix_end(prefix)).kvs:
+            d = json.loads(kv.value)
+            out.append(Membership(kv.key.decode().rsplit("/", 1)[1], bytes.fromhex(d["public_key"]), d["label"],
+                                  d["admitted_at"], d["last_seen"], d["revoked_at"]))
+        return out
+
+    def save_membership(self, m: Membership) -> None:
+        self._write([_put(self.target.key("memberships", m.peer_id), {
+            "public_key": m.public_key.hex(), "label": m.label, "admitted_at": m.admitted_at,
+            "last_seen": m.last_seen, "revoked_at": m.revoked_at})])
+
+    def forget_membership(self, peer_id: str) -> None:
+        self._write([_delete(self.target.key("memberships", peer_id))])
 
     def load_epoch(self) -> int:
         v = self.get_meta("epoch")

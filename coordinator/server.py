@@ -19,8 +19,12 @@ told about it, so a committed round is never lost by a coordinator crash.
 Security (docs/security.md): TLS or explicit plaintext (`shoal.common.security.Security`); before any
 handler, undecodable requests get INVALID_ARGUMENT, callers are rate limited per host (joins
 more strictly) and every call but GetStatus must carry a valid request signature
-(`shoal.common.security.SignedCalls`); Join then applies admission (join token and/or allow-list). Every
-plan carries a round ticket signed with the coordinator's Ed25519 key, every sync order a permit.
+(`shoal.common.security.SignedCalls`); Join then applies admission (join token and/or allow-list) once per
+key: the admitted key is a membership that joins again without a token (`coordinator.membership`),
+one process per identity. Every other call of a peer is refused once its membership is revoked or
+another process of its key took over (`MemberCalls`). Every plan carries a round ticket signed with
+the coordinator's Ed25519 key, every sync order a permit. The operator's calls (ListMembers,
+RevokeMember) must be signed with that same key.
 Operations: the server also carries gRPC health checking (grpc.health.v1; NOT_SERVING from the
 moment shutdown starts) and server reflection, and records shoal.metrics.CoordinatorMetrics,
 served on `metrics_port` when it is set (0 = off).
@@ -62,13 +66,15 @@ from shoal.coordinator.rounds import (
 )
 from shoal.coordinator.admission import Admission, AllowList, load_secret
 from shoal.coordinator.heap import HeapPolicy
+from shoal.coordinator.membership import Membership, Memberships
 from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget, is_etcd
 from shoal.coordinator.leadership import Leadership
 from shoal.coordinator.pauses import RunClock
 from shoal.coordinator.store import SQLiteStore, StateFileError, Store
 from shoal.common.attempts import ATTEMPT_STRIDE, shown_attempt
-from shoal.common.errors import DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, ShoalError, grpc_errors, require
-from shoal.common.identity import MD_PUBKEY, RequestVerifier, load_or_create_key, peer_id_of, public_bytes
+from shoal.common.errors import (DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+                                 ShoalError, grpc_errors, require)
+from shoal.common.identity import MD_INSTANCE, MD_PUBKEY, RequestVerifier, load_or_create_key, peer_id_of, public_bytes
 from shoal.common.reach import Reachability, dial_back
 from shoal.common.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
                          RateLimiter, host_of)
@@ -90,6 +96,10 @@ JOIN = SERVICE_PREFIX + "Join"
 GET_STATUS = SERVICE_PREFIX + "GetStatus"
 # Unsigned: the operator view (read-only; protect it with mTLS or a firewall).
 UNSIGNED_METHODS = frozenset({GET_STATUS})
+# A member's calls after its Join: refused once it is revoked or fenced (MemberCalls).
+MEMBER_METHODS = frozenset(SERVICE_PREFIX + m for m in
+                           ("Heartbeat", "Leave", "Ready", "WatchRounds", "Vote", "ReportLinks"))
+MEMBER_RETENTION_SECONDS = 7 * 86400.0
 # A ticket outlives its plan's deadline by this much (clock skew between peers, seconds).
 TICKET_SLACK_SECONDS = 60.0
 METRICS_EVERY_SECONDS = 1.0
@@ -126,6 +136,7 @@ class CoordinatorConfig:
     finish_linger: float = 10.0  # after the run finished and every member left: answer status this long, then exit
     reach_timeout: float = 2.0  # dial-back of a joiner's data address (shoal.common.reach); 0 = not checked
     cert_lifetime: float = DEFAULT_LIFETIME_S  # issued data-plane certificates, seconds (coordinator.ca)
+    member_retention: float = MEMBER_RETENTION_SECONDS  # an admitted key unused this long needs admission again
 
 
 # The actions that write to the store.
@@ -156,22 +167,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, engine: RoundEngine, store: Store, run_config_json: str, signing_key, *, clock=time.time,
                  admission: Admission | None = None, metrics: CoordinatorMetrics | None = None, wall=None,
                  reach: Callable[[str, bytes], Awaitable[Reachability]] | None = None,
-                 ca: CertificateAuthority | None = None):
+                 ca: CertificateAuthority | None = None, memberships: Memberships | None = None):
         """clock: the engine's time (a `RunClock` when served; tests pass a fake). wall: the time
         stamped on tickets and permits (default `clock`). reach: the dial-back of a joiner's
         (address, public key); None: addresses are not checked. ca: issues data-plane
-        certificates (None: this coordinator issues none)."""
+        certificates (None: this coordinator issues none). memberships: the admitted keys."""
         self.engine = engine
         self.wall = wall or clock
         self.reach = reach
         self.ca = ca
         self.admission = admission or Admission(None, None)
+        self.memberships = memberships or Memberships(
+            [], retention=MEMBER_RETENTION_SECONDS,
+            live_seconds=engine.config.lease_seconds / 2 if engine is not None else 5.0)
         self.metrics = metrics or CoordinatorMetrics()
         self.store = store
         self.run_config_json = run_config_json
         self.key = signing_key
         self.clock = clock
-        self.watchers: dict[str, asyncio.Queue[pb.RoundEvent]] = {}
+        # A str on a queue closes that stream with PERMISSION_DENIED and that message (revoked, fenced).
+        self.watchers: dict[str, asyncio.Queue[pb.RoundEvent | str]] = {}
         self.finished_event: pb.RoundEvent | None = None
         self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
         self.commit_lines = Throttle(COMMIT_LOG_SECONDS)  # INFO "round N committed" lines
@@ -341,7 +356,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             require(":" in request.data_address, "data_address", "must be HOST:PORT")
             request.data_address = advertised_address(request.data_address, context)
             peer_id = peer_id_of(request.public_key)
-            claims = self.admission.admit(request.public_key, request.join_token)
+            asked = self.clock()
+            rec = self.memberships.admit(self.admission, peer_id, request.public_key, request.join_token, asked)
+            fenced = self.memberships.claim(peer_id, _instance(context), self._live(peer_id, asked))
+            # Without an fsync, like the member row (a 10,000-member start must not fsync each join):
+            # a machine crash (not a process crash) may lose a fresh admission; that peer then needs
+            # its token once more. A revocation is written durably.
+            with self.store.batch(durable=False):
+                self.store.save_membership(rec)
+            if fenced is not None:
+                log.warning("peer %s: a new process took over the identity (the old one stopped renewing its "
+                            "lease); the old process is fenced", peer_id[:8])
+                self._close_watch(peer_id, f"peer {peer_id}: another process with this key took over the identity; "
+                                           f"this one is fenced")
             reach = await self.reach(request.data_address, request.public_key) if self.reach is not None else None
             if reach is not None and not reach.reachable:
                 log.warning("peer %s cannot be reached at its data address: %s; it takes part in no round",
@@ -355,8 +382,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                         connected=peer_id in self.watchers))
             if request.up_bytes_per_s or request.down_bytes_per_s:
                 self.metrics.observe_link(peer_id, request.up_bytes_per_s, request.down_bytes_per_s, 0.0)
-            log.info("peer %s joined from %s%s", peer_id[:8], request.data_address,
-                     f" (token {claims.label or claims.token_id[:8]})" if claims else "")
+            log.info("peer %s joined from %s (%s)", peer_id[:8], request.data_address,
+                     f"admitted: {rec.label}" if rec.admitted_at == asked else "member since "
+                     + time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(rec.admitted_at)))
             resp = pb.JoinResponse(
                 peer_id=peer_id, lease_seconds=self.engine.config.lease_seconds,
                 heartbeat_interval_seconds=self.engine.config.lease_seconds / 4, epoch=self.engine.epoch,
@@ -371,6 +399,67 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                                              self.engine.last_state_digest,
                                                              self.engine.donors(now, exclude=peer_id)), to=peer_id))
             return resp
+
+    def _live(self, peer_id: str, now: float) -> bool:
+        """The process holding `peer_id` is live: its round-event stream is open and it renewed its
+        lease within `memberships.live_seconds` (a newcomer with the same key is refused)."""
+        m = self.engine.members.get(peer_id)
+        if m is None or not m.connected or m.lease_expiry <= now:
+            return False
+        return m.lease_expiry - self.engine.config.lease_seconds >= now - self.memberships.live_seconds
+
+    def _close_watch(self, peer_id: str, why: str) -> None:
+        """End `peer_id`'s round-event stream with PERMISSION_DENIED and `why`."""
+        q = self.watchers.pop(peer_id, None)
+        if q is not None:
+            q.put_nowait(why)
+
+    def check_member(self, peer_id: str, instance: str) -> None:
+        """Before a member's call: refuse it when revoked or fenced (PermissionDenied); note its
+        use (the membership's last use is written at most hourly)."""
+        self.memberships.check(peer_id, instance)
+        rec = self.memberships.touch(peer_id, self.clock())
+        if rec is not None:
+            with self.store.batch(durable=False):
+                self.store.save_membership(rec)
+
+    def _operator(self, context) -> None:
+        """Operator calls are signed (SignedCalls checked the signature) with the coordinator's key."""
+        md = dict(context.invocation_metadata() or ())
+        if md.get(MD_PUBKEY, "") != public_bytes(self.key).hex():
+            raise PermissionDenied("operator calls must be signed with the coordinator's key (`shoal member "
+                                   "--admin-key` the coordinator's --key file)")
+
+    def _membership_info(self, rec: Membership, now: float) -> pb.MembershipInfo:
+        m = self.engine.members.get(rec.peer_id)
+        live = m is not None and m.lease_expiry > now
+        return pb.MembershipInfo(member=rec.peer_id, label=rec.label, admitted_at=rec.admitted_at,
+                                 last_seen=now if live else rec.last_seen, revoked_at=rec.revoked_at,
+                                 status=rec.status(now, self.memberships.retention), live=live,
+                                 address=m.address if live else "")
+
+    async def ListMembers(self, request: pb.ListMembersRequest, context) -> pb.ListMembersResponse:
+        async with grpc_errors(context):
+            self._operator(context)
+            now = self.clock()
+            return pb.ListMembersResponse(
+                members=[self._membership_info(r, now) for r in self.memberships.listing()],
+                retention_seconds=self.memberships.retention)
+
+    async def RevokeMember(self, request: pb.RevokeMemberRequest, context) -> pb.RevokeMemberResponse:
+        async with grpc_errors(context):
+            self._operator(context)
+            now = self.clock()
+            try:
+                rec = self.memberships.revoke(request.member, now)
+            except ValueError as exc:
+                raise NotFound(str(exc)) from None
+            with self.store.batch():
+                self.store.save_membership(rec)
+            log.warning("membership of peer %s (%s) revoked by the operator", rec.peer_id[:8], rec.label)
+            self._close_watch(rec.peer_id, f"peer {rec.peer_id}: membership revoked by the operator")
+            self.apply(self.engine.leave(rec.peer_id, now))
+            return pb.RevokeMemberResponse(member=self._membership_info(rec, now))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         async with grpc_errors(context):
@@ -429,7 +518,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def WatchRounds(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.RoundEvent]:
         if request.peer_id not in self.engine.members:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"peer_id: unknown peer {request.peer_id[:8]}; join first")
-        q: asyncio.Queue[pb.RoundEvent] = asyncio.Queue()
+        q: asyncio.Queue[pb.RoundEvent | str] = asyncio.Queue()
         self.watchers[request.peer_id] = q
         self.apply(self.engine.connected(request.peer_id, self.clock()))
         try:
@@ -441,6 +530,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield pb.RoundEvent(plan=self._wire_plan(run.plan))
             while True:
                 ev = await q.get()
+                if isinstance(ev, str):
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, ev)
                 yield ev
                 if ev.HasField("finished"):
                     return
@@ -541,6 +632,56 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                  run_config_json=self.run_config_json, waiting=waiting)
 
 
+def _instance(context) -> str:
+    """The caller's process instance id (metadata x-shoal-instance; "" when it sends none)."""
+    for k, v in (context.invocation_metadata() if context is not None else None) or ():
+        if k == MD_INSTANCE:
+            return v[:64]
+    return ""
+
+
+class MemberCalls(grpc.aio.ServerInterceptor):
+    """Server interceptor (after SignedCalls, so the signer is authenticated): a member's calls
+    (MEMBER_METHODS) are refused with PERMISSION_DENIED once its membership is revoked or
+    another process of its key took over (`CoordinatorService.check_member`)."""
+
+    def __init__(self, service: CoordinatorService):
+        self.service = service
+
+    def _check(self, context) -> None:
+        md = dict(context.invocation_metadata() or ())
+        try:
+            peer_id = peer_id_of(bytes.fromhex(md.get(MD_PUBKEY, "")))
+        except ValueError:
+            return  # unsigned: SignedCalls refused it already
+        self.service.check_member(peer_id, md.get(MD_INSTANCE, "")[:64])
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in MEMBER_METHODS:
+            return handler
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary_unary(request, context):
+                async with grpc_errors(context):
+                    self._check(context)
+                return await inner(request, context)
+
+            return handler._replace(unary_unary=unary_unary)
+        if handler.unary_stream is not None:
+            inner_s = handler.unary_stream
+
+            async def unary_stream(request, context):
+                async with grpc_errors(context):
+                    self._check(context)
+                async for item in inner_s(request, context):
+                    yield item
+
+            return handler._replace(unary_stream=unary_stream)
+        return handler
+
+
 def grpc_options() -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", CONTROL_MAX_RECEIVE_BYTES),
@@ -598,6 +739,22 @@ def load_admission(config: CoordinatorConfig) -> Admission:
         log.info("admission: %s", " and ".join(
             x for x in ("join token" if secret else "", f"allow-list of {len(allow)} keys" if allow else "") if x))
     return admission
+
+
+def load_memberships(config: CoordinatorConfig, store: Store, engine: RoundEngine) -> Memberships:
+    """The admitted keys from the store; those unused beyond `member_retention` are forgotten."""
+    ms = Memberships(store.load_memberships(), retention=config.member_retention,
+                     live_seconds=engine.config.lease_seconds / 2)
+    gone = ms.prune(time.time())
+    if gone:
+        with store.batch():
+            for p in gone:
+                store.forget_membership(p)
+        log.info("forgot %d members unused for more than %.0f s (member_retention)", len(gone),
+                 config.member_retention)
+    if ms.records:
+        log.info("%d admitted members (%d revoked)", len(ms.records), sum(r.revoked for r in ms.records.values()))
+    return ms
 
 
 class LostLeadership(Exception):
@@ -684,12 +841,14 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
              if config.reach_timeout > 0 else None)
     service = CoordinatorService(engine, store, run_config_json, key, admission=admission,
                                  clock=clock or RunClock(), wall=time.time, reach=reach,
-                                 ca=CertificateAuthority.from_dir(config.security.tls_dir, config.cert_lifetime))
+                                 ca=CertificateAuthority.from_dir(config.security.tls_dir, config.cert_lifetime),
+                                 memberships=load_memberships(config, store, engine))
     interceptors = [
         DecodeErrors(),
         SignedCalls(SERVICE_PREFIX, RequestVerifier(max_nonces=NONCE_MEMORY), unsigned=UNSIGNED_METHODS,
                     default_limit=RateLimiter(config.request_rate, config.request_burst),
                     limits={JOIN: RateLimiter(config.join_rate, config.join_burst)}),
+        MemberCalls(service),
     ]
     server = grpc.aio.server(options=grpc_options(), interceptors=interceptors,
                              maximum_concurrent_rpcs=COORDINATOR_MAX_CONCURRENT_RPCS)

@@ -32,6 +32,7 @@ _COLUMNS = {
     "members": "peer_id, public_key, address, num_samples, state",
     "commits": "round, attempt, result_digest, state_digest, participants, train_loss, seconds, flagged, at",
     "aborts": "id, round, attempt, reason, excluded, will_retry, at",
+    "memberships": "peer_id, public_key, label, admitted_at, last_seen, revoked_at",
 }
 _BATCH = 256  # rows per read
 _MAX_SKIPS = 64  # unreadable stretches skipped per table before giving the rest of it up
@@ -70,7 +71,8 @@ def summarize(path: str) -> StateSummary:
     """What the (healthy) state file at `path` holds. Raises StateFileError when it is not one."""
     with _open_source(path, salvage=False) as db:
         check_state_file(db, path)
-        count = {t: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in TABLES}
+        present = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        count = {t: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] if t in present else 0 for t in TABLES}
         last = db.execute("SELECT MAX(round) FROM commits").fetchone()[0]
         run_config = db.execute("SELECT 1 FROM meta WHERE key = 'run_config'").fetchone() is not None
     missing = 0 if last is None else last + 1 - count["commits"]
@@ -139,7 +141,8 @@ def recover_state(src: str, dst: str) -> RecoveryReport:
                                  "restore a backup") from None
         for table in TABLES:
             if table not in tables:
-                lost.append(f"table {table}: not in the file")
+                if table != "memberships":  # a schema-1 file has none: nothing lost
+                    lost.append(f"table {table}: not in the file")
                 continue
             got, skipped = _salvage(db, table)
             rows[table] = got

@@ -34,12 +34,13 @@ import threading
 from collections.abc import Iterator
 from typing import ContextManager, Protocol
 
+from shoal.coordinator.membership import Membership
 from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
 
 
-SCHEMA_VERSION = 1  # PRAGMA user_version of the files this code writes
+SCHEMA_VERSION = 2  # PRAGMA user_version of the files this code writes (2: memberships)
 APPLICATION_ID = 0x53484F4C  # PRAGMA application_id ("SHOL"): a Shoal coordinator state file
-TABLES = ("meta", "members", "commits", "aborts")
+TABLES = ("meta", "members", "commits", "aborts", "memberships")
 
 DAMAGED_OPTIONS = ("restore a backup (made with `shoal coordinator --state-backup PATH`), or copy what can still be "
                    "read into a new file with `shoal coordinator --state {path} --state-recover`")
@@ -60,6 +61,9 @@ class Store(Protocol):
     def load_members(self) -> list[Member]: ...
     def save_member(self, m: Member) -> None: ...
     def forget_member(self, peer_id: str) -> None: ...
+    def load_memberships(self) -> list[Membership]: ...
+    def save_membership(self, m: Membership) -> None: ...
+    def forget_membership(self, peer_id: str) -> None: ...
     def load_epoch(self) -> int: ...
     def save_epoch(self, epoch: int) -> None: ...
     def load_commits(self) -> list[CommitRecord]: ...
@@ -85,6 +89,7 @@ class MemoryStore:
         self.commits: list[CommitRecord] = []
         self.aborts: list[AbortRecord] = []
         self.meta: dict[str, str] = {}
+        self.memberships: dict[str, Membership] = {}
 
     def load_members(self) -> list[Member]:
         return list(self.members.values())
@@ -96,6 +101,15 @@ class MemoryStore:
 
     def forget_member(self, peer_id: str) -> None:
         self.members.pop(peer_id, None)
+
+    def load_memberships(self) -> list[Membership]:
+        return list(self.memberships.values())
+
+    def save_membership(self, m: Membership) -> None:
+        self.memberships[m.peer_id] = m
+
+    def forget_membership(self, peer_id: str) -> None:
+        self.memberships.pop(peer_id, None)
 
     def load_epoch(self) -> int:
         return self.epoch
@@ -154,6 +168,9 @@ CREATE TABLE IF NOT EXISTS commits (
 CREATE TABLE IF NOT EXISTS aborts (
     id INTEGER PRIMARY KEY AUTOINCREMENT, round INTEGER NOT NULL, attempt INTEGER NOT NULL,
     reason TEXT NOT NULL, excluded TEXT NOT NULL, will_retry INTEGER NOT NULL, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS memberships (
+    peer_id TEXT PRIMARY KEY, public_key BLOB NOT NULL, label TEXT NOT NULL, admitted_at REAL NOT NULL,
+    last_seen REAL NOT NULL, revoked_at REAL NOT NULL);
 """
 
 
@@ -284,6 +301,22 @@ class SQLiteStore:
 
     def forget_member(self, peer_id: str) -> None:
         self._write("DELETE FROM members WHERE peer_id = ?", (peer_id,))
+
+    def load_memberships(self) -> list[Membership]:
+        """Every admitted key (coordinator.membership); none in a file of schema 1."""
+        try:
+            rows = self._db.execute("SELECT peer_id, public_key, label, admitted_at, last_seen, revoked_at "
+                                    "FROM memberships").fetchall()
+        except sqlite3.OperationalError:  # a read-only view of a schema-1 file: no such table
+            return []
+        return [Membership(p, bytes(k), lb, a, s, r) for p, k, lb, a, s, r in rows]
+
+    def save_membership(self, m: Membership) -> None:
+        self._write("INSERT OR REPLACE INTO memberships VALUES (?, ?, ?, ?, ?, ?)",
+                    (m.peer_id, m.public_key, m.label, m.admitted_at, m.last_seen, m.revoked_at))
+
+    def forget_membership(self, peer_id: str) -> None:
+        self._write("DELETE FROM memberships WHERE peer_id = ?", (peer_id,))
 
     def load_epoch(self) -> int:
         v = self.get_meta("epoch")

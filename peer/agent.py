@@ -42,7 +42,7 @@ import grpc
 import numpy as np
 
 from shoal.common.health import PEER_SERVICE, attach
-from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes
+from shoal.common.identity import hold_default_key, hold_key, peer_id_of, public_bytes
 from shoal.common.metrics import PeerMetrics
 from shoal.common.plan import Plan
 from shoal.common.retry import RetryPolicy
@@ -89,7 +89,8 @@ class PeerConfig:
 
     coordinator: str = "127.0.0.1:7070"
     listen: str = "127.0.0.1:0"
-    key_path: str = "shoal-peer.key"
+    key_path: str | None = None  # None: the per-user default (shoal.common.identity.hold_default_key)
+    name: str | None = None  # names the default key file (peer-<name>.key)
     data_shard: int = 0
     events_path: str | None = None
     ready_file: str | None = None
@@ -187,7 +188,9 @@ class PeerAgent(StateSource):
         self.contribution = contribution or FedAvgContribution(
             lambda: self.workload.cfg.reduction_spec(), Forgery(config.attack, config.attack_scale))
         self.metrics = metrics or PeerMetrics()
-        self.key = load_or_create_key(config.key_path)
+        held = hold_key(config.key_path) if config.key_path else \
+            hold_default_key(config.name, int(config.listen.rsplit(":", 1)[1]))  # KeyInUse: one process per key
+        self.key, self.key_path = held.key, held.path
         self.public_key = public_bytes(self.key)
         self.inbox = Inbox()
         # The data-plane certificate issued at join (TLS without a legacy shared peer.key).
@@ -311,7 +314,7 @@ class PeerAgent(StateSource):
                                signing_interceptors(self.key))
         self.control = CoordinatorClient(pb_grpc.CoordinatorStub(channel), self.retry,
                                          rpc_timeout=self.config.rpc_timeout, join_request=self._join_request,
-                                         on_join=self._joined)
+                                         on_join=self._joined, target=self.config.coordinator)
         try:
             await self._start()
             async with asyncio.TaskGroup() as tg:
@@ -355,8 +358,8 @@ class PeerAgent(StateSource):
             sync=SyncSettings(self.config.sync_donors, self.config.sync_range_bytes), listeners=self.listeners,
             traffic=self.traffic, tamper=owner_attack)
         self.held.hold()
-        log.info("joined as %s (data %s, %d samples, %d params)", self.peer_id[:8], self.address,
-                 self.workload.num_samples, self.workload.num_params)
+        log.info("joined as %s (key file %s, data %s, %d samples, %d params)", self.peer_id[:8], self.key_path,
+                 self.address, self.workload.num_samples, self.workload.num_params)
         if self.config.ready_file:
             pathlib.Path(self.config.ready_file).write_text(self.address)
 

@@ -17,17 +17,30 @@ Joining again keeps the identity (the peer id is the key's hash); the new lease,
 interval, coordinator key and any sync order of the answer are taken over (`pending_sync`).
 A status that is not transient (e.g. UNAUTHENTICATED, INVALID_ARGUMENT, INTERNAL) is raised at
 once by Join, Ready, Heartbeat and the watch: a refusal or a server bug surfaces, it is not retried.
+
+Every call carries this process's instance id (metadata `x-shoal-instance`): the coordinator keeps
+one process per identity, refusing a second one's Join (ALREADY_EXISTS) and, after a takeover, the
+old one's calls (PERMISSION_DENIED).
+
+While the coordinator cannot be reached, `peer.diagnosis.OutageLog` logs one line every 10 s with
+the last error (DNS, refused, timeout, TLS and why); Join and the watch, when their bound passes,
+raise `CoordinatorUnreachable` whose message is the "gave up" line (the most useful error seen and
+its fix; the last gRPC error is its `__cause__`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
+from shoal.common.identity import MD_INSTANCE
 from shoal.common.retry import BROKEN_STREAM, RetryPolicy, is_transient
+from shoal.peer.diagnosis import OutageLog
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
@@ -37,6 +50,7 @@ VOTE_SECONDS = 10.0
 LEAVE_SECONDS = 2.0
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _NO_DONOR_YET = grpc.StatusCode.FAILED_PRECONDITION
+T = TypeVar("T")
 
 
 class CoordinatorClient:
@@ -44,12 +58,16 @@ class CoordinatorClient:
 
     join_request: builds the JoinRequest (called on every join). on_join: told every JoinResponse
     (e.g. to hand the coordinator's ticket key to the data plane). rpc_timeout: per call, seconds.
+    target: the coordinator's address, as dialled (for the messages).
     """
 
     def __init__(self, stub: pb_grpc.CoordinatorStub, policy: RetryPolicy, *, rpc_timeout: float,
                  join_request: Callable[[], pb.JoinRequest],
-                 on_join: Callable[[pb.JoinResponse], None] | None = None):
+                 on_join: Callable[[pb.JoinResponse], None] | None = None, target: str = "coordinator"):
         self.stub, self.policy, self.rpc_timeout = stub, policy, rpc_timeout
+        self.instance = secrets.token_hex(16)  # this process's claim on its identity
+        self.md = ((MD_INSTANCE, self.instance),)
+        self.outage = OutageLog(target)
         self.join_request = join_request
         self.on_join = on_join or (lambda resp: None)
         self.peer_id = ""
@@ -61,7 +79,13 @@ class CoordinatorClient:
     async def join(self) -> pb.JoinResponse:
         """Join (or join again); raises the last error when the bound passes or admission refuses."""
         req = self.join_request()
-        resp = await self.policy.call(lambda: self.stub.Join(req, timeout=self.rpc_timeout), "join")
+        try:
+            resp = await self.policy.call(self._reported(lambda: self.stub.Join(req, timeout=self.rpc_timeout,
+                                                                               metadata=self.md)), "join")
+        except grpc.aio.AioRpcError as exc:
+            if is_transient(exc):
+                raise self.outage.gave_up(self.policy.deadline) from exc
+            raise
         self.peer_id = resp.peer_id
         self.coordinator_public_key = resp.coordinator_public_key
         self.lease_seconds = resp.lease_seconds
@@ -71,6 +95,19 @@ class CoordinatorClient:
         self.on_join(resp)
         return resp
 
+    def _reported(self, fn: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[T]]:
+        """`fn` with its transient failures noted in the outage log (and success ending an outage)."""
+        async def call() -> T:
+            try:
+                out = await fn()
+            except grpc.aio.AioRpcError as exc:
+                if is_transient(exc):
+                    await self.outage.failed(exc)
+                raise
+            self.outage.recovered()
+            return out
+        return call
+
     def take_sync(self) -> pb.SyncOrder | None:
         """The sync order of the last join, once."""
         order, self.pending_sync = self.pending_sync, None
@@ -78,7 +115,8 @@ class CoordinatorClient:
 
     async def ready(self, req: pb.ReadyRequest) -> pb.ReadyResponse:
         """Say ready (module docstring for the named branches)."""
-        return await self.policy.call(lambda: self.stub.Ready(req, timeout=self.rpc_timeout), "ready",
+        return await self.policy.call(self._reported(lambda: self.stub.Ready(req, timeout=self.rpc_timeout,
+                                                                             metadata=self.md)), "ready",
                                       also=(_NO_DONOR_YET,), recover={_NOT_FOUND: self.join})
 
     async def heartbeat(self) -> pb.HeartbeatResponse | None:
@@ -86,7 +124,8 @@ class CoordinatorClient:
         Raises a status that is not transient."""
         req = pb.HeartbeatRequest(peer_id=self.peer_id)
         try:
-            return await self.policy.call(lambda: self.stub.Heartbeat(req, timeout=self.rpc_timeout), "heartbeat",
+            return await self.policy.call(self._reported(lambda: self.stub.Heartbeat(req, timeout=self.rpc_timeout,
+                                                                                     metadata=self.md)), "heartbeat",
                                           deadline=self.lease_seconds, recover={_NOT_FOUND: self._rejoin})
         except grpc.aio.AioRpcError as exc:
             if not is_transient(exc):
@@ -116,7 +155,16 @@ class CoordinatorClient:
             opened[0] = True
             return await self._stream(deliver)
 
-        while not await self.policy.call(stream, "watch", also=BROKEN_STREAM, recover={_NOT_FOUND: self.join}):
+        while True:
+            try:
+                done = await self.policy.call(self._reported(stream), "watch", also=BROKEN_STREAM,
+                                              recover={_NOT_FOUND: self.join})
+            except grpc.aio.AioRpcError as exc:
+                if is_transient(exc, BROKEN_STREAM):
+                    raise self.outage.gave_up(self.policy.deadline) from exc
+                raise
+            if done:
+                return
             log.debug("watch stream ended; reopening")
 
     async def _stream(self, deliver: Callable[[pb.RoundEvent], Awaitable[bool]]) -> bool:
@@ -124,7 +172,9 @@ class CoordinatorClient:
         after delivering events (reopen at once); raises when it broke before any."""
         delivered = False
         try:
-            async for msg in self.stub.WatchRounds(pb.WatchRequest(peer_id=self.peer_id)):
+            async for msg in self.stub.WatchRounds(pb.WatchRequest(peer_id=self.peer_id), metadata=self.md):
+                if not delivered:
+                    self.outage.recovered()
                 delivered = True
                 if await deliver(msg):
                     return True
@@ -140,7 +190,7 @@ class CoordinatorClient:
     async def vote(self, req: pb.VoteRequest) -> bool:
         """Deliver a ballot; False (logged) when it could not be delivered."""
         try:
-            await self.policy.call(lambda: self.stub.Vote(req, timeout=self.rpc_timeout), "vote",
+            await self.policy.call(lambda: self.stub.Vote(req, timeout=self.rpc_timeout, metadata=self.md), "vote",
                                    deadline=VOTE_SECONDS)
             return True
         except grpc.aio.AioRpcError as exc:
@@ -152,7 +202,8 @@ class CoordinatorClient:
     async def report_links(self, report: pb.LinkReport) -> None:
         """Best effort: a lost report only leaves the coordinator with older estimates."""
         try:
-            await self.policy.call(lambda: self.stub.ReportLinks(report, timeout=self.rpc_timeout), "report links",
+            await self.policy.call(lambda: self.stub.ReportLinks(report, timeout=self.rpc_timeout, metadata=self.md),
+                                   "report links",
                                    deadline=self.rpc_timeout)
         except grpc.aio.AioRpcError as exc:
             log.debug("link report not delivered: %s", exc.code().name)
@@ -160,7 +211,7 @@ class CoordinatorClient:
     async def leave(self) -> None:
         """Best effort: the lease expires anyway."""
         try:
-            await self.policy.call(lambda: self.stub.Leave(pb.LeaveRequest(peer_id=self.peer_id),
-                                                           timeout=LEAVE_SECONDS), "leave", deadline=LEAVE_SECONDS)
+            await self.policy.call(lambda: self.stub.Leave(pb.LeaveRequest(peer_id=self.peer_id), timeout=LEAVE_SECONDS,
+                                                           metadata=self.md), "leave", deadline=LEAVE_SECONDS)
         except grpc.aio.AioRpcError as exc:
             log.debug("leave not delivered: %s", exc.code().name)

@@ -89,7 +89,20 @@ def _is_refused(exc: BaseException) -> bool:
     import grpc
 
     rpc = _rpc_error(exc)
-    return rpc is not None and rpc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+    return rpc is not None and rpc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                                              grpc.StatusCode.ALREADY_EXISTS)
+
+
+def _found(exc: BaseException, kind: type[BaseException]):
+    """The exception of type `kind` behind `exc` (also inside an exception group), or None."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _found(inner, kind)
+            if found is not None:
+                return found
+    return None
 
 
 # ------------------------------------------------------------------------------ pre-flight checks
@@ -221,6 +234,38 @@ def cmd_token_create(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_member(a: argparse.Namespace) -> int:
+    """`shoal member list|revoke`: signed with the coordinator's key (shoal.members)."""
+    from shoal.members import list_members, render_members, revoke_member
+
+    name = f"shoal member {a.member_command}"
+    try:
+        security = _security(a.tls_dir, False, a.insecure, "member", ("ca.pem",))
+        if not pathlib.Path(a.admin_key).is_file():
+            raise UsageError(f"--admin-key {a.admin_key}: no such file (the coordinator's --key file; by default its "
+                             f"state file with .key)")
+        target = config_mod.grpc_target(a.coordinator)
+        if a.member_command == "list":
+            listing = asyncio.run(list_members(target, a.admin_key, security, a.timeout))
+            print(json.dumps(listing, indent=2) if a.json else render_members(listing))
+        else:
+            rec = asyncio.run(revoke_member(target, a.admin_key, a.member, security, a.timeout))
+            print(f"revoked {rec['member']} ({rec['label']}): its next call is refused")
+    except (UsageError, ValueError, OSError) as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - mapped to an exit code, then reported
+        rpc = _rpc_error(exc)
+        if rpc is None:
+            raise
+        if _is_unavailable(exc):
+            print(f"{name}: coordinator {a.coordinator} unreachable ({rpc.code().name})", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        print(f"{name}: {rpc.details()}", file=sys.stderr)
+        return EXIT_USAGE
+    return EXIT_OK
+
+
 def _key_file(path: str) -> None:
     """An Ed25519 key file that loads, or one that can be created."""
     from shoal.common.identity import load_or_create_key
@@ -337,7 +382,7 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, st
         security=security, join_token_secret=c.join_token_secret, allow_list=c.allow_list,
         join_rate=c.join_rate, join_burst=c.join_burst, request_rate=c.rate_limit,
         request_burst=max(1, int(2 * c.rate_limit)), finish_linger=c.finish_linger, reach_timeout=c.reach_timeout,
-        cert_lifetime=c.cert_lifetime)
+        cert_lifetime=c.cert_lifetime, member_retention=c.member_retention)
 
     got: list[int] = []
 
@@ -374,21 +419,42 @@ def _peer_files(p) -> None:
     """The identity key loads (or can be created) and the output files' directories exist."""
     _parent_dir("--events", p.events)
     _parent_dir("--ready-file", p.ready_file)
-    _key_file(p.key)
+    if p.key:
+        _key_file(p.key)
+
+
+def _hold_peer_key(p) -> str:
+    """Lock this peer's key file (--key, else the per-user default: shoal.common.identity
+    .hold_default_key) for this process; returns its path. Raises UsageError naming the file and
+    the peer id when another process holds it."""
+    from shoal.common.identity import KeyInUse, hold_default_key, hold_key
+
+    try:
+        held = hold_key(p.key) if p.key else hold_default_key(p.name, int(p.listen.rsplit(":", 1)[1]))
+    except KeyInUse as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:
+        raise UsageError(f"key file: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"key: {exc}") from None
+    return str(held.path)
 
 
 def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from shoal.peer.agent import PeerConfig, run_peer
 
+    from shoal.peer.diagnosis import CoordinatorUnreachable, diagnose
+
     p = cfg.peer
     _peer_files(p)
     _bindable("--listen", p.listen)
+    key_path = _hold_peer_key(p)
     if p.metrics_port:
         _bindable("--metrics-port", f"{p.metrics_host}:{p.metrics_port}")
     security = _security(p.tls_dir, p.mtls, p.insecure, "peer", ("ca.pem",))
     peer_cfg = PeerConfig(security=security, join_token=p.join_token or os.environ.get("SHOAL_JOIN_TOKEN", ""),
                           attack=p.attack, attack_scale=p.attack_scale,
-                          coordinator=config_mod.grpc_target(p.coordinator), listen=p.listen, key_path=p.key,
+                          coordinator=config_mod.grpc_target(p.coordinator), listen=p.listen, key_path=key_path,
                           data_shard=p.data_shard,
                           events_path=p.events, ready_file=p.ready_file, rpc_timeout=p.rpc_timeout,
                           round_silence=p.round_silence, sync_donors=p.sync_donors,
@@ -410,13 +476,18 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     try:
         _run(main())
     except Exception as exc:  # noqa: BLE001 - mapped to an exit code, then reported
+        unreachable = _found(exc, CoordinatorUnreachable)
+        if unreachable is not None:  # the "gave up" line: the most useful error seen, and its fix
+            log.error("peer: %s", unreachable)
+            return EXIT_UNAVAILABLE
         if _is_unavailable(exc):
             log.error("peer: coordinator %s unreachable (gave up after --connect-timeout %gs)", p.coordinator,
                       p.connect_timeout)
             return EXIT_UNAVAILABLE
         if _is_refused(exc):
             rpc = _rpc_error(exc)
-            log.error("peer: coordinator %s refused this peer: %s", p.coordinator, rpc.details())
+            log.error("peer: coordinator %s %s (key file %s)", p.coordinator,
+                      diagnose(rpc, p.coordinator, names=lambda t: []).line(), key_path)
             return EXIT_USAGE
         if isinstance(exc, OSError):
             log.error("peer: address unavailable: %s", exc)
@@ -604,6 +675,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ttl", type=float, default=86400.0, help="seconds the token is valid (default one day)")
     t.add_argument("--label", default="", help="who the token is for (shows in the coordinator's log)")
     t.set_defaults(tool=cmd_token_create)
+
+    p = sub.add_parser("member", help="the admitted keys (members) of a running coordinator: list, revoke")
+    msub = p.add_subparsers(dest="member_command", required=True)
+    for cmd, text in (("list", "list the members: id, status, live address, label, admitted, last seen"),
+                      ("revoke", "revoke a member: its next call and every later join are refused")):
+        m = msub.add_parser(cmd, help=text, description=text + ". Signed with the coordinator's own key: run it "
+                            "where that key file is readable.")
+        if cmd == "revoke":
+            m.add_argument("member", help="peer id, or a unique prefix of at least 8 hex characters")
+        m.add_argument("--coordinator", default="127.0.0.1:7070", help="coordinator HOST:PORT")
+        m.add_argument("--admin-key", default="shoal-coordinator.key",
+                       help="the coordinator's key file (`shoal coordinator --key`; default: shoal-coordinator.key, "
+                            "the default state file's)")
+        m.add_argument("--tls-dir", default=None, help="TLS directory with the coordinator's ca.pem")
+        m.add_argument("--insecure", action="store_true", help="plaintext (a coordinator run with --insecure)")
+        m.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the answer")
+        if cmd == "list":
+            m.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        m.set_defaults(tool=cmd_member)
 
     from shoal.bench import add_bench_parser, cmd_bench
 

@@ -160,6 +160,9 @@ class CoordinatorSection:
     reach_timeout: float = setting(2.0, "dial a joiner's advertised data address back within this many seconds "
                                         "(nonce challenge); a peer that does not answer takes part in no round "
                                         "(0 = do not check)")
+    member_retention: float = setting(7 * 86400.0, "seconds an admitted key (a member) stays admitted unused: it "
+                                                   "rejoins without a join token until revoked (`shoal member "
+                                                   "revoke`) or unused this long")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
@@ -177,6 +180,8 @@ class CoordinatorSection:
         _check(self.rate_limit > 0 and _finite(self.rate_limit), c, "rate_limit", "> 0", self.rate_limit)
         _check(self.finish_linger >= 0 and _finite(self.finish_linger), c, "finish_linger", ">= 0",
                self.finish_linger)
+        _check(self.member_retention > 0 and _finite(self.member_retention), c, "member_retention", "> 0",
+               self.member_retention)
 
 
 @dataclass(frozen=True)
@@ -371,7 +376,11 @@ class PeerSection:
     listen: str = setting("127.0.0.1:0", "data-plane HOST:PORT (port 0 = any free port)")
     advertise: str | None = setting(None, "data-plane HOST:PORT other peers dial (default: the bound address; "
                                           "set it behind NAT or in containers)")
-    key: str = setting("shoal-peer.key", "Ed25519 identity key file (created if absent); peer id = hash of it")
+    key: str | None = setting(None, "Ed25519 identity key file (created if absent, locked while the peer runs: one "
+                                    "process per key); peer id = hash of it. Default: peer-NAME.key in the per-user "
+                                    "data directory ($XDG_DATA_HOME/shoal or ~/.local/share/shoal)")
+    name: str | None = setting(None, "names this peer's default key file (peer-NAME.key); default: the --listen port, "
+                                     "or with port 0 the first of peer-1, peer-2, ... not in use")
     data_shard: int = setting(0, "which data shard (part of the default workload's training data) this peer "
                                  "holds")
     events: str | None = setting(None, "append JSON-lines round events (commit, abort, state_sync) here")
@@ -405,7 +414,10 @@ class PeerSection:
         check_address(p, "listen", self.listen)
         if self.advertise is not None:
             check_address(p, "advertise", self.advertise, port_zero=False)
-        _check(bool(self.key), p, "key", "a file path", self.key)
+        _check(self.key is None or bool(self.key), p, "key", "a file path", self.key)
+        if self.name is not None:
+            _check(bool(self.name) and all(ch.isalnum() or ch in "._-" for ch in self.name)
+                   and not self.name.startswith("."), p, "name", "letters, digits, '.', '_' and '-'", self.name)
         _check(self.data_shard >= 0, p, "data_shard", ">= 0", self.data_shard)
         _check(0 <= self.metrics_port <= 65535, p, "metrics_port", "in 0..65535", self.metrics_port)
         for key in ("rpc_timeout", "connect_timeout", "round_silence"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import sqlite3
@@ -228,3 +229,47 @@ def test_a_batch_is_one_transaction(make_store):
     assert s2.count_commits() == 1 and s2.load_epoch() == 3
     if not isinstance(s2, MemoryStore):  # the in-memory store has no transactions to roll back
         assert [m.peer_id for m in s2.load_members()] == ["b"]
+
+
+def test_memberships_survive_reopen_and_revocation_sticks(make_store):
+    from shoal.coordinator.membership import Membership
+
+    s = make_store()
+    a = Membership("a" * 32, b"\x01" * 32, "alice", 10.0, 20.0)
+    b = Membership("b" * 32, b"\x02" * 32, "open", 11.0, 11.0)
+    with s.batch():
+        s.save_membership(a)
+        s.save_membership(b)
+    s.save_membership(dataclasses.replace(a, revoked_at=30.0))
+    s.forget_membership(b.peer_id)
+    s2 = make_store()
+    assert s2.load_memberships() == [dataclasses.replace(a, revoked_at=30.0)]
+    assert s2.load_members() == []  # memberships are not live members
+
+
+def test_a_schema_1_state_file_opens_and_gains_the_memberships_table(tmp_path):
+    import sqlite3
+
+    path = str(tmp_path / "old.db")
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE members (peer_id TEXT PRIMARY KEY, public_key BLOB NOT NULL, address TEXT NOT NULL,
+            num_samples INTEGER NOT NULL, state TEXT NOT NULL);
+        CREATE TABLE commits (round INTEGER PRIMARY KEY, attempt INTEGER NOT NULL, result_digest BLOB NOT NULL,
+            state_digest BLOB NOT NULL, participants TEXT NOT NULL, train_loss REAL NOT NULL,
+            seconds REAL NOT NULL, flagged TEXT NOT NULL, at REAL NOT NULL);
+        CREATE TABLE aborts (id INTEGER PRIMARY KEY AUTOINCREMENT, round INTEGER NOT NULL, attempt INTEGER NOT NULL,
+            reason TEXT NOT NULL, excluded TEXT NOT NULL, will_retry INTEGER NOT NULL, at REAL NOT NULL);
+        PRAGMA user_version = 1;
+        INSERT INTO meta VALUES ('epoch', '4');
+    """)
+    db.close()
+    with SQLiteStore.reader(path) as r:
+        assert r.load_memberships() == []  # a read-only view of the old file: none, no error
+    s = SQLiteStore(path)
+    assert s.load_epoch() == 4 and s.load_memberships() == []
+    s.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    db.close()

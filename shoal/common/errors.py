@@ -50,6 +50,10 @@ class FailedPrecondition(ShoalError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class AlreadyExists(ShoalError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class NotFound(ShoalError):
     code = grpc.StatusCode.NOT_FOUND
 

@@ -9,11 +9,18 @@ coordinator (`RequestVerifier`): the signature covers the method, a timestamp, a
 nonce and the serialized request, so it can be neither replayed nor moved to another call, and
 the request's `peer_id` / `public_key` must name the signer. This module does not do transport
 security (see `shoal.common.certs`) nor admission (see `shoal.coordinator.admission`).
+
+One process per key: a peer holds its key file with `hold_key` (an exclusive `fcntl.flock` for
+the life of the process), so a second local process with the same file is refused at start with
+`KeyInUse`. Without `--key` a peer's key lives in the per-user data directory
+(`$XDG_DATA_HOME/shoal`, default `~/.local/share/shoal`): `peer-<name>.key` (`peer_key_path`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import fcntl
 import hashlib
 import heapq
 import os
@@ -48,6 +55,23 @@ def public_bytes(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
     return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
+def load_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
+    """Load the Ed25519 private key at `path` (never creates one).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file does not hold an unencrypted PEM Ed25519 private key.
+    """
+    p = pathlib.Path(path)
+    try:
+        key = serialization.load_pem_private_key(p.read_bytes(), password=None)
+    except (ValueError, TypeError):  # not PEM, or encrypted
+        raise ValueError(f"{p}: not a PEM Ed25519 private key without passphrase") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{p}: not an Ed25519 private key")
+    return key
+
+
 def load_or_create_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """Load the Ed25519 private key at `path`, creating it (mode 0600) when absent.
 
@@ -61,7 +85,7 @@ def load_or_create_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     """
     p = pathlib.Path(path)
     if p.exists():
-        return _load_key(p)
+        return load_key(p)
     p.parent.mkdir(parents=True, exist_ok=True)
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(
@@ -83,20 +107,99 @@ def load_or_create_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
             with os.fdopen(fd, "wb") as f:
                 f.write(pem)
     except FileExistsError:
-        return _load_key(p)
+        return load_key(p)
     finally:
         tmp.unlink(missing_ok=True)
     return key
 
 
-def _load_key(p: pathlib.Path) -> Ed25519PrivateKey:
+# ---------------------------------------------------------------- one process per key
+
+
+class KeyInUse(Exception):
+    """Another process on this machine holds the key file (`hold_key`). `str()` is one line naming
+    the file, the peer id and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldKey:
+    """A key this process holds: the key, its file, and the open descriptor carrying the lock
+    (released when the process exits)."""
+
+    key: Ed25519PrivateKey
+    path: pathlib.Path
+    fd: int
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id_of(public_bytes(self.key))
+
+
+_held: dict[pathlib.Path, HeldKey] = {}  # the keys this process holds, by resolved path
+
+
+def hold_key(path: str | os.PathLike[str]) -> HeldKey:
+    """Load (or create, mode 0600) the key at `path` and lock its file for this process.
+
+    The lock is an exclusive, non-blocking `fcntl.flock` on the file, held until the process
+    exits (the kernel drops it even on SIGKILL). Holding the same file twice in one process
+    returns the same `HeldKey`.
+
+    Raises:
+        KeyInUse: another process holds the file.
+        ValueError, OSError: as `load_or_create_key`.
+    """
+    key = load_or_create_key(path)
+    real = pathlib.Path(path).resolve()
+    if real in _held:
+        return _held[real]
+    fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        key = serialization.load_pem_private_key(p.read_bytes(), password=None)
-    except (ValueError, TypeError):  # not PEM, or encrypted
-        raise ValueError(f"{p}: not a PEM Ed25519 private key without passphrase") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ValueError(f"{p}: not an Ed25519 private key")
-    return key
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise KeyInUse(f"key file {path} (peer {peer_id_of(public_bytes(key))}) is in use by another process on "
+                       f"this machine: one process per identity; stop it, or give this one its own key "
+                       f"(--key FILE or --name NAME)") from None
+    held = _held[real] = HeldKey(key, pathlib.Path(path), fd)
+    return held
+
+
+def data_dir() -> pathlib.Path:
+    """The per-user data directory of shoal: `$XDG_DATA_HOME/shoal`, default `~/.local/share/shoal`."""
+    base = os.environ.get("XDG_DATA_HOME") or str(pathlib.Path.home() / ".local" / "share")
+    return pathlib.Path(base) / "shoal"
+
+
+def peer_key_path(name: str) -> pathlib.Path:
+    """The default key file of the peer called `name`: `data_dir()/peer-<name>.key`.
+
+    Raises:
+        ValueError: `name` is empty or holds characters other than letters, digits, `.`, `_`, `-`.
+    """
+    if not name or not all(c.isalnum() or c in "._-" for c in name) or name.startswith("."):
+        raise ValueError(f"--name {name!r}: use letters, digits, '.', '_' and '-'")
+    return data_dir() / f"peer-{name}.key"
+
+
+def hold_default_key(name: str | None, listen_port: int, *, slots: int = 1000) -> HeldKey:
+    """The key of a peer started without `--key`: `peer-<name>.key` with a name, else
+    `peer-<listen port>.key` for a fixed port, else the first of `peer-1.key`, `peer-2.key`, ...
+    that no other process holds (so peers started side by side get distinct identities, and a
+    peer restarted alone gets its old one back).
+
+    Raises:
+        KeyInUse: the named (or port's) key is held by another process, or `slots` are all held.
+        ValueError: a bad name; OSError: the data directory cannot be created.
+    """
+    if name is not None or listen_port:
+        return hold_key(peer_key_path(name if name is not None else str(listen_port)))
+    for n in range(1, slots + 1):
+        try:
+            return hold_key(peer_key_path(str(n)))
+        except KeyInUse:
+            continue
+    raise KeyInUse(f"{data_dir()}: the {slots} default peer keys are all in use; pass --key or --name")
 
 
 # ---------------------------------------------------------------- request signing
@@ -111,6 +214,9 @@ def _load_key(p: pathlib.Path) -> Ed25519PrivateKey:
 
 SIG_DOMAIN = b"shoal.v1\x00"
 MD_PUBKEY = "x-shoal-pubkey"
+# A peer process's random instance id (hex), on every control-plane call: one process per identity
+# (coordinator.membership). Not signed: it guards against accidents, not against the key's holder.
+MD_INSTANCE = "x-shoal-instance"
 MD_TS = "x-shoal-ts"
 MD_NONCE = "x-shoal-nonce"
 MD_SIG = "x-shoal-sig"

@@ -554,3 +554,47 @@ class RoundTicket(_message.Message):
     plan_digest: bytes
     expires_unix: float
     def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., plan_digest: _Optional[bytes] = ..., expires_unix: _Optional[float] = ...) -> None: ...
+
+class ListMembersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MembershipInfo(_message.Message):
+    __slots__ = ("member", "label", "admitted_at", "last_seen", "revoked_at", "status", "live", "address")
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    label: str
+    admitted_at: float
+    last_seen: float
+    revoked_at: float
+    status: str
+    live: bool
+    address: str
+    def __init__(self, member: _Optional[str] = ..., label: _Optional[str] = ..., admitted_at: _Optional[float] = ..., last_seen: _Optional[float] = ..., revoked_at: _Optional[float] = ..., status: _Optional[str] = ..., live: _Optional[bool] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ListMembersResponse(_message.Message):
+    __slots__ = ("members", "retention_seconds")
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedCompositeFieldContainer[MembershipInfo]
+    retention_seconds: float
+    def __init__(self, members: _Optional[_Iterable[_Union[MembershipInfo, _Mapping]]] = ..., retention_seconds: _Optional[float] = ...) -> None: ...
+
+class RevokeMemberRequest(_message.Message):
+    __slots__ = ("member",)
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    def __init__(self, member: _Optional[str] = ...) -> None: ...
+
+class RevokeMemberResponse(_message.Message):
+    __slots__ = ("member",)
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    member: MembershipInfo
+    def __init__(self, member: _Optional[_Union[MembershipInfo, _Mapping]] = ...) -> None: ...

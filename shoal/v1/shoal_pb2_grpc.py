@@ -86,6 +86,16 @@ class CoordinatorStub:
                 request_serializer=shoal_dot_v1_dot_shoal__pb2.RenewCertificateRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_shoal__pb2.RenewCertificateResponse.FromString,
                 _registered_method=True)
+        self.ListMembers = channel.unary_unary(
+                '/shoal.v1.Coordinator/ListMembers',
+                request_serializer=shoal_dot_v1_dot_shoal__pb2.ListMembersRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_shoal__pb2.ListMembersResponse.FromString,
+                _registered_method=True)
+        self.RevokeMember = channel.unary_unary(
+                '/shoal.v1.Coordinator/RevokeMember',
+                request_serializer=shoal_dot_v1_dot_shoal__pb2.RevokeMemberRequest.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_shoal__pb2.RevokeMemberResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -166,6 +176,21 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListMembers(self, request, context):
+        """Operator: the admitted keys (memberships). Signed with the coordinator's own key (the
+        operator's credential); any other signer gets PERMISSION_DENIED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeMember(self, request, context):
+        """Operator: revoke a membership; that peer's next call (and any later Join) is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -218,6 +243,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RenewCertificate,
                     request_deserializer=shoal_dot_v1_dot_shoal__pb2.RenewCertificateRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_shoal__pb2.RenewCertificateResponse.SerializeToString,
+            ),
+            'ListMembers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMembers,
+                    request_deserializer=shoal_dot_v1_dot_shoal__pb2.ListMembersRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_shoal__pb2.ListMembersResponse.SerializeToString,
+            ),
+            'RevokeMember': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeMember,
+                    request_deserializer=shoal_dot_v1_dot_shoal__pb2.RevokeMemberRequest.FromString,
+                    response_serializer=shoal_dot_v1_dot_shoal__pb2.RevokeMemberResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -492,6 +527,60 @@ class Coordinator:
             '/shoal.v1.Coordinator/RenewCertificate',
             shoal_dot_v1_dot_shoal__pb2.RenewCertificateRequest.SerializeToString,
             shoal_dot_v1_dot_shoal__pb2.RenewCertificateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMembers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.Coordinator/ListMembers',
+            shoal_dot_v1_dot_shoal__pb2.ListMembersRequest.SerializeToString,
+            shoal_dot_v1_dot_shoal__pb2.ListMembersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeMember(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.Coordinator/RevokeMember',
+            shoal_dot_v1_dot_shoal__pb2.RevokeMemberRequest.SerializeToString,
+            shoal_dot_v1_dot_shoal__pb2.RevokeMemberResponse.FromString,
             options,
             channel_credentials,
             insecure,
