@@ -21,7 +21,8 @@ The report (one JSON object):
   local work after the commit, or after its state sync, before it says ready: the rounds come at
   the pace of training, not as fast as the coordinator can answer.
 - ``rss_bytes``: the coordinator's peak resident memory (VmHWM); ``rss_growth_bytes_per_round``:
-  the slope of its resident memory over the committed rounds of the second half of the run.
+  the slope of its resident memory over the committed rounds of the second half of the run (up
+  to the last commit: not the run's end, when every member is told and leaves).
 - ``cpu_seconds_per_second``: the coordinator's CPU time (user + system) per wall second from the
   first join to the end.
 - ``bounds`` and ``within_bounds``: the targets of docs/performance.md next to the figures.
@@ -135,8 +136,10 @@ def _quantile(xs: list[float], q: float) -> float:
 
 def growth_per_round(samples: Iterable[tuple[int, int]], rounds: int) -> float:
     """Least-squares slope (bytes per round) of (committed rounds, RSS bytes) samples taken in
-    the second half of a run of `rounds` rounds; 0 with fewer than two distinct rounds."""
-    pts = [(r, rss) for r, rss in samples if r >= rounds // 2]
+    the second half of a run of `rounds` rounds, while rounds were still running (the samples
+    after the last commit measure the run's end: every member told the run finished and
+    leaving); 0 with fewer than two distinct rounds."""
+    pts = [(r, rss) for r, rss in samples if rounds // 2 <= r < rounds]
     if len({r for r, _ in pts}) < 2:
         return 0.0
     mx = sum(r for r, _ in pts) / len(pts)

@@ -35,6 +35,9 @@ def test_growth_per_round_is_the_slope_of_the_second_half():
     samples = [(r, 1000 + (0 if r < 50 else 40 * r)) for r in range(100)]
     assert growth_per_round(samples, 100) == pytest.approx(40.0)
     assert growth_per_round([(60, 5), (60, 6)], 100) == 0.0  # one round only: no slope
+    # Samples after the last commit (the members told the run finished, leaving) are no round's.
+    ending = samples + [(100, 10**9)] * 5
+    assert growth_per_round(ending, 100) == pytest.approx(40.0)
 
 
 @pytest.mark.integration
