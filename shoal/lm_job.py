@@ -34,6 +34,12 @@ from dataclasses import dataclass
 
 NEEDS_TORCH = 'needs PyTorch: pip install -e ".[torch]"'
 
+# The coordinator stays up this long after the run finished and its members left or went
+# silent: a peer still in the middle of its local update of the round after the last one
+# (LM rounds take tens of seconds) must still find it, to be told the run finished, instead of
+# retrying its Ready against a closed port until its connect timeout.
+COORDINATOR_ARGS = ("--finish-linger", "300")
+
 
 def torch_available() -> bool:
     """PyTorch can be imported (checked without importing it)."""

@@ -226,6 +226,7 @@ class Swarm:
                 "--ready-timeout", str(o.ready_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
                 "--inner-steps", str(o.inner_steps), "--lr", str(o.lr),
                 *(["--non-iid"] if o.non_iid else []), *self._run_extra_args(), *self._common_args("coordinator"),
+                *(lm_job.COORDINATOR_ARGS if o.workload == "lm" else ()),
                 *self.security_args("coordinator"), *o.extra_coordinator_args]
 
     def _run_extra_args(self) -> list[str]:
