@@ -142,7 +142,8 @@ class _Bridge:
 class SwarmOptimizer:
     """Wrap `inner_optimizer` of `model` so that the loop trains with a swarm (module docstring).
 
-    coordinator: HOST:PORT. inner_steps: H, inner steps per round. algorithm: the run's
+    coordinator: HOST:PORT. inner_steps: H, inner steps per round (None: the coordinator's run
+    configuration `inner_steps`, known once joined). algorithm: the run's
     algorithm this wrapper expects ("diloco" or "fedavg"; None = accept the coordinator's).
     num_samples: this peer's training samples (the FedAvg weight). listen / advertise: the
     data-plane address (other peers connect to it). key_path: identity key (default: a fresh
@@ -154,14 +155,15 @@ class SwarmOptimizer:
     algorithm: str | None = None
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, coordinator: str,
-                 inner_steps: int, num_samples: int = 1, listen: str = "127.0.0.1:0", advertise: str | None = None,
+                 inner_steps: int | None, num_samples: int = 1, listen: str = "127.0.0.1:0", advertise: str | None = None,
                  key_path: str | None = None, evaluate: Callable[[np.ndarray], float] | None = None,
                  join_timeout: float = 120.0, **peer_config):
-        if inner_steps < 1:
+        if inner_steps is not None and inner_steps < 1:
             raise ValueError("inner_steps: must be >= 1")
         self.model = model
         self.inner = inner_optimizer
-        self.inner_steps = inner_steps
+        self.inner_steps = inner_steps or 0  # 0 until joined when the run's configuration sets it
+        self.run_config: RunConfig | None = None
         self.local_step = 0
         self.rounds = 0
         self.finished = False
@@ -178,6 +180,9 @@ class SwarmOptimizer:
         def factory(cfg: RunConfig) -> TorchWorkload:
             if expected is not None and cfg.algorithm != expected:
                 raise SwarmError(f"the coordinator runs {cfg.algorithm!r}, this optimizer is {expected!r}")
+            self.run_config = cfg
+            if inner_steps is None:
+                self.inner_steps = cfg.inner_steps
             return TorchWorkload(cfg, initial, num_samples, self._bridge, evaluate)
 
         config = PeerConfig(coordinator=coordinator, listen=listen, advertise=advertise, key_path=key_path,

@@ -544,6 +544,7 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     if r.cohort_size > s.peers:
         raise UsageError(f"--cohort-size {r.cohort_size} is greater than --peers {s.peers}: no round could open")
     _swarm_files(s)
+    lm = _lm_settings(s, run, given)
     plan = None
     if s.scenario:
         from shoal.scenario import ScenarioError, load
@@ -576,9 +577,24 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                         log_level=cfg.log.level, log_format=cfg.log.format, tls=s.tls,
                         byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
                         compression=run.compression, cohort_size=r.cohort_size, scenario=plan,
-                        coordinators=s.coordinators)
+                        coordinators=s.coordinators, workload=s.workload, lm=lm, baseline=s.baseline,
+                        peer_speed=config_mod.parse_speeds(s.peer_speed))
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
+
+
+def _lm_settings(s, run, given: frozenset[str]):
+    """The LM workload's settings (shoal.lm_job.LMSettings): its own defaults, except the run's
+    seed and the lr / batch_size someone set. Raises UsageError for --workload lm without torch."""
+    from shoal import lm_job
+
+    if s.workload != "lm":
+        return lm_job.LMSettings()
+    if not lm_job.torch_available():
+        raise UsageError(f"--workload lm {lm_job.NEEDS_TORCH}")
+    d = lm_job.LMSettings()
+    return lm_job.LMSettings(seed=run.seed, lr=run.lr if "run.lr" in given else d.lr,
+                             batch_size=run.batch_size if "run.batch_size" in given else d.batch_size)
 
 
 def cmd_status(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:

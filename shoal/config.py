@@ -454,6 +454,14 @@ class SwarmSection:
                                          "gains events, per_peer, rounds, wrongful_exclusions")
     tls: bool = setting(False, "secure swarm: mutual TLS on both planes (certificates made in the workdir) and "
                                "admission by join token; without it the swarm runs plaintext (--insecure)")
+    workload: str = setting("digits", "what the peers train: digits (numpy MLP on the UCI digits) or lm (a byte-level "
+                                      "transformer language model on the Python standard library, through the PyTorch "
+                                      "integration; needs torch; docs/training.md)", choices=("digits", "lm"))
+    baseline: str = setting("", "with workload lm: ddp also trains the same model by synchronous data parallelism "
+                                "(gloo all-reduce every step) after the swarm; the summary gains baseline_*",
+                            choices=("", "ddp"))
+    peer_speed: str = setting("", "with workload lm: comma-separated compute speed per peer, e.g. 1,1,1,0.33 (a peer "
+                                  "at s sleeps (1/s - 1) x its step time after each inner step: an emulation)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
@@ -467,8 +475,25 @@ class SwarmSection:
         _check(not self.byzantine or bool(self.attack), w, "attack", "set when byzantine > 0", self.attack)
         if self.attack_scale is not None:
             _check(_finite(self.attack_scale), w, "attack_scale", "a finite number", self.attack_scale)
+        _check(not self.baseline or self.workload == "lm", w, "baseline", "only with workload lm", self.baseline)
+        _check(not self.peer_speed or self.workload == "lm", w, "peer_speed", "only with workload lm", self.peer_speed)
+        _check(_speeds_ok(self.peer_speed, self.peers), w, "peer_speed",
+               f"at most peers ({self.peers}) numbers in (0, 1], comma-separated", self.peer_speed)
         for key in ("summary", "workdir", "plot", "scenario"):
             _check(getattr(self, key) != "", w, key, "a path (or unset)", "")
+
+
+def parse_speeds(text: str) -> tuple[float, ...]:
+    """"1,1,0.33" -> (1.0, 1.0, 0.33); "" -> (). Raises ValueError on a malformed list."""
+    return tuple(float(x) for x in text.split(",")) if text.strip() else ()
+
+
+def _speeds_ok(text: str, peers: int) -> bool:
+    try:
+        speeds = parse_speeds(text)
+    except ValueError:
+        return False
+    return len(speeds) <= peers and all(0 < v <= 1 for v in speeds)
 
 
 @dataclass(frozen=True)

@@ -80,3 +80,40 @@ def _at(c: dict, r: int) -> float:
         if rr <= r:
             best = acc
     return best
+
+
+def plot_lm(summary: dict, path: str, *, title: str = "shoal swarm --workload lm") -> None:
+    """Validation loss of the LM workload against bytes sent (all peers together, log scale) and
+    against wall time, for Shoal (`summary["val_curve"]`) and, when present, the synchronous
+    baseline (`summary["baseline_curve"]`); each point of a curve is a dict with `seconds`,
+    `bytes_sent_total`, `val_loss` (shoal.lm_job). Raises ImportError without matplotlib and
+    OSError when `path` cannot be written."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    series = [("Shoal (DiLoCo)", summary.get("val_curve") or [], "tab:blue"),
+              ("synchronous DDP (gloo)", summary.get("baseline_curve") or [], "tab:red")]
+    fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    try:
+        for label, curve, color in series:
+            pts = [p for p in curve if p["bytes_sent_total"] > 0]
+            if pts:
+                ax_bytes.plot([p["bytes_sent_total"] / 1e6 for p in pts], [p["val_loss"] for p in pts], "o-",
+                              color=color, ms=3, label=label)
+            if curve:
+                ax_time.plot([p["seconds"] for p in curve], [p["val_loss"] for p in curve], "o-", color=color, ms=3,
+                             label=label)
+        ax_bytes.set_xscale("log")
+        ax_bytes.set_xlabel("bytes sent, all peers (MB, log scale)")
+        ax_bytes.set_ylabel("validation loss (nats per byte)")
+        ax_time.set_xlabel("wall time (s)")
+        for ax in (ax_bytes, ax_time):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)

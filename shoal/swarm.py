@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import shutil
@@ -26,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from shoal import lm_job
 from shoal import scenario as scenario_mod
 from shoal.netbed import NetBed, cleanup_stale
 from shoal.scenario import Event, Scenario
@@ -69,6 +71,10 @@ class SwarmOptions:
     cohort_size: int = 0  # reported in the summary (the coordinator gets it via extra_coordinator_args)
     coordinators: int = 1  # 2+: standby coordinators sharing their state in a local etcd
     scenario: Scenario | None = None  # `--scenario FILE` (shoal.scenario), already checked
+    workload: str = "digits"  # "lm": the transformer language model (shoal.lm_job), needs torch
+    lm: lm_job.LMSettings = lm_job.LMSettings()
+    baseline: str = ""  # "ddp" (workload lm): the synchronous data-parallel baseline after the swarm
+    peer_speed: tuple[float, ...] = ()  # per peer slot, compute speed (1 = full; workload lm)
 
     def run_config(self):
         from shoal.peer.training import RunConfig
@@ -258,6 +264,7 @@ class Swarm:
                 "--ready-timeout", str(o.ready_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
                 "--inner-steps", str(o.inner_steps), "--lr", str(o.lr),
                 *(["--non-iid"] if o.non_iid else []), *self._run_extra_args(), *self._common_args("coordinator"),
+                *(lm_job.COORDINATOR_ARGS if o.workload == "lm" else ()),
                 *self.security_args("coordinator"), *o.extra_coordinator_args]
 
     def _run_extra_args(self) -> list[str]:
@@ -372,6 +379,8 @@ class Swarm:
         # In a namespace each peer has a host of its own: a fixed port (it is known before the
         # start, e.g. to firewall it), and no shared-memory lane (the namespaces stand for hosts).
         listen = f"{self.peer_host(i)}:{NETNS_PEER_PORT}" if self.bed is not None else "127.0.0.1:0"
+        if self.opts.workload == "lm":
+            return self._lm_peer_argv(i, advertise, listen)
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", listen,
                 *(["--advertise", advertise] if advertise else []),
                 *(["--no-shared-memory"] if self.bed is not None else []),
@@ -379,6 +388,14 @@ class Swarm:
                 "--events", str(self.workdir / f"peer-{i}.jsonl"), *self._common_args(f"peer-{i}"),
                 *self.security_args("peer"), *self.opts.extra_peer_args,
                 *(self.opts.attack_args if i >= self.opts.peers - self.opts.byzantine else ())]
+
+    def _lm_peer_argv(self, i: int, advertise: str, listen: str) -> list[str]:
+        o = self.opts
+        speed = o.peer_speed[i] if i < len(o.peer_speed) else 1.0
+        return lm_job.peer_argv(o.lm, coordinator=self.address, key=str(self.workdir / f"peer-{i}.key"), data_shard=i,
+                                num_data_shards=o.peers, events=str(self.workdir / f"peer-{i}.jsonl"),
+                                algorithm=o.algorithm, speed=speed, advertise=advertise, listen=listen,
+                                extra=[*self._common_args(f"peer-{i}"), *self.security_args("peer")])
 
     def start_peer(self, i: int) -> None:
         while len(self.peers) <= i:
@@ -914,6 +931,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
     from shoal.peer.training import baseline_accuracy
 
     t0 = time.monotonic()
+    t0_wall = time.time()
     with contextlib.ExitStack() as stack:
         # SIGTERM (timeout, kill, a supervisor) unwinds like Ctrl-C: every process is stopped.
         previous = signal.signal(signal.SIGTERM, _terminate)
@@ -992,9 +1010,12 @@ def run_swarm(opts: SwarmOptions) -> dict:
             swarm.stop_all(state_too=False)  # etcd, if any, stays for the summary
         wall = time.monotonic() - t0
         steps = opts.peers * opts.rounds * opts.inner_steps
-        _say(bar, f"baseline: training one process for the same {steps} optimizer steps, to compare accuracy")
-        baseline = baseline_accuracy(opts.run_config(), steps)
+        if opts.workload == "digits":
+            _say(bar, f"baseline: training one process for the same {steps} optimizer steps, to compare accuracy")
+        baseline = baseline_accuracy(opts.run_config(), steps) if opts.workload == "digits" else math.nan
         summary = summarize(swarm, wall, baseline, chaos.log if chaos is not None else None)
+        if opts.workload == "lm":
+            ok = _lm_summary(swarm, summary, t0_wall, bar) and ok
         summary["ok"] = ok and summary["peers_up_to_date"] >= 1 and summary["rounds_committed"] == opts.rounds
         if why:
             summary["error"] = why.splitlines()[0]
@@ -1004,21 +1025,28 @@ def run_swarm(opts: SwarmOptions) -> dict:
             summary["events"] = driver.report()
             summary.update(driver.tables())
         if opts.plot_path:
-            from shoal.plots import plot_rounds
+            from shoal.plots import plot_lm, plot_rounds
 
             try:
-                plot_rounds(swarm.all_events(), opts.plot_path, title=f"shoal swarm: {opts.peers} peers, "
-                            f"{opts.algorithm}, seed {opts.seed}")
+                if opts.workload == "lm":
+                    plot_lm(summary, opts.plot_path, title=f"shoal swarm --workload lm: {opts.peers} peers, "
+                            f"{opts.rounds} rounds x {opts.inner_steps} inner steps")
+                else:
+                    plot_rounds(swarm.all_events(), opts.plot_path, title=f"shoal swarm: {opts.peers} peers, "
+                                f"{opts.algorithm}, seed {opts.seed}")
                 summary["plot"] = opts.plot_path
             except (OSError, ImportError) as exc:
                 log.error("plot not written: %s", exc)
                 summary["ok"] = False
     if bar is not None:
         bar.close()
-    print(f"test accuracy {summary['test_accuracy']:.4f} (baseline, single process, same total steps: "
-          f"{summary['baseline_accuracy']:.4f}); rounds committed {summary['rounds_committed']}, "
-          f"aborted {summary['rounds_aborted']}; digest mismatches {summary['digest_mismatches']}; "
-          f"{summary['wall_seconds']:.1f}s", file=sys.stderr)
+    if opts.workload == "lm":
+        print(_lm_line(summary), file=sys.stderr)
+    else:
+        print(f"test accuracy {summary['test_accuracy']:.4f} (baseline, single process, same total steps: "
+              f"{summary['baseline_accuracy']:.4f}); rounds committed {summary['rounds_committed']}, "
+              f"aborted {summary['rounds_aborted']}; digest mismatches {summary['digest_mismatches']}; "
+              f"{summary['wall_seconds']:.1f}s", file=sys.stderr)
     if chaos is not None:
         print(f"chaos: {summary['peers_killed']} peers killed and restarted, {summary['peers_stopped']} stopped, "
               f"{summary['coordinator_restarts']} coordinator restarts, {summary['rounds_retried']} retried attempts, "
@@ -1027,3 +1055,35 @@ def run_swarm(opts: SwarmOptions) -> dict:
     if opts.summary_path:
         pathlib.Path(opts.summary_path).write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _lm_summary(swarm: Swarm, summary: dict, t0_wall: float, bar) -> bool:
+    """Add the LM keys (shoal.lm_job.summary) and, with `--baseline ddp`, run the baseline and add
+    its keys. The digits keys `test_accuracy` / `baseline_accuracy` do not apply (None). Returns
+    False when the baseline failed (its error is in `baseline_error`)."""
+    o = swarm.opts
+    summary.update(lm_job.summary([swarm.events(i) for i in range(len(swarm.peers))], t0_wall))
+    summary["test_accuracy"] = summary["baseline_accuracy"] = None
+    summary["peer_speed"] = list(o.peer_speed)
+    if o.baseline != "ddp":
+        return True
+    steps = o.rounds * o.inner_steps
+    _say(bar, f"baseline ddp: {o.peers} ranks, {steps} synchronous steps (gloo all-reduce of gradients every step)")
+    try:
+        summary.update(lm_job.run_ddp_baseline(o.lm, world=o.peers, steps=steps, eval_every=o.inner_steps,
+                                               workdir=swarm.workdir, timeout=o.timeout))
+    except (RuntimeError, OSError) as exc:
+        log.error("baseline failed: %s", exc)
+        summary["baseline_error"] = str(exc).splitlines()[0]
+        return False
+    return True
+
+
+def _lm_line(s: dict) -> str:
+    line = (f"val_loss {s['val_loss']:.4f} nats/byte ({s['val_bits_per_byte']:.3f} bits/byte), "
+            f"{s['bytes_sent_total'] / 1e6:.1f} MB sent, {s['wall_seconds']:.1f}s; rounds committed "
+            f"{s['rounds_committed']}, aborted {s['rounds_aborted']}; digest mismatches {s['digest_mismatches']}")
+    if "baseline_val_loss" in s:
+        line += (f"\nbaseline ddp: val_loss {s['baseline_val_loss']:.4f}, "
+                 f"{s['baseline_bytes_sent_total'] / 1e6:.1f} MB sent, {s['baseline_wall_seconds']:.1f}s")
+    return line

@@ -1,0 +1,178 @@
+"""The language-model workload of `shoal swarm --workload lm`, seen from the swarm (no torch here).
+
+- `LMSettings`: the model shape and inner-loop settings given to every peer and to the baseline.
+- `peer_argv`: the command line of one LM peer (`python -m shoal.lm_worker peer`, the
+  DiLoCoOptimizer loop), from the swarm's own peer arguments.
+- `summary`: the summary keys of the LM run from the peers' events: `val_loss` (mean
+  cross-entropy per byte, nats, on the fixed held-out windows of shoal.peer.lm),
+  `val_bits_per_byte`, and `val_curve` (per committed round: seconds since the swarm started,
+  bytes sent by all peers so far, val_loss).
+- `run_ddp_baseline`: `--baseline ddp`, the synchronous data-parallel baseline (gloo all-reduce
+  of gradients every step, shoal.lm_worker ddp), run after the swarm on the same machine with the
+  same peers' data shards, the same total number of optimizer steps (rounds x inner steps) and
+  the same per-rank batch; returns the `baseline_*` keys.
+
+Failure semantics: the baseline's processes are bounded by `timeout` and killed (process
+groups) on every exit path; a failed or timed-out baseline raises RuntimeError with the tail
+of rank 0's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+NEEDS_TORCH = 'needs PyTorch: pip install -e ".[torch]"'
+
+# The coordinator stays up this long after the run finished and its members left or went
+# silent: a peer still in the middle of its local update of the round after the last one
+# (LM rounds take tens of seconds) must still find it, to be told the run finished, instead of
+# retrying its Ready against a closed port until its connect timeout.
+COORDINATOR_ARGS = ("--finish-linger", "300")
+
+
+def torch_available() -> bool:
+    """PyTorch can be imported (checked without importing it)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ValueError:  # sys.modules["torch"] is None: its import is blocked
+        return False
+
+
+@dataclass(frozen=True)
+class LMSettings:
+    """Model shape (d_model, layers, heads, context bytes), per-peer batch (windows per inner
+    step), inner AdamW learning rate, validation windows, seed. The defaults are the measured
+    configuration of docs/training.md (0.25 M parameters)."""
+
+    d_model: int = 96
+    layers: int = 2
+    heads: int = 4
+    context: int = 64
+    batch_size: int = 16
+    lr: float = 2e-3
+    eval_windows: int = 128
+    seed: int = 0
+
+    def args(self) -> list[str]:
+        return ["--d-model", str(self.d_model), "--layers", str(self.layers), "--heads", str(self.heads),
+                "--context", str(self.context), "--batch-size", str(self.batch_size), "--lr", str(self.lr),
+                "--eval-windows", str(self.eval_windows), "--seed", str(self.seed)]
+
+
+def peer_argv(settings: LMSettings, *, coordinator: str, key: str, data_shard: int, num_data_shards: int,
+              events: str, algorithm: str, speed: float, advertise: str = "", listen: str = "127.0.0.1:0",
+              extra: list[str] = ()) -> list[str]:
+    """`python -m shoal.lm_worker peer ...`; `extra`: the swarm's log, metrics and security flags."""
+    return [sys.executable, "-m", "shoal.lm_worker", "peer", "--coordinator", coordinator, "--listen", listen,
+            *(["--advertise", advertise] if advertise else []), "--key", key, "--data-shard", str(data_shard),
+            "--num-data-shards", str(num_data_shards), "--events", events, "--algorithm", algorithm,
+            "--speed", str(speed), *settings.args(), *extra]
+
+
+def bits(loss: float) -> float:
+    return loss / math.log(2) if math.isfinite(loss) else math.nan
+
+
+def summary(events_by_peer: list[list[dict]], t0: float) -> dict:
+    """val_loss / val_bits_per_byte of the final committed state, and val_curve (module docstring).
+
+    `events_by_peer`: each peer slot's events (shoal.swarm.Swarm.events); `t0`: the swarm's start,
+    unix seconds. The evaluating peer (data shard 0) records the loss; the others NaN."""
+    finals = [next((e for e in reversed(evs) if e["event"] == "finished"), None) for evs in events_by_peer]
+    losses = [f["test_accuracy"] for f in finals if f is not None and _finite(f.get("test_accuracy"))]
+    top = max((f["rounds"] for f in finals if f is not None), default=0)
+    sent: dict[int, dict[int, int]] = {}  # round -> slot -> bytes that slot's process had sent at its commit
+    when: dict[int, float] = {}
+    val: dict[int, float] = {}
+    for slot, evs in enumerate(events_by_peer):
+        for e in evs:
+            if e["event"] != "commit":
+                continue
+            r = int(e["round"])
+            sent.setdefault(r, {})[slot] = int(e.get("bytes_sent", 0))
+            when[r] = min(when.get(r, math.inf), e["t"] - t0)
+            if _finite(e.get("test_accuracy")):
+                val[r] = float(e["test_accuracy"])
+    curve = [{"round": r + 1, "seconds": round(when[r], 3), "bytes_sent_total": sum(sent[r].values()),
+              "val_loss": round(val[r], 5)} for r in sorted(val)]
+    loss = min(losses) if losses else (curve[-1]["val_loss"] if curve and curve[-1]["round"] == top else math.nan)
+    return {"workload": "lm", "val_loss": round(loss, 5), "val_bits_per_byte": round(bits(loss), 5),
+            "val_curve": curve}
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ddp_baseline(settings: LMSettings, *, world: int, steps: int, eval_every: int, workdir: pathlib.Path,
+                     timeout: float) -> dict:
+    """Run the synchronous baseline (module docstring) to completion; returns baseline_val_loss,
+    baseline_val_bits_per_byte, baseline_bytes_sent_total, baseline_wall_seconds, baseline_steps,
+    baseline_curve. Raises RuntimeError when a rank fails or `timeout` seconds pass."""
+    out = workdir / "baseline-ddp.jsonl"
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs: list[subprocess.Popen] = []
+    t0 = time.monotonic()
+    t0_wall = time.time()
+    try:
+        for rank in range(world):
+            with open(workdir / f"baseline-ddp-{rank}.log", "wb") as logf:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "shoal.lm_worker", "ddp", "--world", str(world), "--init", init,
+                     "--steps", str(steps), "--eval-every", str(eval_every), "--data-shard", str(rank),
+                     "--num-data-shards", str(world), *settings.args(), *(["--out", str(out)] if rank == 0 else [])],
+                    stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True))
+        while any(p.poll() is None for p in procs):
+            bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                raise RuntimeError(f"baseline rank {bad[0]} failed:\n{_tail(workdir / f'baseline-ddp-{bad[0]}.log')}")
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"baseline did not finish within {timeout:.0f}s")
+            time.sleep(0.2)
+        bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"baseline rank {bad[0]} failed:\n{_tail(workdir / f'baseline-ddp-{bad[0]}.log')}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+    wall = time.monotonic() - t0
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    last = rows[-1]
+    curve = [{"step": r["step"], "seconds": round(r["t"] - t0_wall, 3), "bytes_sent_total": r["bytes_sent_total"],
+              "val_loss": round(r["val_loss"], 5)} for r in rows]
+    return {"baseline": "ddp", "baseline_val_loss": round(last["val_loss"], 5),
+            "baseline_val_bits_per_byte": round(bits(last["val_loss"]), 5),
+            "baseline_bytes_sent_total": int(last["bytes_sent_total"]), "baseline_wall_seconds": round(wall, 3),
+            "baseline_steps": int(last["step"]), "baseline_curve": curve}
+
+
+def _tail(path: pathlib.Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def time_to_target(curve: list[dict], target: float) -> float | None:
+    """Seconds (the curve's `seconds`) at which val_loss first reached <= target; None if never."""
+    return next((p["seconds"] for p in curve if p["val_loss"] <= target), None)

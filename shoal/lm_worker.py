@@ -1,0 +1,196 @@
+"""The processes of the language-model workload (`shoal swarm --workload lm`), run as
+`python -m shoal.lm_worker peer ...` and `python -m shoal.lm_worker ddp ...`.
+
+`peer`: one Shoal peer. An ordinary PyTorch loop over its data shard of the standard-library
+corpus (shoal.peer.lm) with `DiLoCoOptimizer` (shoal.peer.torch_integration): the public API a
+user's script would use. Inner steps per round, algorithm and outer optimizer come from the
+coordinator's run configuration; the model shape, batch size, inner learning rate and seed from
+the flags (the swarm passes the same to every peer and to the baseline). Data shard 0 evaluates
+the validation loss of every committed state (the value the agent records as the evaluation of
+a commit, in the events' `test_accuracy` field); the other peers report NaN there, which saves
+three evaluations per round. `--speed s < 1` emulates a slower machine: after each inner step the
+process sleeps `(1/s - 1)` times the step's own compute time (documented as an emulation: the
+peer's CPU share is not actually reduced).
+
+`ddp`: one rank of the synchronous data-parallel baseline (`--baseline ddp`): the same model
+and initial parameters, rank i samples the same data shard with the same generator as peer i,
+and every step the gradients are averaged with one torch.distributed gloo all-reduce (flattened
+into a single float32 buffer) before the same AdamW step on every rank. Rank 0 evaluates every
+`--eval-every` steps and writes JSON lines {step, t, val_loss, bytes_sent_total} to `--out`.
+`bytes_sent_total` is what a bandwidth-optimal all-reduce (ring: each rank sends
+2 (world-1)/world x n x 4 bytes per step) must send, a lower bound for gloo's algorithms: the
+baseline is charged no more than it must send.
+
+Exit codes: 0 done; 1 failed (the traceback is in the process's log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from shoal.common.security import Security
+from shoal.peer import lm
+from shoal.peer.torch_integration import DiLoCoOptimizer, FedAvgOptimizer, unflatten_into
+
+log = logging.getLogger("shoal.lm")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--d-model", type=int, default=lm.LMShape.d_model)
+    p.add_argument("--layers", type=int, default=lm.LMShape.layers)
+    p.add_argument("--heads", type=int, default=lm.LMShape.heads)
+    p.add_argument("--context", type=int, default=lm.LMShape.context)
+    p.add_argument("--eval-windows", type=int, default=128)
+    p.add_argument("--data-shard", type=int, default=0)
+    p.add_argument("--num-data-shards", type=int, default=1)
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="text")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m shoal.lm_worker")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("peer")
+    _model_args(p)
+    p.add_argument("--coordinator", required=True)
+    p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--advertise", default=None)
+    p.add_argument("--key", required=True)
+    p.add_argument("--events", default=None)
+    p.add_argument("--algorithm", default="diloco", choices=("diloco", "fedavg"))
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--metrics-host", default="127.0.0.1")
+    p.add_argument("--insecure", action="store_true")
+    p.add_argument("--tls-dir", default=None)
+    p.add_argument("--mtls", action="store_true")
+    p.add_argument("--join-token", default="")
+    d = sub.add_parser("ddp")
+    _model_args(d)
+    d.add_argument("--world", type=int, required=True)
+    d.add_argument("--init", required=True, help="tcp://127.0.0.1:PORT")
+    d.add_argument("--steps", type=int, required=True)
+    d.add_argument("--eval-every", type=int, required=True)
+    d.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+def _shape(a: argparse.Namespace) -> lm.LMShape:
+    return lm.LMShape(a.d_model, a.layers, a.heads, a.context)
+
+
+def run_peer(a: argparse.Namespace) -> dict:
+    """Train as one Shoal peer until the coordinator finishes the run; returns a small result dict."""
+    shape = _shape(a)
+    corpus = lm.load_corpus()
+    data = corpus.shard(a.data_shard, a.num_data_shards)
+    windows = lm.validation_windows(corpus, shape.context, a.eval_windows)
+    model = lm.make_model(shape, a.seed)
+    probe = lm.make_model(shape, a.seed)  # evaluates committed parameters, off the training model
+    probe.eval()
+
+    def evaluate(params) -> float:
+        if a.data_shard != 0:
+            return math.nan
+        unflatten_into(probe, params)
+        return lm.evaluate_loss(probe, windows)
+
+    inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    wrapper = DiLoCoOptimizer if a.algorithm == "diloco" else FedAvgOptimizer
+    security = Security(tls_dir=a.tls_dir, mtls=a.mtls, insecure=a.insecure)
+    opt = wrapper(model, inner, coordinator=a.coordinator, inner_steps=None, num_samples=len(data),
+                  listen=a.listen, advertise=a.advertise, key_path=a.key, evaluate=evaluate,
+                  events_path=a.events, security=security, join_token=a.join_token, data_shard=a.data_shard,
+                  metrics_port=a.metrics_port, metrics_host=a.metrics_host)
+    gen = torch.Generator().manual_seed(a.seed * 1000 + 17 + a.data_shard)
+    slow = max(0.0, 1.0 / a.speed - 1.0)
+    compute = 0.0
+    t0 = time.monotonic()
+    with opt:
+        while not opt.finished:
+            s = time.perf_counter()
+            x, y = lm.sample_batch(data, a.batch_size, shape.context, gen)
+            loss = model.loss(x, y)
+            loss.backward()
+            spent = time.perf_counter() - s
+            compute += spent
+            if slow:
+                time.sleep(slow * spent)  # the --peer-speed emulation (module docstring)
+            opt.step(loss=loss.item())
+            opt.zero_grad()
+    return {"data_shard": a.data_shard, "rounds": opt.rounds, "steps": opt.local_step,
+            "compute_seconds": round(compute, 3), "seconds": round(time.monotonic() - t0, 3)}
+
+
+def run_ddp(a: argparse.Namespace) -> None:
+    """One rank of the synchronous baseline (module docstring)."""
+    rank, world = a.data_shard, a.world
+    dist.init_process_group("gloo", init_method=a.init, rank=rank, world_size=world)
+    try:
+        shape = _shape(a)
+        corpus = lm.load_corpus()
+        data = corpus.shard(rank, world)
+        windows = lm.validation_windows(corpus, shape.context, a.eval_windows) if rank == 0 else None
+        model = lm.make_model(shape, a.seed)
+        n = lm.num_params(model)
+        per_step = 2 * (world - 1) * n * 4  # bytes every rank together must send, ring all-reduce
+        inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(a.seed * 1000 + 17 + rank)
+        params = list(model.parameters())
+        out = open(a.out, "w") if (a.out and rank == 0) else None
+
+        def record(step: int) -> None:
+            if out is not None:
+                model.eval()
+                val = lm.evaluate_loss(model, windows)
+                model.train()
+                out.write(json.dumps({"step": step, "t": time.time(), "val_loss": val,
+                                      "bytes_sent_total": per_step * step}) + "\n")
+                out.flush()
+
+        record(0)
+        for step in range(1, a.steps + 1):
+            x, y = lm.sample_batch(data, a.batch_size, shape.context, gen)
+            model.loss(x, y).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            flat /= world
+            off = 0
+            for p in params:
+                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+            inner.step()
+            inner.zero_grad(set_to_none=False)
+            if step % a.eval_every == 0 or step == a.steps:
+                record(step)
+        if out is not None:
+            out.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)  # peers share the machine's cores; one intra-op thread each
+    if a.command == "peer":
+        log.info("finished: %s", json.dumps(run_peer(a)))
+    else:
+        run_ddp(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
