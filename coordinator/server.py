@@ -79,7 +79,7 @@ from shoal.common.reach import Reachability, dial_back
 from shoal.common.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
                          RateLimiter, host_of)
 from shoal.common.security import Security, SignedCalls, add_port
-from shoal.coordinator.ca import DEFAULT_LIFETIME_S, CertificateAuthority
+from shoal.coordinator.ca import DEFAULT_LIFETIME_S, CertificateAuthority, Issued
 from shoal.common.throttle import Throttle, more
 from shoal.common.tickets import SYNC_ATTEMPT, issue_ticket, plan_digest
 from shoal.common.health import COORDINATOR_SERVICE, attach
@@ -155,6 +155,12 @@ def advertised_address(data_address: str, context) -> str:
     if not seen or seen == grpc_peer:  # not an IP peer (e.g. a unix socket): leave it as it was
         return data_address
     return f"[{seen}]:{port}" if ":" in seen else f"{seen}:{port}"
+
+
+def _give(resp: pb.JoinResponse | pb.RenewCertificateResponse, issued: Issued | None) -> None:
+    """Put an issued data-plane certificate (if any) into a Join or RenewCertificate answer."""
+    if issued is not None:
+        resp.tls_certificate, resp.tls_ca, resp.tls_not_after = issued.certificate, issued.ca, issued.not_after
 
 
 def _raise(exc: RoundError) -> ShoalError:
@@ -359,6 +365,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             asked = self.clock()
             rec = self.memberships.admit(self.admission, peer_id, request.public_key, request.join_token, asked)
             fenced = self.memberships.claim(peer_id, _instance(context), self._live(peer_id, asked))
+            issued = self._issue(peer_id, request.tls_csr)  # a bad CSR refuses the join before it counts
             # Without an fsync, like the member row (a 10,000-member start must not fsync each join):
             # a machine crash (not a process crash) may lose a fresh admission; that peer then needs
             # its token once more. A revocation is written durably.
@@ -392,7 +399,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 coordinator_public_key=public_bytes(self.key),
                 unreachable=reach.reason if reach is not None and not reach.reachable else "",
             )
-            self._certify(resp, peer_id, request.tls_csr)
+            _give(resp, issued)
             # With cohorts a joiner fetches the state when a draw picks it (coordinator.cohorts).
             if self.engine.commits and not self.engine.config.cohort_size:
                 resp.sync.CopyFrom(self._sync_order(SendSync(peer_id, self.engine.committed_rounds,
@@ -495,12 +502,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     resp.sync.CopyFrom(self._sync_order(a, to=a.peer_id))
             return resp
 
-    def _certify(self, resp: pb.JoinResponse | pb.RenewCertificateResponse, peer_id: str, csr: bytes) -> None:
-        """Fill `resp`'s certificate fields for `peer_id` (the signer of the call) when it sent a
-        CSR and this coordinator holds a CA key. Raises InvalidArgument for a bad CSR."""
-        if csr and self.ca is not None:
-            issued = self.ca.issue(peer_id, csr)
-            resp.tls_certificate, resp.tls_ca, resp.tls_not_after = issued.certificate, issued.ca, issued.not_after
+    def _issue(self, peer_id: str, csr: bytes) -> Issued | None:
+        """A data-plane certificate for `peer_id` (the signer of the call) when it sent a CSR and
+        this coordinator holds a CA key; None otherwise. Raises InvalidArgument for a bad CSR."""
+        return self.ca.issue(peer_id, csr) if csr and self.ca is not None else None
 
     async def RenewCertificate(self, request: pb.RenewCertificateRequest, context) -> pb.RenewCertificateResponse:
         """A new certificate for a live member (the signature check made `peer_id` the signer)."""
@@ -512,7 +517,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if m is None or m.lease_expiry <= self.clock():
                 raise NotFound(f"peer_id: no live lease for {request.peer_id[:8]}; join again")
             resp = pb.RenewCertificateResponse()
-            self._certify(resp, request.peer_id, request.tls_csr)
+            _give(resp, self._issue(request.peer_id, request.tls_csr))
             return resp
 
     async def WatchRounds(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.RoundEvent]:

@@ -288,7 +288,12 @@ async def test_join_issues_and_renew_reissues_for_members_only(procs, tls_dir, t
         with pytest.raises(grpc.aio.AioRpcError) as err:  # a bad request
             await stub.RenewCertificate(pb.RenewCertificateRequest(peer_id=pid, tls_csr=b"junk"), timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        with pytest.raises(grpc.aio.AioRpcError) as err:  # not a member: no certificate
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a Join with a bad CSR is refused before it counts
+            await pb_grpc.CoordinatorStub(sch).Join(pb.JoinRequest(
+                public_key=public_bytes(stranger), data_address="127.0.0.1:9", num_samples=1, tls_csr=b"junk"),
+                timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # not a member (that join did not count): no certificate
             await pb_grpc.CoordinatorStub(sch).RenewCertificate(
                 pb.RenewCertificateRequest(peer_id=stranger_id, tls_csr=PeerTLS(stranger_id).csr()), timeout=10)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
