@@ -45,6 +45,7 @@ import math
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -151,6 +152,7 @@ def growth_per_round(samples: Iterable[tuple[int, int]], rounds: int) -> float:
 # ------------------------------------------------------------------------------ simulated members
 
 
+_PEER_ID = re.compile(r"\b[0-9a-f]{8,}\b")
 _NUDGE = pb.RoundEvent()  # from the heartbeat loop: the run moved past this member's round
 ROUND_SILENCE = 15.0  # peer.agent's default round_silence
 
@@ -178,9 +180,11 @@ class _Stats:
     steady: bool = False  # round 0 committed: every member joined
 
     def error(self, **call: grpc.aio.AioRpcError) -> None:
-        """Count a failed call by method, status code and the first words of its details."""
+        """Count a failed call by method, status code and the first words of its details (peer
+        ids replaced by <id>, so one kind of error is one entry whatever the member)."""
         ((what, exc),) = call.items()
-        key = f"{what} {exc.code().name}: {(exc.details() or '')[:48]}"
+        details = _PEER_ID.sub("<id>", exc.details() or "")
+        key = f"{what} {exc.code().name}: {details[:48]}"
         self.errors[key] = self.errors.get(key, 0) + 1
 
     def to_json(self) -> dict:
@@ -222,7 +226,9 @@ class SimulatedMember:
                 watch.cancel()
                 beat.cancel()
 
-    async def _join(self) -> None:
+    async def _join(self, again: bool = False) -> None:
+        """Join (again=True: after the coordinator dropped this member, as a peer rejoins; not
+        counted in the join figures)."""
         req = pb.JoinRequest(public_key=public_bytes(self.key), data_address=f"127.0.0.1:{20000 + self.index % 40000}",
                              num_samples=100, version="bench")
         t0 = time.time()
@@ -233,9 +239,10 @@ class SimulatedMember:
             except grpc.aio.AioRpcError as exc:
                 self.stats.error(join=exc)
                 await asyncio.sleep(random.uniform(0.1, 1.0))
-        self.stats.join_first = min(self.stats.join_first, t0)
-        self.stats.join_last = max(self.stats.join_last, time.time())
-        self.stats.joins += 1
+        if not again:
+            self.stats.join_first = min(self.stats.join_first, t0)
+            self.stats.join_last = max(self.stats.join_last, time.time())
+            self.stats.joins += 1
         self.peer_id = resp.peer_id
         self.interval = resp.heartbeat_interval_seconds
         if resp.HasField("sync"):
@@ -275,6 +282,11 @@ class SimulatedMember:
             except grpc.aio.AioRpcError as exc:
                 self.stats.heartbeat_errors += 1
                 self.stats.error(heartbeat=exc)
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    # Dropped (its lease expired, e.g. while a slow Join was retried): a peer joins
+                    # again and announces itself, else a round waiting for it never opens.
+                    await self._join(again=True)
+                    self.events.put_nowait(_NUDGE)
             await asyncio.sleep(max(0.0, self.interval - (time.perf_counter() - t0)))
 
     def _adopt(self, order: pb.SyncOrder) -> bool:
