@@ -243,7 +243,7 @@ class Swarm:
     def coordinator_argv(self, i: int = 0) -> list[str]:
         o = self.opts
         if self.replicated:
-            where = ["--listen", f"127.0.0.1:{self.coordinator_ports[i]}", "--state", self.state,
+            where = ["--listen", f"{self.coordinator_host}:{self.coordinator_ports[i]}", "--state", self.state,
                      "--ready-file", str(self.workdir / f"coordinator-{i}.addr"),
                      "--key", str(self.workdir / "coordinator.key")]
         else:
@@ -324,7 +324,7 @@ class Swarm:
             if not proc.alive():
                 (self.workdir / f"coordinator-{i}.addr").unlink(missing_ok=True)
                 proc.start()
-        self.address = ",".join(f"127.0.0.1:{port}" for port in self.coordinator_ports)
+        self.address = ",".join(f"{self.coordinator_host}:{port}" for port in self.coordinator_ports)
         end = time.monotonic() + timeout
         while self.leader() is None:
             if not any(p.alive() for p in self.standbys):
