@@ -7,6 +7,11 @@ them, and on Ctrl-C (processes run in their own process groups and are killed as
 With `metrics` every process serves Prometheus /metrics on a free loopback port (listed in the
 log, in `<workdir>/metrics.json` and in the summary); with `plot_path` the loss and accuracy per
 round are drawn (shoal.plots) from the peers' event logs.
+
+With a `--scenario` that shapes links (shoal.scenario.Scenario.needs_netns), every peer runs in a
+network namespace of its own behind tc-shaped links (shoal.netbed; root), the coordinator in the
+root namespace on the bridge; `ScenarioDriver` carries out the scenario's timed events and builds
+the summary's `events`, `per_peer`, `rounds` and `wrongful_exclusions`.
 """
 
 from __future__ import annotations
