@@ -7,6 +7,11 @@ them, and on Ctrl-C (processes run in their own process groups and are killed as
 With `metrics` every process serves Prometheus /metrics on a free loopback port (listed in the
 log, in `<workdir>/metrics.json` and in the summary); with `plot_path` the loss and accuracy per
 round are drawn (shoal.plots) from the peers' event logs.
+
+With a `--scenario` that shapes links (shoal.scenario.Scenario.needs_netns), every peer runs in a
+network namespace of its own behind tc-shaped links (shoal.netbed; root), the coordinator in the
+root namespace on the bridge; `ScenarioDriver` carries out the scenario's timed events and builds
+the summary's `events`, `per_peer`, `rounds` and `wrongful_exclusions`.
 """
 
 from __future__ import annotations
@@ -252,7 +257,7 @@ class Swarm:
     def coordinator_argv(self, i: int = 0) -> list[str]:
         o = self.opts
         if self.replicated:
-            where = ["--listen", f"127.0.0.1:{self.coordinator_ports[i]}", "--state", self.state,
+            where = ["--listen", f"{self.coordinator_host}:{self.coordinator_ports[i]}", "--state", self.state,
                      "--ready-file", str(self.workdir / f"coordinator-{i}.addr"),
                      "--key", str(self.workdir / "coordinator.key")]
         else:
@@ -334,7 +339,7 @@ class Swarm:
             if not proc.alive():
                 (self.workdir / f"coordinator-{i}.addr").unlink(missing_ok=True)
                 proc.start()
-        self.address = ",".join(f"127.0.0.1:{port}" for port in self.coordinator_ports)
+        self.address = ",".join(f"{self.coordinator_host}:{port}" for port in self.coordinator_ports)
         end = time.monotonic() + timeout
         while self.leader() is None:
             if not any(p.alive() for p in self.standbys):
