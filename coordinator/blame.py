@@ -14,7 +14,10 @@ forwarding). The signals that name the faulty peer are:
 
 1. **Silence.** A healthy participant votes within a chunk deadline of the failure (its
    collective fails and it says so); a stalled or dead process cannot vote. Participants that
-   did not vote within the blame window are the suspects, and nobody else is.
+   did not vote within the blame window are the suspects, and nobody else is. A healthy peer
+   can be silent too (its send to the stalled peer blocks under flow control, bounded only by
+   the collective deadline), so among the silent the blame goes to those whose lease renewals
+   stopped as well (a stalled process stops heartbeating), else to those others accuse.
 2. **Accusations, by direction and order.** When everyone voted (a short stall ended within the
    window, or a peer is cut off), each failed vote's suspects are edges voter -> suspect. An
    accusation is credible only if the voter made it before the accused gave up itself (voted):
@@ -54,7 +57,8 @@ def blame(participants: Sequence[str], accusations: Mapping[str, Sequence[str]],
     participants whose lease renewals stopped (no heartbeat for a while); unreachable:
     participants whose advertised address did not answer the dial-back.
 
-    Rule (module docstring): the silent participants, if any; else, over the credible
+    Rule (module docstring): the silent participants, if any (narrowed to the stale among
+    them, else to the accused among them, when there are any); else, over the credible
     accusations, a peer cut off from the others, else the unexplained accused, else the most
     suspicious; narrowed to the stale or unreachable among them when there are any. With no
     accusation at all (every vote ok or empty), the stale or unreachable participants, else
@@ -62,11 +66,12 @@ def blame(participants: Sequence[str], accusations: Mapping[str, Sequence[str]],
     """
     members = set(participants)
     voters = {v for v in accusations if v in members}
-    silent = sorted(members - voters)
-    if silent:
-        return tuple(silent)
+    silent = members - voters
     edges = {(v, s) for v, suspects in accusations.items() if v in members
              for s in suspects if s in members and s != v}
+    if silent:
+        accused = {s for _, s in edges}
+        return tuple(sorted((silent & set(stale)) or (silent & accused) or silent))
     if voted_at is not None:
         # Credible: made before the accused gave up itself (ties count as credible).
         credible = {(v, s) for v, s in edges if voted_at.get(v, 0.0) <= voted_at.get(s, math.inf)}

@@ -191,3 +191,24 @@ def test_a_cut_off_peer_is_blamed_whatever_the_order_of_votes():
     for order in (("d", "a", "b", "c"), ("a", "d", "b", "c"), ("a", "b", "c", "d")):
         at = {p: float(i) for i, p in enumerate(order)}
         assert blame(ABCD, votes, voted_at=at) == ("d",), order
+
+
+def test_among_silent_peers_the_one_that_stopped_heartbeating_is_blamed():
+    # Seen on a loaded machine: p0 was blocked sending to the stalled p2 (flow control) and did
+    # not vote within the window either; it kept heartbeating, p2 did not.
+    votes = {"p1": ("p2",), "p3": ("p1",)}
+    peers = ("p0", "p1", "p2", "p3")
+    assert blame(peers, votes, stale=("p2",)) == ("p2",)
+    assert blame(peers, votes) == ("p2",)  # no lease signal yet: the accused among the silent
+    assert blame(peers, {"p1": (), "p3": ()}) == ("p0", "p2")  # nothing else to go on
+
+
+def test_engine_blames_the_silent_peer_whose_heartbeats_stopped():
+    e = _running()
+    for t in (2.5, 5.0):  # a, b, c renew their leases; d stalled after its Ready at 0
+        for p in "abc":
+            e.heartbeat(p, t)
+    e.vote("b", 0, 0, False, b"", b"", 5.5, suspects=("d",))
+    e.vote("c", 0, 0, False, b"", b"", 5.6, suspects=("b",))
+    (abort,) = _aborts(e.tick(e.running.blame_at))  # a is silent too (blocked sending to d)
+    assert abort.record.excluded == ("d",)
