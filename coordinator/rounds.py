@@ -762,8 +762,8 @@ class RoundEngine:
         stale = [p for p in run.plan.participants
                  if p in self.members and self.members[p].lease_expiry - self.config.lease_seconds < renewed_by]
         unreachable = [p for p in run.plan.participants if p in self.members and self.members[p].reachable is False]
-        blamed = blame(run.plan.participants, accusations, voted_at=run.voted_at, stale=stale,
-                       unreachable=unreachable)
+        blamed = blame(run.plan.participants, accusations, voted_at=run.voted_at,
+                       cascade=run.plan.chunk_timeout_seconds, stale=stale, unreachable=unreachable)
         failed = [(p, v) for p, v in run.votes.items() if not v.ok]
         first, vote = failed[0]
         silent = [p for p in run.plan.participants if p not in run.votes]

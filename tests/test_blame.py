@@ -212,3 +212,13 @@ def test_engine_blames_the_silent_peer_whose_heartbeats_stopped():
     e.vote("c", 0, 0, False, b"", b"", 5.6, suspects=("b",))
     (abort,) = _aborts(e.tick(e.running.blame_at))  # a is silent too (blocked sending to d)
     assert abort.record.excluded == ("d",)
+
+
+def test_the_first_cascade_of_failures_is_credible_in_any_order():
+    # Seen on a loaded machine (ring, rs:stop): p3 waited on p1, p1 on p0, p0 on the stalled p2;
+    # the three voted within ms, p1 last of them; p2 came back 3 s later accusing p3.
+    votes = {"p0": ("p2",), "p3": ("p1",), "p1": ("p0",), "p2": ("p3",)}
+    at = {"p0": 1.00, "p3": 1.01, "p1": 1.02, "p2": 4.0}
+    peers = ("p0", "p1", "p2", "p3")
+    assert blame(peers, votes, voted_at=at, cascade=2.0) == ("p2",)
+    assert blame(peers, votes, voted_at=at) != ("p2",)  # by arrival order alone, p1 would pay
