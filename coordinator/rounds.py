@@ -33,7 +33,7 @@ Protocol summary:
   engine waits (the blame window) for the other participants' votes and excludes whom
   `coordinator.blame.blame` names from all of them (the silent ones first).
 - Time is the coordinator's own: the server passes a clock that stops while the coordinator
-  does not run (`coordinator.pauses.RunClock`), and after a detected pause `resumed` gives
+  does not run (`shoal.common.pauses.RunClock`), and after a detected pause `resumed` gives
   every member a grace period to renew its lease.
 """
 

@@ -44,6 +44,7 @@ import numpy as np
 from shoal.common.health import PEER_SERVICE, attach
 from shoal.common.identity import load_or_create_key, public_bytes
 from shoal.common.metrics import PeerMetrics
+from shoal.common.pauses import RunClock, keep_reading
 from shoal.common.retry import RetryPolicy
 from shoal.common.security import Security, open_channel, signing_interceptors
 from shoal.common.throttle import Throttle, more
@@ -189,6 +190,7 @@ class PeerAgent(StateSource):
         self.control: CoordinatorClient | None = None
         self.rounds: RoundClient | None = None
         self.address = ""
+        self.clock = RunClock()  # this process's own time (a SIGSTOP shows as a pause)
         self.unreachable = ""  # why the coordinator could not dial this peer's address back (JoinResponse)
         self.finished = False
         self.leaving = False  # stop was set: no new round (run's graceful leave)
@@ -297,12 +299,14 @@ class PeerAgent(StateSource):
             await self._start()
             async with asyncio.TaskGroup() as tg:
                 hb = tg.create_task(self._heartbeat_loop())
+                pauses = tg.create_task(keep_reading(self.clock))  # notices when this process did not run
                 watch = tg.create_task(self.control.watch(self._deliver, self._reconnected))
                 try:
                     left = await self._play_until(stop)
                 finally:
                     self.finished = True
                     hb.cancel()
+                    pauses.cancel()
                     watch.cancel()
             summary = {**self._summary(), "left": left}
             self.emit("left" if left else "finished", **{k: v for k, v in summary.items() if k != "peer"})
@@ -330,7 +334,7 @@ class PeerAgent(StateSource):
             links=self.links, events=self.events, round_silence=self.config.round_silence,
             finish_linger=self.config.finish_linger,
             sync=SyncSettings(self.config.sync_donors, self.config.sync_range_bytes), listeners=self.listeners,
-            traffic=self.traffic, tamper=owner_attack)
+            traffic=self.traffic, tamper=owner_attack, clock=self.clock)
         self.held.hold()
         log.info("joined as %s (data %s, %d samples, %d params)", self.peer_id[:8], self.address,
                  self.workload.num_samples, self.workload.num_params)

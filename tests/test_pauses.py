@@ -1,10 +1,10 @@
-"""The coordinator's own time (coordinator.pauses) and what the engine does after a pause."""
+"""The coordinator's own time (shoal.common.pauses) and what the engine does after a pause."""
 
 from __future__ import annotations
 
 import pytest
 
-from shoal.coordinator.pauses import RunClock
+from shoal.common.pauses import RunClock
 from shoal.coordinator.rounds import EngineConfig, ForgetMember, ReadyInfo, RoundEngine
 
 
