@@ -555,12 +555,19 @@ class RoundEngine:
     def resumed(self, now: float, paused: float) -> list[Action]:
         """The coordinator did not run for `paused` seconds (detected by its clock, which left
         them out): every member gets a full lease from `now` to renew, since its heartbeats went
-        unanswered through no fault of its own. Nothing is evicted for the pause."""
+        unanswered through no fault of its own. Nothing is evicted for the pause.
+
+        An attempt running across the pause is aborted without excluding anyone and retried with
+        the same participants: votes sent while the coordinator did not answer may be lost (a
+        peer gives a vote up after its RPC deadline), and waiting for them would cost the whole
+        collective deadline."""
         for m in self.members.values():
             m.lease_expiry = max(m.lease_expiry, now + self.config.lease_seconds)
         log.warning("the coordinator did not run for %.1f s (paused or starved); %d members get %.0f s to renew "
                     "their leases", paused, len(self.members), self.config.lease_seconds)
-        return []
+        if self.running is None:
+            return []
+        return self._abort(now, f"the coordinator did not run for {paused:.1f} s during the attempt", ())
 
     def heartbeat(self, peer_id: str, now: float) -> Member:
         m = self.members.get(peer_id)
