@@ -14,12 +14,18 @@ forwarding). The signals that name the faulty peer are:
 
 1. **Silence.** A healthy participant votes within a chunk deadline of the failure (its
    collective fails and it says so); a stalled or dead process cannot vote. Participants that
-   did not vote within the blame window are the suspects, and nobody else is.
+   did not vote within the blame window are the suspects, and nobody else is. A healthy peer
+   can be silent too (its send to the stalled peer blocks under flow control, bounded only by
+   the collective deadline), so among the silent the blame goes to those whose lease renewals
+   stopped as well (a stalled process stops heartbeating), else to those others accuse.
 2. **Accusations, by direction and order.** When everyone voted (a short stall ended within the
    window, or a peer is cut off), each failed vote's suspects are edges voter -> suspect. An
-   accusation is credible only if the voter made it before the accused gave up itself (voted):
-   once a peer has voted failed it abandons the attempt, and whatever its neighbours then
-   report about it is an effect, not a cause. Among credible edges:
+   accusation is credible if it came in the first cascade of failures (within one chunk
+   deadline of the first failed vote: healthy peers waiting on each other all fail within one
+   deadline, in any order), or before the accused gave up itself (voted). A late accusation
+   against a peer that had already voted is not: once a peer has voted failed it abandons the
+   attempt, and whatever a latecomer (typically the stalled peer itself, back from its pause)
+   then reports about it is an effect, not a cause. Among credible edges:
    - a peer cut off from the others (its address drops packets) accuses several peers whom
      nobody else accuses: it is the suspect ("accused by many and accusing many");
    - otherwise the suspects are the accused peers whose own silence nothing explains (they
@@ -42,7 +48,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 
 def blame(participants: Sequence[str], accusations: Mapping[str, Sequence[str]], *,
-          voted_at: Mapping[str, float] | None = None, stale: Collection[str] = (),
+          voted_at: Mapping[str, float] | None = None, cascade: float = 0.0, stale: Collection[str] = (),
           unreachable: Collection[str] = ()) -> tuple[str, ...]:
     """The participants to exclude from the retry of a failed attempt (sorted, never empty
     when `participants` is not).
@@ -50,11 +56,13 @@ def blame(participants: Sequence[str], accusations: Mapping[str, Sequence[str]],
     participants: the attempt's participants (peer ids). accusations: the participants that
     voted, each with the peers its vote blamed (empty for a successful vote); voters that are
     not participants and suspects that are not participants are ignored. voted_at: when each
-    vote arrived (any monotonic unit); without it every accusation is credible. stale:
+    vote arrived (seconds); without it every accusation is credible. cascade: seconds after the
+    first failed vote within which every accusation is credible (the plan's chunk deadline). stale:
     participants whose lease renewals stopped (no heartbeat for a while); unreachable:
     participants whose advertised address did not answer the dial-back.
 
-    Rule (module docstring): the silent participants, if any; else, over the credible
+    Rule (module docstring): the silent participants, if any (narrowed to the stale among
+    them, else to the accused among them, when there are any); else, over the credible
     accusations, a peer cut off from the others, else the unexplained accused, else the most
     suspicious; narrowed to the stale or unreachable among them when there are any. With no
     accusation at all (every vote ok or empty), the stale or unreachable participants, else
@@ -62,14 +70,17 @@ def blame(participants: Sequence[str], accusations: Mapping[str, Sequence[str]],
     """
     members = set(participants)
     voters = {v for v in accusations if v in members}
-    silent = sorted(members - voters)
-    if silent:
-        return tuple(silent)
+    silent = members - voters
     edges = {(v, s) for v, suspects in accusations.items() if v in members
              for s in suspects if s in members and s != v}
+    if silent:
+        accused = {s for _, s in edges}
+        return tuple(sorted((silent & set(stale)) or (silent & accused) or silent))
     if voted_at is not None:
-        # Credible: made before the accused gave up itself (ties count as credible).
-        credible = {(v, s) for v, s in edges if voted_at.get(v, 0.0) <= voted_at.get(s, math.inf)}
+        failed_at = [voted_at[v] for v, suspects in accusations.items() if v in voted_at and suspects]
+        early = (min(failed_at) if failed_at else -math.inf) + cascade
+        credible = {(v, s) for v, s in edges
+                    if voted_at.get(v, 0.0) <= early or voted_at.get(v, 0.0) <= voted_at.get(s, math.inf)}
         edges = credible or edges  # every accusation came late: judge them all alike
     flagged_all = (set(stale) | set(unreachable)) & members
     if not edges:

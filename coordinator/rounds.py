@@ -33,7 +33,7 @@ Protocol summary:
   engine waits (the blame window) for the other participants' votes and excludes whom
   `coordinator.blame.blame` names from all of them (the silent ones first).
 - Time is the coordinator's own: the server passes a clock that stops while the coordinator
-  does not run (`coordinator.pauses.RunClock`), and after a detected pause `resumed` gives
+  does not run (`shoal.common.pauses.RunClock`), and after a detected pause `resumed` gives
   every member a grace period to renew its lease.
 """
 
@@ -639,12 +639,19 @@ class RoundEngine:
     def resumed(self, now: float, paused: float) -> list[Action]:
         """The coordinator did not run for `paused` seconds (detected by its clock, which left
         them out): every member gets a full lease from `now` to renew, since its heartbeats went
-        unanswered through no fault of its own. Nothing is evicted for the pause."""
+        unanswered through no fault of its own. Nothing is evicted for the pause.
+
+        An attempt running across the pause is aborted without excluding anyone and retried with
+        the same participants: votes sent while the coordinator did not answer may be lost (a
+        peer gives a vote up after its RPC deadline), and waiting for them would cost the whole
+        collective deadline."""
         for m in self.members.values():
             m.lease_expiry = max(m.lease_expiry, now + self.config.lease_seconds)
         log.warning("the coordinator did not run for %.1f s (paused or starved); %d members get %.0f s to renew "
                     "their leases", paused, len(self.members), self.config.lease_seconds)
-        return []
+        if self.running is None:
+            return []
+        return self._abort(now, f"the coordinator did not run for {paused:.1f} s during the attempt", ())
 
     def heartbeat(self, peer_id: str, now: float) -> Member:
         m = self.members.get(peer_id)
@@ -855,8 +862,8 @@ class RoundEngine:
         stale = [p for p in run.plan.participants
                  if p in self.members and self.members[p].lease_expiry - self.config.lease_seconds < renewed_by]
         unreachable = [p for p in run.plan.participants if p in self.members and self.members[p].reachable is False]
-        blamed = blame(run.plan.participants, accusations, voted_at=run.voted_at, stale=stale,
-                       unreachable=unreachable)
+        blamed = blame(run.plan.participants, accusations, voted_at=run.voted_at,
+                       cascade=run.plan.chunk_timeout_seconds, stale=stale, unreachable=unreachable)
         failed = [(p, v) for p, v in run.votes.items() if not v.ok]
         first, vote = failed[0]
         silent = [p for p in run.plan.participants if p not in run.votes]

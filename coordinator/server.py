@@ -4,7 +4,7 @@ Thin by design: every decision is made by the pure `coordinator.rounds.RoundEngi
 validates requests, carries out the engine's actions (durable writes first, then events to the
 peers' WatchRounds streams) and runs one ticker task that applies deadlines.
 
-Time: the engine runs on `coordinator.pauses.RunClock`, the coordinator's own time (a stall of
+Time: the engine runs on `shoal.common.pauses.RunClock`, the coordinator's own time (a stall of
 the coordinator is left out of every lease and deadline); after a detected pause the ticker
 gives every member a grace period (`RoundEngine.resumed`). Round tickets and sync permits carry
 wall time, which the peers check.
@@ -69,7 +69,7 @@ from shoal.coordinator.heap import HeapPolicy
 from shoal.coordinator.membership import Membership, Memberships
 from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget, is_etcd
 from shoal.coordinator.leadership import Leadership
-from shoal.coordinator.pauses import RunClock
+from shoal.common.pauses import RunClock
 from shoal.coordinator.store import SQLiteStore, StateFileError, Store
 from shoal.common.attempts import ATTEMPT_STRIDE, shown_attempt
 from shoal.common.errors import (DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,

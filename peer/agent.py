@@ -45,6 +45,7 @@ from shoal.common.health import PEER_SERVICE, attach
 from shoal.common.identity import hold_default_key, hold_key, peer_id_of, public_bytes
 from shoal.common.metrics import PeerMetrics
 from shoal.common.plan import Plan
+from shoal.common.pauses import RunClock, keep_reading
 from shoal.common.retry import RetryPolicy
 from shoal.common.security import Security, open_channel, signing_interceptors
 from shoal.common.throttle import Throttle, more
@@ -208,6 +209,7 @@ class PeerAgent(StateSource):
         self.control: CoordinatorClient | None = None
         self.rounds: RoundClient | None = None
         self.address = ""
+        self.clock = RunClock()  # this process's own time (a SIGSTOP shows as a pause)
         self.unreachable = ""  # why the coordinator could not dial this peer's address back (JoinResponse)
         self.finished = False
         self.leaving = False  # stop was set: no new round (run's graceful leave)
@@ -319,6 +321,7 @@ class PeerAgent(StateSource):
             await self._start()
             async with asyncio.TaskGroup() as tg:
                 hb = tg.create_task(self._heartbeat_loop())
+                pauses = tg.create_task(keep_reading(self.clock))  # notices when this process did not run
                 watch = tg.create_task(self.control.watch(self._deliver, self._reconnected))
                 renew = tg.create_task(keep_renewed(self.control, self.peer_tls, self.config.rpc_timeout)) \
                     if self.peer_tls is not None else None
@@ -327,6 +330,7 @@ class PeerAgent(StateSource):
                 finally:
                     self.finished = True
                     hb.cancel()
+                    pauses.cancel()
                     watch.cancel()
                     if renew is not None:
                         renew.cancel()
@@ -356,7 +360,7 @@ class PeerAgent(StateSource):
             links=self.links, events=self.events, round_silence=self.config.round_silence,
             finish_linger=self.config.finish_linger,
             sync=SyncSettings(self.config.sync_donors, self.config.sync_range_bytes), listeners=self.listeners,
-            traffic=self.traffic, tamper=owner_attack)
+            traffic=self.traffic, tamper=owner_attack, clock=self.clock)
         self.held.hold()
         log.info("joined as %s (key file %s, data %s, %d samples, %d params)", self.peer_id[:8], self.key_path,
                  self.address, self.workload.num_samples, self.workload.num_params)

@@ -48,6 +48,7 @@ import grpc
 import numpy as np
 
 from shoal.common.attempts import shown_attempt
+from shoal.common.pauses import RunClock
 from shoal.common.plan import Plan
 from shoal.common.tensors import dtype_code
 from shoal.common.throttle import Throttle, more
@@ -392,14 +393,17 @@ class RoundClient:
     round_silence: seconds without any event after which the peer announces itself again.
     finish_linger: seconds peers keep serving the final state after the run (bounds final_sync).
     tamper: testing only (peer.byzantine "owner"): what a malicious shard owner publishes.
+    clock: this process's `RunClock` (read continually by the agent); a failed attempt during
+    which this peer itself did not run for a chunk deadline is voted as its own fault.
     """
 
     def __init__(self, control: CoordinatorClient, workload: Workload, contribution: Contribution, *,
                  inbox: Inbox, transport: Transport, links: LinkMeter | None, events: EventMailbox | asyncio.Queue,
                  round_silence: float = 15.0, finish_linger: float = 1.0, sync: SyncSettings = SyncSettings(),
                  listeners: Sequence[RoundListener] = (), traffic: Traffic | None = None,
-                 tamper: Callable[[np.ndarray], np.ndarray] | None = None):
+                 tamper: Callable[[np.ndarray], np.ndarray] | None = None, clock: RunClock | None = None):
         self.control, self.workload, self.contribution = control, workload, contribution
+        self.clock = clock
         self.inbox, self.transport, self.links = inbox, transport, links
         self.events = events
         self.round_silence = round_silence
@@ -571,6 +575,7 @@ class RoundClient:
         plan = ev.plan
         self.inbox.start(Session.from_plan(ev.msg, self.control.coordinator_public_key))
         received, cpu0 = self.traffic.bytes_received, time.process_time()
+        paused0 = self._paused()
         try:
             prepared = self.contribution.prepare(rs.update, plan, self.me)
             reducer = prepared.reducer
@@ -583,7 +588,16 @@ class RoundClient:
             st = self.workload.tentative(res.values)
             rs.tentative[plan.attempt] = Tentative(st, res.feedback)
         except Exception as exc:  # noqa: BLE001 - every failure before the vote is voted, with its reason
-            return self._failed_ballot(rs, plan, exc), time.time()
+            ballot = self._failed_ballot(rs, plan, exc)
+            stalled = self._paused() - paused0
+            if stalled >= plan.chunk_timeout_seconds:
+                # This process did not run (SIGSTOP, a suspended VM, a long GC pause): whatever it
+                # saw break afterwards, the others' deadlines expired waiting for it.
+                log.warning("round %d.%d: this peer did not run for %.1f s during the attempt; voting it "
+                            "its own fault", plan.round, shown_attempt(plan.attempt), stalled)
+                del ballot.suspects[:]
+                ballot.error = f"this peer did not run for {stalled:.1f} s ({ballot.error})"[:500]
+            return ballot, time.time()
         finally:
             self.inbox.finish(plan.round, plan.attempt)
         self.traffic.bytes_sent += res.bytes_sent
@@ -594,6 +608,13 @@ class RoundClient:
         return pb.VoteRequest(peer_id=self.me, round=plan.round, attempt=plan.attempt, train_loss=rs.loss, ok=True,
                               result_digest=res.digest, state_digest=st.digest(), bytes_sent=res.bytes_sent,
                               collective_seconds=res.seconds, flagged=res.flagged), 0.0
+
+    def _paused(self) -> float:
+        """Seconds this process did not run so far (0 without a clock)."""
+        if self.clock is None:
+            return 0.0
+        self.clock()  # a gap since the last reading counts now
+        return self.clock.paused_seconds
 
     def _failed_ballot(self, rs: RoundState, plan: Plan, exc: Exception) -> pb.VoteRequest:
         reason = describe(exc)

@@ -191,3 +191,34 @@ def test_a_cut_off_peer_is_blamed_whatever_the_order_of_votes():
     for order in (("d", "a", "b", "c"), ("a", "d", "b", "c"), ("a", "b", "c", "d")):
         at = {p: float(i) for i, p in enumerate(order)}
         assert blame(ABCD, votes, voted_at=at) == ("d",), order
+
+
+def test_among_silent_peers_the_one_that_stopped_heartbeating_is_blamed():
+    # Seen on a loaded machine: p0 was blocked sending to the stalled p2 (flow control) and did
+    # not vote within the window either; it kept heartbeating, p2 did not.
+    votes = {"p1": ("p2",), "p3": ("p1",)}
+    peers = ("p0", "p1", "p2", "p3")
+    assert blame(peers, votes, stale=("p2",)) == ("p2",)
+    assert blame(peers, votes) == ("p2",)  # no lease signal yet: the accused among the silent
+    assert blame(peers, {"p1": (), "p3": ()}) == ("p0", "p2")  # nothing else to go on
+
+
+def test_engine_blames_the_silent_peer_whose_heartbeats_stopped():
+    e = _running()
+    for t in (2.5, 5.0):  # a, b, c renew their leases; d stalled after its Ready at 0
+        for p in "abc":
+            e.heartbeat(p, t)
+    e.vote("b", 0, 0, False, b"", b"", 5.5, suspects=("d",))
+    e.vote("c", 0, 0, False, b"", b"", 5.6, suspects=("b",))
+    (abort,) = _aborts(e.tick(e.running.blame_at))  # a is silent too (blocked sending to d)
+    assert abort.record.excluded == ("d",)
+
+
+def test_the_first_cascade_of_failures_is_credible_in_any_order():
+    # Seen on a loaded machine (ring, rs:stop): p3 waited on p1, p1 on p0, p0 on the stalled p2;
+    # the three voted within ms, p1 last of them; p2 came back 3 s later accusing p3.
+    votes = {"p0": ("p2",), "p3": ("p1",), "p1": ("p0",), "p2": ("p3",)}
+    at = {"p0": 1.00, "p3": 1.01, "p1": 1.02, "p2": 4.0}
+    peers = ("p0", "p1", "p2", "p3")
+    assert blame(peers, votes, voted_at=at, cascade=2.0) == ("p2",)
+    assert blame(peers, votes, voted_at=at) != ("p2",)  # by arrival order alone, p1 would pay

@@ -38,33 +38,43 @@ def _aborts(wd) -> list[tuple[int, int, str, list[str]]]:
     return [(r, a, why, json.loads(ex)) for r, a, why, ex in rows]
 
 
-def _swarm(tmp_path, scenario: str, *args: str, timeout: float = 600) -> tuple[dict, object, str]:
+def _swarm(tmp_path, scenario: str, *args: str, timeout: float = 600, swarm_timeout: float | None = None,
+           ) -> tuple[dict, object, str]:
+    """Run the swarm; with `swarm_timeout` it is expected to end by that timeout (a peer left
+    stopped never finishes), else to succeed."""
     path, summary, wd = tmp_path / "scenario.toml", tmp_path / "s.json", tmp_path / "wd"
     path.write_text(scenario)
     proc = subprocess.run(
         [sys.executable, "-m", "shoal.cli", "swarm", "--scenario", str(path), "--summary", str(summary),
-         "--no-progress", "--workdir", str(wd), "--timeout", str(int(timeout - 60)), *args],
+         "--no-progress", "--workdir", str(wd), "--timeout", str(int(swarm_timeout or timeout - 60)), *args],
         capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    if swarm_timeout is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(summary.read_text()), wd, proc.stderr
 
 
-def _stall_scenario(point: str) -> str:
-    # Peer 2 stops itself in round 4 (SIGSTOP on its first chunk of that phase) and is
-    # continued at 25 s, after its lease ran out: it joins again and syncs.
-    return (f'[[peer]]\n[[peer]]\n[[peer]]\nfault = "{point}:stop@4"\n[[peer]]\n\n'
-            '[[event]]\nat = 25.0\naction = "cont"\npeer = 2\n')
+def _commits(wd) -> int:
+    con = sqlite3.connect(wd / "coordinator.db")
+    try:
+        return con.execute("SELECT COUNT(*) FROM commits").fetchone()[0]
+    finally:
+        con.close()
 
 
 def _check_stall(tmp_path, point: str, seed: int) -> None:
-    s, wd, _ = _swarm(tmp_path, _stall_scenario(point), "--peers", "4", "--rounds", "40", "--seed", str(seed))
+    # Peer 2 stops itself in round 4 (SIGSTOP on its first chunk of that phase) and stays
+    # stopped: the swarm ends at its timeout (a scenario `cont` at a fixed time can come before
+    # the stall on a loaded machine); the others must have committed every round by then.
+    scenario = f'[[peer]]\n[[peer]]\n[[peer]]\nfault = "{point}:stop@4"\n[[peer]]\n'
+    s, wd, _ = _swarm(tmp_path, scenario, "--peers", "4", "--rounds", "12", "--seed", str(seed),
+                      swarm_timeout=150, timeout=400)
     ids = _peer_ids(wd, 4)
     aborts = _aborts(wd)
     wrongful = [(r, a, p) for r, a, _, ex in aborts for p in ex if p != ids[2]]
     assert wrongful == [], aborts
     stalled = [(r, a) for r, a, _, ex in aborts if ids[2] in ex]
     assert stalled and stalled[0][0] == 4, aborts  # the first retry of round 4 left peer 2 out
-    assert s["rounds_committed"] == 40 and s["digest_mismatches"] == 0
+    assert _commits(wd) == 12 and s["digest_mismatches"] == 0
 
 
 @pytest.mark.parametrize("point", ["rs", "ag"])

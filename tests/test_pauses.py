@@ -1,10 +1,10 @@
-"""The coordinator's own time (coordinator.pauses) and what the engine does after a pause."""
+"""The coordinator's own time (shoal.common.pauses) and what the engine does after a pause."""
 
 from __future__ import annotations
 
 import pytest
 
-from shoal.coordinator.pauses import RunClock
+from shoal.common.pauses import RunClock
 from shoal.coordinator.rounds import EngineConfig, ForgetMember, ReadyInfo, RoundEngine
 
 
@@ -92,3 +92,18 @@ def test_a_rejoin_with_the_stream_still_open_is_connected_and_a_donor():
     e.join("a", bytes(32), "127.0.0.1:1097", 1, 20.0, connected=True)
     e.join("b", bytes(32), "127.0.0.1:1098", 1, 20.0, connected=False)
     assert e.members["a"].connected and not e.members["b"].connected
+
+
+def test_an_attempt_running_across_a_pause_is_retried_with_everyone():
+    from shoal.coordinator.rounds import SendAbort, SendPlan
+
+    e = _engine()
+    for p in "abc":
+        e.ready_(p, 0, ReadyInfo(10, 1, 1, b"", 0, 0.0), 0.0)
+    first = e.running.plan
+    e.vote("a", 0, first.attempt, True, b"r", b"s", 0.1)  # b's and c's votes were lost in the pause
+    acts = e.resumed(0.2, 20.0) + e.tick(0.3)  # after the retry backoff
+    (abort,) = [a for a in acts if isinstance(a, SendAbort)]
+    assert abort.record.excluded == () and abort.record.will_retry
+    (retry,) = [a for a in acts if isinstance(a, SendPlan)]
+    assert retry.plan.participants == first.participants and retry.plan.attempt == first.attempt + 1

@@ -149,6 +149,28 @@ async def test_a_collective_error_votes_its_suspects():
     assert not ballot.ok and list(ballot.suspects) == ["b" * 32] and ballot.error == "stream to bbbbbbbb failed"
 
 
+async def test_a_peer_that_did_not_run_for_a_chunk_deadline_votes_its_own_fault():
+    """SIGSTOP mid-collective, as this peer sees it: its clock shows the gap, and whatever broke
+    meanwhile (here a stream to b), the failure is its own."""
+    from shoal.common.pauses import RunClock
+
+    mono = [100.0]
+    clock = RunClock(1.0, monotonic=lambda: mono[0])
+
+    class StalledThenBlaming(SumContribution):
+        def prepare(self, update, plan, me):
+            mono[0] += plan.chunk_timeout_seconds + 1.0  # the process did not run
+            raise CollectiveError("stream to bbbbbbbb failed", ["b" * 32])
+
+    client, control, *_ = make_client(StalledThenBlaming())
+    client.clock = clock
+    client.events.put_nowait(wire_plan())
+    client.events.put_nowait(RunFinished(0))
+    await asyncio.wait_for(client.play(update(), 0.0), 10)
+    [ballot] = control.votes
+    assert not ballot.ok and list(ballot.suspects) == [] and "did not run for" in ballot.error
+
+
 async def test_a_plan_without_this_peer_runs_nothing():
     client, control, wl, events, _ = make_client()
     events.put_nowait(wire_plan(participants=("b" * 32,)))

@@ -1,4 +1,4 @@
-"""The coordinator's own time: a clock that stops while the coordinator does not run.
+"""A process's own time: a clock that stops while the process does not run.
 
 A coordinator that stalls (a long GC pause, a suspended VM, SIGSTOP, a blocked event loop)
 must not judge the peers by time it did not live through: on waking, every lease would look
@@ -12,13 +12,17 @@ the process did not run (or its loop did not turn, also the coordinator's own fa
 taken out of its time. Readings are anchored to the wall clock at start, so records stamped
 with this time stay close to wall time (they lag it by the pauses).
 
-Not responsible for what to do after a pause: the server asks `take_pause` and tells the engine
-(`RoundEngine.resumed`, which gives every member a grace period to renew its lease).
+Not responsible for what to do after a pause: the coordinator's server asks `take_pause` and
+tells the engine (`RoundEngine.resumed`, which gives every member a grace period to renew its
+lease); a peer reads `paused_seconds` around a collective attempt and, when it did not run for a
+chunk deadline itself, names itself in its failed vote (`shoal.peer.rounds`), since the others'
+deadlines expired waiting for it.
 """
 
 from __future__ import annotations
 
 import time
+import asyncio
 from collections.abc import Callable
 
 
@@ -55,3 +59,11 @@ class RunClock:
         """Seconds of pause detected since the last call (0.0 when none), and forget them."""
         pending, self._pending = self._pending, 0.0
         return pending
+
+
+async def keep_reading(clock: RunClock, interval: float = 0.05) -> None:
+    """Read `clock` every `interval` seconds until cancelled, so that any pause of this process
+    (its event loop did not turn) shows as a gap between two readings."""
+    while True:
+        clock()
+        await asyncio.sleep(interval)
