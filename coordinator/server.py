@@ -104,7 +104,9 @@ MEMBER_RETENTION_SECONDS = 7 * 86400.0
 TICKET_SLACK_SECONDS = 60.0
 METRICS_EVERY_SECONDS = 1.0
 RUN_OVER_POLL_SECONDS = 0.2
-PROBE_MAX_BYTES = 1 << 20  # a coordinator Probe moves at most this much each way (a joiner's first estimate)
+# A coordinator Probe moves at most this much each way (a joiner's first estimate; below the
+# control plane's 1 MiB message limit).
+PROBE_MAX_BYTES = 512 << 10
 COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
 # Request nonces remembered for the signature window (30 s): above the calls of 10,000 members in
 # that window (heartbeats every lease/4, Readys), ~200 bytes each; past it, RESOURCE_EXHAUSTED.

@@ -57,6 +57,7 @@ COORDINATOR_PROBE_BYTES = 256 << 10  # bounded by the coordinator (its PROBE_MAX
 LOWER_FACTOR = 1.5  # a saturated sample this much below the estimate replaces it
 SLOW_FACTOR = 1.5  # a collective this much slower than predicted makes its links due for a probe
 REPROBE_SECONDS = 30.0  # ... at most this often per link
+SLOW_MIN_SECONDS = 0.5  # ... and at least this much slower (a loopback round of milliseconds is noise)
 # Streams shorter than this (or carrying fewer bytes) say more about scheduling than about links.
 _MIN_SAMPLE_SECONDS = 0.005
 _MIN_SAMPLE_BYTES = 64 * 1024
@@ -240,9 +241,10 @@ class LinkMeter:
 
     def after_collective(self, participants: Iterable[str], me: str, seconds: float, predicted: float) -> list[str]:
         """A collective over `participants` took `seconds` where its plan predicted `predicted`:
-        more than SLOW_FACTOR times longer makes the links to them due for a probe (those not
-        probed within REPROBE_SECONDS). Returns the peers made due (empty when it was not slow)."""
-        if not predicted > 0 or seconds <= SLOW_FACTOR * predicted:
+        more than SLOW_FACTOR times (and SLOW_MIN_SECONDS) longer makes the links to them due for
+        a probe (those not probed within REPROBE_SECONDS). Returns the peers made due (empty when
+        it was not slow)."""
+        if not predicted > 0 or seconds <= SLOW_FACTOR * predicted or seconds - predicted < SLOW_MIN_SECONDS:
             return []
         now = self.clock()
         due = []

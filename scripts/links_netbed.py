@@ -3,7 +3,8 @@
 A coordinator in the root namespace and ``--peers`` `shoal peer` processes, each in its own
 network namespace behind ``tc tbf`` shaping (shoal.netbed.NetBed), train ``--rounds`` rounds;
 ``--shape-at T --shape-peer I --shape-mbit M`` re-shapes peer I's upload and download to M
-Mbit/s T seconds after the coordinator started. Prints one JSON object: rounds committed and
+Mbit/s T seconds after the coordinator started (``--shape-after-round R`` instead: once R rounds
+committed, for a machine where peers take long to start). Prints one JSON object: rounds committed and
 aborted, the abort reasons, and per committed round its seconds and the plan the coordinator
 logged for it (collective, predicted seconds, demoted peers as indices), plus when the shape
 changed. Needs root (network namespaces); every process and namespace is removed at the end.
@@ -43,6 +44,19 @@ def _wait_file(path: pathlib.Path, timeout: float) -> str:
     return path.read_text().strip()
 
 
+def _shape_due(a: argparse.Namespace, t0: float, wd: pathlib.Path) -> bool:
+    """--shape-at seconds after the coordinator started, or --shape-after-round rounds committed."""
+    if a.shape_at is not None:
+        return time.monotonic() - t0 >= a.shape_at
+    if a.shape_after_round is None or not (wd / "coordinator.db").exists():
+        return False
+    try:
+        with sqlite3.connect(f"file:{wd / 'coordinator.db'}?mode=ro", uri=True) as db:
+            return db.execute("SELECT COUNT(*) FROM commits").fetchone()[0] >= a.shape_after_round
+    except sqlite3.Error:
+        return False
+
+
 def run(a: argparse.Namespace) -> dict:
     wd = pathlib.Path(a.workdir or tempfile.mkdtemp(prefix="shoal-links-"))
     wd.mkdir(parents=True, exist_ok=True)
@@ -72,7 +86,7 @@ def run(a: argparse.Namespace) -> dict:
                     stdout=open(wd / f"peer-{i}.log", "w"), stderr=subprocess.STDOUT, env=env, cwd=wd))
             shaped_at = None
             while cproc.poll() is None and time.monotonic() - t0 < a.timeout:
-                if a.shape_at is not None and shaped_at is None and time.monotonic() - t0 >= a.shape_at:
+                if shaped_at is None and _shape_due(a, t0, wd):
                     i = a.shape_peer
                     NetBed._shape(["-n", bed.netns(i)], "eth0", a.shape_mbit)
                     NetBed._shape([], bed.veth_bridge_side(i), a.shape_mbit)
@@ -140,6 +154,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--shape-at", type=float)
+    ap.add_argument("--shape-after-round", type=int, help="re-shape once this many rounds committed instead")
     ap.add_argument("--shape-peer", type=int, default=0)
     ap.add_argument("--shape-mbit", type=float, default=10.0)
     ap.add_argument("--workdir")

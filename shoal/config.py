@@ -195,9 +195,11 @@ class RoundsSection:
     lease_seconds: float = setting(10.0, "a peer silent (no heartbeat) this long is dropped; heartbeats every lease/4")
     ready_timeout: float = setting(5.0, "after the first ready of a round, wait at most this long for the other "
                                         "members (stragglers), then open the round with those ready")
-    collective_timeout: float = setting(30.0, "hard deadline of one collective attempt, plan to last vote")
+    collective_timeout: float = setting(30.0, "least deadline of one collective attempt, plan to last vote (longer "
+                                              "on slow links: chunk_safety * expected time + one chunk deadline)")
     chunk_timeout: float = setting(2.0, "floor of the per-chunk deadline: max(this, chunk_safety * chunk_bytes / "
-                                        "slowest measured link + 2 * max RTT) (detects a silent peer)")
+                                        "slowest link + 2 * max RTT + expected collective time), an unreported link "
+                                        "counting as 4 Mbit/s (detects a silent peer)")
     chunk_safety: float = setting(4.0, "safety factor of the per-chunk deadline over the measured transfer time")
     chunk_bytes: int = setting(1 << 20, "largest tensor chunk through sockets, bytes (the planner sends ~0.15 s "
                                         "of the slowest measured link per chunk)")
