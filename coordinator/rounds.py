@@ -135,9 +135,9 @@ def sync_plan(state_bytes: int, bytes_per_s: float, config: EngineConfig, *,
     last state download, else its measured download link; 0 = unknown).
 
     hold: how long rounds wait for it: 1.5x the expected download plus the ready timeout, at most
-    `config.sync_hold` (when the rate is unknown: all of it for a peer `joining` (never a
-    member: it says ready once done, which ends the wait), the ready timeout for a member that
-    fell behind, which may still be busy elsewhere). permit: how long its sync permit lasts,
+    `config.sync_hold` (when the rate is unknown: all of it for a peer `joining` (holding no
+    committed state yet: it says ready once done, which ends the wait), the ready timeout for a
+    member that fell behind, which may still be busy elsewhere). permit: how long its sync permit lasts,
     which is how long donors keep that state for it: 3x the expected download, within
     SYNC_PERMIT_BOUNDS (SYNC_PERMIT_SECONDS when unknown). Pure.
     """
@@ -778,8 +778,9 @@ class RoundEngine:
         donors = self.donors(now, exclude=m.peer_id)
         if not donors:
             return None
+        # Holding no committed state yet (round 0 after a commit), it is a joiner whatever it played.
         hold, permit = sync_plan(m.state_bytes, m.sync_bytes_per_s or m.down_bytes_per_s, self.config,
-                                 joining=not m.state.is_member)
+                                 joining=held_round == 0)
         if m.stale_state_round is None or held_round > m.stale_state_round:
             # Progress (first word since it fell behind, or a newer state than last time): wait
             # for it while it syncs (up to `hold`), so a fast swarm does not outrun it for ever.

@@ -123,6 +123,10 @@ def main() -> int:
                                                       if first_commit and "t" in first_commit else None),
                 "joiner_first_commit_after_join_s": (round(first_commit["t"] - joined_at, 2)
                                                      if first_commit and joined_at else None),
+                # From the start of its first state download (the sync order) to its first commit.
+                "joiner_first_commit_after_sync_start_s": (
+                    round(first_commit["t"] - (syncs[0]["t"] - syncs[0]["seconds"]), 2)
+                    if first_commit and syncs else None),
                 "joiner_commits": sum(e.get("event") == "commit" for e in ev),
                 "state_syncs": [{k: s.get(k) for k in ("round", "bytes", "seconds")} for s in syncs],
                 "state_syncs_failed": len(failed),

@@ -568,3 +568,14 @@ def test_stale_readys_without_progress_never_delay_a_round():
     assert of(e.ready_("b", 42, info(rounds=42, digest=b"s42"), t + 5.7), SendPlan) == []
     (plan,) = of(e.ready_("c", 42, info(rounds=42, digest=b"s42"), t + 5.8), SendPlan)
     assert plan.plan.participants == ("a", "b", "c")
+
+
+def test_a_peer_holding_no_committed_state_is_waited_on_as_a_joiner_even_after_playing():
+    e = engine(lease_seconds=1000.0)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    e.members["c"].state = MemberState.MEMBER  # it played an attempt of round 0, then was excluded
+    commit_all(e, 0.5, b"s1")
+    (sync,) = of(e.ready_("c", 1, info(rounds=0), 1.0), SendSync)  # still the initial state
+    assert e.members["c"].sync_until == 1.0 + 60.0 and sync.permit_seconds == 300.0

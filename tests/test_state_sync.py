@@ -227,3 +227,31 @@ async def test_a_download_cut_off_mid_range_resumes_at_its_offset_from_another_d
         await transport.close()
         await server_a.stop(None)
         await server_b.stop(None)
+
+
+async def test_a_stale_order_is_asked_again_at_once_and_logged_once(monkeypatch, caplog):
+    from shoal.peer import rounds
+    from shoal.peer.rounds import RunFinished, SyncOrdered
+    from test_round_client import until, update
+
+    client, control, *_ = make_client()
+    asked: list[int] = []
+
+    async def download(order, *, me, transport, k, range_bytes, partial=None):
+        asked.append(order.round)
+        raise SyncError("every donor failed (1) with everything left", ("b" * 32,), stale=True)
+
+    monkeypatch.setattr(rounds, "download_state", download)
+    caplog.set_level("DEBUG", logger="shoal.peer.rounds")
+    task = asyncio.create_task(client.play(update(), 0.0))
+    await until(lambda: len(control.readies) == 1)
+    for r in range(1, 6):  # five orders the donors have all moved past
+        control.readies.clear()
+        client.events.put_nowait(SyncOrdered(order(r, b"d%d" % r)))
+        await until(lambda: len(control.readies) == 1)  # asked for a new one, at once
+    client.events.put_nowait(RunFinished(0))
+    await asyncio.wait_for(task, 10)
+    assert asked == [1, 2, 3, 4, 5]
+    lines = [r for r in caplog.records if "state sync failed" in r.getMessage()]
+    assert len(lines) == 5 and sum(r.levelname == "WARNING" for r in lines) == 1  # the rest at debug
+    assert "out of date" in lines[0].getMessage()
