@@ -87,10 +87,14 @@ def summary(events_by_peer: list[list[dict]], t0: float) -> dict:
     """val_loss / val_bits_per_byte of the final committed state, and val_curve (module docstring).
 
     `events_by_peer`: each peer slot's events (shoal.swarm.Swarm.events); `t0`: the swarm's start,
-    unix seconds. The evaluating peer (data shard 0) records the loss; the others NaN."""
+    unix seconds. The evaluating peer (data shard 0) records the loss; the others NaN. A round
+    that peer missed (it was syncing) has no point on the curve; `val_loss` is NaN when it did
+    not end on the last committed state."""
     finals = [next((e for e in reversed(evs) if e["event"] == "finished"), None) for evs in events_by_peer]
-    losses = [f["test_accuracy"] for f in finals if f is not None and _finite(f.get("test_accuracy"))]
     top = max((f["rounds"] for f in finals if f is not None), default=0)
+    # Only a peer that ended on the last committed state speaks for it (one left behind holds an older one).
+    losses = [f["test_accuracy"] for f in finals
+              if f is not None and f["rounds"] == top and _finite(f.get("test_accuracy"))]
     sent: dict[int, dict[int, int]] = {}  # round -> slot -> bytes that slot's process had sent at its commit
     when: dict[int, float] = {}
     val: dict[int, float] = {}

@@ -38,6 +38,13 @@ def test_summary_takes_the_evaluating_peer_and_sums_bytes_over_peers():
     assert lm_job.time_to_target(s["val_curve"], 2.7) == 7.0 and lm_job.time_to_target(s["val_curve"], 1.0) is None
 
 
+def test_summary_ignores_an_evaluation_of_a_stale_final_state():
+    peer0 = [_commit(0, 100, 3.0, 10.0), {"event": "finished", "rounds": 1, "test_accuracy": 3.0}]
+    peer1 = [_commit(0, 100, math.nan, 10.0), _commit(1, 200, math.nan, 11.0),
+             {"event": "finished", "rounds": 2, "test_accuracy": math.nan}]
+    assert math.isnan(lm_job.summary([peer0, peer1], t0=0.0)["val_loss"])
+
+
 def test_workload_lm_without_torch_is_refused_in_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # import fails
     assert cli.main(["swarm", "--workload", "lm", "--peers", "2"]) == cli.EXIT_USAGE
