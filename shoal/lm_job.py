@@ -76,7 +76,8 @@ def peer_argv(settings: LMSettings, *, coordinator: str, key: str, data_shard: i
     return [sys.executable, "-m", "shoal.lm_worker", "peer", "--coordinator", coordinator, "--listen", "127.0.0.1:0",
             *(["--advertise", advertise] if advertise else []), "--key", key, "--data-shard", str(data_shard),
             "--num-data-shards", str(num_data_shards), "--events", events, "--algorithm", algorithm,
-            "--speed", str(speed), *settings.args(), *extra]
+            "--speed", str(speed), "--result", str(pathlib.Path(events).with_suffix(".result.json")),
+            *settings.args(), *extra]
 
 
 def bits(loss: float) -> float:
@@ -112,6 +113,20 @@ def summary(events_by_peer: list[list[dict]], t0: float) -> dict:
     loss = min(losses) if losses else (curve[-1]["val_loss"] if curve and curve[-1]["round"] == top else math.nan)
     return {"workload": "lm", "val_loss": round(loss, 5), "val_bits_per_byte": round(bits(loss), 5),
             "val_curve": curve}
+
+
+def utilization(events_paths: list[pathlib.Path]) -> dict:
+    """`compute_utilization` (the minimum over peers) and `compute_utilization_per_peer` from the
+    peers' result files (next to their events files; a peer that left none counts as None):
+    time in the inner steps' forward and backward / the peer's wall time from join to finish."""
+    per = []
+    for path in events_paths:
+        try:
+            per.append(json.loads(path.with_suffix(".result.json").read_text())["compute_utilization"])
+        except (OSError, ValueError, KeyError):
+            per.append(None)
+    known = [u for u in per if u is not None]
+    return {"compute_utilization": min(known) if known else None, "compute_utilization_per_peer": per}
 
 
 def _finite(v) -> bool:

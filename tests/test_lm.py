@@ -123,6 +123,8 @@ def test_short_lm_swarm_with_ddp_baseline(tmp_path):
     assert curve[-1]["val_loss"] < curve[0]["val_loss"] < math.log(256)
     assert s["val_loss"] == curve[-1]["val_loss"] and s["val_bits_per_byte"] == pytest.approx(
         s["val_loss"] / math.log(2), abs=1e-4)
+    assert len(s["compute_utilization_per_peer"]) == 2
+    assert 0 < s["compute_utilization"] == min(s["compute_utilization_per_peer"]) <= 1
     assert s["baseline_steps"] == 40 and s["baseline_val_loss"] < math.log(256)
     assert s["baseline_wall_seconds"] > 0
     # Shoal sends once per round what the baseline sends every step (no compression, 2 peers).
