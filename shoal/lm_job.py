@@ -77,7 +77,8 @@ def peer_argv(settings: LMSettings, *, coordinator: str, key: str, data_shard: i
     return [sys.executable, "-m", "shoal.lm_worker", "peer", "--coordinator", coordinator, "--listen", listen,
             *(["--advertise", advertise] if advertise else []), "--key", key, "--data-shard", str(data_shard),
             "--num-data-shards", str(num_data_shards), "--events", events, "--algorithm", algorithm,
-            "--speed", str(speed), *settings.args(), *extra]
+            "--speed", str(speed), "--result", str(pathlib.Path(events).with_suffix(".result.json")),
+            *settings.args(), *extra]
 
 
 def bits(loss: float) -> float:
@@ -88,10 +89,14 @@ def summary(events_by_peer: list[list[dict]], t0: float) -> dict:
     """val_loss / val_bits_per_byte of the final committed state, and val_curve (module docstring).
 
     `events_by_peer`: each peer slot's events (shoal.swarm.Swarm.events); `t0`: the swarm's start,
-    unix seconds. The evaluating peer (data shard 0) records the loss; the others NaN."""
+    unix seconds. The evaluating peer (data shard 0) records the loss; the others NaN. A round
+    that peer missed (it was syncing) has no point on the curve; `val_loss` is NaN when it did
+    not end on the last committed state."""
     finals = [next((e for e in reversed(evs) if e["event"] == "finished"), None) for evs in events_by_peer]
-    losses = [f["test_accuracy"] for f in finals if f is not None and _finite(f.get("test_accuracy"))]
     top = max((f["rounds"] for f in finals if f is not None), default=0)
+    # Only a peer that ended on the last committed state speaks for it (one left behind holds an older one).
+    losses = [f["test_accuracy"] for f in finals
+              if f is not None and f["rounds"] == top and _finite(f.get("test_accuracy"))]
     sent: dict[int, dict[int, int]] = {}  # round -> slot -> bytes that slot's process had sent at its commit
     when: dict[int, float] = {}
     val: dict[int, float] = {}
@@ -109,6 +114,20 @@ def summary(events_by_peer: list[list[dict]], t0: float) -> dict:
     loss = min(losses) if losses else (curve[-1]["val_loss"] if curve and curve[-1]["round"] == top else math.nan)
     return {"workload": "lm", "val_loss": round(loss, 5), "val_bits_per_byte": round(bits(loss), 5),
             "val_curve": curve}
+
+
+def utilization(events_paths: list[pathlib.Path]) -> dict:
+    """`compute_utilization` (the minimum over peers) and `compute_utilization_per_peer` from the
+    peers' result files (next to their events files; a peer that left none counts as None):
+    time in the inner steps' forward and backward / the peer's wall time from join to finish."""
+    per = []
+    for path in events_paths:
+        try:
+            per.append(json.loads(path.with_suffix(".result.json").read_text())["compute_utilization"])
+        except (OSError, ValueError, KeyError):
+            per.append(None)
+    known = [u for u in per if u is not None]
+    return {"compute_utilization": min(known) if known else None, "compute_utilization_per_peer": per}
 
 
 def _finite(v) -> bool:

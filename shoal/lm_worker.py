@@ -12,6 +12,10 @@ three evaluations per round. `--speed s < 1` emulates a slower machine: after ea
 process sleeps `(1/s - 1)` times the step's own compute time (documented as an emulation: the
 peer's CPU share is not actually reduced).
 
+With `--result`, the peer writes {data_shard, rounds, steps, compute_seconds (forward and
+backward of the inner steps, the emulated slowdown excluded), seconds (from joining to the end),
+compute_utilization = compute_seconds / seconds} when it finishes.
+
 `ddp`: one rank of the synchronous data-parallel baseline (`--baseline ddp`): the same model
 and initial parameters, rank i samples the same data shard with the same generator as peer i,
 and every step the gradients are averaged with one torch.distributed gloo all-reduce (flattened
@@ -70,6 +74,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--events", default=None)
     p.add_argument("--algorithm", default="diloco", choices=("diloco", "fedavg"))
     p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--result", default=None, help="write the result JSON (compute_seconds, seconds, ...) here")
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--metrics-host", default="127.0.0.1")
     p.add_argument("--insecure", action="store_true")
@@ -129,8 +134,10 @@ def run_peer(a: argparse.Namespace) -> dict:
                 time.sleep(slow * spent)  # the --peer-speed emulation (module docstring)
             opt.step(loss=loss.item())
             opt.zero_grad()
+    wall = time.monotonic() - t0
     return {"data_shard": a.data_shard, "rounds": opt.rounds, "steps": opt.local_step,
-            "compute_seconds": round(compute, 3), "seconds": round(time.monotonic() - t0, 3)}
+            "compute_seconds": round(compute, 3), "seconds": round(wall, 3),
+            "compute_utilization": round(compute / wall, 4) if wall > 0 else 0.0}
 
 
 def run_ddp(a: argparse.Namespace) -> None:
@@ -186,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # peers share the machine's cores; one intra-op thread each
     if a.command == "peer":
-        log.info("finished: %s", json.dumps(run_peer(a)))
+        result = run_peer(a)
+        log.info("finished: %s", json.dumps(result))
+        if a.result:
+            with open(a.result, "w") as f:
+                json.dump(result, f)
     else:
         run_ddp(a)
     return 0

@@ -93,8 +93,8 @@ def plot_lm(summary: dict, path: str, *, title: str = "shoal swarm --workload lm
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    series = [("Shoal (DiLoCo)", summary.get("val_curve") or [], "tab:blue"),
-              ("synchronous DDP (gloo)", summary.get("baseline_curve") or [], "tab:red")]
+    series = [("Shoal (one all-reduce per round)", summary.get("val_curve") or [], "tab:blue"),
+              ("synchronous DDP (gloo, one per step)", summary.get("baseline_curve") or [], "tab:red")]
     fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     try:
         for label, curve, color in series:

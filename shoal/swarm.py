@@ -1068,6 +1068,7 @@ def _lm_summary(swarm: Swarm, summary: dict, t0_wall: float, bar) -> bool:
     False when the baseline failed (its error is in `baseline_error`)."""
     o = swarm.opts
     summary.update(lm_job.summary([swarm.events(i) for i in range(len(swarm.peers))], t0_wall))
+    summary.update(lm_job.utilization([swarm.workdir / f"peer-{i}.jsonl" for i in range(len(swarm.peers))]))
     summary["test_accuracy"] = summary["baseline_accuracy"] = None
     summary["peer_speed"] = list(o.peer_speed)
     if o.baseline != "ddp":

@@ -38,6 +38,13 @@ def test_summary_takes_the_evaluating_peer_and_sums_bytes_over_peers():
     assert lm_job.time_to_target(s["val_curve"], 2.7) == 7.0 and lm_job.time_to_target(s["val_curve"], 1.0) is None
 
 
+def test_summary_ignores_an_evaluation_of_a_stale_final_state():
+    peer0 = [_commit(0, 100, 3.0, 10.0), {"event": "finished", "rounds": 1, "test_accuracy": 3.0}]
+    peer1 = [_commit(0, 100, math.nan, 10.0), _commit(1, 200, math.nan, 11.0),
+             {"event": "finished", "rounds": 2, "test_accuracy": math.nan}]
+    assert math.isnan(lm_job.summary([peer0, peer1], t0=0.0)["val_loss"])
+
+
 def test_workload_lm_without_torch_is_refused_in_one_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # import fails
     assert cli.main(["swarm", "--workload", "lm", "--peers", "2"]) == cli.EXIT_USAGE
@@ -116,6 +123,8 @@ def test_short_lm_swarm_with_ddp_baseline(tmp_path):
     assert curve[-1]["val_loss"] < curve[0]["val_loss"] < math.log(256)
     assert s["val_loss"] == curve[-1]["val_loss"] and s["val_bits_per_byte"] == pytest.approx(
         s["val_loss"] / math.log(2), abs=1e-4)
+    assert len(s["compute_utilization_per_peer"]) == 2
+    assert 0 < s["compute_utilization"] == min(s["compute_utilization_per_peer"]) <= 1
     assert s["baseline_steps"] == 40 and s["baseline_val_loss"] < math.log(256)
     assert s["baseline_wall_seconds"] > 0
     # Shoal sends once per round what the baseline sends every step (no compression, 2 peers).
