@@ -6,12 +6,18 @@ libp2p's AutoNAT does) with a fresh nonce (shoal.v1.Peer/Reach); the peer signs
 member's key proves the address reaches that peer; no answer within the timeout, a refused
 connection or a wrong signature means others cannot reach it there.
 
+With TLS on the data plane the peer's server demands a client certificate the coordinator does
+not hold, and before its first Join it has no certificate issued for its id yet: there the
+dial-back is a TCP connection to the address within the timeout (the address is reachable, the
+identity behind it unproven). Plaintext proves the identity too.
+
 `answer` is the peer's side, `dial_back` the coordinator's. Both sides import this module
 (shoal.common), neither side imports the other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 
@@ -60,6 +66,8 @@ async def dial_back(address: str, public_key: bytes, security: Security, timeout
     """Dial `address` (a peer's advertised data-plane HOST:PORT) and check that `public_key`'s
     peer answers there, within `timeout` seconds (connection included). Never raises for a
     network failure: it is the answer (reachable False, with the gRPC status in `reason`)."""
+    if security.tls_dir:
+        return await _connects(address, timeout)
     nonce = os.urandom(NONCE_BYTES)
     channel = open_channel(address, security, [("grpc.initial_reconnect_backoff_ms", 100)])
     try:
@@ -79,3 +87,22 @@ async def dial_back(address: str, public_key: bytes, security: Security, timeout
 
 
 _TLS_WORDS = ("ssl", "tls", "handshake", "certificate")
+
+
+async def _connects(address: str, timeout: float) -> Reachability:
+    """Whether a TCP connection to HOST:PORT `address` opens within `timeout` seconds."""
+    host, _, port = address.rpartition(":")
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    except TimeoutError:
+        return Reachability(False, f"no answer from {address} within {timeout:g} s")
+    except (OSError, ValueError) as exc:
+        return Reachability(False, f"{address} cannot be dialled ({exc.strerror or exc})"
+                            if isinstance(exc, OSError) else f"{address} is not HOST:PORT")
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return Reachability(True)
