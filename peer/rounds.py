@@ -424,6 +424,7 @@ class RoundClient:
         self._syncing = False  # a state download is running (heartbeats then do not re-announce)
         self._sync_lines = Throttle(SYNC_LOG_SECONDS)
         self.sync_rate = 0.0  # bytes/s of the last state download (told to the coordinator: its hold)
+        self._state_bytes = 0  # size of the serialized state (`_state_size`)
 
     @property
     def me(self) -> str:
@@ -505,7 +506,14 @@ class RoundClient:
         return pb.ReadyRequest(peer_id=self.me, round=round_, num_elements=rs.update.size,
                                dtype=dtype_code(rs.update.dtype), num_samples=self.workload.num_samples,
                                state_digest=st.digest(), state_round=st.rounds,
-                               state_bytes=len(st.to_bytes()), sync_bytes_per_s=self.sync_rate)
+                               state_bytes=self._state_size(st), sync_bytes_per_s=self.sync_rate)
+
+    def _state_size(self, st: State) -> int:
+        """Bytes of the serialized state, measured once (the layout does not change between
+        rounds; serializing every committed state just to say its size would cost a copy each)."""
+        if not self._state_bytes:
+            self._state_bytes = len(st.to_bytes())
+        return self._state_bytes
 
     def heard(self, resp: pb.HeartbeatResponse, sent: float) -> None:
         """A heartbeat answer (sent at monotonic `sent`): the safety net for a lost Ready. A peer
