@@ -465,6 +465,7 @@ def _coordinator_argv(opts: CoordinatorBenchOptions, wd: pathlib.Path) -> list[s
             "--ready-timeout", str(opts.ready_timeout), "--collective-timeout", "120",
             # Every member runs on 127.0.0.1: the per-host limits are for the internet, not this.
             "--rate-limit", "1000000", "--join-rate", "1000000", "--join-burst", str(max(50, n)),
+            "--reach-timeout", "0",  # simulated members serve no data plane to dial back
             "--log-level", "warning"]
 
 
