@@ -86,9 +86,20 @@ def load_or_create_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
+    # Written aside, then linked into place (atomic, never over an existing file): processes that
+    # start together with one key path (standby coordinators) all end up with the one that won.
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, p)
+    except FileExistsError:
+        return load_key(p)
+    finally:
+        tmp.unlink(missing_ok=True)
     return key
 
 
