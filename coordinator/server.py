@@ -366,6 +366,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             peer_id = peer_id_of(request.public_key)
             asked = self.clock()
             rec = self.memberships.admit(self.admission, peer_id, request.public_key, request.join_token, asked)
+            held = peer_id in self.engine.members  # the previous process still had a lease
             fenced = self.memberships.claim(peer_id, _instance(context), self._live(peer_id, asked))
             issued = self._issue(peer_id, request.tls_csr)  # a bad CSR refuses the join before it counts
             # Without an fsync, like the member row (a 10,000-member start must not fsync each join):
@@ -374,8 +375,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             with self.store.batch(durable=False):
                 self.store.save_membership(rec)
             if fenced is not None:
-                log.warning("peer %s: a new process took over the identity (the old one stopped renewing its "
-                            "lease); the old process is fenced", peer_id[:8])
+                # A restart after a crash is routine (info); a holder that still had a lease is worth a look.
+                log.log(logging.WARNING if held else logging.INFO, "peer %s: a new process took over the identity "
+                        "(the old one %s); the old process is fenced", peer_id[:8],
+                        "stopped renewing its lease" if held else "is gone")
                 self._close_watch(peer_id, f"peer {peer_id}: another process with this key took over the identity; "
                                            f"this one is fenced")
             reach = await self.reach(request.data_address, request.public_key) if self.reach is not None else None

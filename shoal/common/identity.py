@@ -91,11 +91,13 @@ def load_or_create_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(pem)
+            f.flush()
+            os.fsync(f.fileno())
         try:
             os.link(tmp, p)  # atomic, and never replaces a key another process created meanwhile
         except FileExistsError:
