@@ -381,6 +381,9 @@ class PeerAgent(StateSource):
     async def _play_until(self, stop: asyncio.Event | None) -> bool:
         """The main loop until the run ends (False) or `stop` is set (True, see `run`)."""
         main = asyncio.ensure_future(self._main_loop())
+        # When run() goes down first (a fenced or revoked peer: its watch stream fails), `main` may
+        # still end with an error (a call on the closed channel); that is expected, not to be logged.
+        main.add_done_callback(lambda t: t.cancelled() or t.exception())
         waits = {main} if stop is None else {main, asyncio.ensure_future(stop.wait())}
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
