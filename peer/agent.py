@@ -133,8 +133,11 @@ class _Journal(RoundListener):
         self.agent.metrics.on_collective(rec.seconds, rec.bytes_sent, rec.bytes_received)
         self.collective_bytes = (rec.bytes_sent, rec.bytes_received)
         # Much slower than predicted: probe these links again before the next Ready (a re-plan).
-        self.agent.links.after_collective(rec.plan.participants, self.agent.peer_id, rec.seconds,
-                                          rec.plan.predicted_seconds)
+        # Peers reached through shared memory are left out: no network link held that round up.
+        plan, a = rec.plan, self.agent
+        local = set(a.transport.shm_peers(zip(plan.participants, plan.addresses)))
+        a.links.after_collective([p for p in plan.participants if p not in local], a.peer_id, rec.seconds,
+                                 plan.predicted_seconds)
 
     def on_vote(self, rec: VoteRecord) -> None:
         fields = {"reason": rec.reason, "suspects": list(rec.suspects), "failed_at": rec.failed_at} if not rec.ok else {}
