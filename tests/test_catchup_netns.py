@@ -16,6 +16,7 @@ import pytest
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.netns,
+    pytest.mark.soak,  # a 4 Mbit/s joiner of a 9.8 MB state: minutes; the rules are in tests/test_state_sync.py
     pytest.mark.timeout(420),
     pytest.mark.usefixtures("netbed_available"),  # skips where namespaces cannot be made
 ]

@@ -17,7 +17,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OLD_FLOOR_SECONDS = 2.0  # the chunk deadline main used while no link was measured
 
-pytestmark = [pytest.mark.integration, pytest.mark.netns]
+# Minutes of shaped rounds: a soak (the rules are in tests/test_link_rules.py, the default run).
+pytestmark = [pytest.mark.integration, pytest.mark.netns, pytest.mark.soak]
 
 
 @pytest.mark.timeout(420)
