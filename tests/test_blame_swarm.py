@@ -65,7 +65,9 @@ def _check_stall(tmp_path, point: str, seed: int) -> None:
     # Peer 2 stops itself in round 4 (SIGSTOP on its first chunk of that phase) and stays
     # stopped: the swarm ends at its timeout (a scenario `cont` at a fixed time can come before
     # the stall on a loaded machine); the others must have committed every round by then.
-    scenario = f'[[peer]]\n[[peer]]\n[[peer]]\nfault = "{point}:stop@4"\n[[peer]]\n'
+    # resume_after = 0: not resumed by the scenario before the last round committed (a resume
+    # within the chunk deadline is no fault at all, and deadlines follow the measured links).
+    scenario = f'[[peer]]\n[[peer]]\n[[peer]]\nfault = "{point}:stop@4"\nresume_after = 0.0\n[[peer]]\n'
     s, wd, _ = _swarm(tmp_path, scenario, "--peers", "4", "--rounds", "12", "--seed", str(seed),
                       swarm_timeout=150, timeout=400)
     ids = _peer_ids(wd, 4)
