@@ -59,6 +59,20 @@ class Procs:
             time.sleep(0.05)
         return path.read_text().strip()
 
+    def wait_for(self, what: str, check, timeout: float, *, every: float = 0.1, tail: int = 2000):
+        """Poll `check()` every `every` seconds until it returns something true (returned); after
+        `timeout` seconds raise AssertionError naming `what`, with the last `tail` characters of
+        every process's log."""
+        end = time.monotonic() + timeout
+        while True:
+            value = check()
+            if value:
+                return value
+            if time.monotonic() > end:
+                raise AssertionError(f"{what}: not within {timeout}s\n" + "\n".join(
+                    f"--- {p.name}\n{self.log(p.name)[-tail:]}" for p in self.procs))  # type: ignore[attr-defined]
+            time.sleep(every)
+
     def wait_exit(self, p: subprocess.Popen, timeout: float) -> int:
         try:
             return p.wait(timeout=timeout)

@@ -8,7 +8,6 @@ import json
 import pathlib
 import signal
 import sys
-import time
 
 import pytest
 
@@ -20,15 +19,7 @@ pytestmark = pytest.mark.integration
 
 
 def wait_for(what: str, check, timeout: float, procs):
-    end = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout}s\n" + "\n".join(
-                f"--- {p.name}\n{procs.log(p.name)[-1500:]}" for p in procs.procs))
-        time.sleep(0.2)
+    return procs.wait_for(what, check, timeout, every=0.2, tail=1500)
 
 
 def test_sigterm_of_a_peer_leaves_cleanly_and_exits_0(procs):

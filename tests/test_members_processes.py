@@ -33,15 +33,7 @@ def shoal(*argv: str, timeout: float = 60):
 
 
 def wait_for(what: str, check, timeout: float, procs):
-    end = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"{what}: not within {timeout}s\n" + "\n".join(
-                f"--- {p.name}\n{procs.log(p.name)[-2000:]}" for p in procs.procs))
-        time.sleep(0.1)
+    return procs.wait_for(what, check, timeout, every=0.1, tail=2000)
 
 
 def peer(procs, name: str, addr: str, *flags: str):
