@@ -324,7 +324,8 @@ class Tentative:
 @dataclass
 class RoundState:
     """Everything one round in play holds. update: this peer's `(n,)` update (contribution input);
-    attempt: the attempt whose collective runs (or ran last); collective: its task."""
+    attempt: the attempt whose collective runs (or ran last); collective: its task; voting:
+    its ballot is in flight (delivered or not, it is never cancelled: the coordinator may hold it)."""
 
     round: int
     update: np.ndarray
@@ -333,6 +334,7 @@ class RoundState:
     tasks: asyncio.TaskGroup
     attempt: int = -1
     collective: asyncio.Task | None = None
+    voting: bool = False
     tentative: dict[int, Tentative] = field(default_factory=dict)
 
     @property
@@ -560,11 +562,21 @@ class RoundClient:
         if self.me not in ev.plan.participants:
             return
         ballot, failed_at = await self.run_collective(rs, ev)
-        await self.vote(ballot, failed_at)
+        rs.voting = True
+        try:
+            await self.vote(ballot, failed_at)
+        finally:
+            rs.voting = False
 
     async def _stop_collective(self, rs: RoundState) -> None:
+        """Cancel the running attempt. One whose ballot is in flight is awaited instead: the
+        coordinator may already hold that ballot (an abort it caused can arrive before the Vote
+        call returns), and the vote RPC is bounded by VOTE_SECONDS."""
         task = rs.collective
         if task is not None and not task.done():
+            if rs.voting:
+                await task
+                return
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

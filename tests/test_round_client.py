@@ -135,6 +135,36 @@ async def test_a_failing_aggregator_votes_failed_with_the_reason_and_nobody_else
     assert len(control.readies) == 2
 
 
+async def test_an_abort_caused_by_this_ballot_does_not_cancel_its_delivery():
+    # The coordinator aborts on this peer's failed ballot and its Aborted event can arrive before
+    # the Vote call returns (seen in CI: the vote record was lost). The ballot in flight is never
+    # cancelled: its delivery is recorded, then the abort is handled.
+    client, control, wl, events, rec = make_client(RefusingContribution())
+    sent, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_vote(req):
+        control.votes.append(req)
+        sent.set()
+        await release.wait()
+        return True
+
+    control.vote = slow_vote
+    events.put_nowait(wire_plan())
+    task = asyncio.create_task(client.play(update(), 0.0))
+    await asyncio.wait_for(sent.wait(), 10)
+    events.put_nowait(Aborted(0, 0, f"{ME[:8]} failed", (ME,), True))
+    await asyncio.sleep(0.05)
+    assert [kind for kind, _ in rec.seen] == []  # the abort waits for the ballot in flight
+    release.set()
+    await until(lambda: any(kind == "abort" for kind, _ in rec.seen))
+    assert [kind for kind, _ in rec.seen] == ["vote", "abort"]
+    [vote] = [r for kind, r in rec.seen if kind == "vote"]
+    assert not vote.ok and vote.delivered
+    events.put_nowait(RunFinished(0))
+    out = await asyncio.wait_for(task, 10)
+    assert out.kind is Outcome.FINISHED
+
+
 async def test_a_collective_error_votes_its_suspects():
     class Blaming(SumContribution):
         def prepare(self, update, plan, me):
