@@ -26,7 +26,6 @@ import math
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -134,19 +133,17 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ddp_baseline(settings: LMSettings, *, world: int, steps: int, eval_every: int, workdir: pathlib.Path,
                      timeout: float) -> dict:
     """Run the synchronous baseline (module docstring) to completion; returns baseline_val_loss,
     baseline_val_bits_per_byte, baseline_bytes_sent_total, baseline_wall_seconds, baseline_steps,
     baseline_curve. Raises RuntimeError when a rank fails or `timeout` seconds pass."""
     out = workdir / "baseline-ddp.jsonl"
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    # A file store, not a TCP port picked in advance: a port freed and re-bound can be taken in
+    # between by another process (seen in CI, under parallel load).
+    store = workdir / "baseline-ddp.store"
+    store.unlink(missing_ok=True)
+    init = f"file://{store}"
     procs: list[subprocess.Popen] = []
     t0 = time.monotonic()
     t0_wall = time.time()

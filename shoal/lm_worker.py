@@ -84,7 +84,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     d = sub.add_parser("ddp")
     _model_args(d)
     d.add_argument("--world", type=int, required=True)
-    d.add_argument("--init", required=True, help="tcp://127.0.0.1:PORT")
+    d.add_argument("--init", required=True, help="torch.distributed init method: file:///PATH or tcp://HOST:PORT")
     d.add_argument("--steps", type=int, required=True)
     d.add_argument("--eval-every", type=int, required=True)
     d.add_argument("--out", default=None)

@@ -115,7 +115,7 @@ def test_short_lm_swarm_with_ddp_baseline(tmp_path):
     s = run_swarm(SwarmOptions(peers=2, rounds=4, inner_steps=10, workload="lm", lm=TINY, baseline="ddp",
                                workdir=str(tmp_path / "wd"), progress=False, min_peers=2, timeout=400,
                                summary_path=str(summary_path)))
-    assert s["ok"], s
+    assert s["ok"], (s.get("error"), s.get("baseline_error"), s)
     assert json.loads(summary_path.read_text())["val_loss"] == s["val_loss"]
     assert s["digest_mismatches"] == 0 and s["peers_up_to_date"] == 2
     curve = s["val_curve"]
