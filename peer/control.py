@@ -194,7 +194,10 @@ class CoordinatorClient:
                                    deadline=VOTE_SECONDS)
             return True
         except grpc.aio.AioRpcError as exc:
-            level = logging.WARNING if is_transient(exc) else logging.ERROR
+            # A refused identity (fenced, revoked) ends this process with one line naming why
+            # (the watch stream and the heartbeat see the same status): not a second error here.
+            refused = exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
+            level = logging.WARNING if is_transient(exc) else logging.INFO if refused else logging.ERROR
             log.log(level, "vote for round %d.%d not delivered: %s %s", req.round, req.attempt, exc.code().name,
                     exc.details())
             return False
