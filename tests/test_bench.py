@@ -75,6 +75,10 @@ def test_shaped_run_reports_the_bound():
     # The floor for these links: the slower upload must carry the whole 0.5 MB.
     assert rep["bound_seconds"] == pytest.approx(500_000 / (20e6 / 8))
     assert rep["network"] == "shaped" and rep["up_mbit"] == [40, 20]
-    assert 0 < rep["efficiency"] <= 1.05  # nothing beats the bound (a little timing slack)
+    # Nothing beats the bound but tbf's bucket, full at the start, which lets its burst through at
+    # line rate (CI measured 1.06 with the old 1.05 slack).
+    from shoal.netbed import tbf_params
+    burst = tbf_params(20)["burst"]
+    assert 0 < rep["efficiency"] <= 500_000 / (500_000 - burst) * 1.02
     if HAVE_TORCH:
         check(rep["baseline"], 2, 500_000)

@@ -79,7 +79,8 @@ def _check_stall(tmp_path, point: str, seed: int) -> None:
     assert _commits(wd) == 12 and s["digest_mismatches"] == 0
 
 
-@pytest.mark.parametrize("point", ["rs", "ag"])
+# The all-gather case runs with the soaks (every seed, below); the default run keeps the reduce-scatter one.
+@pytest.mark.parametrize("point", ["rs", pytest.param("ag", marks=pytest.mark.soak)])
 def test_the_stalled_peer_is_the_one_excluded(tmp_path, point):
     _check_stall(tmp_path, point, seed=0)
 
@@ -148,16 +149,17 @@ def test_an_unreachable_peer_is_told_and_never_placed(tmp_path):
 
 
 def test_a_coordinator_stall_longer_than_the_lease_evicts_nobody(tmp_path):
-    """SIGSTOP the coordinator at 20 s, SIGCONT at 40 s (lease 10 s): nobody is dropped, every
-    peer takes part in a commit within 10 s of the resume, no digest disagrees."""
-    scenario = ('[[event]]\nat = 20.0\naction = "coordinator-stop"\n\n'
-                '[[event]]\nat = 40.0\naction = "coordinator-cont"\n')
-    s, wd, _ = _swarm(tmp_path, scenario, "--peers", "3", "--rounds", "400", "--lease-seconds", "10",
+    """SIGSTOP the coordinator at 10 s, SIGCONT at 20 s (lease 5 s: the stall is two leases;
+    the must-show's 20 s / 40 s / 10 s is examples/scenarios/coordinator-stall.toml): nobody is
+    dropped, every peer takes part in a commit within 10 s of the resume, no digest disagrees."""
+    scenario = ('[[event]]\nat = 10.0\naction = "coordinator-stop"\n\n'
+                '[[event]]\nat = 20.0\naction = "coordinator-cont"\n')
+    s, wd, _ = _swarm(tmp_path, scenario, "--peers", "3", "--rounds", "150", "--lease-seconds", "5",
                       "--inner-steps", "5", timeout=900)
     log = (wd / "coordinator.log").read_text()
     assert "did not run for" in log
     assert "dropped (lease expired or left)" not in log.split("run finished")[0], log[-3000:]
-    assert s["digest_mismatches"] == 0 and s["rounds_committed"] == 400
+    assert s["digest_mismatches"] == 0 and s["rounds_committed"] == 150
     stop, cont = s["events"]
     assert cont["action"] == "coordinator-cont" and cont["done_after_start_seconds"] is not None
     t0 = (wd / "coordinator.addr").stat().st_mtime  # the driver's clock starts as the coordinator serves

@@ -94,6 +94,7 @@ def test_coordinators_of_a_prefix_must_share_the_ticket_key():
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (apt-get install etcd-server)")
+@pytest.mark.soak  # half a minute; failover itself is test_one_leader_a_standby_takes_over... (default run)
 @pytest.mark.timeout(900)
 def test_swarm_with_two_coordinators_survives_the_leader_killed(tmp_path):
 

@@ -20,7 +20,7 @@ from shoal.common.attempts import ATTEMPT_STRIDE, shown_attempt
 from shoal.common.throttle import Throttle, more
 from shoal.status import fetch_status, render_table
 
-RUN_SECONDS = 60.0
+RUN_SECONDS = 20.0  # 60 s once; the bounds below scale with it
 
 
 def test_throttle_writes_one_line_per_window_and_counts_the_rest():
@@ -55,7 +55,7 @@ def test_a_3_peer_minute_logs_little_and_each_peer_says_its_rounds(procs):
                                        "--connect-timeout", "60"])
              for i in range(3)]
     end = time.monotonic() + RUN_SECONDS
-    while time.monotonic() < end:  # the workload: a minute of rounds (nothing is asserted on speed)
+    while time.monotonic() < end:  # the workload: RUN_SECONDS of rounds (nothing is asserted on speed)
         for p in [coord, *peers]:
             assert p.poll() is None, procs.log(p.name)[-3000:]
         time.sleep(1.0)
@@ -66,8 +66,9 @@ def test_a_3_peer_minute_logs_little_and_each_peer_says_its_rounds(procs):
     procs.kill(coord, signal.SIGTERM)
     procs.wait_exit(coord, 60)
     coordinator_info = [line for line in procs.log("coordinator").splitlines() if " INFO " in line]
-    assert committed >= 10, (committed, coordinator_info[-20:])  # the minute really ran rounds
-    assert len(coordinator_info) <= 200, (len(coordinator_info), coordinator_info[:50])
+    assert committed >= 10, (committed, coordinator_info[-20:])  # the run really ran rounds
+    # 200 INFO lines a minute at most (start-up lines included).
+    assert len(coordinator_info) <= 200 * RUN_SECONDS / 60, (len(coordinator_info), coordinator_info[:50])
     assert not any("links of" in line for line in coordinator_info)
     for i in range(3):
         lines = [line for line in procs.log(f"peer-{i}").splitlines() if re.search(r" INFO .*round \d+ committed", line)]
@@ -75,6 +76,6 @@ def test_a_3_peer_minute_logs_little_and_each_peer_says_its_rounds(procs):
         # One line per committed round, rounds held back counted in the next line.
         said = sum(1 + int(m.group(1)) if (m := re.search(r"\(\+(\d+) more", line)) else 1 for line in lines)
         assert said <= committed, (said, committed)
-        # At most one a second: the peer lived the minute plus its start and the teardown.
+        # At most one a second: the peer lived RUN_SECONDS plus its start and the teardown.
         assert len(lines) <= RUN_SECONDS + 30, len(lines)
         assert said >= committed // 2, (said, committed, lines[-3:])  # it took part in most rounds

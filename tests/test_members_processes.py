@@ -60,7 +60,7 @@ def id_of(path: pathlib.Path) -> str:
 def test_a_member_whose_token_expired_rejoins_after_a_crash_and_a_new_key_is_refused(procs):
     wd = procs.workdir
     secret = create_secret(wd / "join.secret")
-    ttl = 60.0  # long enough for both to join on a loaded machine; then the test waits it out
+    ttl = 25.0  # long enough for both to join (peers join in 2-5 s; 60 s made this test the longest); then it waits it out
     token = create_token(secret, ttl, "volunteers")
     made = time.time()
     _, addr = procs.coordinator("--rounds", "0", "--min-peers", "2", "--initial-peers", "2", "--inner-steps", "10",
@@ -250,7 +250,7 @@ def test_memberships_on_etcd_outlive_the_coordinator_and_a_revocation_holds_for_
     wd = procs.workdir
     url = etcd_server.url()
     secret = create_secret(wd / "join.secret")
-    ttl = 45.0
+    ttl = 20.0  # long enough for both to join; then the test waits it out
     token = create_token(secret, ttl, "etcd")
     made = time.time()
 

@@ -53,6 +53,7 @@ def test_sigterm_stops_every_process(tmp_path):
     assert ps.stdout.strip() == "", "processes left behind"
 
 
+@pytest.mark.soak  # two minutes (1,200 rounds); the unit case is test_round_client's long-local-update test
 @pytest.mark.timeout(900)
 def test_scenario_a_peer_back_from_local_work_syncs_once_and_commits_again(tmp_path):
     """`shoal swarm --scenario`: peer 2 spends 8 s in one local update while the others commit

@@ -64,6 +64,7 @@ def _bound(rate_mbit: float, bytes_: float) -> float:
     return bytes_ * 8 / (rate_mbit * 1e6)
 
 
+@pytest.mark.soak  # half a minute; the default run keeps the shape-event case (same bed, same tables)
 @pytest.mark.timeout(900)
 def test_shaped_run_follows_its_links_and_reports_the_tables(tmp_path):
     """3 peers at 4 Mbit/s up and down: every committed round takes at least the time its bytes
