@@ -135,7 +135,14 @@ def wait_until(what: str, check, timeout: float, swarm: Compose, services=SERVIC
         except Exception as exc:  # noqa: BLE001 - a service not up yet; reported at the deadline
             last = exc
         if time.monotonic() > end:
-            logs = "\n".join(f"--- {s}\n{swarm.logs(s)}" for s in services)
+            # The coordinator last, and a status snapshot at the very end: a CI report keeps the
+            # head and the tail of a long failure, and the tail is what explains a stall.
+            order = [s for s in services if s != "coordinator"] + [s for s in services if s == "coordinator"]
+            logs = "\n".join(f"--- {s}\n{swarm.logs(s)}" for s in order)
+            with contextlib.suppress(Exception):
+                st = status(swarm.ports["coordinator"])  # type: ignore[attr-defined]
+                logs += "\n--- status\n" + json.dumps({k: st.get(k) for k in ("round", "rounds_committed",
+                                                                          "rounds_aborted", "members")})[-3000:]
             raise AssertionError(f"{what}: not within {timeout:.0f}s (last: {last!r})\n{logs}")
         time.sleep(every)
 
