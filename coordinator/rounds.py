@@ -622,7 +622,10 @@ class RoundEngine:
             # Its join answer orders a sync: rounds wait for that download (up to sync_hold; it
             # says ready once done), so the state it fetches is still the head when it is done,
             # however slow its link.
-            m.state, m.sync_until = MemberState.CATCHING_UP, now + self.config.sync_hold
+            # A rejoin while it was still catching up (a crash loop, a restart policy) keeps the
+            # first deadline: one sync_hold per catch-up, not one per join, or rounds never resume.
+            again = old is not None and old.state is MemberState.CATCHING_UP and old.sync_until > now
+            m.state, m.sync_until = MemberState.CATCHING_UP, old.sync_until if again else now + self.config.sync_hold
         self.members[peer_id] = m
         if reachable is False:
             self.unreachable.add(peer_id)

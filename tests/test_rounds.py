@@ -237,6 +237,27 @@ def test_restarted_peer_with_same_identity_rejoins_through_sync():
     assert plan.plan.participants == ("a", "b", "c")
 
 
+def test_a_joiner_that_keeps_restarting_holds_the_rounds_once():
+    # A restart policy that restarts a crashing peer: each new process joins again. The rounds wait
+    # for its download at most one sync_hold from its first join, not one per join.
+    e = engine(lease_seconds=1000.0, sync_hold=60.0)
+    joined(e, "a", "b")
+    for p in "ab":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    for t in (1.0, 30.0, 55.0):
+        e.join("c", KEY, "127.0.0.1:9999", 1, t)
+        e.connected("c", t)
+        assert e.members["c"].sync_until == 61.0
+    e.ready_("a", 1, info(rounds=1, digest=b"s1"), 56.0)
+    assert of(e.ready_("b", 1, info(rounds=1, digest=b"s1"), 56.0), SendPlan) == []  # still waiting for c
+    (plan,) = of(e.tick(61.0), SendPlan)
+    assert plan.plan.participants == ("a", "b")
+    # Once it has synced (or its hold ran out and it joins anew later), a new catch-up gets a new hold.
+    e.join("c", KEY, "127.0.0.1:9999", 1, 200.0)
+    assert e.members["c"].sync_until == 260.0
+
+
 def test_simultaneous_joiners_start_at_different_donors():
     e = engine()
     joined(e, "a", "b", "c")
