@@ -787,6 +787,12 @@ class RoundEngine:
         if m.stale_state_round is None or held_round > m.stale_state_round:
             # Progress (first word since it fell behind, or a newer state than last time): wait
             # for it while it syncs (up to `hold`), so a fast swarm does not outrun it for ever.
+            if m.stale_state_round is not None:
+                # It downloaded a state since its last order and the head moved on meanwhile: it
+                # is catching up, not busy elsewhere, and its Ready ends the wait. A hold sized
+                # from its rate ended just before its download did (a slow joiner chased the head
+                # for minutes, one full download per round): wait all of sync_hold.
+                hold = max(hold, self.config.sync_hold)
             m.state = m.state.after_ready(in_sync=False)
             m.sync_until = max(m.sync_until, now + hold)
         m.stale_state_round = held_round

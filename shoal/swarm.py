@@ -265,12 +265,20 @@ class Swarm:
                      "--ready-file", str(self.workdir / "coordinator.addr")]
         return [sys.executable, "-m", "shoal.cli", "coordinator", *where,
                 "--rounds", str(o.rounds), "--min-peers", str(o.min_peers),
-                "--initial-peers", str(o.peers), "--num-data-shards", str(o.peers),
+                "--initial-peers", str(self.initial_peers()), "--num-data-shards", str(o.peers),
                 "--ready-timeout", str(o.ready_timeout), "--algorithm", o.algorithm, "--seed", str(o.seed),
                 "--inner-steps", str(o.inner_steps), "--lr", str(o.lr),
                 *(["--non-iid"] if o.non_iid else []), *self._run_extra_args(), *self._common_args("coordinator"),
                 *(lm_job.COORDINATOR_ARGS if o.workload == "lm" else ()),
                 *self.security_args("coordinator"), *o.extra_coordinator_args]
+
+    def initial_peers(self) -> int:
+        """Peers that start with the coordinator (round 0 waits for them): a scenario's late
+        joiners (`start` > 0) join a running swarm, as joiners do."""
+        sc = self.opts.scenario
+        if sc is None:
+            return self.opts.peers
+        return max(1, sum(sc.peer_spec(i).start <= 0 for i in range(self.opts.peers)))
 
     def _run_extra_args(self) -> list[str]:
         args: list[str] = []

@@ -323,6 +323,37 @@ def test_peer_behind_at_the_end_can_still_fetch_the_final_state():
     assert of(e.ready_("a", 1, info(rounds=1, digest=b"s1"), t + 0.3), SendFinished)
 
 
+def test_a_peer_still_behind_after_a_download_is_waited_for_all_of_sync_hold():
+    # c fell behind; its first order is held for as long as its rate says (1.5x + the ready
+    # timeout). It downloads, but the head moved on meanwhile: from its next Ready it is catching
+    # up (not busy elsewhere), so the rounds wait up to sync_hold and its Ready ends the wait.
+    e = engine(lease_seconds=1000.0, sync_hold=60.0)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    for p in "ab":
+        e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.2)
+    of(e.tick(5.3), SendPlan)  # c, busy, missed the ready deadline
+    commit_all(e, 5.4, b"s2")
+    slow = dict(state_bytes=10_000_000, sync_bytes_per_s=1_000_000.0)
+    behind = ReadyInfo(10, 1, 1, b"s1", 1, 6.0, **slow)
+    (sync,) = of(e.ready_("c", 2, behind, 6.0), SendSync)
+    assert e.members["c"].sync_until == 6.0 + 1.5 * 10 + 5.0  # from its rate
+    for p in "ab":
+        e.ready_(p, 2, info(rounds=2, digest=b"s2"), 6.1)
+    assert of(e.tick(26.0), SendPlan)  # the hold ran out just before its download ended
+    commit_all(e, 26.1, b"s3")
+    again = ReadyInfo(10, 1, 1, b"s2", 2, 27.0, **slow)  # it holds round 2's state: the head moved on
+    (sync,) = of(e.ready_("c", 3, again, 27.0), SendSync)
+    assert e.members["c"].sync_until == 27.0 + 60.0
+    for p in "ab":
+        e.ready_(p, 3, info(rounds=3, digest=b"s3"), 27.1)
+    assert of(e.tick(45.0), SendPlan) == []  # waiting for c's download
+    (plan,) = of(e.ready_("c", 3, info(rounds=3, digest=b"s3"), 48.0), SendPlan)
+    assert plan.plan.participants == ("a", "b", "c")
+
+
 def test_holds_ready_covers_the_ready_set_and_the_running_attempt_only():
     e = engine()
     joined(e, "a", "b", "c")

@@ -9,6 +9,7 @@ import pytest
 
 from shoal import scenario
 from shoal.scenario import AttemptEnd, CommitPoint, Event, Observed, PeerSpec, Scenario, ScenarioError
+from shoal.swarm import Swarm, SwarmOptions
 
 
 def test_parse_sorts_events_and_fills_plain_peers():
@@ -179,3 +180,13 @@ def test_shaping_without_namespaces_is_refused_in_one_line(monkeypatch):
     why = swarm.netns_refusal(shaped)
     assert why.startswith("peer[0].up_mbit needs the network-namespace runner") and "root" in why and "\n" not in why
     assert swarm.netns_refusal(scenario.parse({"peer": [{"fault": "rs:stop@4"}]}, 3)) == ""  # loopback as before
+
+
+def test_round_0_waits_only_for_the_peers_that_start_with_the_coordinator(tmp_path):
+    # A late joiner (start > 0) joins a running swarm: round 0 does not wait for it (it did, so
+    # the slow joiner of examples/scenarios/slow-joiner-4mbit.toml played round 0 and never joined).
+    sc = scenario.parse({"peer": [{}, {}, {}, {"start": 8.0}]}, 4)
+    argv = Swarm(SwarmOptions(peers=4, scenario=sc, progress=False), tmp_path).coordinator_argv()
+    assert argv[argv.index("--initial-peers") + 1] == "3"
+    argv = Swarm(SwarmOptions(peers=4, progress=False), tmp_path / "plain").coordinator_argv()
+    assert argv[argv.index("--initial-peers") + 1] == "4"
