@@ -251,6 +251,7 @@ class ReadyInfo:
     at: float
     state_bytes: int = 0  # size of the serialized state (0 = not said)
     sync_bytes_per_s: float = 0.0  # the peer's last state download rate (0 = unknown)
+    training: bool = False  # a notice, not a Ready: it just synced and runs its local update now
 
 
 @dataclass(frozen=True)
@@ -536,6 +537,7 @@ class RoundEngine:
         self.cohort: Cohort | None = None  # drawn for the round being prepared (cohort_size > 0)
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
         self.running: _Running | None = None
+        self.local_seconds = 0.0  # last local phase: last commit -> first Ready after it (`_pool`)
         self.not_before = 0.0
         self._held = Waiting(WaitReason.BACKOFF, "backoff")  # why not_before is in the future
         self._last_wait: WaitReason | None = None  # for logging changes only
@@ -736,6 +738,8 @@ class RoundEngine:
         m.state_bytes = info.state_bytes or m.state_bytes
         m.sync_bytes_per_s = info.sync_bytes_per_s or m.sync_bytes_per_s
         in_sync = self._in_sync(info)
+        if info.training and in_sync:
+            return self._training(m, now)
         if not in_sync and self.config.cohort_size and not (self.cohort and peer_id in self.cohort.members):
             # A cohort's pool: it waits, with the state it has, until a draw picks it.
             self._check_size(info)
@@ -754,6 +758,19 @@ class RoundEngine:
         m.state = m.state.after_ready(in_sync=True)
         self._pool(peer_id, info, now)
         return self._maybe_open(now)
+
+    def _training(self, m: Member, now: float) -> list[Action]:
+        """A peer that just downloaded the committed state says so before its local update: the
+        next round waits for it about as long as the others' last local phase took (twice that,
+        plus the ready timeout, at most sync_hold). Without this notice its download's hold ended
+        with the download and the round opened while it trained (a slow joiner chased the head,
+        one full download per round)."""
+        m.stale_state_round = None
+        m.state = m.state.after_ready(in_sync=False)  # waited on, as while it downloaded
+        local = self.local_seconds if self.local_seconds > 0 else self.config.ready_timeout
+        m.sync_until = now + min(self.config.sync_hold, 2.0 * local + self.config.ready_timeout)
+        self._refresh(m.peer_id)
+        return []
 
     def _in_sync(self, info: ReadyInfo) -> bool:
         """Whether a Ready's state is the last committed one."""
@@ -774,6 +791,9 @@ class RoundEngine:
         self._refresh(peer_id)
         if self.first_ready_at is None:
             self.first_ready_at = now
+            if self.commits and not self.config.cohort_size:
+                # The local phase: from the last commit to the first Ready after it (seconds).
+                self.local_seconds = max(0.0, now - self.commits[-1].at)
 
     def _order_sync(self, m: Member, held_round: int, now: float) -> SendSync | None:
         """The sync order for member `m`, which holds the state of round `held_round` (not the

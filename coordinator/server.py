@@ -494,7 +494,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             require(request.num_elements > 0, "num_elements", "must be positive")
             require(request.dtype != pb.DTYPE_UNSPECIFIED, "dtype", "must be set")
             info = ReadyInfo(request.num_elements, request.dtype, request.num_samples, request.state_digest,
-                             request.state_round, self.clock(), request.state_bytes, request.sync_bytes_per_s)
+                             request.state_round, self.clock(), request.state_bytes, request.sync_bytes_per_s,
+                             request.training)
             try:
                 actions = self.engine.ready_(request.peer_id, request.round, info, self.clock())
             except RoundError as exc:

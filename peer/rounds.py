@@ -66,6 +66,7 @@ from shoal.v1 import shoal_pb2 as pb
 log = logging.getLogger("shoal.peer.rounds")
 
 SYNC_LOG_SECONDS = 10.0  # at most one "state sync failed" line per this many seconds (the rest at debug)
+NOTICE_SECONDS = 5.0  # the most a training notice after a state sync may take (it is best effort)
 # A download at least this far along is finished even when a newer order comes (the donors keep
 # it for this peer while its permit lasts): a second, later order then catches up from it.
 RESUME_OLDER_FRACTION = 0.5
@@ -728,7 +729,20 @@ class RoundClient:
             return None
         if not synced:
             return None
+        if self.workload.state.rounds == order.round:
+            await self.say_training(rs)
         return RoundOutcome(Outcome.SYNCED, rs.round, self.workload.state.rounds, time.monotonic() - rs.started)
+
+    async def say_training(self, rs: RoundState) -> None:
+        """Tell the coordinator that this peer holds the committed state it just downloaded and
+        now runs its local update (ReadyRequest.training): the next round waits for it. Best
+        effort and bounded (NOTICE_SECONDS): without it, the round only waits a ready timeout."""
+        req = self._ready_request(rs, self.workload.state.rounds)
+        req.training = True
+        try:
+            await asyncio.wait_for(self.control.ready(req), NOTICE_SECONDS)
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+            log.debug("training notice not delivered: %s", exc)
 
     def already_holds(self, order: pb.SyncOrder) -> bool:
         """True when `order` names the state this peer holds or an older one (nothing to do)."""

@@ -242,6 +242,9 @@ async def test_committed_without_this_peer_asks_for_sync_and_downloads(monkeypat
     out = await asyncio.wait_for(task, 10)
     assert out.kind is Outcome.SYNCED and out.rounds == 1 and wl.state.digest() == theirs.digest()
     assert len(calls) == 1 and client.traffic.state_syncs == 1 and client.traffic.bytes_received == len(theirs.to_bytes())
+    # Then it says it holds the head and trains (the next round waits for its local update).
+    notice = control.readies[-1]
+    assert notice.training and notice.state_round == 1 and notice.state_digest == theirs.digest()
 
 
 async def test_a_lost_commit_is_recovered_from_the_tentative_copy(monkeypatch):

@@ -354,6 +354,41 @@ def test_a_peer_still_behind_after_a_download_is_waited_for_all_of_sync_hold():
     assert plan.plan.participants == ("a", "b", "c")
 
 
+def test_a_peer_that_just_synced_is_waited_for_during_its_local_update():
+    # c downloads the committed state while a and b train; it says so at once (the training
+    # notice) and trains: the round waits about one local phase for it (2x the last one + the
+    # ready timeout), not just the ready timeout, so it is not outrun the moment it caught up.
+    e = engine(lease_seconds=1000.0, ready_timeout=1.0)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    for p in "ab":
+        e.ready_(p, 1, info(rounds=1, digest=b"s1"), 3.1)  # a local phase of 3 s
+    assert e.local_seconds == pytest.approx(3.0)
+    of(e.tick(4.2), SendPlan)  # c was busy: left out
+    commit_all(e, 4.3, b"s2")
+    (sync,) = of(e.ready_("c", 2, info(rounds=1, digest=b"s1"), 4.4), SendSync)
+    notice = ReadyInfo(10, 1, 1, b"s2", 2, 7.0, training=True)
+    assert e.ready_("c", 2, notice, 7.0) == []  # synced: it trains now
+    assert e.members["c"].sync_until == pytest.approx(7.0 + 2 * 3.0 + 1.0)
+    for p in "ab":
+        e.ready_(p, 2, info(rounds=2, digest=b"s2"), 7.4)
+    assert of(e.tick(12.0), SendPlan) == []  # waiting for c's local update
+    (plan,) = of(e.ready_("c", 2, info(rounds=2, digest=b"s2"), 12.1), SendPlan)
+    assert plan.plan.participants == ("a", "b", "c")
+
+
+def test_a_training_notice_of_an_old_state_is_a_stale_ready():
+    e = engine(lease_seconds=1000.0)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    (sync,) = of(e.ready_("c", 1, ReadyInfo(10, 1, 1, b"", 0, 0.2, training=True), 0.2), SendSync)
+    assert sync.state_digest == b"s1"
+
+
 def test_holds_ready_covers_the_ready_set_and_the_running_attempt_only():
     e = engine()
     joined(e, "a", "b", "c")

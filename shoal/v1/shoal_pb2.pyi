@@ -132,7 +132,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReadyRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s")
+    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s", "training")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class ReadyRequest(_message.Message):
     STATE_ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SYNC_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     num_elements: int
@@ -151,7 +152,8 @@ class ReadyRequest(_message.Message):
     state_round: int
     state_bytes: int
     sync_bytes_per_s: float
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ...) -> None: ...
+    training: bool
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ..., training: _Optional[bool] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
     __slots__ = ("round", "sync", "pooled")
