@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -496,6 +497,16 @@ class Swarm:
         return dict(sorted(sizes.items(), key=lambda kv: int(kv[0])))
 
 
+def abort_kind(reason: str) -> str:
+    """The kind of an abort reason, for the summary's `abort_reasons` counts: the voter's error
+    (after "<id> failed: ") with peer ids and numbers replaced, cut to its first six words, e.g.
+    "no chunk from <peer> within Ns" (it was the first word only: every timeout counted as "no")."""
+    text = reason.split("failed: ", 1)[1] if "failed: " in reason else reason
+    text = re.sub(r"\b[0-9a-f]{8,32}\b", "<peer>", text)
+    text = re.sub(r"\d+(\.\d+)?", "N", text)
+    return " ".join(text.split()[:6]).rstrip(":;,")
+
+
 def _last_commit_digest(swarm: "Swarm") -> str:
     with swarm.state_reader() as store:
         last = store.last_commit()
@@ -531,7 +542,7 @@ def summarize(swarm: Swarm, wall: float, baseline: float, chaos: "ChaosLog | Non
     retried = {k for k, e in aborts.items() if e.get("will_retry")}
     reasons: dict[str, int] = {}
     for e in aborts.values():
-        kind = e["reason"].split(":")[0] if "failed:" not in e["reason"] else e["reason"].split("failed: ")[1].split(" ")[0]
+        kind = abort_kind(e["reason"])
         reasons[kind] = reasons.get(kind, 0) + 1
     summary = {
         "test_accuracy": acc,

@@ -9,7 +9,7 @@ import pytest
 
 from shoal import scenario
 from shoal.scenario import AttemptEnd, CommitPoint, Event, Observed, PeerSpec, Scenario, ScenarioError
-from shoal.swarm import Swarm, SwarmOptions
+from shoal.swarm import Swarm, SwarmOptions, abort_kind
 
 
 def test_parse_sorts_events_and_fills_plain_peers():
@@ -190,3 +190,11 @@ def test_round_0_waits_only_for_the_peers_that_start_with_the_coordinator(tmp_pa
     assert argv[argv.index("--initial-peers") + 1] == "3"
     argv = Swarm(SwarmOptions(peers=4, progress=False), tmp_path / "plain").coordinator_argv()
     assert argv[argv.index("--initial-peers") + 1] == "4"
+
+
+def test_abort_reasons_are_counted_by_kind_not_by_first_word():
+    assert abort_kind("1fe2caf6 failed: no chunk from 0cd28a17 within 15.3s (phase 2, step 0)") == \
+        "no chunk from <peer> within Ns"
+    assert abort_kind("lease expired") == "lease expired"
+    assert abort_kind("9d402815 failed: InjectedFault: fault injection: reduce raised in round 2") == \
+        "InjectedFault: fault injection: reduce raised in"
