@@ -56,7 +56,7 @@ COORDINATOR = "coordinator"  # the pseudo peer id of probes of the coordinator (
 COORDINATOR_PROBE_BYTES = 256 << 10  # bounded by the coordinator (its PROBE_MAX_BYTES)
 LOWER_FACTOR = 1.5  # a saturated sample this much below the estimate replaces it
 SLOW_FACTOR = 1.5  # a collective this much slower than predicted makes its links due for a probe
-REPROBE_SECONDS = 30.0  # ... at most this often per link
+REPROBE_SECONDS = 10.0  # ... at most this often per link (30 s skipped the first slow rounds after a change: the links were probed at start)
 SLOW_MIN_SECONDS = 0.5  # ... and at least this much slower (a loopback round of milliseconds is noise)
 # Streams shorter than this (or carrying fewer bytes) say more about scheduling than about links.
 _MIN_SAMPLE_SECONDS = 0.005
