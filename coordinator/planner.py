@@ -102,6 +102,7 @@ __all__ = [
     "ring_link_seconds",
     "shard_bounds_from_fractions",
     "simple_floor",
+    "without_outbound_owners",
     "without_untrusted_owners",
 ]
 
@@ -768,6 +769,34 @@ def without_untrusted_owners(plan: Plan, untrusted: Collection[str]) -> Plan | N
     return dataclasses.replace(plan, shard_owner=moved, demoted=demoted)
 
 
+def without_outbound_owners(plan: Plan, outbound_only: Collection[str],
+                            untrusted: Collection[str] = frozenset()) -> Plan | None:
+    """`plan` (a butterfly) with no tensor shard owned by an outbound-only participant (nobody can
+    dial it, so nobody could send it a contribution; docs/nat.md), nor by an `untrusted` one.
+
+    The element shares the layout gave the other owners are kept and renormalised over the whole
+    tensor (an outbound-only peer's share is spread over them in proportion: they are the ones
+    the layout found fastest); when none of them had a share, the eligible participants split it
+    equally. `outbound_only` (ids) becomes the plan's positions, `demoted` every non-owner. None
+    when no participant is both reachable and trusted.
+    """
+    out = {i for i, p in enumerate(plan.participants) if p in outbound_only}
+    eligible = [i for i, p in enumerate(plan.participants) if i not in out and p not in untrusted]
+    if not eligible:
+        return None
+    share = [0] * plan.size
+    for k, o in enumerate(plan.shard_owner):
+        share[o] += plan.shard_bounds[k + 1] - plan.shard_bounds[k]
+    owners = [i for i in eligible if share[i] > 0] or eligible
+    weights = [float(share[i]) for i in owners]
+    if sum(weights) <= 0:
+        weights = [1.0] * len(owners)
+    bounds = shard_bounds_from_fractions(weights, plan.shard_bounds[-1])
+    demoted = tuple(p for i, p in enumerate(plan.participants) if i not in owners)
+    return dataclasses.replace(plan, shard_bounds=bounds, shard_owner=tuple(owners), demoted=demoted,
+                               outbound_only=tuple(sorted(out)))
+
+
 def deadline_links(links: Sequence[LinkSpec], policy: PlanPolicy) -> list[LinkSpec]:
     """The links deadlines are computed on: as reported, with `policy.assumed_link` for a rate a
     participant has not reported (0, negative or NaN). Conservative by construction: an
@@ -823,14 +852,18 @@ def _one_host(links: Sequence[LinkSpec]) -> bool:
 
 
 def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy: PlanPolicy, *,
-               untrusted: Collection[str] = frozenset(), deadline_scale: float = 1.0) -> Plan | NoPlan:
+               untrusted: Collection[str] = frozenset(), deadline_scale: float = 1.0,
+               outbound_only: Collection[str] = frozenset()) -> Plan | NoPlan:
     """The plan of one round's collective over these participants (in the engine's order). Pure.
 
     `links` as reported by the peers; `num_elements` and `dtype` (a `shoal.v1.DType` code) of the
     tensor. The layout is `plan_layout`'s. On a butterfly, `untrusted` peers (failed owner audits)
     own no shard (`without_untrusted_owners`); when none of the participants is trusted, returns
     `NoPlan` instead (nobody can tell which of them lied: no round until a trusted peer is among
-    them). The plan is audited (`audit_owners`) when the policy asks for it and at least two peers
+    them). `outbound_only` peers (nobody can dial them: behind NAT, or `--outbound-only`) force the
+    butterfly (the only collective whose results can come back on streams they open) and own no
+    shard (`without_outbound_owners`); with no reachable, trusted participant, `NoPlan` (relays
+    are not built yet). The plan is audited (`audit_owners`) when the policy asks for it and at least two peers
     own shards (one owner has nobody to audit it). Chunks: `policy.shm_chunk_bytes` when every
     participant reaches every other through shared memory, else the layout's. Deadlines: the
     expected time is the larger of the plan's prediction and `conservative_seconds` (unreported
@@ -840,8 +873,17 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
     prediction, chunking, deadlines, aggregator, compression and tensor; round, attempt, epoch and
     the participants' addresses, sample counts and keys are the engine's to stamp.
     """
+    outbound = set(outbound_only) & {l.peer_id for l in links}
+    if outbound and len(links) > 1:
+        policy = dataclasses.replace(policy, collective="butterfly")
     plan = plan_layout(links, num_elements, ITEMSIZE.get(dtype, 4), policy)
-    if plan.collective == "butterfly" and set(untrusted) & set(plan.participants):
+    if outbound and len(links) > 1:
+        kept = without_outbound_owners(plan, outbound, untrusted)
+        if kept is None:
+            return NoPlan("no reachable, trusted shard owner among the ready peers (the others are outbound-only; "
+                          "relays are not built yet)")
+        plan = kept
+    elif plan.collective == "butterfly" and set(untrusted) & set(plan.participants):
         stripped = without_untrusted_owners(plan, untrusted)
         if stripped is None:
             return NoPlan("no trusted shard owner among the ready peers")

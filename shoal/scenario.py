@@ -13,6 +13,7 @@ A scenario is a TOML file (examples in examples/scenarios/, schema in docs/fault
                           # closed port) or "drop" (its real address behind a firewall that drops)
     nat = false           # behind a NAT router of its own: it dials out, nobody can dial it
                           # (an outbound-only peer, docs/nat.md)
+    outbound_only = false # start it with --outbound-only (runs on loopback too)
 
     [[event]]
     at = 10.0             # seconds after the coordinator starts
@@ -69,6 +70,7 @@ class PeerSpec:
     down_mbit: float | None = None
     resume_after: float = RESUME_AFTER_SECONDS
     nat: bool = False  # behind a NAT router namespace of its own (shoal.netbed)
+    outbound_only: bool = False  # started with --outbound-only
 
     @property
     def shaped(self) -> bool:
@@ -185,16 +187,19 @@ def _advertise(t: Mapping[str, Any], where: str) -> str:
 
 
 def _peer(t: Any, where: str) -> PeerSpec:
-    t = _known(t, ("start", "fault", "advertise", "up_mbit", "down_mbit", "resume_after", "nat"), where)
+    t = _known(t, ("start", "fault", "advertise", "up_mbit", "down_mbit", "resume_after", "nat", "outbound_only"),
+               where)
+    for key in ("nat", "outbound_only"):
+        if not isinstance(t.get(key, False), bool):
+            raise ScenarioError(f"{where}.{key}: must be true or false, got {t[key]!r}")
     nat = t.get("nat", False)
-    if not isinstance(nat, bool):
-        raise ScenarioError(f"{where}.nat: must be true or false, got {nat!r}")
     if nat and t.get("advertise"):
         raise ScenarioError(f"{where}.advertise: a peer behind NAT advertises its private address; remove one")
     return PeerSpec(start=_number(t, "start", where, 0.0), fault=_string(t, "fault", where),
                     advertise=_advertise(t, where), up_mbit=_rate(t, "up_mbit", where),
                     down_mbit=_rate(t, "down_mbit", where),
-                    resume_after=_number(t, "resume_after", where, RESUME_AFTER_SECONDS), nat=nat)
+                    resume_after=_number(t, "resume_after", where, RESUME_AFTER_SECONDS), nat=nat,
+                    outbound_only=t.get("outbound_only", False))
 
 
 def _event(t: Any, where: str, num_peers: int) -> Event:

@@ -389,6 +389,8 @@ class Swarm:
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", listen,
                 *(["--advertise", advertise] if advertise else []),
                 *(["--no-shared-memory"] if self.bed is not None else []),
+                *(["--outbound-only"] if self.opts.scenario is not None
+                  and self.opts.scenario.peer_spec(i).outbound_only else []),
                 "--key", str(self.workdir / f"peer-{i}.key"), "--data-shard", str(i),
                 "--events", str(self.workdir / f"peer-{i}.jsonl"), *self._common_args(f"peer-{i}"),
                 *self.security_args("peer"), *self.opts.extra_peer_args,

@@ -36,6 +36,7 @@ def test_parse_sorts_events_and_fills_plain_peers():
     ({"peer": [{"down_mbit": "fast"}]}, "peer[0].down_mbit"),
     ({"peer": [{"advertise": "nowhere"}]}, "peer[0].advertise"),
     ({"peer": [{"nat": "yes"}]}, "peer[0].nat"),
+    ({"peer": [{"outbound_only": 1}]}, "peer[0].outbound_only"),
     ({"peer": [{"nat": True, "advertise": "refuse"}]}, "peer[0].advertise"),
     ({"peer": [{}, {"nat": True}], "event": [{"at": 1, "action": "nat-rebind", "peer": 0}]}, "event[0].peer"),
     ({"peer": [{"resume_after": -1}]}, "peer[0].resume_after"),
@@ -101,6 +102,8 @@ def test_nat_is_parsed_and_needs_namespaces():
     assert s.events[0] == Event(12.0, "nat-rebind", 1)
     win = scenario.touch_windows(s, 3, Observed())
     assert win[1] == [(12.0, 12.0 + scenario.TOUCH_GRACE_SECONDS)] and win[0] == []
+    flagged = scenario.parse({"peer": [{"outbound_only": True}]}, 2)
+    assert flagged.peer_spec(0).outbound_only and flagged.needs_netns == ""
 
 
 def _ev(kind, t, rnd, att, **kw):

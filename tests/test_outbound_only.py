@@ -1,0 +1,150 @@
+"""Outbound-only participants (docs/nat.md): the planner never makes them shard owners and forces
+the butterfly; in the data plane (real gRPC in one process) they push to the owners on streams
+they open and get the reduced shards back on them, bit-identical, and nobody dials them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from shoal.common.plan import Plan
+from shoal.common.tensors import digest
+from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round, without_outbound_owners
+from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendPlan
+from shoal.peer.collectives import CollectiveError
+from shoal.peer.reduction import OwnerReduction, ReductionSpec
+from shoal.v1 import shoal_pb2 as pb
+from swarmlet import Swarmlet
+
+MB = 1e6
+
+
+def _links(rates):
+    return [LinkSpec(f"p{i}", up * MB, down * MB, 0.02) for i, (up, down) in enumerate(rates)]
+
+
+@pytest.mark.parametrize("collective", ["auto", "ring", "butterfly"])
+def test_outbound_only_peers_own_no_shard_and_force_the_butterfly(collective):
+    # p1 and p3 are the fastest links: without NAT the planner would give them the most.
+    links = _links([(10, 10), (100, 100), (10, 10), (100, 100), (10, 10)])
+    policy = PlanPolicy(collective=collective)
+    plan = plan_round(links, 1_000_000, pb.FLOAT32, policy, outbound_only={"p1", "p3"})
+    assert isinstance(plan, Plan)
+    assert plan.collective == "butterfly"
+    assert plan.outbound_only == (1, 3)
+    assert not {1, 3} & set(plan.shard_owner)
+    assert set(plan.shard_owner) <= {0, 2, 4}
+    assert plan.shard_bounds[0] == 0 and plan.shard_bounds[-1] == 1_000_000
+    assert list(plan.shard_bounds) == sorted(plan.shard_bounds)
+    assert {"p1", "p3"} <= set(plan.demoted)
+    back = Plan.from_proto(plan.to_proto())
+    assert back.outbound_only == (1, 3) and not back.dialable(1) and back.dialable(0)
+
+
+def test_without_outbound_peers_the_plan_is_unchanged():
+    links = _links([(10, 10)] * 4)
+    a = plan_round(links, 4000, pb.FLOAT32, PlanPolicy())
+    b = plan_round(links, 4000, pb.FLOAT32, PlanPolicy(), outbound_only={"nobody"})
+    assert a == b and a.outbound_only == ()
+
+
+def test_no_reachable_trusted_owner_is_no_plan():
+    links = _links([(10, 10)] * 3)
+    assert isinstance(plan_round(links, 4000, pb.FLOAT32, PlanPolicy(), outbound_only={"p0", "p1", "p2"}), NoPlan)
+    # The only reachable one is untrusted: nobody may own shards.
+    got = plan_round(links, 4000, pb.FLOAT32, PlanPolicy(), outbound_only={"p0", "p1"}, untrusted={"p2"})
+    assert isinstance(got, NoPlan)
+    ok = plan_round(links, 4000, pb.FLOAT32, PlanPolicy(), outbound_only={"p0"}, untrusted={"p2"})
+    assert isinstance(ok, Plan) and set(ok.shard_owner) == {1}
+
+
+def test_shares_of_outbound_owners_go_to_the_others_in_proportion():
+    plan = Plan(("a", "b", "c"), "butterfly", (0, 50, 80, 100), (0, 1, 2), num_elements=100)
+    out = without_outbound_owners(plan, {"a"})
+    assert out is not None and out.shard_owner == (1, 2) and out.shard_bounds == (0, 60, 100)
+    assert out.outbound_only == (0,) and out.demoted == ("a",)
+
+
+def test_the_engine_places_unreachable_and_outbound_only_members_as_outbound_only():
+    cfg = EngineConfig(min_peers=3, initial_peers=3, ready_timeout=5.0)
+    e = RoundEngine(cfg)
+    e.join("a", b"ka", "10.0.0.1:7000", 10, 0.0, reachable=True, connected=True)
+    e.join("b", b"kb", "10.0.0.2:7000", 10, 0.0, reachable=False, connected=True)
+    e.join("c", b"kc", "10.0.0.3:7000", 10, 0.0, outbound_only=True, connected=True)
+    actions = []
+    for p in "abc":
+        actions += e.ready_(p, 0, ReadyInfo(1000, pb.FLOAT32, 10, b"", 0, 1.0), 1.0)
+    plans = [a.plan for a in actions if isinstance(a, SendPlan)]
+    assert plans, "a round opens with the outbound-only members in it"
+    plan = plans[-1]
+    assert set(plan.participants) == {"a", "b", "c"}
+    assert plan.collective == "butterfly"
+    assert {plan.participants[i] for i in plan.outbound_only} == {"b", "c"}
+    assert {plan.participants[o] for o in plan.shard_owner} == {"a"}
+
+
+def _inputs(p: int, n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_outbound_only_peers_get_the_bit_identical_sum_on_their_own_streams(compression):
+    p, n = 5, 301
+    xs = _inputs(p, n)
+    async with Swarmlet(p, shared=[False] * p) as sw:
+        # Nobody can dial peers 1 and 3: their addresses lead nowhere.
+        sw.addresses[1] = sw.addresses[3] = "127.0.0.1:1"
+        out = await sw.run(xs, attempt=0, shard_owner=(0, 2, 4), outbound_only=(1, 3), compression=compression)
+    digests = {r.digest for r in out}
+    assert len(digests) == 1
+    assert all(digest(r.values) == r.digest for r in out)
+    if compression == "none":
+        np.testing.assert_allclose(out[1].values, np.sum(xs, axis=0), rtol=1e-5, atol=1e-5)
+
+
+async def test_outbound_only_with_a_robust_aggregator_and_audited_owners():
+    p, n = 5, 160
+    xs = _inputs(p, n, seed=3)
+    spec = ReductionSpec("trimmed-mean", {"beta": 0.2})
+    async with Swarmlet(p, shared=[False] * p) as sw:
+        sw.addresses[4] = "127.0.0.1:1"
+        out = await sw.run(xs, attempt=0, shard_owner=(0, 1, 2, 3), outbound_only=(4,), audit=True,
+                           reducers=[OwnerReduction(spec, np.ones(p), n) for _ in range(p)])
+    assert len({r.digest for r in out}) == 1
+
+
+async def test_a_tampering_owner_is_still_caught_with_outbound_only_peers():
+    p, n = 4, 120
+    xs = _inputs(p, n, seed=5)
+
+    def tamper(v):
+        v = v.copy()
+        v[0] += 1.0
+        return v
+
+    async with Swarmlet(p, shared=[False] * p) as sw:
+        sw.addresses[3] = "127.0.0.1:1"
+        out = await sw.run(xs, attempt=0, shard_owner=(0, 1, 2), outbound_only=(3,), audit=True,
+                           tampers={1: tamper}, return_exceptions=True)
+    failed = [r for r in out if isinstance(r, CollectiveError)]
+    assert failed and any(sw.ids[1] in e.suspects for e in failed)
+
+
+async def test_a_dialable_peer_cannot_open_an_exchange():
+    p, n = 3, 60
+    xs = _inputs(p, n)
+    async with Swarmlet(p, shared=[False] * p) as sw:
+        # The plan peer 2 runs says it is outbound-only, the owners' sessions say nobody is.
+        base = sw.session
+
+        def no_outbound(attempt, outbound_only=()):
+            return base(attempt, ())
+
+        sw.session = no_outbound
+        out = await sw.run(xs, attempt=0, shard_owner=(0, 1), outbound_only=(2,), chunk_timeout=2.0,
+                           return_exceptions=True)
+    assert isinstance(out[2], CollectiveError)
+    assert "PERMISSION_DENIED" in str(out[2])
