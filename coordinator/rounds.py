@@ -825,7 +825,8 @@ class RoundEngine:
                 return [PersistUntrusted(tuple(sorted(self.untrusted))),
                         *self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}",
                                      (accused, peer_id))]
-            if not any(s in run.plan.participants and s != peer_id for s in v.suspects):
+            if not any(s in run.plan.participants and s != peer_id for s in v.suspects) \
+                    or self._cut_off_outbound(run.plan, peer_id, v.suspects):
                 return self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}", (peer_id,))
             if run.blame_at is None:
                 window = max(self.config.blame_window, 2.0 * run.plan.chunk_timeout_seconds)
@@ -840,6 +841,19 @@ class RoundEngine:
             dissent = tuple(p for p, v in run.votes.items() if v.digests != majority)
             return self._abort(now, "digest mismatch", dissent)
         return self._commit(now)
+
+    @staticmethod
+    def _cut_off_outbound(plan: Plan, voter: str, suspects: tuple[str, ...]) -> bool:
+        """Whether a failed vote is an outbound-only participant's own link failing (docs/nat.md):
+        it names every shard owner (at least two), as when all the calls it opened broke at once
+        (its NAT forgot the mapping). It then sits out the retry alone, at once: the owners cannot
+        see its link break (their side of each call just goes quiet) and would accuse it and each
+        other a chunk deadline later. An owner that really died is silent, and its lease or the
+        retry's blame excludes it; the outbound-only peer is back in the round after."""
+        if voter not in plan.participants or plan.dialable(plan.position(voter)):
+            return False
+        owners = {plan.participants[o] for o in plan.owners()}
+        return len(owners) >= 2 and owners <= set(suspects)
 
     @staticmethod
     def _audited_owner(plan: Plan, voter: str, suspects: tuple[str, ...]) -> str | None:

@@ -201,13 +201,16 @@ class _Exchange(_Stream):
     (`take_replies` checks and delivers them into this peer's inbox). Always the socket lane.
 
     Failure: a broken call fails every wait on the owner at once and raises CollectiveError
-    blaming the owner; a reply that fails a check raises CollectiveError blaming the owner.
+    naming every owner this peer exchanges with (`owners`): when this peer's own link broke (its
+    NAT forgot the mapping) all its calls break at once and the coordinator's blame sees a peer
+    cut off from the others (coordinator.blame), while an owner that died is blamed by its
+    silence. A reply that fails a check raises CollectiveError blaming its owner alone.
     """
 
     def __init__(self, transport: Transport, address: str, peer_id: str, plan: Plan, timeout: float,
-                 inbox: Inbox, links=None):
+                 inbox: Inbox, owners: tuple[str, ...], links=None):
         super().__init__(transport, address, peer_id, plan, timeout, links)
-        self.inbox = inbox
+        self.inbox, self.owners = inbox, owners
         self.lane = "socket"
 
     async def run(self) -> None:
@@ -227,7 +230,7 @@ class _Exchange(_Stream):
             if isinstance(exc, grpc.aio.AioRpcError):
                 await self.transport.forget(self.address)
                 raise CollectiveError(f"exchange with {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
-                                      [self.peer_id]) from None
+                                      [self.peer_id, *(o for o in self.owners if o != self.peer_id)]) from None
             if isinstance(exc, ShoalError):
                 raise CollectiveError(f"reply from {self.peer_id[:8]} refused: {exc}", [self.peer_id]) from None
             raise
@@ -247,9 +250,11 @@ class _Reply:
     participant, so its chunks wait in its `ReplyLane` for the Exchange call it opened, which
     carries them back (peer.dataplane `PeerService.Exchange`). Same `put`/`run` as `_Stream`.
 
-    Failure: `run` raises CollectiveError blaming the participant when its call ended before
-    taking every chunk; it waits (within the attempt's deadline) for a participant that has not
-    opened its call yet, and returns at once when nothing was ever put.
+    Failure (CollectiveError blaming the participant): its call ended before taking every chunk;
+    a chunk waits longer than the plan's chunk deadline for room in the lane, or the last one for
+    the call to take it (a participant whose link died, e.g. its NAT forgot the mapping, takes
+    nothing, and the owner must vote within the blame window). `run` returns at once when
+    nothing was ever put (an empty shard: the participant may never open a call for it).
     """
 
     def __init__(self, lane: ReplyLane, peer_id: str, plan: Plan):
@@ -257,25 +262,40 @@ class _Reply:
         self.bytes_sent = 0
         self.sent_any = False
         self._first_put = asyncio.Event()  # a chunk or the closing None was put
+        self._closed = asyncio.Event()  # the closing None was put
 
     async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None) -> None:
         self._first_put.set()
-        if item is None:
-            await self.lane.queue.put(None)
-            return
-        msg, body = item
-        msg.data = body if isinstance(body, bytes) else body.tobytes()
-        if not self.sent_any:  # the owner's ticket on its first reply (checked by take_replies)
-            msg.ticket = self.plan.ticket
-            self.sent_any = True
-        self.bytes_sent += len(msg.data) + len(msg.scale)
-        await self.lane.queue.put(msg)
+        if self.lane.done.done() and not self.lane.done.result():
+            raise CollectiveError(f"exchange with {self.peer_id[:8]} broke", [self.peer_id])
+        msg: pb.Chunk | None = None
+        if item is not None:
+            msg, body = item
+            msg.data = body if isinstance(body, bytes) else body.tobytes()
+            if not self.sent_any:  # the owner's ticket on its first reply (checked by take_replies)
+                msg.ticket = self.plan.ticket
+                self.sent_any = True
+            self.bytes_sent += len(msg.data) + len(msg.scale)
+        try:
+            async with asyncio.timeout(self.plan.chunk_timeout_seconds):
+                await self.lane.queue.put(msg)
+        except TimeoutError:
+            raise CollectiveError(f"{self.peer_id[:8]} took no reply within {self.plan.chunk_timeout_seconds:.1f}s",
+                                  [self.peer_id]) from None
+        if msg is None:
+            self._closed.set()
 
     async def run(self) -> None:
         await self._first_put.wait()
         if not self.sent_any:
-            return  # nothing for it (empty shards): it may never open a call for them
-        if not await self.lane.done:
+            return
+        await self._closed.wait()
+        try:
+            async with asyncio.timeout(self.plan.chunk_timeout_seconds):
+                delivered = await asyncio.shield(self.lane.done)
+        except TimeoutError:
+            delivered = False
+        if not delivered:
             raise CollectiveError(f"exchange with {self.peer_id[:8]} ended before the reduced shards", [self.peer_id])
 
 
@@ -432,7 +452,8 @@ class _Butterfly:
         if not plan.dialable(j) and not me_outbound:
             return _Reply(inbox.reply_lane(plan.round, plan.attempt, peer), peer, plan)
         if me_outbound:
-            return _Exchange(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, inbox, links)
+            owners = tuple(self.part.peer_id(o) for o in plan.owners())
+            return _Exchange(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, inbox, owners, links)
         return _Stream(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, links)
 
     async def run(self) -> _Outcome:

@@ -11,8 +11,9 @@ import pytest
 
 from shoal.common.plan import Plan
 from shoal.common.tensors import digest
+from shoal.coordinator.blame import blame
 from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round, without_outbound_owners
-from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendPlan
+from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendAbort, SendPlan
 from shoal.peer.collectives import CollectiveError
 from shoal.peer.reduction import OwnerReduction, ReductionSpec
 from shoal.v1 import shoal_pb2 as pb
@@ -148,3 +149,27 @@ async def test_a_dialable_peer_cannot_open_an_exchange():
                            return_exceptions=True)
     assert isinstance(out[2], CollectiveError)
     assert "PERMISSION_DENIED" in str(out[2])
+
+
+def test_an_outbound_only_peer_whose_exchanges_all_broke_is_the_one_blamed():
+    # Its NAT forgot the mapping: every exchange breaks at once, it names every owner
+    # (peer.collectives._Exchange), the owners voted ok: it is cut off from the others.
+    votes = {"a": (), "b": (), "c": (), "o": ("a", "b")}
+    assert blame(("a", "b", "c", "o"), votes, voted_at={"a": 1.0, "b": 1.0, "c": 1.0, "o": 1.2},
+                 cascade=2.0) == ("o",)
+    # An owner that died is silent: it is blamed, not the outbound-only peer naming every owner.
+    votes = {"b": ("a",), "c": ("a",), "o": ("a", "b")}
+    assert blame(("a", "b", "c", "o"), votes, voted_at={"b": 1.0, "c": 1.0, "o": 1.1}, cascade=2.0) == ("a",)
+
+
+def test_the_engine_excludes_an_outbound_only_peer_whose_calls_to_every_owner_broke():
+    e = RoundEngine(EngineConfig(min_peers=2, initial_peers=4, ready_timeout=5.0, retry_backoff=0.0))
+    for p in "abcd":
+        e.join(p, b"k" + p.encode(), f"10.0.0.{ord(p)}:7000", 10, 0.0, reachable=p != "d", connected=True)
+    acts = [a for p in "abcd" for a in e.ready_(p, 0, ReadyInfo(1000, pb.FLOAT32, 10, b"", 0, 1.0), 1.0)]
+    (plan,) = [a.plan for a in acts if isinstance(a, SendPlan)]
+    owners = tuple(plan.participants[o] for o in plan.owners())
+    assert len(owners) == 3 and "d" not in owners
+    acts = e.vote("d", 0, plan.attempt, False, b"", b"", 1.5, suspects=owners, error="exchange broke")
+    (abort,) = [a for a in acts if isinstance(a, SendAbort)]
+    assert abort.record.excluded == ("d",)
