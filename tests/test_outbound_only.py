@@ -4,18 +4,21 @@ they open and get the reduced shards back on them, bit-identical, and nobody dia
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.common.plan import Plan
 from shoal.common.tensors import digest
+
 from shoal.coordinator.blame import blame
 from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round, without_outbound_owners
 from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendAbort, SendPlan
+from shoal.coordinator.server import CoordinatorService
+from shoal.coordinator.store import MemoryStore
 from shoal.peer.collectives import CollectiveError
 from shoal.peer.reduction import OwnerReduction, ReductionSpec
+from shoal.status import render_table
 from shoal.v1 import shoal_pb2 as pb
 from swarmlet import Swarmlet
 
@@ -173,3 +176,24 @@ def test_the_engine_excludes_an_outbound_only_peer_whose_calls_to_every_owner_br
     acts = e.vote("d", 0, plan.attempt, False, b"", b"", 1.5, suspects=owners, error="exchange broke")
     (abort,) = [a for a in acts if isinstance(a, SendAbort)]
     assert abort.record.excluded == ("d",)
+
+
+async def test_status_says_which_members_are_outbound_only():
+    svc = CoordinatorService(RoundEngine(EngineConfig()), MemoryStore(), "{}", Ed25519PrivateKey.generate(),
+                             clock=lambda: 10.0)
+    svc.apply(svc.engine.join("a", b"\1" * 32, "10.0.0.1:1", 1, 0.0, reachable=True))
+    svc.apply(svc.engine.join("b", b"\2" * 32, "10.0.0.2:1", 1, 0.0, reachable=False))
+    svc.apply(svc.engine.join("c", b"\3" * 32, "10.0.0.3:1", 1, 0.0, outbound_only=True))
+    resp = await svc.GetStatus(pb.StatusRequest(), None)
+    got = {m.peer_id: (m.reachability, m.outbound_only) for m in resp.members}
+    assert got == {"a": ("reachable", False), "b": ("unreachable", True), "c": ("unchecked", True)}
+    rows = [{"peer_id": m.peer_id * 12, "address": m.address, "state": m.state, "untrusted": False,
+             "lease_remaining_seconds": 1.0, "num_samples": 1, "shm_peers": 0, "reachability": m.reachability,
+             "outbound_only": m.outbound_only,
+             "links": {"up_bytes_per_s": 0, "down_bytes_per_s": 0, "rtt_seconds": 0, "age_seconds": None}}
+            for m in resp.members]
+    table = render_table({"coordinator": "c", "epoch": 0, "round": 0, "rounds_committed": 0, "rounds_aborted": 0,
+                          "run_config": {}, "waiting": {}, "members": rows, "rounds": []})
+    lines = {line.split()[0][:1]: line for line in table.splitlines() if line[:1] in "abc" and line.split()}
+    assert "reach" in table
+    assert "reachable" in lines["a"] and "outbound-only" in lines["b"] and "outbound-only" in lines["c"]
