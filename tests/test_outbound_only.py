@@ -197,3 +197,20 @@ async def test_status_says_which_members_are_outbound_only():
     lines = {line.split()[0][:1]: line for line in table.splitlines() if line[:1] in "abc" and line.split()}
     assert "reach" in table
     assert "reachable" in lines["a"] and "outbound-only" in lines["b"] and "outbound-only" in lines["c"]
+
+
+def test_eligible_fractions_solve_the_pipelined_model_without_the_outbound_peers():
+    from shoal.coordinator.planner import eligible_fractions
+
+    # Two fast reachable peers, two slow NATed ones: the fast ones split the tensor evenly, and
+    # the round takes what the slow ones need anyway (n / 50 Mbit/s), the bound on these links.
+    assert eligible_fractions([12.5e6, 12.5e6, 6.25e6, 6.25e6], [0, 1]) == pytest.approx([0.5, 0.5])
+    # A reachable peer much faster than the other: it owns everything (the other is demoted).
+    assert eligible_fractions([10.0, 40.0, 10.0, 10.0], [0, 1]) == pytest.approx([0.0, 1.0])
+    # Shares follow capacity where the outbound peers do not bound the round.
+    w = eligible_fractions([20.0, 40.0, 100.0, 100.0, 100.0], [0, 1])
+    assert sum(w) == pytest.approx(1.0) and w[1] > w[0] > 0
+    mb = 1e6 / 8
+    links = [LinkSpec(f"p{i}", r * mb, r * mb, 0.001) for i, r in enumerate([100, 100, 50, 50])]
+    plan = plan_round(links, 1_000_000, pb.FLOAT32, PlanPolicy(), outbound_only={"p2", "p3"})
+    assert plan.shard_owner == (0, 1) and plan.shard_bounds == (0, 500_000, 1_000_000)
