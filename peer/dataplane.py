@@ -573,6 +573,8 @@ async def take_replies(call, inbox: Inbox, verifier: RequestVerifier, owner: str
             s = inbox.session
             if s is None or (s.round, s.attempt) != (c.round, c.attempt) or s.ticket_check is None:
                 raise FailedPrecondition(f"round: a reply for {c.round}.{c.attempt}, which is not running here")
+            if not c.ticket:
+                raise PermissionDenied("ticket: missing; an owner's first reply carries its round ticket")
             s.ticket_check(c.ticket, c.sender)
         require((c.round, c.attempt, c.sender) == (s.round, s.attempt, owner), "sender",
                 "one stream carries one owner's replies of one round attempt")

@@ -4,19 +4,25 @@ they open and get the reduced shards back on them, bit-identical, and nobody dia
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from shoal.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from shoal.common.identity import RequestVerifier, sign_metadata
 from shoal.common.plan import Plan
 from shoal.common.tensors import digest
+from shoal.common.tickets import issue_ticket
 
 from shoal.coordinator.blame import blame
-from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round, without_outbound_owners
+from shoal.coordinator.planner import (LinkSpec, NoPlan, PlanPolicy, eligible_fractions, plan_round,
+                                      without_outbound_owners)
 from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendAbort, SendPlan
 from shoal.coordinator.server import CoordinatorService
 from shoal.coordinator.store import MemoryStore
 from shoal.peer.collectives import CollectiveError
+from shoal.peer.dataplane import EXCHANGE_REPLY, Inbox, take_replies
 from shoal.peer.reduction import OwnerReduction, ReductionSpec
 from shoal.status import render_table
 from shoal.v1 import shoal_pb2 as pb
@@ -200,8 +206,6 @@ async def test_status_says_which_members_are_outbound_only():
 
 
 def test_eligible_fractions_solve_the_pipelined_model_without_the_outbound_peers():
-    from shoal.coordinator.planner import eligible_fractions
-
     # Two fast reachable peers, two slow NATed ones: the fast ones split the tensor evenly, and
     # the round takes what the slow ones need anyway (n / 50 Mbit/s), the bound on these links.
     assert eligible_fractions([12.5e6, 12.5e6, 6.25e6, 6.25e6], [0, 1]) == pytest.approx([0.5, 0.5])
@@ -214,3 +218,50 @@ def test_eligible_fractions_solve_the_pipelined_model_without_the_outbound_peers
     links = [LinkSpec(f"p{i}", r * mb, r * mb, 0.001) for i, r in enumerate([100, 100, 50, 50])]
     plan = plan_round(links, 1_000_000, pb.FLOAT32, PlanPolicy(), outbound_only={"p2", "p3"})
     assert plan.shard_owner == (0, 1) and plan.shard_bounds == (0, 500_000, 1_000_000)
+
+
+class _Call:
+    """An Exchange call as `take_replies` reads it: the owner's replies, then EOF."""
+
+    def __init__(self, replies, metadata):
+        self.replies, self.metadata = list(replies), metadata
+
+    async def read(self):
+        return self.replies.pop(0) if self.replies else grpc.aio.EOF
+
+    async def initial_metadata(self):
+        return self.metadata
+
+
+async def test_an_owners_replies_are_checked_before_they_reach_the_inbox():
+
+    sw = Swarmlet(3)
+    owner, me = sw.ids[0], sw.ids[2]
+    ticket = issue_ticket(sw.coordinator_key, 0, 0, sw.ids, bytes(32), 60.0)
+
+    def reply(**kw):
+        c = pb.Chunk(round=0, attempt=0, sender=owner, phase=pb.ALL_GATHER, shard=0, offset=0, dtype=pb.FLOAT32,
+                     shape=[4], data=bytes(16), ticket=ticket)
+        for k, v in kw.items():
+            setattr(c, k, v)
+        return c
+
+    async def take(first, key=sw.keys[0], more=()):
+        inbox = Inbox()
+        inbox.start(sw.session(0, (2,)))
+        n = await take_replies(_Call([first, *more], sign_metadata(key, EXCHANGE_REPLY, first)), inbox,
+                               RequestVerifier(), owner)
+        return n, inbox
+
+    n, inbox = await take(reply(), more=[reply(offset=4)])
+    assert n == 2
+    got = await inbox.get((0, 0, pb.ALL_GATHER, 0, 0, 0, owner), 1.0)
+    assert got.tolist() == [0.0] * 4
+    with pytest.raises(Unauthenticated):  # signed by another peer's key
+        await take(reply(), key=sw.keys[1])
+    with pytest.raises(PermissionDenied):  # no ticket on the first reply
+        await take(reply(ticket=b""))
+    with pytest.raises(InvalidArgument):  # a reply that is not a reduced shard
+        await take(reply(), more=[reply(phase=pb.REDUCE_SCATTER, offset=4)])
+    with pytest.raises(InvalidArgument):  # another sender on the owner's stream
+        await take(reply(sender=me))
