@@ -235,3 +235,10 @@ def test_nat_rebind_breaks_open_connections_and_new_dials_work() -> None:
         hold.stdin.flush()
         assert hold.stdout.readline().strip() != "ok"  # the old mapping is gone
         assert _dial(bed, 1, bed.host_ip(0), 5220) == "ok"  # a new connection goes out
+
+
+def test_a_nat_host_is_shaped_like_any_other() -> None:
+    with NetBed(2, [None, 20], [None, None], nat=[False, True], prefix=PREFIX) as bed:
+        assert 0.7 * 20 <= _measure(bed, 1, 0, seconds=2.0, port=5230) <= 1.15 * 20
+        bed.shape(1, 10, None)  # a shape event on a NATed peer, while the bed runs
+        assert 0.7 * 10 <= _measure(bed, 1, 0, seconds=2.0, port=5231) <= 1.15 * 10
