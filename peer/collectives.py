@@ -45,13 +45,12 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from shoal.common.errors import InvalidArgument
+from shoal.common.errors import InvalidArgument, ShoalError
 from shoal.common.plan import Plan
 from shoal.common.tensors import digest, dtype_code
 from shoal.peer import faults
 from shoal.peer.audit import AuditVerdict, OwnerAudit
 from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
-from shoal.common.errors import ShoalError
 from shoal.peer.dataplane import Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
