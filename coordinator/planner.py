@@ -94,6 +94,7 @@ __all__ = [
     "chunk_deadline",
     "conservative_seconds",
     "deadline_links",
+    "eligible_fractions",
     "plan_collective",
     "plan_layout",
     "plan_round",
@@ -102,6 +103,7 @@ __all__ = [
     "ring_link_seconds",
     "shard_bounds_from_fractions",
     "simple_floor",
+    "without_outbound_owners",
     "without_untrusted_owners",
 ]
 
@@ -768,6 +770,72 @@ def without_untrusted_owners(plan: Plan, untrusted: Collection[str]) -> Plan | N
     return dataclasses.replace(plan, shard_owner=moved, demoted=demoted)
 
 
+def eligible_fractions(capacity: Sequence[float], eligible: Sequence[int]) -> list[float]:
+    """Pipelined-butterfly shard fractions (module docstring) when only the `eligible` positions
+    may own shards: ``min T s.t. 1 + (p-2)w_i ≤ T·c_i`` for the owners, ``1 ≤ T·c_j`` for every
+    other participant (it still sends its whole input and receives the whole result), ``Σw = 1``.
+
+    capacity: per participant ``c_i = min(u_i, d_i)`` (bytes/s, > 0), all of them in plan order.
+    Returns one fraction per eligible position (≥ 0, summing to 1; 0 = a non-owner). Water-filling:
+    ``w_i = max(0, (T·c_i − 1)/(p − 2))`` at the least T whose fractions sum to at least 1 (and not
+    below the other participants' ``1/c_j``), then scaled to sum 1. With p ≤ 2, equal shares.
+    """
+    p = len(capacity)
+    if p <= 2 or not eligible:
+        return [1.0 / max(1, len(eligible))] * len(eligible)
+    others = [1.0 / capacity[j] for j in range(p) if j not in set(eligible)]
+    floor = max(others, default=0.0)
+
+    def shares(t: float) -> list[float]:
+        return [max(0.0, (t * capacity[i] - 1.0) / (p - 2)) for i in eligible]
+
+    lo, hi = floor, max(floor, max(1.0 / capacity[i] for i in eligible))
+    while sum(shares(hi)) < 1.0:
+        hi *= 2.0
+    if sum(shares(lo)) < 1.0:
+        for _ in range(100):
+            mid = (lo + hi) / 2.0
+            lo, hi = (mid, hi) if sum(shares(mid)) < 1.0 else (lo, mid)
+    w = shares(hi)
+    total = sum(w)
+    return [x / total for x in w]
+
+
+def without_outbound_owners(plan: Plan, outbound_only: Collection[str],
+                            untrusted: Collection[str] = frozenset(),
+                            capacity: Sequence[float] | None = None) -> Plan | None:
+    """`plan` (a butterfly) with no tensor shard owned by an outbound-only participant (nobody can
+    dial it, so nobody could send it a contribution; docs/nat.md), nor by an `untrusted` one.
+
+    With `capacity` (per participant ``min(up, down)`` in bytes/s, as the model sees the links)
+    the shares are `eligible_fractions`: the pipelined model solved again with those peers as
+    non-owners (a peer without a share is demoted). Without it, the element shares the layout
+    gave the other owners are kept and renormalised over the whole tensor; when none of them had
+    a share, the eligible participants split it equally. `outbound_only` (ids) becomes the plan's
+    positions, `demoted` every non-owner. None when no participant is both reachable and trusted.
+    """
+    out = {i for i, p in enumerate(plan.participants) if p in outbound_only}
+    eligible = [i for i, p in enumerate(plan.participants) if i not in out and p not in untrusted]
+    if not eligible:
+        return None
+    if capacity is not None:
+        fractions = eligible_fractions(capacity, eligible)
+        owners = [i for i, w in zip(eligible, fractions) if w > _FRACTION_EPS]
+        weights = [w for w in fractions if w > _FRACTION_EPS]
+    else:
+        share = [0] * plan.size
+        for k, o in enumerate(plan.shard_owner):
+            share[o] += plan.shard_bounds[k + 1] - plan.shard_bounds[k]
+        owners = [i for i in eligible if share[i] > 0] or eligible
+        weights = [float(share[i]) for i in owners]
+    if sum(weights) <= 0:
+        owners, weights = eligible, [1.0] * len(eligible)
+    bounds = shard_bounds_from_fractions(weights, plan.shard_bounds[-1])
+    demoted = tuple(p for i, p in enumerate(plan.participants) if i not in owners)
+    return dataclasses.replace(plan, shard_bounds=bounds, shard_owner=tuple(owners), demoted=demoted,
+                               outbound_only=tuple(sorted(out)))
+
+
 def deadline_links(links: Sequence[LinkSpec], policy: PlanPolicy) -> list[LinkSpec]:
     """The links deadlines are computed on: as reported, with `policy.assumed_link` for a rate a
     participant has not reported (0, negative or NaN). Conservative by construction: an
@@ -823,14 +891,18 @@ def _one_host(links: Sequence[LinkSpec]) -> bool:
 
 
 def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy: PlanPolicy, *,
-               untrusted: Collection[str] = frozenset(), deadline_scale: float = 1.0) -> Plan | NoPlan:
+               untrusted: Collection[str] = frozenset(), deadline_scale: float = 1.0,
+               outbound_only: Collection[str] = frozenset()) -> Plan | NoPlan:
     """The plan of one round's collective over these participants (in the engine's order). Pure.
 
     `links` as reported by the peers; `num_elements` and `dtype` (a `shoal.v1.DType` code) of the
     tensor. The layout is `plan_layout`'s. On a butterfly, `untrusted` peers (failed owner audits)
     own no shard (`without_untrusted_owners`); when none of the participants is trusted, returns
     `NoPlan` instead (nobody can tell which of them lied: no round until a trusted peer is among
-    them). The plan is audited (`audit_owners`) when the policy asks for it and at least two peers
+    them). `outbound_only` peers (nobody can dial them: behind NAT, or `--outbound-only`) force the
+    butterfly (the only collective whose results can come back on streams they open) and own no
+    shard (`without_outbound_owners`); with no reachable, trusted participant, `NoPlan` (relays
+    are not built yet). The plan is audited (`audit_owners`) when the policy asks for it and at least two peers
     own shards (one owner has nobody to audit it). Chunks: `policy.shm_chunk_bytes` when every
     participant reaches every other through shared memory, else the layout's. Deadlines: the
     expected time is the larger of the plan's prediction and `conservative_seconds` (unreported
@@ -840,8 +912,19 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
     prediction, chunking, deadlines, aggregator, compression and tensor; round, attempt, epoch and
     the participants' addresses, sample counts and keys are the engine's to stamp.
     """
+    outbound = set(outbound_only) & {l.peer_id for l in links}
+    if outbound and len(links) > 1:
+        policy = dataclasses.replace(policy, collective="butterfly")
     plan = plan_layout(links, num_elements, ITEMSIZE.get(dtype, 4), policy)
-    if plan.collective == "butterfly" and set(untrusted) & set(plan.participants):
+    if outbound and len(links) > 1:
+        model = _denoised(links, policy.link_cap, policy.noise)
+        capacity = [min(l.up_bytes_per_s, l.down_bytes_per_s) for l in model] if model is not None else None
+        kept = without_outbound_owners(plan, outbound, untrusted, capacity)
+        if kept is None:
+            return NoPlan("no reachable, trusted shard owner among the ready peers (the others are outbound-only; "
+                          "relays are not built yet)")
+        plan = kept
+    elif plan.collective == "butterfly" and set(untrusted) & set(plan.participants):
         stripped = without_untrusted_owners(plan, untrusted)
         if stripped is None:
             return NoPlan("no trusted shard owner among the ready peers")

@@ -230,8 +230,11 @@ class Member:
     # messages, a peer still busy elsewhere): it gets the sync order again, nothing else.
     stale_state_round: int | None = None
     # Whether its advertised data address answered the coordinator's dial-back (None: not
-    # checked). A peer nobody can dial is never placed in a round (others would have to dial it).
+    # checked). A peer nobody can dial takes part outbound-only (below).
     reachable: bool | None = None
+    # Nobody dials it (unreachable, or it joined with --outbound-only): placed in rounds as a
+    # participant that owns no shard and is never a state donor (docs/nat.md).
+    outbound_only: bool = False
     state_bytes: int = 0  # size of its serialized state (its Ready): what a sync downloads
     sync_bytes_per_s: float = 0.0  # rate of its last state download (its Ready; 0 = unknown)
     sync_until: float = 0.0  # rounds wait for its download until then (set with each sync order)
@@ -581,7 +584,7 @@ class RoundEngine:
         # longer holds the committed state (its state is no longer a member's).
         alive = sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now
                        and self.members[p].connected and self.members[p].state.is_member
-                       and self.members[p].reachable is not False)
+                       and not self.members[p].outbound_only)
         if not alive:
             return ()
         k = self._donor_rotation % len(alive)
@@ -607,11 +610,12 @@ class RoundEngine:
 
     def join(self, peer_id: str, public_key: bytes, address: str, num_samples: int, now: float,
              up: float = 0.0, down: float = 0.0, *, reachable: bool | None = None,
-             connected: bool = False) -> list[Action]:
+             connected: bool = False, outbound_only: bool = False) -> list[Action]:
         """Admit (or re-admit, same identity) a peer with a fresh lease; pending until a boundary.
 
         reachable: the outcome of the coordinator's dial-back of `address` (None: not checked);
-        a peer that is not reachable keeps its lease but is placed in no round and is no donor.
+        a peer that is not reachable (or says `outbound_only`) takes part outbound-only: it owns no
+        shard and is no donor (the planner's `outbound_only`).
         connected: its round-event stream is open (it stayed open across this rejoin).
         """
         old = self.members.get(peer_id)
@@ -619,7 +623,8 @@ class RoundEngine:
         if old is not None and old.state.is_member and old.address == address:
             state = MemberState.MEMBER
         m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
-                   connected=connected or (old.connected if old is not None else False), reachable=reachable)
+                   connected=connected or (old.connected if old is not None else False), reachable=reachable,
+                   outbound_only=outbound_only or reachable is False)
         if state is MemberState.SYNCING:
             # Its join answer orders a sync: rounds wait for that download (up to sync_hold; it
             # says ready once done), so the state it fetches is still the head when it is done,
@@ -849,7 +854,8 @@ class RoundEngine:
                 return [PersistUntrusted(tuple(sorted(self.untrusted))),
                         *self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}",
                                      (accused, peer_id))]
-            if not any(s in run.plan.participants and s != peer_id for s in v.suspects):
+            if not any(s in run.plan.participants and s != peer_id for s in v.suspects) \
+                    or self._cut_off_outbound(run.plan, peer_id, v.suspects):
                 return self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}", (peer_id,))
             if run.blame_at is None:
                 window = max(self.config.blame_window, 2.0 * run.plan.chunk_timeout_seconds)
@@ -864,6 +870,19 @@ class RoundEngine:
             dissent = tuple(p for p, v in run.votes.items() if v.digests != majority)
             return self._abort(now, "digest mismatch", dissent)
         return self._commit(now)
+
+    @staticmethod
+    def _cut_off_outbound(plan: Plan, voter: str, suspects: tuple[str, ...]) -> bool:
+        """Whether a failed vote is an outbound-only participant's own link failing (docs/nat.md):
+        it names every shard owner (at least two), as when all the calls it opened broke at once
+        (its NAT forgot the mapping). It then sits out the retry alone, at once: the owners cannot
+        see its link break (their side of each call just goes quiet) and would accuse it and each
+        other a chunk deadline later. An owner that really died is silent, and its lease or the
+        retry's blame excludes it; the outbound-only peer is back in the round after."""
+        if voter not in plan.participants or plan.dialable(plan.position(voter)):
+            return False
+        owners = {plan.participants[o] for o in plan.owners()}
+        return len(owners) >= 2 and owners <= set(suspects)
 
     @staticmethod
     def _audited_owner(plan: Plan, voter: str, suspects: tuple[str, ...]) -> str | None:
@@ -891,7 +910,9 @@ class RoundEngine:
         renewed_by = now - self.config.lease_seconds / 2  # heartbeats come every lease / 4
         stale = [p for p in run.plan.participants
                  if p in self.members and self.members[p].lease_expiry - self.config.lease_seconds < renewed_by]
-        unreachable = [p for p in run.plan.participants if p in self.members and self.members[p].reachable is False]
+        # Outbound-only participants were planned as such: nobody had to dial them.
+        unreachable = [p for i, p in enumerate(run.plan.participants) if p in self.members
+                       and self.members[p].reachable is False and run.plan.dialable(i)]
         blamed = blame(run.plan.participants, accusations, voted_at=run.voted_at,
                        cascade=run.plan.chunk_timeout_seconds, stale=stale, unreachable=unreachable)
         failed = [(p, v) for p, v in run.votes.items() if not v.ok]
@@ -950,7 +971,7 @@ class RoundEngine:
             return done
         if self.cohort is not None:
             return self._decide_drawn(now, self.cohort)
-        live = {m.peer_id for m in self.live(now) if m.reachable is not False}
+        live = {m.peer_id for m in self.live(now)}
         candidates = tuple(sorted(p for p in self.ready if p in live and p not in self.excluded))
         quorum = self._quorum()
         if len(candidates) < quorum:
@@ -990,7 +1011,7 @@ class RoundEngine:
         info = self.ready.get(peer_id)
         m = self.members.get(peer_id)
         return (info is not None and m is not None and m.lease_expiry > now and peer_id not in self.excluded
-                and m.reachable is not False and self._in_sync(info))
+                and self._in_sync(info))
 
     def _decide_drawn(self, now: float, cohort: Cohort) -> Waiting | _Opening | _Draw:
         """A cohort is drawn: open once every member of it holds the last committed state and said
@@ -1006,8 +1027,7 @@ class RoundEngine:
             return Waiting(WaitReason.SYNCING, f"waiting up to {until - now:.1f} s for "
                                                 f"{_plural(len(missing), 'drawn peer')} to fetch the committed state "
                                                 f"and say ready", missing, until)
-        pool = [p for p in self.ready if self._live(p, now) and p not in self.excluded
-                and self.members[p].reachable is not False]
+        pool = [p for p in self.ready if self._live(p, now) and p not in self.excluded]
         refill = cohort.refill(ready, pool, self.config.cohort_size, seed=self.config.cohort_seed,
                                round_=self.committed_rounds, now=now)
         if set(refill.members) != set(cohort.members) and len(refill.members) >= quorum:
@@ -1017,20 +1037,19 @@ class RoundEngine:
         return _Draw(None, left_out=missing)  # nobody left to draw: back to waiting for a full pool
 
     def _quorum(self) -> int:
-        """Fewest ready peers a round opens with: min_peers, initial_peers (less the unreachable
-        members) for round 0, and at
-        least the cohort size (a cohort is drawn from the ready peers, never smaller than K)."""
+        """Fewest ready peers a round opens with: min_peers, initial_peers for round 0 (outbound-only
+        members count: they take part), and at least the cohort size (a cohort is drawn from the
+        ready peers, never smaller than K)."""
         quorum = max(1, self.config.min_peers, self.config.cohort_size)
         if self.committed_rounds == 0 and self.tries == 0:
-            # A peer nobody can dial never takes part: round 0 does not wait for it.
-            quorum = max(quorum, self.config.initial_peers - len(self.unreachable))
+            quorum = max(quorum, self.config.initial_peers)
         return quorum
 
     @staticmethod
     def _waited_on(m: Member) -> bool:
         """Whether a round waits (up to the ready timeout) for this live peer to say ready
-        (`MemberState.waited_on`, its round-event stream is open, and others can dial it)."""
-        return m.connected and m.state.waited_on and m.reachable is not False
+        (`MemberState.waited_on` and its round-event stream is open)."""
+        return m.connected and m.state.waited_on
 
     def _refresh(self, peer_id: str) -> None:
         """Put `peer_id` in `_unready` or take it out, after any change of its membership, state,
@@ -1110,7 +1129,8 @@ class RoundEngine:
         participants = opening.participants
         info = self.ready[participants[0]]
         planned = plan_round([self.members[p].link() for p in participants], info.num_elements, info.dtype,
-                             self.policy, untrusted=self.untrusted, deadline_scale=self.growth.scale)
+                             self.policy, untrusted=self.untrusted, deadline_scale=self.growth.scale,
+                             outbound_only={p for p in participants if self.members[p].outbound_only})
         if isinstance(planned, NoPlan):
             # E.g. two peers, one of them lying in an owner audit: nobody can tell which.
             if not self._no_trusted_logged:

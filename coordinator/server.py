@@ -10,8 +10,9 @@ gives every member a grace period (`RoundEngine.resumed`). Round tickets and syn
 wall time, which the peers check.
 
 Reachability: Join dials the peer's advertised data address back (`shoal.common.reach`, nonce
-challenge, `reach_timeout`) before the engine admits it; a peer that does not answer is admitted
-as unreachable (placed in no round) and told why in its JoinResponse.
+challenge, `reach_timeout`) before the engine admits it; a peer that does not answer (or that
+joins with `outbound_only`, which is not dialled) takes part outbound-only (owns no shard, is no
+donor; docs/nat.md); an unreachable one is told why in its JoinResponse.
 
 Durability: a commit is written to the store (SQLite WAL, synchronous=FULL) before any peer is
 told about it, so a committed round is never lost by a coordinator crash.
@@ -381,9 +382,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         "stopped renewing its lease" if held else "is gone")
                 self._close_watch(peer_id, f"peer {peer_id}: another process with this key took over the identity; "
                                            f"this one is fenced")
-            reach = await self.reach(request.data_address, request.public_key) if self.reach is not None else None
+            # A peer that says it is outbound-only is not dialled: nobody will dial it anyway.
+            reach = await self.reach(request.data_address, request.public_key) \
+                if self.reach is not None and not request.outbound_only else None
             if reach is not None and not reach.reachable:
-                log.warning("peer %s cannot be reached at its data address: %s; it takes part in no round",
+                log.warning("peer %s cannot be reached at its data address: %s; it takes part outbound-only",
                             peer_id[:8], reach.reason)
             now = self.clock()
             # A stream that stayed open across this rejoin (e.g. the lease ran out while the
@@ -391,10 +394,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.apply(self.engine.join(peer_id, request.public_key, request.data_address, request.num_samples, now,
                                         request.up_bytes_per_s, request.down_bytes_per_s,
                                         reachable=reach.reachable if reach is not None else None,
-                                        connected=peer_id in self.watchers))
+                                        connected=peer_id in self.watchers, outbound_only=request.outbound_only))
             if request.up_bytes_per_s or request.down_bytes_per_s:
                 self.metrics.observe_link(peer_id, request.up_bytes_per_s, request.down_bytes_per_s, 0.0)
-            log.info("peer %s joined from %s (%s)", peer_id[:8], request.data_address,
+            log.info("peer %s joined from %s%s (%s)", peer_id[:8], request.data_address,
+                     ", outbound-only" if request.outbound_only or (reach is not None and not reach.reachable) else "",
                      f"admitted: {rec.label}" if rec.admitted_at == asked else "member since "
                      + time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(rec.admitted_at)))
             resp = pb.JoinResponse(
@@ -617,7 +621,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           up_bytes_per_s=m.up_bytes_per_s, down_bytes_per_s=m.down_bytes_per_s,
                           rtt_seconds=m.rtt_seconds, untrusted=m.peer_id in e.untrusted, shm_peers=len(m.shm_peers),
                           reachability={True: "reachable", False: "unreachable", None: "unchecked"}[m.reachable],
-                          links_age_seconds=-1.0 if m.links_at is None else max(0.0, now - m.links_at))
+                          links_age_seconds=-1.0 if m.links_at is None else max(0.0, now - m.links_at),
+                          outbound_only=m.outbound_only)
             for m in sorted(e.members.values(), key=lambda m: m.peer_id)
         ]
         k = request.recent_rounds or 10

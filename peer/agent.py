@@ -110,6 +110,7 @@ class PeerConfig:
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
     shared_memory: bool = True  # the shared-memory lane to peers on this host (peer.shm)
+    outbound_only: bool = False  # take part without being dialled, as behind NAT (docs/nat.md)
     attack: str = ""  # testing only: send forged updates (peer.byzantine); "" = honest
     attack_scale: float | None = None
 
@@ -127,7 +128,8 @@ class _Journal(RoundListener):
     def on_plan(self, plan: Plan) -> None:  # the swarm's per-attempt table (shoal.scenario.rounds_report)
         self.agent.emit("plan", round=plan.round, attempt=plan.attempt, collective=plan.collective,
                         participants=list(plan.participants), demoted=list(plan.demoted),
-                        predicted_seconds=plan.predicted_seconds)
+                        predicted_seconds=plan.predicted_seconds,
+                        outbound_only=[plan.participants[i] for i in plan.outbound_only])
 
     def on_collective(self, rec: CollectiveRecord) -> None:
         self.agent.metrics.on_collective(rec.seconds, rec.bytes_sent, rec.bytes_received)
@@ -256,7 +258,8 @@ class PeerAgent(StateSource):
         samples = self.workload.num_samples if self.workload else 0
         return pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
                               version="0.1.0", join_token=self.config.join_token,
-                              tls_csr=self.peer_tls.csr() if self.peer_tls is not None else b"")
+                              tls_csr=self.peer_tls.csr() if self.peer_tls is not None else b"",
+                              outbound_only=self.config.outbound_only)
 
     def _joined(self, resp: pb.JoinResponse) -> None:
         if self.peer_tls is not None:
@@ -265,9 +268,9 @@ class PeerAgent(StateSource):
             self.service.coordinator_public_key = resp.coordinator_public_key
         if resp.unreachable and resp.unreachable != self.unreachable:
             # Once per cause, not per rejoin: the one line that tells the operator what is wrong.
-            log.error("the coordinator cannot reach this peer's data address %s (%s): other peers could not send "
-                      "to it, so it takes part in no round; fix --advertise or the firewall/port forwarding and "
-                      "restart", self.address, resp.unreachable)
+            log.warning("the coordinator cannot reach this peer's data address %s (%s): it takes part "
+                        "outbound-only (owns no shard, serves no state; docs/nat.md); fix --advertise or the "
+                        "firewall/port forwarding and restart to take part fully", self.address, resp.unreachable)
         elif not resp.unreachable and self.unreachable:
             log.info("data address %s is reachable again", self.address)
         self.unreachable = resp.unreachable

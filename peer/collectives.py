@@ -45,13 +45,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from shoal.common.errors import InvalidArgument
+from shoal.common.errors import InvalidArgument, ShoalError
 from shoal.common.plan import Plan
 from shoal.common.tensors import digest, dtype_code
 from shoal.peer import faults
 from shoal.peer.audit import AuditVerdict, OwnerAudit
 from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
-from shoal.peer.dataplane import Inbox, Payload, SenderGone, Transport
+from shoal.peer.dataplane import Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
 from shoal.peer.shm import SegmentWriter
@@ -194,6 +194,110 @@ class _Stream:
                 self.writer = None
 
 
+class _Exchange(_Stream):
+    """An outbound-only peer's stream to a shard owner (docs/nat.md): its chunks go out on an
+    Exchange call it opens, and the owner's reduced shards come back on the same call
+    (`take_replies` checks and delivers them into this peer's inbox). Always the socket lane.
+
+    Failure: a broken call fails every wait on the owner at once and raises CollectiveError
+    naming every owner this peer exchanges with (`owners`): when this peer's own link broke (its
+    NAT forgot the mapping) all its calls break at once and the coordinator's blame sees a peer
+    cut off from the others (coordinator.blame), while an owner that died is blamed by its
+    silence. A reply that fails a check raises CollectiveError blaming its owner alone.
+    """
+
+    def __init__(self, transport: Transport, address: str, peer_id: str, plan: Plan, timeout: float,
+                 inbox: Inbox, owners: tuple[str, ...], links=None):
+        super().__init__(transport, address, peer_id, plan, timeout, links)
+        self.inbox, self.owners = inbox, owners
+        self.lane = "socket"
+
+    async def run(self) -> None:
+        first = await self.queue.get()
+        if first is None:
+            return
+        first.ticket = self.plan.ticket
+        call = self.transport.stub(self.address, self.peer_id).Exchange(
+            timeout=self.timeout, metadata=self.transport.exchange_metadata(first))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._write(call, first))
+                tg.create_task(take_replies(call, self.inbox, self.transport.reply_verifier, self.peer_id))
+        except BaseExceptionGroup as group:
+            exc = next(iter(_flatten(group)))
+            self.inbox.fail_sender(self.plan.round, self.plan.attempt, self.peer_id, f"exchange broke: {exc}")
+            if isinstance(exc, grpc.aio.AioRpcError):
+                await self.transport.forget(self.address)
+                raise CollectiveError(f"exchange with {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
+                                      [self.peer_id, *(o for o in self.owners if o != self.peer_id)]) from None
+            if isinstance(exc, ShoalError):
+                raise CollectiveError(f"reply from {self.peer_id[:8]} refused: {exc}", [self.peer_id]) from None
+            raise
+
+    async def _write(self, call, msg: pb.Chunk) -> None:
+        t0 = time.perf_counter()
+        while msg is not None:
+            await call.write(msg)
+            msg = await self.queue.get()
+        await call.done_writing()
+        if self.links is not None:
+            self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0)
+
+
+class _Reply:
+    """A shard owner's stream to an outbound-only participant (docs/nat.md): nobody dials that
+    participant, so its chunks wait in its `ReplyLane` for the Exchange call it opened, which
+    carries them back (peer.dataplane `PeerService.Exchange`). Same `put`/`run` as `_Stream`.
+
+    Failure (CollectiveError blaming the participant): its call ended before taking every chunk;
+    a chunk waits longer than the plan's chunk deadline for room in the lane, or the last one for
+    the call to take it (a participant whose link died, e.g. its NAT forgot the mapping, takes
+    nothing, and the owner must vote within the blame window). `run` returns at once when
+    nothing was ever put (an empty shard: the participant may never open a call for it).
+    """
+
+    def __init__(self, lane: ReplyLane, peer_id: str, plan: Plan):
+        self.lane, self.peer_id, self.plan = lane, peer_id, plan
+        self.bytes_sent = 0
+        self.sent_any = False
+        self._first_put = asyncio.Event()  # a chunk or the closing None was put
+        self._closed = asyncio.Event()  # the closing None was put
+
+    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None) -> None:
+        self._first_put.set()
+        if self.lane.done.done() and not self.lane.done.result():
+            raise CollectiveError(f"exchange with {self.peer_id[:8]} broke", [self.peer_id])
+        msg: pb.Chunk | None = None
+        if item is not None:
+            msg, body = item
+            msg.data = body if isinstance(body, bytes) else body.tobytes()
+            if not self.sent_any:  # the owner's ticket on its first reply (checked by take_replies)
+                msg.ticket = self.plan.ticket
+                self.sent_any = True
+            self.bytes_sent += len(msg.data) + len(msg.scale)
+        try:
+            async with asyncio.timeout(self.plan.chunk_timeout_seconds):
+                await self.lane.queue.put(msg)
+        except TimeoutError:
+            raise CollectiveError(f"{self.peer_id[:8]} took no reply within {self.plan.chunk_timeout_seconds:.1f}s",
+                                  [self.peer_id]) from None
+        if msg is None:
+            self._closed.set()
+
+    async def run(self) -> None:
+        await self._first_put.wait()
+        if not self.sent_any:
+            return
+        await self._closed.wait()
+        try:
+            async with asyncio.timeout(self.plan.chunk_timeout_seconds):
+                delivered = await asyncio.shield(self.lane.done)
+        except TimeoutError:
+            delivered = False
+        if not delivered:
+            raise CollectiveError(f"exchange with {self.peer_id[:8]} ended before the reduced shards", [self.peer_id])
+
+
 class _Wire:
     """One attempt's chunks as this peer sees them: the headers it sends, the chunks it awaits.
 
@@ -327,17 +431,29 @@ class _Butterfly:
     def __init__(self, x: np.ndarray, plan: Plan, me: str, transport: Transport, inbox: Inbox,
                  reducer: OwnerReducer | None, codec: _Codec, links=None, tamper=None):
         self.part = part = ShardPartition(plan, me, x.itemsize)
+        self.plan = plan
         self.me, self.dtype, self.wire = me, x.dtype, _Wire(plan, me, inbox)
         self.reducer, self.codec, self.tamper = reducer, codec, tamper
         self.with_distances = reducer is not None and reducer.needs_distances
-        self.streams = {j: _Stream(transport, plan.addresses[j], part.peer_id(j), plan, plan.deadline_seconds, links)
-                        for j in range(part.size) if j != part.me}
+        self.streams = {j: self._stream(j, transport, inbox, links) for j in range(part.size) if j != part.me}
         self.buf = np.empty_like(x)  # every element is written: own shards by publish, the others by gather
         self.own = _Contribution(x, codec, plan.audit_owners, me)
         self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype)
         self.audit = OwnerAudit(part, reducer, x.dtype, codec.name) if part.audited else None
         self.handoff = _Handoff()  # audited shards: the owners' distance matrices, the expected values
         self.mismatches: list[CollectiveError] = []
+
+    def _stream(self, j: int, transport: Transport, inbox: Inbox, links) -> _Stream | _Reply:
+        """The stream to participant j: dialled, or (docs/nat.md) the reply lane of an
+        outbound-only one, or, from an outbound-only peer, an Exchange that brings replies back."""
+        plan, peer = self.plan, self.part.peer_id(j)
+        me_outbound = not plan.dialable(self.part.me)
+        if not plan.dialable(j) and not me_outbound:
+            return _Reply(inbox.reply_lane(plan.round, plan.attempt, peer), peer, plan)
+        if me_outbound:
+            owners = tuple(self.part.peer_id(o) for o in plan.owners())
+            return _Exchange(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, inbox, owners, links)
+        return _Stream(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, links)
 
     async def run(self) -> _Outcome:
         async with asyncio.TaskGroup() as tg:
@@ -566,6 +682,8 @@ def _check(x: np.ndarray, plan: Plan, me: str) -> None:
         raise ValueError(f"x: expected a 1-D array, got shape {x.shape}")
     if me not in plan.participants:
         raise CollectiveError(f"{me[:8]} is not a participant", [])
+    if plan.outbound_only and (plan.collective != "butterfly" or set(plan.outbound_only) & set(plan.shard_owner)):
+        raise CollectiveError("plan: outbound-only participants need the butterfly and own no shard", [])
     if len(plan.shard_bounds) != len(plan.shard_owner) + 1 or plan.shard_bounds[-1] != x.size:
         raise CollectiveError(f"plan shard_bounds {plan.shard_bounds[-1:]} do not cover {x.size} elements", [])
 

@@ -19,6 +19,14 @@ certificate issued at join
 name the peer that signed it (`shoal.common.security.tls_sender_check`): a peer holding another
 peer's certificate is refused (UNAUTHENTICATED). `Transport` dials a peer by the id the plan names
 (the server's certificate must be issued for that id), whatever its address.
+
+Outbound-only participants (docs/nat.md; nobody can dial them) open `Exchange` to every shard
+owner instead of being pushed to: what they send is admitted exactly as on PushChunks (signature
+over the first chunk, for the Exchange method; the ticket; the plan's checks), and the owner's
+reduced shards go back on the same stream from the participant's `ReplyLane` (filled by the
+owner's collective). The owner signs its first reply (initial metadata, `EXCHANGE_REPLY`) and it
+carries the owner's ticket; `take_replies` checks both, then every reply against the plan, before
+a single value reaches the participant's inbox.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from shoal.peer import faults, shm
 from shoal.peer.compression import BLOCK, Encoded
 from shoal.common.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
                          ResourceExhausted, ShoalError, grpc_errors, require)
-from shoal.common.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public_bytes
+from shoal.common.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public_bytes, sign_metadata
 from shoal.peer.shm import SegmentReader
 from shoal.common import reach
 from shoal.common.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
@@ -59,6 +67,9 @@ SESSION_WAIT_SECONDS = 10.0
 REACH = "/shoal.v1.Peer/Reach"  # unsigned: the coordinator's dial-back (shoal.common.reach)
 MAX_WAITING_STREAMS = 64
 MAX_SHM_SENDERS = 64  # senders whose shared-memory segments stay mapped (least recently used dropped)
+EXCHANGE = "/shoal.v1.Peer/Exchange"  # an outbound-only participant signs its first chunk for this
+EXCHANGE_REPLY = "/shoal.v1.Peer/Exchange#reply"  # and the owner its first reply for this
+REPLY_QUEUE_CHUNKS = 16  # an owner's replies waiting for the outbound-only participant's stream
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
 # What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
@@ -101,6 +112,7 @@ class Session:
     shard_bounds: tuple[int, ...] = ()
     chunk_elems: int = 0
     deadline_seconds: float = 0.0
+    outbound_only: frozenset[str] = frozenset()  # participants that open Exchange instead of being dialled
 
     @classmethod
     def from_plan(cls, plan: pb.Plan, coordinator_public_key: bytes) -> Session:
@@ -117,7 +129,7 @@ class Session:
         itemsize = to_numpy_dtype(plan.dtype).itemsize if plan.dtype else 1
         return cls(plan.round, plan.attempt, frozenset(p.peer_id for p in plan.participants), plan.dtype,
                    ticket_check, tuple(plan.shard_bounds), max(1, (plan.chunk_bytes or (1 << 20)) // itemsize),
-                   plan.deadline_seconds)
+                   plan.deadline_seconds, frozenset(p.peer_id for p in plan.participants if p.outbound_only))
 
     def check_chunk(self, c: pb.Chunk, shm: SegmentReader | None = None) -> "Payload":
         """Check `c` against the plan; returns its payload (an array, or an `Encoded` chunk).
@@ -173,6 +185,18 @@ class SenderGone(Exception):
     """The stream from a sender broke before it delivered the awaited chunk."""
 
 
+class ReplyLane:
+    """A shard owner's chunks for one outbound-only participant of one attempt: the owner's
+    collective puts them (`queue`, bounded: a slow reader slows the owner as a slow stream
+    would), the Exchange stream that participant opened writes them back. `done` resolves True
+    once the stream wrote the closing None, False when it broke first. One stream per lane."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[pb.Chunk | None] = asyncio.Queue(REPLY_QUEUE_CHUNKS)
+        self.done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.claimed = False
+
+
 class Inbox:
     """Chunks keyed by (round, attempt, phase, step, shard, offset, sender), awaited by the collective.
 
@@ -189,6 +213,18 @@ class Inbox:
         self._changed = asyncio.Event()
         self._waiting = 0
         self._broken: dict[tuple[int, int, str], str] = {}
+        self._lanes: dict[tuple[int, int, str], ReplyLane] = {}  # per outbound-only participant (ReplyLane)
+
+    def reply_lane(self, round_: int, attempt: int, peer_id: str) -> ReplyLane:
+        """The lane of `peer_id`'s replies in this round attempt, made at first use (by the owner's
+        collective or by the participant's Exchange stream, whichever comes first). Raises
+        FailedPrecondition for an attempt older than the running one."""
+        if (round_, attempt) < self.floor:
+            raise FailedPrecondition(f"round: {round_}.{attempt} is older than the running {self.floor}")
+        key = (round_, attempt, peer_id)
+        if key not in self._lanes:
+            self._lanes[key] = ReplyLane()
+        return self._lanes[key]
 
     def _wake(self) -> None:
         self._changed.set()
@@ -201,6 +237,7 @@ class Inbox:
         for k in [k for k in self._futures if (k[0], k[1]) < self.floor]:
             self._drop(k)
         self._broken = {k: v for k, v in self._broken.items() if (k[0], k[1]) >= self.floor}
+        self._lanes = {k: v for k, v in self._lanes.items() if (k[0], k[1]) >= self.floor}
         self._wake()
 
     async def wait_session(self, round_: int, attempt: int, timeout: float) -> Session:
@@ -329,79 +366,130 @@ class PeerService(pb_grpc.PeerServicer):
         reset), every wait on that sender fails at once (`Inbox.fail_sender`), so a dead peer is
         detected in milliseconds rather than at the chunk deadline.
         """
+        async with grpc_errors(context):
+            it = aiter(request_iterator)
+            try:
+                first = await anext(it)
+            except StopAsyncIteration:
+                return pb.PushAck(chunks=0)
+            s = await self._admit(first, context, PUSH_CHUNKS)
+            return pb.PushAck(chunks=await self._receive(first, it, s))
+
+    async def Exchange(self, request_iterator: AsyncIterator[pb.Chunk], context) -> None:
+        """An outbound-only participant's stream (see the module docstring): its chunks into the
+        inbox as on PushChunks, and this owner's replies for it (its `ReplyLane`) back, until
+        both sides are done. Refused (PERMISSION_DENIED) for a sender the plan does not mark
+        outbound-only: a dialable participant is pushed to, so one stream per pair and direction."""
+        async with grpc_errors(context):
+            it = aiter(request_iterator)
+            try:
+                first = await anext(it)
+            except StopAsyncIteration:
+                return
+            s = await self._admit(first, context, EXCHANGE)
+            if first.sender not in s.outbound_only:
+                raise PermissionDenied(f"sender: {first.sender[:8]} is not outbound-only in this plan; "
+                                       f"it is dialled (PushChunks)")
+            if self.key is None:
+                raise FailedPrecondition("Exchange: this data-plane server has no identity key to sign replies")
+            lane = self.inbox.reply_lane(first.round, first.attempt, first.sender)
+            if lane.claimed:
+                raise FailedPrecondition(f"round: {first.sender[:8]} already holds this attempt's exchange")
+            lane.claimed = True
+            try:
+                async with asyncio.timeout(s.deadline_seconds or None), asyncio.TaskGroup() as tg:
+                    tg.create_task(self._receive(first, it, s))
+                    tg.create_task(self._reply(lane, context))
+            except TimeoutError:
+                raise DeadlineExceeded(f"round: stream outlived the plan's {s.deadline_seconds:.0f}s deadline") from None
+            except BaseExceptionGroup as group:
+                raise group.exceptions[0] from None
+            finally:
+                if not lane.done.done():
+                    lane.done.set_result(False)
+
+    async def _reply(self, lane: ReplyLane, context) -> None:
+        """Write the lane's chunks on the Exchange stream; the first is signed (initial metadata)."""
+        assert self.key is not None
+        first = True
+        while (msg := await lane.queue.get()) is not None:
+            if first:
+                await context.send_initial_metadata(sign_metadata(self.key, EXCHANGE_REPLY, msg))
+                first = False
+            await context.write(msg)
+        lane.done.set_result(True)
+
+    async def _admit(self, first: pb.Chunk, context, method: str) -> Session:
+        """Authenticate a stream by its first chunk; the session it belongs to.
+
+        Who: the signature (for `method`) binds the stream to the sender's key (peer id = hash of
+        it), and with an issued certificate the connection's is the sender's own. May they: a
+        coordinator-signed ticket naming them for this attempt, checked before any waiting so a
+        stranger holds no buffer and no waiting slot. Raises the ShoalError that refuses it.
+        """
+        require(bool(first.sender), "sender", "missing")
+        self.verifier.verify(context.invocation_metadata() or (), method, first)
+        if self.tls_identity:
+            tls_sender_check(context, first.sender)
+        key = self._coordinator_key()
+        if not first.ticket:
+            raise PermissionDenied("ticket: missing; a stream must open with the round ticket")
+        verify_ticket(key, first.ticket, round=first.round, attempt=first.attempt, sender=first.sender)
+        s = await self.inbox.wait_session(first.round, first.attempt, self.session_wait)
+        if s.ticket_check is None:
+            raise FailedPrecondition("round: the running session accepts no streams (no ticket check)")
+        s.ticket_check(first.ticket, first.sender)
+        return s
+
+    async def _receive(self, first: pb.Chunk, it: AsyncIterator[pb.Chunk], s: Session) -> int:
+        """Check and deliver an authenticated stream's chunks (`first`, then the rest of `it`)
+        into the inbox; returns how many. A refused chunk (wrong shape, dtype...) delivers
+        nothing and does not count as a broken stream: the sender is alive, and if it never
+        sends valid chunks the chunk deadline blames it. Anything else that ends the stream early
+        fails every wait on the sender (`Inbox.fail_sender`)."""
+        origin = (first.round, first.attempt, first.sender)
         n = 0
-        # `origin` is set only once the stream is authenticated (signature + ticket), so a stranger
-        # naming a participant cannot make its waits fail. A refused chunk (wrong shape, dtype...)
-        # delivers nothing and does not count as a broken stream: the sender is alive, and if it
-        # never sends valid chunks the chunk deadline blames it.
-        origin: tuple[int, int, str] | None = None
         refused = False
         t_first = t_last = 0.0
         first_bytes = total_bytes = 0
-        reader: SegmentReader | None = None
         any_shm = False  # a stream that used shared memory says nothing about the link
+        reader = self._reader(first.sender) if self.shared_memory else None
         try:
-            async with grpc_errors(context):
-                it = aiter(request_iterator)
-                try:
-                    first = await anext(it)
-                except StopAsyncIteration:
-                    return pb.PushAck(chunks=0)
-                require(bool(first.sender), "sender", "missing")
-                # Who: the signature binds the stream to the sender's key (peer id = hash of it).
-                self.verifier.verify(context.invocation_metadata() or (), PUSH_CHUNKS, first)
-                if self.tls_identity:  # and the connection's certificate is that sender's own
-                    tls_sender_check(context, first.sender)
-                # May they: a coordinator-signed ticket naming them for this attempt, checked before
-                # any waiting so a stranger holds no buffer and no waiting slot.
-                key = self._coordinator_key()
-                if not first.ticket:
-                    raise PermissionDenied("ticket: missing; a stream must open with the round ticket")
-                verify_ticket(key, first.ticket, round=first.round, attempt=first.attempt, sender=first.sender)
-                s = await self.inbox.wait_session(first.round, first.attempt, self.session_wait)
-                if s.ticket_check is None:
-                    raise FailedPrecondition("round: the running session accepts no streams (no ticket check)")
-                s.ticket_check(first.ticket, first.sender)
-                origin = (first.round, first.attempt, first.sender)
-                reader = self._reader(first.sender) if self.shared_memory else None
-                try:
-                    async with asyncio.timeout(s.deadline_seconds or None):
-                        c = first
-                        while True:
-                            if c is not first and (c.round, c.attempt, c.sender) != origin:
-                                raise InvalidArgument(
-                                    "sender: one stream carries one sender's chunks of one round attempt")
-                            values = s.check_chunk(c, reader)
-                            any_shm = any_shm or bool(c.shm_name)
-                            self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender),
-                                               values)
-                            nb = payload_nbytes(values)
-                            self.on_bytes(nb)
-                            t_last = time.perf_counter()
-                            if n == 0:
-                                t_first, first_bytes = t_last, nb
-                            total_bytes += nb
-                            n += 1
-                            try:
-                                c = await anext(it)
-                            except StopAsyncIteration:
-                                break
-                except TimeoutError:
-                    raise DeadlineExceeded(
-                        f"round: stream outlived the plan's {s.deadline_seconds:.0f}s deadline") from None
-                except ShoalError:
-                    refused = True
-                    raise
+            try:
+                async with asyncio.timeout(s.deadline_seconds or None):
+                    c = first
+                    while True:
+                        if c is not first and (c.round, c.attempt, c.sender) != origin:
+                            raise InvalidArgument("sender: one stream carries one sender's chunks of one round attempt")
+                        values = s.check_chunk(c, reader)
+                        any_shm = any_shm or bool(c.shm_name)
+                        self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
+                        nb = payload_nbytes(values)
+                        self.on_bytes(nb)
+                        t_last = time.perf_counter()
+                        if n == 0:
+                            t_first, first_bytes = t_last, nb
+                        total_bytes += nb
+                        n += 1
+                        try:
+                            c = await anext(it)
+                        except StopAsyncIteration:
+                            break
+            except TimeoutError:
+                raise DeadlineExceeded(f"round: stream outlived the plan's {s.deadline_seconds:.0f}s deadline") from None
+            except ShoalError:
+                refused = True
+                raise
         except BaseException as exc:
-            if origin is not None and not refused:
+            if not refused:
                 self.inbox.fail_sender(*origin, f"stream from {origin[2][:8]} broke: {type(exc).__name__}")
             raise
         finally:
             self.chunks_received += n
-        if self.links is not None and origin is not None and n > 1 and not any_shm:
+        if self.links is not None and n > 1 and not any_shm:
             # The first chunk's own transfer time is unknown: count the bytes after it.
             self.links.observe_receive(origin[2], total_bytes - first_bytes, t_last - t_first)
-        return pb.PushAck(chunks=n)
+        return n
 
     def _reader(self, sender: str) -> SegmentReader:
         r = self._readers.pop(sender, None) or SegmentReader(sender)
@@ -463,6 +551,37 @@ class PeerService(pb_grpc.PeerServicer):
                 return reach.answer(self.key, request.nonce)
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
+
+
+async def take_replies(call, inbox: Inbox, verifier: RequestVerifier, owner: str) -> int:
+    """Read a shard owner's replies on an Exchange stream this (outbound-only) peer opened, into
+    `inbox`; returns how many. The first reply must be signed by `owner` (the stream's initial
+    metadata, `EXCHANGE_REPLY`) and carry a ticket admitting it to the running attempt; every
+    reply is an all-gather chunk of that owner and attempt that fits the plan
+    (`Session.check_chunk`).
+
+    Raises ShoalError (Unauthenticated, PermissionDenied, InvalidArgument, FailedPrecondition)
+    for a reply that fails a check (nothing of it reaches the inbox), grpc.aio.AioRpcError when
+    the stream breaks.
+    """
+    n = 0
+    s: Session | None = None
+    while (c := await call.read()) is not grpc.aio.EOF:
+        if s is None:
+            require(c.sender == owner, "sender", f"{c.sender[:8]} replies on a stream to {owner[:8]}")
+            verifier.verify(await call.initial_metadata() or (), EXCHANGE_REPLY, c)
+            s = inbox.session
+            if s is None or (s.round, s.attempt) != (c.round, c.attempt) or s.ticket_check is None:
+                raise FailedPrecondition(f"round: a reply for {c.round}.{c.attempt}, which is not running here")
+            if not c.ticket:
+                raise PermissionDenied("ticket: missing; an owner's first reply carries its round ticket")
+            s.ticket_check(c.ticket, c.sender)
+        require((c.round, c.attempt, c.sender) == (s.round, s.attempt, owner), "sender",
+                "one stream carries one owner's replies of one round attempt")
+        require(c.phase == pb.ALL_GATHER and not c.shm_name, "phase", "an owner replies with reduced shards, inline")
+        inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), s.check_chunk(c))
+        n += 1
+    return n
 
 
 async def serve_data_plane(service: PeerService, listen: str, security: Security, *,
@@ -530,6 +649,7 @@ class Transport:
         self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
         self.bytes_sent = 0
         self.created = time.monotonic()
+        self.reply_verifier = RequestVerifier()  # owners' signed first replies on Exchange streams
         if self.shared_memory:
             shm.remove_stale(self.peer_id)  # slabs a killed predecessor with this identity left
 
@@ -597,6 +717,10 @@ class Transport:
     def push_metadata(self, first_chunk: pb.Chunk) -> tuple[tuple[str, str], ...] | None:
         """Signature metadata for a PushChunks stream opening with `first_chunk`."""
         return None if self.key is None else push_metadata(self.key, first_chunk)
+
+    def exchange_metadata(self, first_chunk: pb.Chunk) -> tuple[tuple[str, str], ...] | None:
+        """Signature metadata for an Exchange stream opening with `first_chunk`."""
+        return None if self.key is None else sign_metadata(self.key, EXCHANGE, first_chunk)
 
     def stub(self, address: str, peer_id: str = "") -> pb_grpc.PeerStub:
         """A stub on the channel to peer `peer_id` at `address` (opened, or replaced, as needed).

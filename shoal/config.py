@@ -397,6 +397,10 @@ class PeerSection:
     shared_memory: bool = setting(True, "move tensor chunks to peers on this host through /dev/shm (after a "
                                         "probe proves they can read it) instead of the socket",
                                   flag="--no-shared-memory", negate=True)
+    outbound_only: bool = setting(False, "take part without being dialled, as behind NAT: never a shard owner nor a "
+                                         "state donor; contributions go out and results come back on streams this "
+                                         "peer opens (a peer the coordinator cannot dial back is so by itself; "
+                                         "docs/nat.md)")
     tls_dir: str | None = setting(None, "TLS directory holding ca.pem (the CA that signed the coordinator's "
                                         "certificate); the data-plane certificate is issued at join")
     mtls: bool = setting(False, "mutual TLS on the data plane (always so with the certificate issued at join); "

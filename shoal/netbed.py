@@ -10,6 +10,16 @@ host or to the root namespace, crosses both the sender's upload and the receiver
 shaper, like home links meeting in the internet core. Latency, loss and stalls are not modelled
 here (``netem`` is missing on this machine): put a `shoal.netproxy.DelayProxy` in the path.
 
+A host may sit behind a NAT router of its own (``nat[i]``), as a volunteer behind a home router
+does: the router is a namespace joined to the bridge on ``10.<x>.0.<i+1>`` (the host's public
+address, `public_ip`) and to the host on a private LAN ``10.<x>.<i+1>.0/24`` (router ``.1``, host
+``.2``, `host_ip`); it masquerades (``iptables -t nat ... MASQUERADE``) what the host sends out and
+drops every new inbound connection, so only replies to the host's own outbound connections come
+back. Nobody can dial such a host: the root namespace gets an ``unreachable`` route for the LAN
+(a dial fails at once instead of leaving for the default route), and the other hosts have no
+route there. `nat_rebind` changes the router's public address, as home routers do when their
+lease changes: the kernel drops the masqueraded connections, and the host must dial again.
+
 The bed owns everything it creates: leaving the ``with`` block (normally or by an exception) kills
 the processes started with `NetBed.popen` and deletes the namespaces, veths and the bridge. Names
 carry the creating process id (namespaces ``<prefix>-<pid>-<tag>-<i>``, links carry the alias
@@ -94,6 +104,7 @@ class NetBed:
         prefix: str = "shl",
         *,
         subnet_octet: int | None = None,
+        nat: Sequence[bool] | None = None,
     ) -> None:
         if n_hosts < 1 or n_hosts > 250:
             raise ValueError("n_hosts must be in 1..250")
@@ -104,6 +115,11 @@ class NetBed:
         self.down_mbit = list(down_mbit) if down_mbit is not None else [None] * n_hosts
         if len(self.up_mbit) != n_hosts or len(self.down_mbit) != n_hosts:
             raise ValueError("up_mbit and down_mbit need one entry per host")
+        self.nat = [bool(v) for v in nat] if nat is not None else [False] * n_hosts
+        if len(self.nat) != n_hosts:
+            raise ValueError("nat needs one entry per host")
+        if any(self.nat) and n_hosts > 120:
+            raise ValueError("a bed with NAT hosts holds at most 120 hosts (rebind addresses sit above .128)")
         self.prefix = prefix
         self._subnet_octet = subnet_octet
         self._tag = secrets.token_hex(2)
@@ -113,6 +129,8 @@ class NetBed:
         self._procs: list[subprocess.Popen[Any]] = []
         self._namespaces: list[str] = []
         self._bridge_made = False
+        self._routes: list[str] = []  # root-namespace routes this bed added (unreachable NAT LANs)
+        self._rebinds = [0] * n_hosts  # how often each NAT router's public address changed
         self.octet: int | None = None
 
     # --- names and addresses -----------------------------------------------------------------
@@ -126,10 +144,24 @@ class NetBed:
         """Host i's veth end in the root namespace (its download shaper sits here)."""
         return f"{self.prefix}{self._tag}b{i}"
 
-    def host_ip(self, i: int) -> str:
-        """Host i's address, ``10.<x>.0.<i+1>``."""
+    def router_netns(self, i: int) -> str:
+        """The name of the NAT router namespace in front of host i (only for ``nat[i]``)."""
         self._check_host(i)
-        return f"10.{self._octet()}.0.{i + 1}"
+        return f"{self.prefix}-{self._pid}-{self._tag}-r{i}"
+
+    def host_ip(self, i: int) -> str:
+        """The address on host i's own ``eth0`` (what it binds): ``10.<x>.0.<i+1>``, or behind
+        NAT its private ``10.<x>.<i+1>.2``."""
+        self._check_host(i)
+        return f"10.{self._octet()}.{i + 1}.2" if self.nat[i] else f"10.{self._octet()}.0.{i + 1}"
+
+    def public_ip(self, i: int) -> str:
+        """The address host i's connections come from as others see them: `host_ip`, or behind
+        NAT its router's current public address (it changes with `nat_rebind`)."""
+        self._check_host(i)
+        if not self.nat[i]:
+            return self.host_ip(i)
+        return f"10.{self._octet()}.0.{i + 1 + (128 if self._rebinds[i] % 2 else 0)}"
 
     @property
     def root_ip(self) -> str:
@@ -219,12 +251,16 @@ class NetBed:
         )
 
     def _add_host(self, i: int) -> None:
-        """Host i: its namespace, its veth to the bridge, its address, its shapers. (A host of
-        another kind, e.g. one behind its own router namespace, would be built here too.)"""
+        """Host i: its namespace, its veth to the bridge (or to its NAT router), its address,
+        its shapers."""
         ns, vb = self.netns(i), self.veth_bridge_side(i)
         _run(["ip", "netns", "add", ns])
         self._namespaces.append(ns)
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        if self.nat[i]:
+            self._add_nat_host(i)
+            self.shape(i, self.up_mbit[i], self.down_mbit[i])
+            return
         _run(["ip", "link", "add", vb, "type", "veth", "peer", "name", "eth0", "netns", ns])
         _run(["ip", "link", "set", vb, "alias", self._alias])
         _run(["ip", "link", "set", vb, "master", self.bridge])
@@ -232,6 +268,58 @@ class NetBed:
         _run(["ip", "-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0"])
         _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
         self.shape(i, self.up_mbit[i], self.down_mbit[i])
+
+    def _add_nat_host(self, i: int) -> None:
+        """Host i behind its own router namespace (see the module docstring). The host's upload
+        shaper sits on its own eth0, its download shaper on the router's bridge-side veth, as for
+        any host; the router itself is unshaped."""
+        ns, rns, vb = self.netns(i), self.router_netns(i), self.veth_bridge_side(i)
+        x = self._octet()
+        _run(["ip", "netns", "add", rns])
+        self._namespaces.append(rns)
+        _run(["ip", "-n", rns, "link", "set", "lo", "up"])
+        _run(["ip", "link", "add", vb, "type", "veth", "peer", "name", "eth0", "netns", rns])
+        _run(["ip", "link", "set", vb, "alias", self._alias])
+        _run(["ip", "link", "set", vb, "master", self.bridge])
+        _run(["ip", "link", "set", vb, "up"])
+        _run(["ip", "-n", rns, "addr", "add", f"{self.public_ip(i)}/24", "dev", "eth0"])
+        _run(["ip", "-n", rns, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", rns, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", ns])
+        _run(["ip", "-n", rns, "addr", "add", f"10.{x}.{i + 1}.1/24", "dev", "lan0"])
+        _run(["ip", "-n", rns, "link", "set", "lan0", "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0"])
+        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", ns, "route", "add", "default", "via", f"10.{x}.{i + 1}.1"])
+        _run(["ip", "netns", "exec", rns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        ipt = ["ip", "netns", "exec", rns, "iptables", "-w"]
+        _run([*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "eth0", "-j", "MASQUERADE"])
+        _run([*ipt, "-A", "FORWARD", "-i", "eth0", "-o", "lan0", "-m", "conntrack", "--ctstate",
+              "ESTABLISHED,RELATED", "-j", "ACCEPT"])
+        _run([*ipt, "-A", "FORWARD", "-i", "eth0", "-j", "DROP"])
+        _run([*ipt, "-A", "INPUT", "-i", "eth0", "-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"])
+        lan = f"10.{x}.{i + 1}.0/24"
+        _run(["ip", "route", "replace", "unreachable", lan])
+        self._routes.append(lan)
+
+    def nat_rebind(self, i: int) -> str:
+        """Give host i's NAT router a new public address now (alternating between two), as a
+        home router does when its lease changes; returns the new address. The kernel forgets the
+        masqueraded connections: the host's open connections break and it must dial again.
+        Raises ValueError for a host without NAT, NetBedError when ip fails."""
+        if not self.nat[i]:
+            raise ValueError(f"host {i} is not behind NAT")
+        rns, old = self.router_netns(i), self.public_ip(i)
+        self._rebinds[i] += 1
+        new = self.public_ip(i)
+        # Old one first: deleting a primary address would delete a secondary in its subnet too.
+        _run(["ip", "-n", rns, "addr", "del", f"{old}/24", "dev", "eth0"])
+        _run(["ip", "-n", rns, "addr", "add", f"{new}/24", "dev", "eth0"])
+        # Deleting the address drops its masqueraded conntrack entries (nf_nat's address notifier);
+        # flush the rest too where the conntrack tool is installed.
+        if shutil.which("conntrack") is not None:
+            _run(["ip", "netns", "exec", rns, "conntrack", "-F"], check=False)
+        log.info("netbed: host %d's NAT router moved from %s to %s", i, old, new)
+        return new
 
     def shape(self, i: int, up_mbit: float | None, down_mbit: float | None) -> None:
         """Set host i's upload / download rate (Mbit/s; None = unshaped) now, also while
@@ -277,6 +365,9 @@ class NetBed:
             if r.returncode != 0:
                 log.warning("netbed: could not delete netns %s: %s", ns, r.stderr.strip())
         self._namespaces.clear()
+        for lan in self._routes:
+            _run(["ip", "route", "del", "unreachable", lan], check=False)
+        self._routes.clear()
         for i in range(self.n_hosts):  # normally gone with their namespace; be thorough
             vb = self.veth_bridge_side(i)
             if _run(["ip", "link", "show", vb], check=False).returncode == 0:

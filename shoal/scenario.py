@@ -11,6 +11,9 @@ A scenario is a TOML file (examples in examples/scenarios/, schema in docs/fault
                           # resumed once the last round committed, so that they can leave)
     advertise = ""        # override the advertised data-plane address: "HOST:PORT", "refuse" (a
                           # closed port) or "drop" (its real address behind a firewall that drops)
+    nat = false           # behind a NAT router of its own: it dials out, nobody can dial it
+                          # (an outbound-only peer, docs/nat.md)
+    outbound_only = false # start it with --outbound-only (runs on loopback too)
 
     [[event]]
     at = 10.0             # seconds after the coordinator starts
@@ -19,8 +22,9 @@ A scenario is a TOML file (examples in examples/scenarios/, schema in docs/fault
     up_mbit = 10          # shape: the new rates (omitted = unshaped)
     down_mbit = 10
     seconds = 90.0        # local-work: how long that peer's next local update takes
+                          # (action "nat-rebind": that peer's NAT router gets a new public address)
 
-Shaping (`up_mbit`/`down_mbit`, action "shape") and `advertise = "drop"` need the network-namespace
+Shaping (`up_mbit`/`down_mbit`, action "shape"), `nat` (and "nat-rebind") and `advertise = "drop"` need the network-namespace
 runner (root: one namespace per peer, shoal.netbed); `needs_netns` names the first field that does.
 
 This module is pure: it parses and checks a scenario (`load`, `parse`; errors name the field,
@@ -40,7 +44,7 @@ from typing import Any
 
 from shoal.common.attempts import shown_attempt
 
-PEER_ACTIONS = ("local-work", "kill", "stop", "cont", "restart", "shape")
+PEER_ACTIONS = ("local-work", "kill", "stop", "cont", "restart", "shape", "nat-rebind")
 COORDINATOR_ACTIONS = ("coordinator-kill", "coordinator-restart", "coordinator-stop", "coordinator-cont")
 ACTIONS = PEER_ACTIONS + COORDINATOR_ACTIONS
 GAP_WINDOW_SECONDS = 30.0  # max_commit_gap_seconds_30s looks this far past an action's end
@@ -65,6 +69,8 @@ class PeerSpec:
     up_mbit: float | None = None
     down_mbit: float | None = None
     resume_after: float = RESUME_AFTER_SECONDS
+    nat: bool = False  # behind a NAT router namespace of its own (shoal.netbed)
+    outbound_only: bool = False  # started with --outbound-only
 
     @property
     def shaped(self) -> bool:
@@ -104,9 +110,11 @@ class Scenario:
                     return f"peer[{i}].{key}"
             if p.advertise == "drop":
                 return f"peer[{i}].advertise"
+            if p.nat:
+                return f"peer[{i}].nat"
         for e in self.events:
-            if e.action == "shape":
-                return f"the shape event at {e.at:g}s"
+            if e.action in ("shape", "nat-rebind"):
+                return f"the {e.action} event at {e.at:g}s"
         return ""
 
 
@@ -179,11 +187,19 @@ def _advertise(t: Mapping[str, Any], where: str) -> str:
 
 
 def _peer(t: Any, where: str) -> PeerSpec:
-    t = _known(t, ("start", "fault", "advertise", "up_mbit", "down_mbit", "resume_after"), where)
+    t = _known(t, ("start", "fault", "advertise", "up_mbit", "down_mbit", "resume_after", "nat", "outbound_only"),
+               where)
+    for key in ("nat", "outbound_only"):
+        if not isinstance(t.get(key, False), bool):
+            raise ScenarioError(f"{where}.{key}: must be true or false, got {t[key]!r}")
+    nat = t.get("nat", False)
+    if nat and t.get("advertise"):
+        raise ScenarioError(f"{where}.advertise: a peer behind NAT advertises its private address; remove one")
     return PeerSpec(start=_number(t, "start", where, 0.0), fault=_string(t, "fault", where),
                     advertise=_advertise(t, where), up_mbit=_rate(t, "up_mbit", where),
                     down_mbit=_rate(t, "down_mbit", where),
-                    resume_after=_number(t, "resume_after", where, RESUME_AFTER_SECONDS))
+                    resume_after=_number(t, "resume_after", where, RESUME_AFTER_SECONDS), nat=nat,
+                    outbound_only=t.get("outbound_only", False))
 
 
 def _event(t: Any, where: str, num_peers: int) -> Event:
@@ -220,6 +236,9 @@ def parse(raw: Mapping[str, Any], num_peers: int) -> Scenario:
                             f"{num_peers} peers (--peers)")
     peers = [_peer(t, f"peer[{i}]") for i, t in enumerate(peers_raw)]
     events = [_event(t, f"event[{i}]", num_peers) for i, t in enumerate(raw.get("event", []))]
+    for i, e in enumerate(events):
+        if e.action == "nat-rebind" and not (e.peer is not None and e.peer < len(peers) and peers[e.peer].nat):
+            raise ScenarioError(f"event[{i}].peer: nat-rebind needs a peer with nat = true, got peer {e.peer}")
     events.sort(key=lambda e: e.at)
     return Scenario(tuple(peers), tuple(events))
 
@@ -424,7 +443,7 @@ def touch_windows(plan: Scenario, num_peers: int, observed: Observed,
     - `advertise` set, or a `fault` other than SIGSTOP faults: the whole run;
     - a SIGSTOP fault: from the stop the swarm saw to its resume + grace (never resumed: inf);
     - event stop: from `at` to the peer's next cont + grace; kill: to its next restart + grace;
-      restart and shape: [at, at + grace]; local-work: [at, at + seconds + grace];
+      restart, shape and nat-rebind: [at, at + grace]; local-work: [at, at + seconds + grace];
     - coordinator-* events and static shaping touch no peer (they are not the peers' fault).
     """
     win: dict[int, list[tuple[float, float]]] = {i: [] for i in range(num_peers)}
@@ -442,7 +461,7 @@ def touch_windows(plan: Scenario, num_peers: int, observed: Observed,
             ender = "cont" if ev.action == "stop" else "restart"
             end = next((e.at for e in later if e.peer == ev.peer and e.action == ender), None)
             win[ev.peer].append((ev.at, math.inf if end is None else end + grace))
-        elif ev.action in ("restart", "shape"):
+        elif ev.action in ("restart", "shape", "nat-rebind"):
             win[ev.peer].append((ev.at, ev.at + grace))
         elif ev.action == "local-work":
             win[ev.peer].append((ev.at, ev.at + ev.seconds + grace))

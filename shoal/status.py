@@ -48,7 +48,10 @@ async def fetch_status_async(address: str, *, recent: int = 10, timeout: float =
                        "rtt_seconds": m.rtt_seconds,
                        # since the member's last link report; None when it never reported one
                        "age_seconds": round(m.links_age_seconds, 1) if m.links_age_seconds >= 0 else None},
-             "untrusted": m.untrusted, "shm_peers": m.shm_peers}
+             "untrusted": m.untrusted, "shm_peers": m.shm_peers,
+             # the coordinator's dial-back: "reachable" | "unreachable" | "unchecked"; outbound_only:
+             # it takes part without being dialled (unreachable, or --outbound-only; docs/nat.md)
+             "reachability": m.reachability or "unchecked", "outbound_only": m.outbound_only}
             for m in resp.members
         ],
         "rounds": [
@@ -91,8 +94,9 @@ def render_table(s: dict) -> str:
     head = (f"coordinator {s['coordinator']}  epoch {s['epoch']}  round {s['round']}  "
             f"committed {s['rounds_committed']}  aborted {s['rounds_aborted']}  algorithm {algo}")
     members = _table(
-        ["peer", "address", "state", "lease", "samples", "up", "down", "rtt", "links age", "shm peers"],
+        ["peer", "address", "state", "reach", "lease", "samples", "up", "down", "rtt", "links age", "shm peers"],
         [[m["peer_id"][:12], m["address"], m["state"] + (" (untrusted)" if m["untrusted"] else ""),
+          "outbound-only" if m.get("outbound_only") else m.get("reachability", "unchecked"),
           f"{m['lease_remaining_seconds']:.1f}s", str(m["num_samples"]),
           _rate(m["links"]["up_bytes_per_s"]), _rate(m["links"]["down_bytes_per_s"]),
           f"{m['links']['rtt_seconds'] * 1000:.1f}ms" if m["links"]["rtt_seconds"] else "-",

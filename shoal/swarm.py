@@ -398,6 +398,8 @@ class Swarm:
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", listen,
                 *(["--advertise", advertise] if advertise else []),
                 *(["--no-shared-memory"] if self.bed is not None else []),
+                *(["--outbound-only"] if self.opts.scenario is not None
+                  and self.opts.scenario.peer_spec(i).outbound_only else []),
                 "--key", str(self.workdir / f"peer-{i}.key"), "--data-shard", str(i),
                 "--events", str(self.workdir / f"peer-{i}.jsonl"), *self._common_args(f"peer-{i}"),
                 *self.security_args("peer"), *self.opts.extra_peer_args,
@@ -658,10 +660,13 @@ class ScenarioDriver:
         action = ev.action.removeprefix("coordinator-")
         if action == "local-work":
             sw.local_work_file(ev.peer).write_text(f"{ev.seconds}\n")
-        elif action == "shape":
+        elif action in ("shape", "nat-rebind"):
             if sw.bed is None:  # Scenario.needs_netns made run_swarm build the bed
-                raise RuntimeError("a shape event needs the network-namespace runner")
-            sw.bed.shape(ev.peer, ev.up_mbit, ev.down_mbit)
+                raise RuntimeError(f"a {action} event needs the network-namespace runner")
+            if action == "shape":
+                sw.bed.shape(ev.peer, ev.up_mbit, ev.down_mbit)
+            else:
+                sw.bed.nat_rebind(ev.peer)
         elif action in ("kill", "restart"):
             proc.signal(signal.SIGKILL)
             if proc.popen is not None:
@@ -928,7 +933,7 @@ def netns_refusal(plan: Scenario) -> str:
 @contextlib.contextmanager
 def _netbed(opts: SwarmOptions):
     """The bed of a scenario with shaping: one namespace per peer, shaped as its [[peer]] table
-    says (more --peers than tables: unshaped hosts), firewalls for `advertise = "drop"`. Beds
+    says (more --peers than tables: unshaped hosts), firewalls for `advertise = "drop"`, NAT routers for `nat = true`. Beds
     that killed runs left behind are removed first; this one is gone when the block exits,
     however it exits."""
     plan = opts.scenario
@@ -938,12 +943,14 @@ def _netbed(opts: SwarmOptions):
         raise RuntimeError(why)
     cleanup_stale(NETBED_PREFIX)
     specs = [plan.peer_spec(i) for i in range(opts.peers)]
-    with NetBed(opts.peers, [s.up_mbit for s in specs], [s.down_mbit for s in specs], prefix=NETBED_PREFIX) as bed:
+    with NetBed(opts.peers, [s.up_mbit for s in specs], [s.down_mbit for s in specs], prefix=NETBED_PREFIX,
+                nat=[s.nat for s in specs]) as bed:
         for i, s in enumerate(specs):
             if s.advertise == "drop":
                 bed.drop_inbound(i, NETNS_PEER_PORT)
         log.info("network namespaces: coordinator on %s, peers on %s", bed.root_ip,
-                 ", ".join(f"{bed.host_ip(i)} ({_rates(s)})" for i, s in enumerate(specs)))
+                 ", ".join(f"{bed.host_ip(i)} ({_rates(s)}{', behind NAT' if s.nat else ''})"
+                           for i, s in enumerate(specs)))
         yield bed
 
 

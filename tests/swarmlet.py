@@ -29,13 +29,14 @@ class Swarmlet:
         self.keys = [Ed25519PrivateKey.generate() for _ in range(p)]
         self.ids = [peer_id_of(public_bytes(k)) for k in self.keys]
 
-    def session(self, attempt: int) -> Session:
+    def session(self, attempt: int, outbound_only=()) -> Session:
         pub = public_bytes(self.coordinator_key)
 
         def check(ticket: bytes, sender: str) -> None:
             verify_ticket(pub, ticket, round=0, attempt=attempt, sender=sender)
 
-        return Session(0, attempt, frozenset(self.ids), pb.FLOAT32, check)
+        return Session(0, attempt, frozenset(self.ids), pb.FLOAT32, check,
+                       outbound_only=frozenset(self.ids[i] for i in outbound_only))
 
     async def __aenter__(self):
         self.servers, self.services, self.inboxes, self.addresses, self.transports = [], [], [], [], []
@@ -43,7 +44,7 @@ class Swarmlet:
             inbox = Inbox()
             server = grpc.aio.server()
             service = PeerService(inbox, coordinator_public_key=public_bytes(self.coordinator_key),
-                                  shared_memory=self.shared[i])
+                                  shared_memory=self.shared[i], key=self.keys[i])
             pb_grpc.add_PeerServicer_to_server(service, server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
@@ -64,9 +65,11 @@ class Swarmlet:
 
     async def run(self, xs, *, attempt: int, algorithm: str = "butterfly", compression: str = "none",
                   reducers=None, feedback=None, chunk_bytes: int = 64, return_exceptions: bool = False,
-                  chunk_timeout: float = 5.0, audit: bool = False, tampers=None, shard_owner=None, silent=()):
+                  chunk_timeout: float = 5.0, audit: bool = False, tampers=None, shard_owner=None, silent=(),
+                  outbound_only=()):
         """One all-reduce attempt of every peer (results in peer order). Peers in `silent` take no
-        part (their data planes still accept chunks) and get None."""
+        part (their data planes still accept chunks) and get None. `outbound_only`: positions the
+        plan marks so (give them no shard in `shard_owner`)."""
         n = xs[0].size
         shard_owner = tuple(range(self.p)) if shard_owner is None else tuple(shard_owner)
         shards = len(shard_owner)
@@ -74,10 +77,10 @@ class Swarmlet:
                     shard_bounds=tuple(n * i // shards for i in range(shards + 1)),
                     shard_owner=shard_owner, collective=algorithm, chunk_bytes=chunk_bytes,
                     chunk_timeout_seconds=chunk_timeout, deadline_seconds=30.0, compression=compression,
-                    audit_owners=audit,
+                    audit_owners=audit, outbound_only=tuple(outbound_only),
                     ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids, bytes(32), 60.0))
         for inbox in self.inboxes:
-            inbox.start(self.session(attempt))
+            inbox.start(self.session(attempt, outbound_only))
         reducers = reducers or [None] * self.p
         feedback = feedback or [None] * self.p
         live = [i for i in range(self.p) if i not in silent]

@@ -134,33 +134,33 @@ def test_a_stale_lease_settles_a_tie_between_two_accusers():
     assert abort.record.excluded == ("b",)
 
 
-def test_an_unreachable_member_is_placed_in_no_round_and_is_no_donor():
+def test_an_unreachable_member_takes_part_outbound_only_and_is_no_donor():
     e = RoundEngine(EngineConfig(min_peers=2, ready_timeout=5.0, retry_backoff=0.0))
     for p in ABCD:
         e.join(p, KEY, f"127.0.0.1:{1000 + ord(p)}", 1, 0.0, reachable=p != "d")
         e.connected(p, 0.0)
-    acts = [a for p in "abc" for a in e.ready_(p, 0, ReadyInfo(100, 1, 1, b"", 0, 0.0), 0.1)]
-    (plan,) = [a for a in acts if isinstance(a, SendPlan)]  # nobody waits for d
-    assert set(plan.plan.participants) == {"a", "b", "c"}
-    for p in "abc":
+    acts = [a for p in "abcd" for a in e.ready_(p, 0, ReadyInfo(100, 1, 1, b"", 0, 0.0), 0.1)]
+    (plan,) = [a for a in acts if isinstance(a, SendPlan)]  # d is waited on: it takes part
+    assert set(plan.plan.participants) == set(ABCD)
+    d = plan.plan.position("d")
+    assert plan.plan.outbound_only == (d,) and d not in plan.plan.shard_owner
+    assert plan.plan.collective == "butterfly"
+    for p in ABCD:
         e.vote(p, 0, plan.plan.attempt, True, b"r", b"s", 0.2)
-    e.ready_("d", 1, ReadyInfo(100, 1, 1, b"s", 1, 0.0), 0.3)
-    acts = [a for p in "abc" for a in e.ready_(p, 1, ReadyInfo(100, 1, 1, b"s", 1, 0.0), 0.3)]
-    (plan,) = [a for a in acts if isinstance(a, SendPlan)]
-    assert "d" not in plan.plan.participants
-    assert e.waiting(0.3).peers and "d" not in e.waiting(0.3).peers
-    assert "d" not in e.donors(0.3)
+    assert "d" not in e.donors(0.3) and set(e.donors(0.3)) == {"a", "b", "c"}
 
 
-def test_round_zero_does_not_wait_for_an_unreachable_initial_peer():
+def test_round_zero_waits_for_an_unreachable_initial_peer_which_takes_part():
     e = RoundEngine(EngineConfig(min_peers=2, initial_peers=4, ready_timeout=5.0))
     for p in ABCD:
         e.join(p, KEY, f"127.0.0.1:{1000 + ord(p)}", 1, 0.0, reachable=p != "d")
         e.connected(p, 0.0)
-    e.ready_("d", 0, ReadyInfo(100, 1, 1, b"", 0, 0.0), 0.1)
     acts = [a for p in "abc" for a in e.ready_(p, 0, ReadyInfo(100, 1, 1, b"", 0, 0.0), 0.1)]
+    assert not [a for a in acts if isinstance(a, SendPlan)]  # d counts towards initial_peers
+    acts = e.ready_("d", 0, ReadyInfo(100, 1, 1, b"", 0, 0.0), 0.1)
     (plan,) = [a for a in acts if isinstance(a, SendPlan)]
-    assert set(plan.plan.participants) == {"a", "b", "c"}
+    assert set(plan.plan.participants) == set(ABCD)
+    assert [plan.plan.participants[i] for i in plan.plan.outbound_only] == ["d"]
     # The same peer from an address that answers counts again.
     e2 = RoundEngine(EngineConfig(min_peers=2, initial_peers=4, ready_timeout=5.0))
     for p in ABCD:

@@ -137,3 +137,108 @@ def test_cleanup_stale_removes_dead_runs_only() -> None:
         assert live.netns(0) in _leftovers(PREFIX)  # the live bed is untouched
     finally:
         live.close()
+
+
+# Dials HOST:PORT once: prints "ok" (connected and exchanged a line) or the error's name.
+DIAL = r"""
+import socket, sys
+try:
+    c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3]))
+    c.sendall(b"hi\n"); c.settimeout(5); print("ok" if c.recv(16) == b"hi\n" else "bad", flush=True)
+except OSError as exc:
+    print(type(exc).__name__, flush=True)
+"""
+
+# Echoes one line per connection for every connection it accepts, until killed.
+ECHO = r"""
+import socket, sys, threading
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((sys.argv[1], int(sys.argv[2]))); srv.listen(8)
+print("ready", flush=True)
+def serve(c):
+    with c:
+        while (line := c.recv(64)):
+            c.sendall(line)
+while True:
+    threading.Thread(target=serve, args=(srv.accept()[0],), daemon=True).start()
+"""
+
+
+def _echo(bed: NetBed, host: int | None, port: int) -> subprocess.Popen:
+    """An echo server on host `host` (None: the root namespace, on bed.root_ip)."""
+    argv = [sys.executable, "-c", ECHO, bed.root_ip if host is None else bed.host_ip(host), str(port)]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) if host is None else \
+        bed.popen(host, argv, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _dial(bed: NetBed, src: int | None, addr: str, port: int, timeout: float = 3.0) -> str:
+    argv = [sys.executable, "-c", DIAL, addr, str(port), str(timeout)]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=30) if src is None else \
+        bed.run(src, argv, capture_output=True, text=True, timeout=30)
+    return run.stdout.strip()
+
+
+def test_a_nat_host_dials_out_and_nobody_dials_it() -> None:
+    root_echo = None
+    with NetBed(3, nat=[False, True, True], prefix=PREFIX) as bed:
+        try:
+            root_echo = _echo(bed, None, 5210)
+            _echo(bed, 0, 5211)
+            _echo(bed, 1, 5212)
+            _echo(bed, 2, 5213)
+            assert bed.public_ip(1) != bed.host_ip(1)
+            # Out: to the coordinator's namespace, to a public host and to another NAT host's
+            # router (whose port is closed to inbound connections).
+            assert _dial(bed, 1, bed.root_ip, 5210) == "ok"
+            assert _dial(bed, 1, bed.host_ip(0), 5211) == "ok"
+            # In: neither its private address (no route) nor its router's public one (dropped).
+            assert _dial(bed, None, bed.host_ip(1), 5212) != "ok"
+            assert _dial(bed, 0, bed.host_ip(1), 5212) != "ok"
+            assert _dial(bed, 0, bed.public_ip(1), 5212, timeout=1.5) == "TimeoutError"
+            assert _dial(bed, 2, bed.public_ip(1), 5212, timeout=1.5) == "TimeoutError"
+            assert _dial(bed, 0, bed.host_ip(2), 5213) != "ok"
+        finally:
+            if root_echo is not None:
+                root_echo.kill()
+                root_echo.wait(timeout=10)
+
+
+# Holds one connection open: prints "up" once a line came back, then, each time it is told
+# (a line on stdin), sends another and prints "ok" or the error's name.
+HOLD = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+c.sendall(b"a\n"); c.recv(16); print("up", flush=True)
+for _ in sys.stdin:
+    try:
+        c.settimeout(3); c.sendall(b"b\n"); print("ok" if c.recv(16) else "closed", flush=True)
+    except OSError as exc:
+        print(type(exc).__name__, flush=True)
+"""
+
+
+def test_nat_rebind_breaks_open_connections_and_new_dials_work() -> None:
+    with NetBed(2, nat=[False, True], prefix=PREFIX) as bed:
+        _echo(bed, 0, 5220)
+        hold = bed.popen(1, [sys.executable, "-c", HOLD, bed.host_ip(0), "5220"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+        assert hold.stdin is not None and hold.stdout is not None
+        assert hold.stdout.readline().strip() == "up"
+        hold.stdin.write("\n")
+        hold.stdin.flush()
+        assert hold.stdout.readline().strip() == "ok"
+        before = bed.public_ip(1)
+        assert bed.nat_rebind(1) != before
+        hold.stdin.write("\n")
+        hold.stdin.flush()
+        assert hold.stdout.readline().strip() != "ok"  # the old mapping is gone
+        assert _dial(bed, 1, bed.host_ip(0), 5220) == "ok"  # a new connection goes out
+
+
+def test_a_nat_host_is_shaped_like_any_other() -> None:
+    with NetBed(2, [None, 20], [None, None], nat=[False, True], prefix=PREFIX) as bed:
+        assert 0.7 * 20 <= _measure(bed, 1, 0, seconds=2.0, port=5230) <= 1.15 * 20
+        bed.shape(1, 10, None)  # a shape event on a NATed peer, while the bed runs
+        assert 0.7 * 10 <= _measure(bed, 1, 0, seconds=2.0, port=5231) <= 1.15 * 10

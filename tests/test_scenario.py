@@ -36,7 +36,10 @@ def test_parse_sorts_events_and_fills_plain_peers():
     ({"peer": [{"up_mbit": -20}]}, "peer[0].up_mbit"),
     ({"peer": [{"down_mbit": "fast"}]}, "peer[0].down_mbit"),
     ({"peer": [{"advertise": "nowhere"}]}, "peer[0].advertise"),
-    ({"peer": [{"nat": True}]}, "peer[0].nat"),
+    ({"peer": [{"nat": "yes"}]}, "peer[0].nat"),
+    ({"peer": [{"outbound_only": 1}]}, "peer[0].outbound_only"),
+    ({"peer": [{"nat": True, "advertise": "refuse"}]}, "peer[0].advertise"),
+    ({"peer": [{}, {"nat": True}], "event": [{"at": 1, "action": "nat-rebind", "peer": 0}]}, "event[0].peer"),
     ({"peer": [{"resume_after": -1}]}, "peer[0].resume_after"),
     ({"peer": [{"start": "soon"}]}, "peer[0].start"),
     ({"peer": [{}] * 5}, "peer"),
@@ -90,6 +93,18 @@ def test_shaping_is_parsed_and_says_it_needs_namespaces():
     # Without shaping (and without "drop") it runs on loopback as before.
     assert scenario.parse({"peer": [{"fault": "rs:stop@4", "advertise": "refuse"}],
                            "event": [{"at": 1, "action": "coordinator-stop"}]}, 4).needs_netns == ""
+
+
+def test_nat_is_parsed_and_needs_namespaces():
+    s = scenario.parse({"peer": [{}, {"nat": True}],
+                        "event": [{"at": 12, "action": "nat-rebind", "peer": 1}]}, 3)
+    assert s.peer_spec(1).nat and not s.peer_spec(0).nat and not s.peer_spec(2).nat
+    assert s.needs_netns == "peer[1].nat"
+    assert s.events[0] == Event(12.0, "nat-rebind", 1)
+    win = scenario.touch_windows(s, 3, Observed())
+    assert win[1] == [(12.0, 12.0 + scenario.TOUCH_GRACE_SECONDS)] and win[0] == []
+    flagged = scenario.parse({"peer": [{"outbound_only": True}]}, 2)
+    assert flagged.peer_spec(0).outbound_only and flagged.needs_netns == ""
 
 
 def _ev(kind, t, rnd, att, **kw):

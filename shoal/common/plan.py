@@ -55,7 +55,9 @@ class Plan:
     num_elements / dtype: the tensor (dtype: a `shoal.v1.DType` code). aggregator, compression:
     what shard owners compute and how chunks are encoded. audit_owners: a second owner recomputes
     every shard's aggregate (`auditor_positions`). ticket: the coordinator-signed round ticket
-    (empty before the server signs it).
+    (empty before the server signs it). outbound_only: positions of participants nobody dials
+    (behind NAT, or `--outbound-only`; docs/nat.md): never shard owners, only in a butterfly; each
+    opens a stream to every owner and gets the reduced shards back on it.
     """
 
     participants: tuple[str, ...]
@@ -81,6 +83,7 @@ class Plan:
     floor_seconds: float = 0.0
     demoted: tuple[str, ...] = ()
     ticket: bytes = b""
+    outbound_only: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -90,6 +93,10 @@ class Plan:
     def position(self, peer_id: str) -> int:
         """`peer_id`'s position in `participants`; raises ValueError when it is not one."""
         return self.participants.index(peer_id)
+
+    def dialable(self, position: int) -> bool:
+        """Whether other participants may dial the participant at `position` (not outbound-only)."""
+        return position not in self.outbound_only
 
     def owners(self) -> tuple[int, ...]:
         """Positions that own at least one tensor shard, ascending."""
@@ -108,7 +115,8 @@ class Plan:
                            address=self.addresses[i] if i < len(self.addresses) else "",
                            num_samples=self.num_samples[i] if i < len(self.num_samples) else 0,
                            owner=i in owners,
-                           public_key=self.public_keys[i] if i < len(self.public_keys) else b"")
+                           public_key=self.public_keys[i] if i < len(self.public_keys) else b"",
+                           outbound_only=i in self.outbound_only)
             for i, p in enumerate(self.participants)
         ]
         return pb.Plan(round=self.round, attempt=self.attempt, epoch=self.epoch, participants=parts,
@@ -138,4 +146,5 @@ class Plan:
             audit_owners=msg.audit_owners, predicted_seconds=msg.predicted_seconds,
             demoted=tuple(p.peer_id for i, p in enumerate(msg.participants) if i not in set(msg.shard_owner)),
             ticket=msg.ticket,
+            outbound_only=tuple(i for i, p in enumerate(msg.participants) if p.outbound_only),
         )

@@ -18,6 +18,7 @@ in a round (`shoal.common.tickets`); it only makes sure a request comes from the
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import pathlib
 from collections.abc import Collection
@@ -201,8 +202,9 @@ def push_metadata(key: Ed25519PrivateKey, first_chunk) -> tuple[tuple[str, str],
 
 class SignedCalls(grpc.aio.ServerInterceptor):
     """Server interceptor: per-host rate limit, then a valid request signature, for every method
-    whose path starts with `prefix`, except `unsigned` (full paths) and client streams (which
-    sign their first message and are checked by the handler; they are still rate limited).
+    whose path starts with `prefix`, except `unsigned` (full paths) and client or bidirectional
+    streams (which sign their first message and are checked by the handler; they are still rate
+    limited).
 
     `limits` maps a full method path to its own `RateLimiter` (e.g. a strict one for Join);
     every other method uses `default_limit`. Refusals: RESOURCE_EXHAUSTED (rate, nonce memory),
@@ -264,5 +266,20 @@ class SignedCalls(grpc.aio.ServerInterceptor):
                 return await inner_c(request_iterator, context)
 
             return handler._replace(stream_unary=stream_unary)
+        if handler.stream_stream is not None:
+            inner_b = handler.stream_stream
+            if inspect.isasyncgenfunction(inner_b):
+                async def stream_stream_gen(request_iterator, context):
+                    await admit(None, context)
+                    async for item in inner_b(request_iterator, context):
+                        yield item
+
+                return handler._replace(stream_stream=stream_stream_gen)
+
+            async def stream_stream(request_iterator, context):  # a handler that writes with context.write
+                await admit(None, context)
+                return await inner_b(request_iterator, context)
+
+            return handler._replace(stream_stream=stream_stream)
         return handler
 

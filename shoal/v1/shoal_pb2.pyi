@@ -36,7 +36,7 @@ ALL_GATHER: Phase
 DISTANCES: Phase
 
 class JoinRequest(_message.Message):
-    __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s", "tls_csr")
+    __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s", "tls_csr", "outbound_only")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class JoinRequest(_message.Message):
     UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     TLS_CSR_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     data_address: str
     join_token: str
@@ -53,7 +54,8 @@ class JoinRequest(_message.Message):
     up_bytes_per_s: float
     down_bytes_per_s: float
     tls_csr: bytes
-    def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., tls_csr: _Optional[bytes] = ...) -> None: ...
+    outbound_only: bool
+    def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., tls_csr: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable", "tls_certificate", "tls_ca", "tls_not_after")
@@ -172,18 +174,20 @@ class WatchRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
 
 class Participant(_message.Message):
-    __slots__ = ("peer_id", "address", "num_samples", "owner", "public_key")
+    __slots__ = ("peer_id", "address", "num_samples", "owner", "public_key", "outbound_only")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     num_samples: int
     owner: bool
     public_key: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ...) -> None: ...
+    outbound_only: bool
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners")
@@ -364,7 +368,7 @@ class StatusRequest(_message.Message):
     def __init__(self, recent_rounds: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "untrusted", "shm_peers", "reachability", "links_age_seconds")
+    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "untrusted", "shm_peers", "reachability", "links_age_seconds", "outbound_only")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +381,7 @@ class MemberInfo(_message.Message):
     SHM_PEERS_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     LINKS_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     state: str
@@ -389,7 +394,8 @@ class MemberInfo(_message.Message):
     shm_peers: int
     reachability: str
     links_age_seconds: float
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ..., reachability: _Optional[str] = ..., links_age_seconds: _Optional[float] = ...) -> None: ...
+    outbound_only: bool
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ..., reachability: _Optional[str] = ..., links_age_seconds: _Optional[float] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
     __slots__ = ("round", "attempt", "status", "state_digest", "participants", "seconds", "reason", "train_loss", "collective")

@@ -623,6 +623,11 @@ class PeerStub:
                 request_serializer=shoal_dot_v1_dot_shoal__pb2.ReachRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_shoal__pb2.ReachResponse.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_stream(
+                '/shoal.v1.Peer/Exchange',
+                request_serializer=shoal_dot_v1_dot_shoal__pb2.Chunk.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_shoal__pb2.Chunk.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -660,6 +665,15 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request_iterator, context):
+        """An outbound-only participant's stream to a shard owner (docs/nat.md): it sends its chunks as
+        on PushChunks (same signature, ticket and checks), and the owner sends the reduced shards
+        back on the same stream, its first reply signed (initial metadata) and carrying its ticket.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -682,6 +696,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Reach,
                     request_deserializer=shoal_dot_v1_dot_shoal__pb2.ReachRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_shoal__pb2.ReachResponse.SerializeToString,
+            ),
+            'Exchange': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=shoal_dot_v1_dot_shoal__pb2.Chunk.FromString,
+                    response_serializer=shoal_dot_v1_dot_shoal__pb2.Chunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -794,6 +813,33 @@ class Peer:
             '/shoal.v1.Peer/Reach',
             shoal_dot_v1_dot_shoal__pb2.ReachRequest.SerializeToString,
             shoal_dot_v1_dot_shoal__pb2.ReachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/shoal.v1.Peer/Exchange',
+            shoal_dot_v1_dot_shoal__pb2.Chunk.SerializeToString,
+            shoal_dot_v1_dot_shoal__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,267 @@
+"""Outbound-only participants (docs/nat.md): the planner never makes them shard owners and forces
+the butterfly; in the data plane (real gRPC in one process) they push to the owners on streams
+they open and get the reduced shards back on them, bit-identical, and nobody dials them."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shoal.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from shoal.common.identity import RequestVerifier, sign_metadata
+from shoal.common.plan import Plan
+from shoal.common.tensors import digest
+from shoal.common.tickets import issue_ticket
+
+from shoal.coordinator.blame import blame
+from shoal.coordinator.planner import (LinkSpec, NoPlan, PlanPolicy, eligible_fractions, plan_round,
+                                      without_outbound_owners)
+from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendAbort, SendPlan
+from shoal.coordinator.server import CoordinatorService
+from shoal.coordinator.store import MemoryStore
+from shoal.peer.collectives import CollectiveError
+from shoal.peer.dataplane import EXCHANGE_REPLY, Inbox, take_replies
+from shoal.peer.reduction import OwnerReduction, ReductionSpec
+from shoal.status import render_table
+from shoal.v1 import shoal_pb2 as pb
+from swarmlet import Swarmlet
+
+MB = 1e6
+
+
+def _links(rates):
+    return [LinkSpec(f"p{i}", up * MB, down * MB, 0.02) for i, (up, down) in enumerate(rates)]
+
+
+@pytest.mark.parametrize("collective", ["auto", "ring", "butterfly"])
+def test_outbound_only_peers_own_no_shard_and_force_the_butterfly(collective):
+    # p1 and p3 are the fastest links: without NAT the planner would give them the most.
+    links = _links([(10, 10), (100, 100), (10, 10), (100, 100), (10, 10)])
+    policy = PlanPolicy(collective=collective)
+    plan = plan_round(links, 1_000_000, pb.FLOAT32, policy, outbound_only={"p1", "p3"})
+    assert isinstance(plan, Plan)
+    assert plan.collective == "butterfly"
+    assert plan.outbound_only == (1, 3)
+    assert not {1, 3} & set(plan.shard_owner)
+    assert set(plan.shard_owner) <= {0, 2, 4}
+    assert plan.shard_bounds[0] == 0 and plan.shard_bounds[-1] == 1_000_000
+    assert list(plan.shard_bounds) == sorted(plan.shard_bounds)
+    assert {"p1", "p3"} <= set(plan.demoted)
+    back = Plan.from_proto(plan.to_proto())
+    assert back.outbound_only == (1, 3) and not back.dialable(1) and back.dialable(0)
+
+
+def test_without_outbound_peers_the_plan_is_unchanged():
+    links = _links([(10, 10)] * 4)
+    a = plan_round(links, 4000, pb.FLOAT32, PlanPolicy())
+    b = plan_round(links, 4000, pb.FLOAT32, PlanPolicy(), outbound_only={"nobody"})
+    assert a == b and a.outbound_only == ()
+
+
+def test_no_reachable_trusted_owner_is_no_plan():
+    links = _links([(10, 10)] * 3)
+    assert isinstance(plan_round(links, 4000, pb.FLOAT32, PlanPolicy(), outbound_only={"p0", "p1", "p2"}), NoPlan)
+    # The only reachable one is untrusted: nobody may own shards.
+    got = plan_round(links, 4000, pb.FLOAT32, PlanPolicy(), outbound_only={"p0", "p1"}, untrusted={"p2"})
+    assert isinstance(got, NoPlan)
+    ok = plan_round(links, 4000, pb.FLOAT32, PlanPolicy(), outbound_only={"p0"}, untrusted={"p2"})
+    assert isinstance(ok, Plan) and set(ok.shard_owner) == {1}
+
+
+def test_shares_of_outbound_owners_go_to_the_others_in_proportion():
+    plan = Plan(("a", "b", "c"), "butterfly", (0, 50, 80, 100), (0, 1, 2), num_elements=100)
+    out = without_outbound_owners(plan, {"a"})
+    assert out is not None and out.shard_owner == (1, 2) and out.shard_bounds == (0, 60, 100)
+    assert out.outbound_only == (0,) and out.demoted == ("a",)
+
+
+def test_the_engine_places_unreachable_and_outbound_only_members_as_outbound_only():
+    cfg = EngineConfig(min_peers=3, initial_peers=3, ready_timeout=5.0)
+    e = RoundEngine(cfg)
+    e.join("a", b"ka", "10.0.0.1:7000", 10, 0.0, reachable=True, connected=True)
+    e.join("b", b"kb", "10.0.0.2:7000", 10, 0.0, reachable=False, connected=True)
+    e.join("c", b"kc", "10.0.0.3:7000", 10, 0.0, outbound_only=True, connected=True)
+    actions = []
+    for p in "abc":
+        actions += e.ready_(p, 0, ReadyInfo(1000, pb.FLOAT32, 10, b"", 0, 1.0), 1.0)
+    plans = [a.plan for a in actions if isinstance(a, SendPlan)]
+    assert plans, "a round opens with the outbound-only members in it"
+    plan = plans[-1]
+    assert set(plan.participants) == {"a", "b", "c"}
+    assert plan.collective == "butterfly"
+    assert {plan.participants[i] for i in plan.outbound_only} == {"b", "c"}
+    assert {plan.participants[o] for o in plan.shard_owner} == {"a"}
+
+
+def _inputs(p: int, n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_outbound_only_peers_get_the_bit_identical_sum_on_their_own_streams(compression):
+    p, n = 5, 301
+    xs = _inputs(p, n)
+    async with Swarmlet(p, shared=[False] * p) as sw:
+        # Nobody can dial peers 1 and 3: their addresses lead nowhere.
+        sw.addresses[1] = sw.addresses[3] = "127.0.0.1:1"
+        out = await sw.run(xs, attempt=0, shard_owner=(0, 2, 4), outbound_only=(1, 3), compression=compression)
+    digests = {r.digest for r in out}
+    assert len(digests) == 1
+    assert all(digest(r.values) == r.digest for r in out)
+    if compression == "none":
+        np.testing.assert_allclose(out[1].values, np.sum(xs, axis=0), rtol=1e-5, atol=1e-5)
+
+
+async def test_outbound_only_with_a_robust_aggregator_and_audited_owners():
+    p, n = 5, 160
+    xs = _inputs(p, n, seed=3)
+    spec = ReductionSpec("trimmed-mean", {"beta": 0.2})
+    async with Swarmlet(p, shared=[False] * p) as sw:
+        sw.addresses[4] = "127.0.0.1:1"
+        out = await sw.run(xs, attempt=0, shard_owner=(0, 1, 2, 3), outbound_only=(4,), audit=True,
+                           reducers=[OwnerReduction(spec, np.ones(p), n) for _ in range(p)])
+    assert len({r.digest for r in out}) == 1
+
+
+async def test_a_tampering_owner_is_still_caught_with_outbound_only_peers():
+    p, n = 4, 120
+    xs = _inputs(p, n, seed=5)
+
+    def tamper(v):
+        v = v.copy()
+        v[0] += 1.0
+        return v
+
+    async with Swarmlet(p, shared=[False] * p) as sw:
+        sw.addresses[3] = "127.0.0.1:1"
+        out = await sw.run(xs, attempt=0, shard_owner=(0, 1, 2), outbound_only=(3,), audit=True,
+                           tampers={1: tamper}, return_exceptions=True)
+    failed = [r for r in out if isinstance(r, CollectiveError)]
+    assert failed and any(sw.ids[1] in e.suspects for e in failed)
+
+
+async def test_a_dialable_peer_cannot_open_an_exchange():
+    p, n = 3, 60
+    xs = _inputs(p, n)
+    async with Swarmlet(p, shared=[False] * p) as sw:
+        # The plan peer 2 runs says it is outbound-only, the owners' sessions say nobody is.
+        base = sw.session
+
+        def no_outbound(attempt, outbound_only=()):
+            return base(attempt, ())
+
+        sw.session = no_outbound
+        out = await sw.run(xs, attempt=0, shard_owner=(0, 1), outbound_only=(2,), chunk_timeout=2.0,
+                           return_exceptions=True)
+    assert isinstance(out[2], CollectiveError)
+    assert "PERMISSION_DENIED" in str(out[2])
+
+
+def test_an_outbound_only_peer_whose_exchanges_all_broke_is_the_one_blamed():
+    # Its NAT forgot the mapping: every exchange breaks at once, it names every owner
+    # (peer.collectives._Exchange), the owners voted ok: it is cut off from the others.
+    votes = {"a": (), "b": (), "c": (), "o": ("a", "b")}
+    assert blame(("a", "b", "c", "o"), votes, voted_at={"a": 1.0, "b": 1.0, "c": 1.0, "o": 1.2},
+                 cascade=2.0) == ("o",)
+    # An owner that died is silent: it is blamed, not the outbound-only peer naming every owner.
+    votes = {"b": ("a",), "c": ("a",), "o": ("a", "b")}
+    assert blame(("a", "b", "c", "o"), votes, voted_at={"b": 1.0, "c": 1.0, "o": 1.1}, cascade=2.0) == ("a",)
+
+
+def test_the_engine_excludes_an_outbound_only_peer_whose_calls_to_every_owner_broke():
+    e = RoundEngine(EngineConfig(min_peers=2, initial_peers=4, ready_timeout=5.0, retry_backoff=0.0))
+    for p in "abcd":
+        e.join(p, b"k" + p.encode(), f"10.0.0.{ord(p)}:7000", 10, 0.0, reachable=p != "d", connected=True)
+    acts = [a for p in "abcd" for a in e.ready_(p, 0, ReadyInfo(1000, pb.FLOAT32, 10, b"", 0, 1.0), 1.0)]
+    (plan,) = [a.plan for a in acts if isinstance(a, SendPlan)]
+    owners = tuple(plan.participants[o] for o in plan.owners())
+    assert len(owners) == 3 and "d" not in owners
+    acts = e.vote("d", 0, plan.attempt, False, b"", b"", 1.5, suspects=owners, error="exchange broke")
+    (abort,) = [a for a in acts if isinstance(a, SendAbort)]
+    assert abort.record.excluded == ("d",)
+
+
+async def test_status_says_which_members_are_outbound_only():
+    svc = CoordinatorService(RoundEngine(EngineConfig()), MemoryStore(), "{}", Ed25519PrivateKey.generate(),
+                             clock=lambda: 10.0)
+    svc.apply(svc.engine.join("a", b"\1" * 32, "10.0.0.1:1", 1, 0.0, reachable=True))
+    svc.apply(svc.engine.join("b", b"\2" * 32, "10.0.0.2:1", 1, 0.0, reachable=False))
+    svc.apply(svc.engine.join("c", b"\3" * 32, "10.0.0.3:1", 1, 0.0, outbound_only=True))
+    resp = await svc.GetStatus(pb.StatusRequest(), None)
+    got = {m.peer_id: (m.reachability, m.outbound_only) for m in resp.members}
+    assert got == {"a": ("reachable", False), "b": ("unreachable", True), "c": ("unchecked", True)}
+    rows = [{"peer_id": m.peer_id * 12, "address": m.address, "state": m.state, "untrusted": False,
+             "lease_remaining_seconds": 1.0, "num_samples": 1, "shm_peers": 0, "reachability": m.reachability,
+             "outbound_only": m.outbound_only,
+             "links": {"up_bytes_per_s": 0, "down_bytes_per_s": 0, "rtt_seconds": 0, "age_seconds": None}}
+            for m in resp.members]
+    table = render_table({"coordinator": "c", "epoch": 0, "round": 0, "rounds_committed": 0, "rounds_aborted": 0,
+                          "run_config": {}, "waiting": {}, "members": rows, "rounds": []})
+    lines = {line.split()[0][:1]: line for line in table.splitlines() if line[:1] in "abc" and line.split()}
+    assert "reach" in table
+    assert "reachable" in lines["a"] and "outbound-only" in lines["b"] and "outbound-only" in lines["c"]
+
+
+def test_eligible_fractions_solve_the_pipelined_model_without_the_outbound_peers():
+    # Two fast reachable peers, two slow NATed ones: the fast ones split the tensor evenly, and
+    # the round takes what the slow ones need anyway (n / 50 Mbit/s), the bound on these links.
+    assert eligible_fractions([12.5e6, 12.5e6, 6.25e6, 6.25e6], [0, 1]) == pytest.approx([0.5, 0.5])
+    # A reachable peer much faster than the other: it owns everything (the other is demoted).
+    assert eligible_fractions([10.0, 40.0, 10.0, 10.0], [0, 1]) == pytest.approx([0.0, 1.0])
+    # Shares follow capacity where the outbound peers do not bound the round.
+    w = eligible_fractions([20.0, 40.0, 100.0, 100.0, 100.0], [0, 1])
+    assert sum(w) == pytest.approx(1.0) and w[1] > w[0] > 0
+    mb = 1e6 / 8
+    links = [LinkSpec(f"p{i}", r * mb, r * mb, 0.001) for i, r in enumerate([100, 100, 50, 50])]
+    plan = plan_round(links, 1_000_000, pb.FLOAT32, PlanPolicy(), outbound_only={"p2", "p3"})
+    assert plan.shard_owner == (0, 1) and plan.shard_bounds == (0, 500_000, 1_000_000)
+
+
+class _Call:
+    """An Exchange call as `take_replies` reads it: the owner's replies, then EOF."""
+
+    def __init__(self, replies, metadata):
+        self.replies, self.metadata = list(replies), metadata
+
+    async def read(self):
+        return self.replies.pop(0) if self.replies else grpc.aio.EOF
+
+    async def initial_metadata(self):
+        return self.metadata
+
+
+async def test_an_owners_replies_are_checked_before_they_reach_the_inbox():
+
+    sw = Swarmlet(3)
+    owner, me = sw.ids[0], sw.ids[2]
+    ticket = issue_ticket(sw.coordinator_key, 0, 0, sw.ids, bytes(32), 60.0)
+
+    def reply(**kw):
+        c = pb.Chunk(round=0, attempt=0, sender=owner, phase=pb.ALL_GATHER, shard=0, offset=0, dtype=pb.FLOAT32,
+                     shape=[4], data=bytes(16), ticket=ticket)
+        for k, v in kw.items():
+            setattr(c, k, v)
+        return c
+
+    async def take(first, key=sw.keys[0], more=()):
+        inbox = Inbox()
+        inbox.start(sw.session(0, (2,)))
+        n = await take_replies(_Call([first, *more], sign_metadata(key, EXCHANGE_REPLY, first)), inbox,
+                               RequestVerifier(), owner)
+        return n, inbox
+
+    n, inbox = await take(reply(), more=[reply(offset=4)])
+    assert n == 2
+    got = await inbox.get((0, 0, pb.ALL_GATHER, 0, 0, 0, owner), 1.0)
+    assert got.tolist() == [0.0] * 4
+    with pytest.raises(Unauthenticated):  # signed by another peer's key
+        await take(reply(), key=sw.keys[1])
+    with pytest.raises(PermissionDenied):  # no ticket on the first reply
+        await take(reply(ticket=b""))
+    with pytest.raises(InvalidArgument):  # a reply that is not a reduced shard
+        await take(reply(), more=[reply(phase=pb.REDUCE_SCATTER, offset=4)])
+    with pytest.raises(InvalidArgument):  # another sender on the owner's stream
+        await take(reply(sender=me))
