@@ -75,7 +75,10 @@ class CoordinatorBenchOptions:
     every heartbeat costs the coordinator a signature check and a gRPC call, ~0.3 ms of CPU).
     ready_timeout: the coordinator's ready deadline (the rounds wait at most this long for the
     last members' Ready). processes: member processes. members_per_connection: members that
-    share one gRPC connection (1 = one TCP connection per member, as volunteers have)."""
+    share one gRPC connection (1 = one TCP connection per member, as volunteers have).
+    coordinator_profile: run the coordinator under cProfile and write its profile (pstats) to
+    this path (the coordinator is then stopped with SIGTERM, not killed; its CPU figures include
+    the profiler's overhead, ~1.5-2x)."""
 
     members: int = 1000
     rounds: int = 50
@@ -86,6 +89,7 @@ class CoordinatorBenchOptions:
     members_per_connection: int = 1
     train_seconds: float = 1.0
     coordinator_nice: int = 0
+    coordinator_profile: str | None = None
     timeout: float = 3600.0
     workdir: str | None = None
     seed: int = 0
@@ -458,7 +462,9 @@ class _Processes:
 
 def _coordinator_argv(opts: CoordinatorBenchOptions, wd: pathlib.Path) -> list[str]:
     n = opts.members
-    return [sys.executable, "-m", "shoal.cli", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
+    profile = ["-m", "cProfile", "-o", str(pathlib.Path(opts.coordinator_profile).resolve())] \
+        if opts.coordinator_profile else []
+    return [sys.executable, *profile, "-m", "shoal.cli", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
             "--state", str(wd / "coordinator.db"), "--ready-file", str(wd / "coordinator.addr"),
             "--rounds", str(opts.rounds), "--min-peers", "2", "--initial-peers", str(n),
             "--cohort-size", str(opts.cohort_size), "--lease-seconds", str(opts.lease_seconds),
@@ -529,6 +535,11 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
             time.sleep(0.5)
         end = _proc_status(coord.pid)
         t_end = time.time()
+        if opts.coordinator_profile:
+            # A graceful stop, so that cProfile writes the profile on the way out.
+            coord.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                coord.wait(timeout=60)
         # The coordinator's resident memory over the rounds, for a look beyond the one slope.
         (wd / "rss.csv").write_text("rounds,rss_bytes\n" + "".join(f"{r},{v}\n" for r, v in samples))
         stats = [json.loads(out.read_text()) for _, out, _ in workers]
@@ -612,6 +623,9 @@ def add_parser(bsub) -> None:
     b.add_argument("--coordinator-nice", type=int, default=d.coordinator_nice,
                    help="scheduling niceness of the coordinator process (negative: ahead of the members and of "
                         "other load on a shared machine, as on a host of its own; needs root)")
+    b.add_argument("--coordinator-profile", metavar="PATH",
+                   help="run the coordinator under cProfile and write its profile (pstats) to PATH; "
+                        "read it with `python -m pstats PATH`")
     b.add_argument("--seed", type=int, default=d.seed, help="seed of the members' keys")
     b.add_argument("--timeout", type=float, default=d.timeout, help="give up after this many seconds")
     b.add_argument("--workdir", help="keep the state file, logs and member reports here")
@@ -623,7 +637,7 @@ def options_from_args(a: argparse.Namespace) -> CoordinatorBenchOptions:
                                    processes=a.processes, lease_seconds=a.lease_seconds,
                                    ready_timeout=a.ready_timeout, members_per_connection=a.members_per_connection,
                                    train_seconds=a.train_seconds, coordinator_nice=a.coordinator_nice,
-                                   timeout=a.timeout, workdir=a.workdir, seed=a.seed)
+                                   coordinator_profile=a.coordinator_profile, timeout=a.timeout, workdir=a.workdir, seed=a.seed)
 
 
 def _members_main(argv: list[str]) -> None:

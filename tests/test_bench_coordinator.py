@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shoal.bench_coordinator import Histogram, growth_per_round
+from shoal.bench_coordinator import CoordinatorBenchOptions, Histogram, _coordinator_argv, growth_per_round
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEYS = ("members", "joins_per_second", "heartbeat_p50_seconds", "heartbeat_p99_seconds",
@@ -38,6 +38,14 @@ def test_growth_per_round_is_the_slope_of_the_second_half():
     # Samples after the last commit (the members told the run finished, leaving) are no round's.
     ending = samples + [(100, 10**9)] * 5
     assert growth_per_round(ending, 100) == pytest.approx(40.0)
+
+
+def test_the_coordinator_runs_under_cprofile_only_when_asked(tmp_path):
+    plain = _coordinator_argv(CoordinatorBenchOptions(), tmp_path)
+    assert plain[1:4] == ["-m", "shoal.cli", "coordinator"] and "cProfile" not in plain
+    profiled = _coordinator_argv(CoordinatorBenchOptions(coordinator_profile=str(tmp_path / "c.prof")), tmp_path)
+    assert profiled[1:4] == ["-m", "cProfile", "-o"] and profiled[4] == str(tmp_path / "c.prof")
+    assert profiled[5:] == plain[1:]
 
 
 @pytest.mark.integration
