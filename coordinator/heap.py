@@ -17,29 +17,54 @@ collected before each freeze, the "growth per round" of docs/performance.md). Fr
 still freed by reference counting when they die; only objects alive at a freeze that later die
 in a reference cycle stay, so every `full_seconds` the heap is unfrozen and fully collected once
 (one pause, then frozen again).
+
+After each freeze it also hands the C heap's free pages back to the system (glibc's
+`malloc_trim`): gRPC's threads and protobuf allocate and free through malloc, whose arenas keep
+freed pages resident, so the resident size crept up round after round (~4 KB per round at
+1,000 members) with no Python object behind it (tracemalloc showed none).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import gc
 import logging
 import time
+from collections.abc import Callable
 
 log = logging.getLogger("shoal.coordinator")
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim(pad)` (returns 1 when memory went back to the system), or None
+    elsewhere (musl, macOS: nothing to trim there)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+MALLOC_TRIM = _malloc_trim()
 
 
 class HeapPolicy:
     """Freeze the long-lived heap every `freeze_seconds`; unfreeze and collect it fully every
     `full_seconds`. `run()` does it until cancelled."""
 
-    def __init__(self, freeze_seconds: float = 10.0, full_seconds: float = 600.0):
+    def __init__(self, freeze_seconds: float = 10.0, full_seconds: float = 600.0,
+                 trim: Callable[[int], int] | None = MALLOC_TRIM):
         self.freeze_seconds = freeze_seconds
         self.full_seconds = full_seconds
+        self.trim = trim  # the C heap's trim (None: not trimmed)
         self._next_full = time.monotonic() + full_seconds
 
     def step(self) -> None:
-        """One freeze (and, when due, the full collection before it)."""
+        """One freeze (and, when due, the full collection before it), then a trim of the C heap."""
         t0 = time.monotonic()
         if t0 >= self._next_full:
             gc.unfreeze()
@@ -49,6 +74,8 @@ class HeapPolicy:
         else:
             gc.collect(2)  # the permanent generation is not scanned: only the heap since the last freeze
         gc.freeze()
+        if self.trim is not None:
+            self.trim(0)
 
     async def run(self) -> None:
         while True:
