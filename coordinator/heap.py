@@ -51,6 +51,7 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 
 MALLOC_TRIM = _malloc_trim()
+SLOW_STEP_SECONDS = 0.1  # a step longer than this is logged (the heartbeat bar is 100 ms)
 
 
 class HeapPolicy:
@@ -77,6 +78,10 @@ class HeapPolicy:
         gc.freeze()
         if self.trim is not None:
             self.trim(0)
+        took = time.monotonic() - t0
+        if took > SLOW_STEP_SECONDS:
+            # Every call waits meanwhile: worth an operator's look (docs/performance.md).
+            log.warning("heap policy: collection, freeze and trim stopped the coordinator for %.0f ms", 1e3 * took)
 
     async def run(self) -> None:
         while True:
