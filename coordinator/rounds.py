@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from shoal.common.plan import Plan, auditor_positions
 from shoal.coordinator.blame import blame
 from shoal.coordinator.cohorts import Cohort, draw_cohort
+from shoal.coordinator.leases import LeaseSchedule
 from shoal.coordinator.planner import MAX_DEADLINE_SCALE, LinkSpec, NoPlan, PlanPolicy, plan_round
 
 __all__ = ["draw_cohort"]  # re-exported: the draw is part of the engine's rules
@@ -217,6 +218,8 @@ class Member:
     public_key: bytes
     address: str
     num_samples: int
+    # Engine time its lease ends. Renewals move it later freely; moving it earlier must go
+    # through the engine (`leave`), which notes it in `RoundEngine.leases`, or the tick misses it.
     lease_expiry: float
     state: MemberState = MemberState.PENDING
     up_bytes_per_s: float = 0.0
@@ -510,6 +513,9 @@ class RoundEngine:
         self.policy = config.plan_policy()
         self.members: dict[str, Member] = {}
         self.unreachable: set[str] = set()  # members whose address failed the dial-back (Member.reachable)
+        # Lease deadlines in time order: a tick looks at the expiring ones only. A lease that moves
+        # earlier (`leave`, `join`) is noted there; renewals need not be (coordinator.leases).
+        self.leases = LeaseSchedule()
         for m in members or []:
             # A restarted coordinator (or a standby taking over) gives every known member a fresh
             # lease to reconnect, and counts its stream as open until it is seen closed: the first
@@ -517,6 +523,7 @@ class RoundEngine:
             # opening with the first two and leaving the others to chase it.
             self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds,
                                                           connected=True)
+            self.leases.note(m.peer_id, now + config.lease_seconds)
         self.epoch = epoch
         window = max(1, config.history_window)
         self.commits: deque[CommitRecord] = deque(committed or [], maxlen=window)
@@ -634,6 +641,7 @@ class RoundEngine:
             again = old is not None and old.state is MemberState.CATCHING_UP and old.sync_until > now
             m.state, m.sync_until = MemberState.CATCHING_UP, old.sync_until if again else now + self.config.sync_hold
         self.members[peer_id] = m
+        self.leases.note(peer_id, m.lease_expiry)
         if reachable is False:
             self.unreachable.add(peer_id)
         else:
@@ -678,6 +686,7 @@ class RoundEngine:
         if peer_id not in self.members:
             return []
         self.members[peer_id].lease_expiry = now
+        self.leases.note(peer_id, now)
         return self._expire(now)
 
     def report_links(self, peer_id: str, up: float, down: float, rtt: float,
@@ -939,8 +948,13 @@ class RoundEngine:
 
     # ------------------------------------------------------------ internals
 
+    def _lease_of(self, peer_id: str) -> float | None:
+        m = self.members.get(peer_id)
+        return m.lease_expiry if m is not None else None
+
     def _expire(self, now: float) -> list[Action]:
-        gone = [p for p, m in self.members.items() if m.lease_expiry <= now]
+        """Drop the members whose lease ran out (O(expiring), coordinator.leases)."""
+        gone = self.leases.expired(now, self._lease_of)
         actions: list[Action] = []
         for p in gone:
             del self.members[p]

@@ -707,6 +707,12 @@ def grpc_options() -> list[tuple[str, int]]:
         # quiet; a round longer than a minute on a slow link must not end with "too_many_pings".
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # No bandwidth-delay-product probes: control-plane messages are small, so a larger flow
+        # control window buys nothing, and each probe is a ping that the member must answer
+        # within the server's ping timeout (1 min, as the server's keepalive is on) or the server
+        # ends the connection with GOAWAY "ping_timeout": seen by 10,000 simulated members on a
+        # host at load 60 (docs/performance.md, "Coordinator scale"); none since.
+        ("grpc.http2.bdp_probe", 0),
     ]
 
 

@@ -22,9 +22,13 @@ The report (one JSON object):
   the pace of training, not as fast as the coordinator can answer.
 - ``rss_bytes``: the coordinator's peak resident memory (VmHWM); ``rss_growth_bytes_per_round``:
   the slope of its resident memory over the committed rounds of the second half of the run (up
-  to the last commit: not the run's end, when every member is told and leaves).
+  to the last commit: not the run's end, when every member is told and leaves);
+  ``rss_growth_stderr_bytes_per_round``: its standard error (the resident size swings by
+  megabytes with the requests in flight: a slope within about two standard errors of 0 is no
+  measured growth).
 - ``cpu_seconds_per_second``: the coordinator's CPU time (user + system) per wall second from the
-  first join to the end.
+  first join to the end; ``members_cpu_seconds_per_second``: the same for the member processes
+  together (what the simulated members took from the cores the coordinator shares with them).
 - ``bounds`` and ``within_bounds``: the targets of docs/performance.md next to the figures.
 
 Members, coordinator and driver share this machine, so the latencies include the members' own
@@ -46,6 +50,7 @@ import os
 import pathlib
 import random
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -75,7 +80,10 @@ class CoordinatorBenchOptions:
     every heartbeat costs the coordinator a signature check and a gRPC call, ~0.3 ms of CPU).
     ready_timeout: the coordinator's ready deadline (the rounds wait at most this long for the
     last members' Ready). processes: member processes. members_per_connection: members that
-    share one gRPC connection (1 = one TCP connection per member, as volunteers have)."""
+    share one gRPC connection (1 = one TCP connection per member, as volunteers have).
+    coordinator_profile: run the coordinator under cProfile and write its profile (pstats) to
+    this path (the coordinator is then stopped with SIGTERM, not killed; its CPU figures include
+    the profiler's overhead, ~1.5-2x)."""
 
     members: int = 1000
     rounds: int = 50
@@ -86,6 +94,7 @@ class CoordinatorBenchOptions:
     members_per_connection: int = 1
     train_seconds: float = 1.0
     coordinator_nice: int = 0
+    coordinator_profile: str | None = None
     timeout: float = 3600.0
     workdir: str | None = None
     seed: int = 0
@@ -135,18 +144,38 @@ def _quantile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+def _second_half(samples: Iterable[tuple[int, int]], rounds: int) -> list[tuple[int, int]]:
+    return [(r, rss) for r, rss in samples if rounds // 2 <= r < rounds]
+
+
 def growth_per_round(samples: Iterable[tuple[int, int]], rounds: int) -> float:
     """Least-squares slope (bytes per round) of (committed rounds, RSS bytes) samples taken in
     the second half of a run of `rounds` rounds, while rounds were still running (the samples
     after the last commit measure the run's end: every member told the run finished and
     leaving); 0 with fewer than two distinct rounds."""
-    pts = [(r, rss) for r, rss in samples if rounds // 2 <= r < rounds]
+    return _slope(_second_half(samples, rounds))[0]
+
+
+def growth_stderr(samples: Iterable[tuple[int, int]], rounds: int) -> float:
+    """The standard error of `growth_per_round` (bytes per round): how far the resident size's
+    swings (requests in flight, allocator pages) alone move the slope; 0 with fewer than three
+    samples or two distinct rounds."""
+    return _slope(_second_half(samples, rounds))[1]
+
+
+def _slope(pts: list[tuple[int, int]]) -> tuple[float, float]:
+    """(slope, its standard error) of a least-squares line through `pts`."""
     if len({r for r, _ in pts}) < 2:
-        return 0.0
-    mx = sum(r for r, _ in pts) / len(pts)
-    my = sum(v for _, v in pts) / len(pts)
+        return 0.0, 0.0
+    n = len(pts)
+    mx = sum(r for r, _ in pts) / n
+    my = sum(v for _, v in pts) / n
     var = sum((r - mx) ** 2 for r, _ in pts)
-    return sum((r - mx) * (v - my) for r, v in pts) / var
+    slope = sum((r - mx) * (v - my) for r, v in pts) / var
+    if n < 3:
+        return slope, 0.0
+    residual = sum((v - my - slope * (r - mx)) ** 2 for r, v in pts)
+    return slope, math.sqrt(residual / (n - 2) / var)
 
 
 # ------------------------------------------------------------------------------ simulated members
@@ -426,6 +455,12 @@ def _proc_status(pid: int) -> dict[str, int]:
     return out
 
 
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's reaped children."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 class _Processes:
     def __init__(self, workdir: pathlib.Path):
         self.workdir = workdir
@@ -458,7 +493,9 @@ class _Processes:
 
 def _coordinator_argv(opts: CoordinatorBenchOptions, wd: pathlib.Path) -> list[str]:
     n = opts.members
-    return [sys.executable, "-m", "shoal.cli", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
+    profile = ["-m", "cProfile", "-o", str(pathlib.Path(opts.coordinator_profile).resolve())] \
+        if opts.coordinator_profile else []
+    return [sys.executable, *profile, "-m", "shoal.cli", "coordinator", "--insecure", "--listen", "127.0.0.1:0",
             "--state", str(wd / "coordinator.db"), "--ready-file", str(wd / "coordinator.addr"),
             "--rounds", str(opts.rounds), "--min-peers", "2", "--initial-peers", str(n),
             "--cohort-size", str(opts.cohort_size), "--lease-seconds", str(opts.lease_seconds),
@@ -497,6 +534,7 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
             time.sleep(0.05)
         address = ready.read_text().strip()
         base = _proc_status(coord.pid)
+        base["members_cpu"] = _children_cpu()
         t_start = time.time()
         k = max(1, min(opts.processes, opts.members))
         share = [opts.members // k + (1 if i < opts.members % k else 0) for i in range(k)]
@@ -528,7 +566,13 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
             samples.append((last_round + 1, st["VmRSS"]))
             time.sleep(0.5)
         end = _proc_status(coord.pid)
+        end["members_cpu"] = _children_cpu()  # the member processes, reaped by poll(); not the coordinator
         t_end = time.time()
+        if opts.coordinator_profile:
+            # A graceful stop, so that cProfile writes the profile on the way out.
+            coord.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                coord.wait(timeout=60)
         # The coordinator's resident memory over the rounds, for a look beyond the one slope.
         (wd / "rss.csv").write_text("rounds,rss_bytes\n" + "".join(f"{r},{v}\n" for r, v in samples))
         stats = [json.loads(out.read_text()) for _, out, _ in workers]
@@ -577,7 +621,9 @@ def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tupl
         "seconds_per_round": round((t_end - join_last) / max(1, opts.rounds), 3),
         "rss_bytes": end["VmHWM"],
         "rss_growth_bytes_per_round": round(growth_per_round(samples, opts.rounds), 1),
+        "rss_growth_stderr_bytes_per_round": round(growth_stderr(samples, opts.rounds), 1),
         "cpu_seconds_per_second": round((end["cpu_ticks"] - base["cpu_ticks"]) / hz / max(1e-9, wall), 3),
+        "members_cpu_seconds_per_second": round((end["members_cpu"] - base["members_cpu"]) / max(1e-9, wall), 3),
         "wall_seconds": round(wall, 1),
         "votes": sum(s["votes"] for s in stats),
         "state_syncs": sum(s["syncs"] for s in stats),
@@ -612,6 +658,9 @@ def add_parser(bsub) -> None:
     b.add_argument("--coordinator-nice", type=int, default=d.coordinator_nice,
                    help="scheduling niceness of the coordinator process (negative: ahead of the members and of "
                         "other load on a shared machine, as on a host of its own; needs root)")
+    b.add_argument("--coordinator-profile", metavar="PATH",
+                   help="run the coordinator under cProfile and write its profile (pstats) to PATH; "
+                        "read it with `python -m pstats PATH`")
     b.add_argument("--seed", type=int, default=d.seed, help="seed of the members' keys")
     b.add_argument("--timeout", type=float, default=d.timeout, help="give up after this many seconds")
     b.add_argument("--workdir", help="keep the state file, logs and member reports here")
@@ -623,7 +672,7 @@ def options_from_args(a: argparse.Namespace) -> CoordinatorBenchOptions:
                                    processes=a.processes, lease_seconds=a.lease_seconds,
                                    ready_timeout=a.ready_timeout, members_per_connection=a.members_per_connection,
                                    train_seconds=a.train_seconds, coordinator_nice=a.coordinator_nice,
-                                   timeout=a.timeout, workdir=a.workdir, seed=a.seed)
+                                   coordinator_profile=a.coordinator_profile, timeout=a.timeout, workdir=a.workdir, seed=a.seed)
 
 
 def _members_main(argv: list[str]) -> None:

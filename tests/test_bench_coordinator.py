@@ -10,12 +10,13 @@ import sys
 
 import pytest
 
-from shoal.bench_coordinator import Histogram, growth_per_round
+from shoal.bench_coordinator import (CoordinatorBenchOptions, Histogram, _coordinator_argv, growth_per_round,
+                                     growth_stderr)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEYS = ("members", "joins_per_second", "heartbeat_p50_seconds", "heartbeat_p99_seconds",
         "round_open_to_plan_p99_seconds", "rss_bytes", "rss_growth_bytes_per_round", "cpu_seconds_per_second",
-        "bounds", "within_bounds")
+        "members_cpu_seconds_per_second", "bounds", "within_bounds")
 
 
 def test_histogram_quantiles_are_within_two_percent():
@@ -40,6 +41,23 @@ def test_growth_per_round_is_the_slope_of_the_second_half():
     assert growth_per_round(ending, 100) == pytest.approx(40.0)
 
 
+def test_growth_stderr_is_zero_on_a_line_and_grows_with_the_swing():
+    line = [(r, 1000 + 40 * r) for r in range(50, 100)]
+    assert growth_stderr(line, 100) == pytest.approx(0.0, abs=1e-6)
+    swing = [(r, 1000 + (5000 if r % 2 else -5000)) for r in range(50, 100)]
+    assert growth_per_round(swing, 100) == pytest.approx(0.0, abs=20.0)
+    assert growth_stderr(swing, 100) > 20.0  # ~5000 B swings over 50 rounds: ~50 B/round
+    assert growth_stderr([(60, 5), (61, 6)], 100) == 0.0  # two samples: no spread to measure
+
+
+def test_the_coordinator_runs_under_cprofile_only_when_asked(tmp_path):
+    plain = _coordinator_argv(CoordinatorBenchOptions(), tmp_path)
+    assert plain[1:4] == ["-m", "shoal.cli", "coordinator"] and "cProfile" not in plain
+    profiled = _coordinator_argv(CoordinatorBenchOptions(coordinator_profile=str(tmp_path / "c.prof")), tmp_path)
+    assert profiled[1:4] == ["-m", "cProfile", "-o"] and profiled[4] == str(tmp_path / "c.prof")
+    assert profiled[5:] == plain[1:]
+
+
 @pytest.mark.integration
 def test_a_small_run_reports_every_figure(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "coordinator", "--members", "40",
@@ -55,6 +73,7 @@ def test_a_small_run_reports_every_figure(tmp_path):
     assert rep["members"] == 40 and rep["members_finished"] == 40
     assert rep["votes"] == 6 * 4  # every round's cohort voted once (no abort)
     assert rep["joins_per_second"] > 0 and rep["rss_bytes"] > 0 and rep["cpu_seconds_per_second"] > 0
+    assert rep["members_cpu_seconds_per_second"] > 0
     assert 0 < rep["heartbeat_p50_seconds"] <= rep["heartbeat_p99_seconds"]
     assert rep["within_bounds"] == (rep["heartbeat_p99_seconds"] < 0.1 and rep["rss_bytes"] < 1 << 30
                                     and rep["rss_growth_bytes_per_round"] < 100)

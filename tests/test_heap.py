@@ -27,3 +27,13 @@ def test_cyclic_garbage_in_the_old_generation_is_collected_before_a_freeze_not_f
         gc.unfreeze()
         if enabled:
             gc.enable()
+
+
+def test_each_step_trims_the_c_heap_after_the_freeze():
+    calls = []
+    try:
+        HeapPolicy(full_seconds=3600, trim=lambda pad: calls.append(pad) or 1).step()
+        HeapPolicy(full_seconds=3600, trim=None).step()  # no trim where there is none (not glibc)
+    finally:
+        gc.unfreeze()
+    assert calls == [0]
