@@ -152,6 +152,7 @@ def test_an_unreachable_peer_is_told_and_takes_part_outbound_only(tmp_path):
     assert all(ids[3] in e["demoted"] for e in plans)
 
 
+@pytest.mark.soak  # default-run budget (10 min): a minutes-class process run; tests/test_pauses.py keeps the pause-aware leases
 def test_a_coordinator_stall_longer_than_the_lease_evicts_nobody(tmp_path):
     """SIGSTOP the coordinator at 10 s, SIGCONT at 20 s (lease 5 s: the stall is two leases;
     the must-show's 20 s / 40 s / 10 s is examples/scenarios/coordinator-stall.toml): nobody is

@@ -57,6 +57,7 @@ def id_of(path: pathlib.Path) -> str:
     return peer_id_of(public_bytes(load_or_create_key(path)))
 
 
+@pytest.mark.soak  # default-run budget (10 min): a minutes-class process run that waits out a token; tests/test_membership.py keeps the rules
 def test_a_member_whose_token_expired_rejoins_after_a_crash_and_a_new_key_is_refused(procs):
     wd = procs.workdir
     secret = create_secret(wd / "join.secret")
@@ -243,6 +244,7 @@ def test_each_connection_failure_says_what_is_wrong(procs):
         assert "fix: " in final[0]
 
 
+@pytest.mark.soak  # default-run budget (10 min): a minutes-class process run that waits out a token; test_leadership keeps etcd failover
 def test_memberships_on_etcd_outlive_the_coordinator_and_a_revocation_holds_for_the_next(procs, etcd_server):
     """Standby coordinators share memberships through etcd: a member admitted with a token (now
     expired) rejoins through the next coordinator without one; a revocation made on the first

@@ -320,6 +320,7 @@ def test_a_wildcard_address_becomes_the_address_the_coordinator_sees():
 
 
 @pytest.mark.integration
+@pytest.mark.soak  # default-run budget (10 min): a minutes-class process run; the outbound-only TLS swarm keeps issued certificates in the default run
 @pytest.mark.timeout(660)
 def test_swarm_tls_with_certificates_issued_and_renewed_at_join(tmp_path):
     """`shoal swarm --tls`: the volunteers' directory holds ca.pem only, every peer gets its

@@ -91,6 +91,7 @@ def test_shaped_run_follows_its_links_and_reports_the_tables(tmp_path):
     assert s["wrongful_exclusions"] == 0 and s["wrongful_exclusion_list"] == []
 
 
+@pytest.mark.soak  # default-run budget (10 min): a minutes-class process run; test_netbed keeps shaping a live link
 @pytest.mark.timeout(900)
 def test_a_shape_event_slows_one_peer_mid_run(tmp_path):
     """Peer 2 goes from 16 to 4 Mbit/s up and down at 10 s: the rounds planned after that cannot
