@@ -615,6 +615,22 @@ class RoundEngine:
 
     # ------------------------------------------------------------ membership
 
+    def set_reachable(self, peer_id: str, reachable: bool) -> None:
+        """The outcome of a dial-back made after the join: a member restored from the store by a
+        restarted (or newly leading) coordinator, which does not keep reachability, is checked
+        again when its stream reconnects. An unreachable one takes part outbound-only from the
+        next plan on (it owns no shard, is no donor); a reachable one keeps what it said."""
+        m = self.members.get(peer_id)
+        if m is None:
+            return
+        m.reachable = reachable
+        m.outbound_only = m.outbound_only or not reachable
+        if reachable:
+            self.unreachable.discard(peer_id)
+        else:
+            self.unreachable.add(peer_id)
+        self._refresh(peer_id)
+
     def join(self, peer_id: str, public_key: bytes, address: str, num_samples: int, now: float,
              up: float = 0.0, down: float = 0.0, *, reachable: bool | None = None,
              connected: bool = False, outbound_only: bool = False) -> list[Action]:

@@ -530,9 +530,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             _give(resp, self._issue(request.peer_id, request.tls_csr))
             return resp
 
+    async def _recheck_reach(self, peer_id: str) -> None:
+        """Dial back a member whose reachability is unknown (restored from the store: a restarted
+        or newly leading coordinator does not keep it) before its stream counts as connected, so
+        a NATed member is not made a shard owner until it joins again (bounded by reach_timeout)."""
+        m = self.engine.members.get(peer_id)
+        if self.reach is None or m is None or m.reachable is not None or m.outbound_only:
+            return
+        reach = await self.reach(m.address, m.public_key)
+        self.engine.set_reachable(peer_id, reach.reachable)
+        if not reach.reachable:
+            log.warning("peer %s (restored member) cannot be reached at its data address: %s; it takes part "
+                        "outbound-only", peer_id[:8], reach.reason)
+
     async def WatchRounds(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.RoundEvent]:
         if request.peer_id not in self.engine.members:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"peer_id: unknown peer {request.peer_id[:8]}; join first")
+        await self._recheck_reach(request.peer_id)
         q: asyncio.Queue[pb.RoundEvent | str] = asyncio.Queue()
         self.watchers[request.peer_id] = q
         self.apply(self.engine.connected(request.peer_id, self.clock()))

@@ -4,6 +4,7 @@ plan it sends (Plan.to_proto + ticket), GetStatus's wait reason, and the wait-re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -12,6 +13,7 @@ from shoal.common.plan import Plan
 from shoal.common.tickets import plan_digest, verify_ticket
 from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, WaitReason
 from shoal.coordinator.server import CoordinatorService
+from shoal.common.reach import Reachability
 from shoal.coordinator.store import MemoryStore
 from shoal.status import render_table
 from shoal.v1 import shoal_pb2 as pb
@@ -74,3 +76,50 @@ async def test_status_and_metric_say_why_the_round_does_not_open():
                           "run_config": {}, "members": [], "rounds": [],
                           "waiting": {"reason": resp.waiting.reason, "message": resp.waiting.message}})
     assert "next round: waiting up to 3.5 s for 1 straggler" in table
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    async def abort(self, code, details):
+        raise _Aborted(f"{code}: {details}")
+
+
+async def test_a_restored_member_is_dialled_back_when_its_stream_reconnects():
+    # A restarted coordinator restores members from its store without their reachability (it
+    # is not kept): a NATed member would be made a shard owner and break the next attempt. Its
+    # stream reconnecting triggers the dial-back; unreachable -> outbound-only from the next plan.
+    now = [0.0]
+    svc = service(now)
+    dialled = []
+
+    async def reach(address, key):
+        dialled.append(address)
+        return Reachability(address != "10.0.0.2:1", "no answer within 2 s")
+
+    svc.reach = reach
+    for i, p in enumerate("abc"):
+        svc.engine.join(p, KEYS[p], f"10.0.0.{i}:1", 1, 0.0)  # as restored: reachability unknown
+    for p in "abc":
+        stream = svc.WatchRounds(pb.WatchRequest(peer_id=p), _Context())
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await task
+        await stream.aclose()
+    assert dialled == ["10.0.0.0:1", "10.0.0.1:1", "10.0.0.2:1"]
+    c = svc.engine.members["c"]
+    assert c.reachable is False and c.outbound_only and "c" in svc.engine.unreachable
+    assert svc.engine.members["a"].reachable is True and not svc.engine.members["a"].outbound_only
+    # Known already: not dialled again on the next reconnect.
+    stream = svc.WatchRounds(pb.WatchRequest(peer_id="a"), _Context())
+    task = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await task
+    await stream.aclose()
+    assert len(dialled) == 3
