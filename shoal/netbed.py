@@ -261,13 +261,18 @@ class NetBed:
             self._add_nat_host(i)
             self.shape(i, self.up_mbit[i], self.down_mbit[i])
             return
+        self._bridge_port(vb, ns, self.host_ip(i))
+        self.shape(i, self.up_mbit[i], self.down_mbit[i])
+
+    def _bridge_port(self, vb: str, ns: str, ip: str) -> None:
+        """A veth pair from the bridge (`vb`, tagged with this bed's alias) to `eth0` in namespace
+        `ns`, which gets `ip`/24; both ends up."""
         _run(["ip", "link", "add", vb, "type", "veth", "peer", "name", "eth0", "netns", ns])
         _run(["ip", "link", "set", vb, "alias", self._alias])
         _run(["ip", "link", "set", vb, "master", self.bridge])
         _run(["ip", "link", "set", vb, "up"])
-        _run(["ip", "-n", ns, "addr", "add", f"{self.host_ip(i)}/24", "dev", "eth0"])
+        _run(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0"])
         _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
-        self.shape(i, self.up_mbit[i], self.down_mbit[i])
 
     def _add_nat_host(self, i: int) -> None:
         """Host i behind its own router namespace (see the module docstring). The host's upload
@@ -278,12 +283,7 @@ class NetBed:
         _run(["ip", "netns", "add", rns])
         self._namespaces.append(rns)
         _run(["ip", "-n", rns, "link", "set", "lo", "up"])
-        _run(["ip", "link", "add", vb, "type", "veth", "peer", "name", "eth0", "netns", rns])
-        _run(["ip", "link", "set", vb, "alias", self._alias])
-        _run(["ip", "link", "set", vb, "master", self.bridge])
-        _run(["ip", "link", "set", vb, "up"])
-        _run(["ip", "-n", rns, "addr", "add", f"{self.public_ip(i)}/24", "dev", "eth0"])
-        _run(["ip", "-n", rns, "link", "set", "eth0", "up"])
+        self._bridge_port(vb, rns, self.public_ip(i))
         _run(["ip", "-n", rns, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", ns])
         _run(["ip", "-n", rns, "addr", "add", f"10.{x}.{i + 1}.1/24", "dev", "lan0"])
         _run(["ip", "-n", rns, "link", "set", "lan0", "up"])
