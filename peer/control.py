@@ -39,7 +39,7 @@ from typing import TypeVar
 import grpc
 
 from shoal.common.identity import MD_INSTANCE
-from shoal.common.retry import BROKEN_STREAM, RetryPolicy, is_transient
+from shoal.common.retry import BROKEN_STREAM, REFUSED, RetryPolicy, is_transient
 from shoal.peer.diagnosis import OutageLog
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -196,8 +196,7 @@ class CoordinatorClient:
         except grpc.aio.AioRpcError as exc:
             # A refused identity (fenced, revoked) ends this process with one line naming why
             # (the watch stream and the heartbeat see the same status): not a second error here.
-            refused = exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
-            level = logging.WARNING if is_transient(exc) else logging.INFO if refused else logging.ERROR
+            level = logging.WARNING if is_transient(exc) else logging.INFO if exc.code() in REFUSED else logging.ERROR
             log.log(level, "vote for round %d.%d not delivered: %s %s", req.round, req.attempt, exc.code().name,
                     exc.details())
             return False

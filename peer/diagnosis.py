@@ -26,6 +26,8 @@ from collections.abc import Callable
 import grpc
 from cryptography import x509
 
+from shoal.common.retry import REFUSED
+
 log = logging.getLogger("shoal.peer.control")
 
 REPORT_EVERY_SECONDS = 10.0
@@ -126,8 +128,7 @@ def diagnose(exc: grpc.aio.AioRpcError, target: str, *,
     fetches the certificate's names for a name mismatch (blocking; pass a stub in tests)."""
     code, text = exc.code(), exc.details() or ""
     low = text.lower()
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-                grpc.StatusCode.ALREADY_EXISTS):
+    if code in REFUSED:
         fix = ("live" if code == grpc.StatusCode.ALREADY_EXISTS else "fenced" if "took over" in low else
                "revoked" if "revoked" in low else "allow-list" if "allow-list" in low else "token")
         return Diagnosis("admission", f"refused this peer: {text}", _FIXES[fix])

@@ -86,11 +86,10 @@ def _is_unavailable(exc: BaseException) -> bool:
 
 
 def _is_refused(exc: BaseException) -> bool:
-    import grpc
+    from shoal.common.retry import REFUSED
 
     rpc = _rpc_error(exc)
-    return rpc is not None and rpc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-                                              grpc.StatusCode.ALREADY_EXISTS)
+    return rpc is not None and rpc.code() in REFUSED
 
 
 def _found(exc: BaseException, kind: type[BaseException]):

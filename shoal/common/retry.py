@@ -37,6 +37,10 @@ T = TypeVar("T")
 RETRYABLE: frozenset[grpc.StatusCode] = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 BROKEN_STREAM: frozenset[grpc.StatusCode] = frozenset({grpc.StatusCode.CANCELLED})
+# The coordinator refuses this identity (no admission, fenced, revoked, a live holder elsewhere):
+# never retried; the process ends with one line naming why (shoal.peer.diagnosis).
+REFUSED: frozenset[grpc.StatusCode] = frozenset({
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.ALREADY_EXISTS})
 
 
 def is_transient(exc: BaseException, also: Collection[grpc.StatusCode] = ()) -> bool:
