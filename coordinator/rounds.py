@@ -625,11 +625,15 @@ class RoundEngine:
             return
         m.reachable = reachable
         m.outbound_only = m.outbound_only or not reachable
-        if reachable:
-            self.unreachable.discard(peer_id)
-        else:
-            self.unreachable.add(peer_id)
+        self._note_reachable(peer_id, reachable)
         self._refresh(peer_id)
+
+    def _note_reachable(self, peer_id: str, reachable: bool | None) -> None:
+        """Keep `unreachable` (the members whose dial-back failed) in step with a member's result."""
+        if reachable is False:
+            self.unreachable.add(peer_id)
+        else:
+            self.unreachable.discard(peer_id)
 
     def join(self, peer_id: str, public_key: bytes, address: str, num_samples: int, now: float,
              up: float = 0.0, down: float = 0.0, *, reachable: bool | None = None,
@@ -658,10 +662,7 @@ class RoundEngine:
             m.state, m.sync_until = MemberState.CATCHING_UP, old.sync_until if again else now + self.config.sync_hold
         self.members[peer_id] = m
         self.leases.note(peer_id, m.lease_expiry)
-        if reachable is False:
-            self.unreachable.add(peer_id)
-        else:
-            self.unreachable.discard(peer_id)
+        self._note_reachable(peer_id, reachable)
         # A restarted peer's previous stream/participation is void.
         self.ready.pop(peer_id, None)
         self._refresh(peer_id)
