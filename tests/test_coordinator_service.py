@@ -87,6 +87,17 @@ class _Context:
         raise _Aborted(f"{code}: {details}")
 
 
+async def _reconnect(svc: CoordinatorService, peer_id: str) -> None:
+    """Open `peer_id`'s round-event stream, let the handler run up to its first wait, close it."""
+    stream = svc.WatchRounds(pb.WatchRequest(peer_id=peer_id), _Context())
+    task = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await task
+    await stream.aclose()
+
+
 async def test_a_restored_member_is_dialled_back_when_its_stream_reconnects():
     # A restarted coordinator restores members from its store without their reachability (it
     # is not kept): a NATed member would be made a shard owner and break the next attempt. Its
@@ -103,23 +114,11 @@ async def test_a_restored_member_is_dialled_back_when_its_stream_reconnects():
     for i, p in enumerate("abc"):
         svc.engine.join(p, KEYS[p], f"10.0.0.{i}:1", 1, 0.0)  # as restored: reachability unknown
     for p in "abc":
-        stream = svc.WatchRounds(pb.WatchRequest(peer_id=p), _Context())
-        task = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0.01)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-            await task
-        await stream.aclose()
+        await _reconnect(svc, p)
     assert dialled == ["10.0.0.0:1", "10.0.0.1:1", "10.0.0.2:1"]
     c = svc.engine.members["c"]
     assert c.reachable is False and c.outbound_only and "c" in svc.engine.unreachable
     assert svc.engine.members["a"].reachable is True and not svc.engine.members["a"].outbound_only
     # Known already: not dialled again on the next reconnect.
-    stream = svc.WatchRounds(pb.WatchRequest(peer_id="a"), _Context())
-    task = asyncio.ensure_future(stream.__anext__())
-    await asyncio.sleep(0.01)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-        await task
-    await stream.aclose()
+    await _reconnect(svc, "a")
     assert len(dialled) == 3
