@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from shoal import bench_coordinator
+from shoal.common.procexit import exit_after_gloo
 
 log = logging.getLogger("shoal.bench")
 
@@ -423,6 +424,7 @@ def _worker_main(argv: list[str]) -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     gloo_worker(a.rank, a.world, a.master, a.size, a.repeat, a.out)
+    exit_after_gloo(0)  # the timings are written (shoal.common.procexit)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def run_ddp_baseline(settings: LMSettings, *, world: int, steps: int, eval_every
             "baseline_steps": int(last["step"]), "baseline_curve": curve}
 
 
-def _tail(path: pathlib.Path, n: int = 20) -> str:
+def _tail(path: pathlib.Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except OSError:

@@ -40,6 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from shoal.common.procexit import exit_after_gloo
 from shoal.common.security import Security
 from shoal.peer import lm
 from shoal.peer.torch_integration import DiLoCoOptimizer, FedAvgOptimizer, unflatten_into
@@ -183,6 +184,7 @@ def run_ddp(a: argparse.Namespace) -> None:
                 record(step)
         if out is not None:
             out.close()
+        dist.barrier()  # no rank tears its gloo pairs down while another still reduces
     finally:
         dist.destroy_process_group()
 
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(result, f)
     else:
         run_ddp(a)
+        exit_after_gloo(0)  # the rank's results are written (shoal.common.procexit)
     return 0
 
 
