@@ -258,6 +258,13 @@ class ReadyInfo:
     state_bytes: int = 0  # size of the serialized state (0 = not said)
     sync_bytes_per_s: float = 0.0  # the peer's last state download rate (0 = unknown)
     training: bool = False  # a notice, not a Ready: it just synced and runs its local update now
+    local_steps: int = 0  # inner steps of the local phase behind this Ready (0 = not said)
+    local_seconds: float = 0.0  # wall seconds of that local phase (0 = not said)
+
+    @property
+    def step_seconds(self) -> float:
+        """This peer's pace: seconds per inner step of its last local phase (0 = unknown)."""
+        return self.local_seconds / self.local_steps if self.local_steps and self.local_seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -356,12 +363,15 @@ class SendCommit:
     (in the same action list) instead, which names the new round and its digest, so it need not
     announce itself stale first. With cohorts `to` is the participants: the pool's other members
     are told nothing until a draw picks them (`coordinator.cohorts`).
+    `step_seconds`: the fastest participant's seconds per inner step in the committed round's
+    local phase (0 = nobody said), the pace of the next local phase with local_work = "time".
     """
 
     record: CommitRecord
     epoch: int
     synced: frozenset[str] = frozenset()
     to: tuple[str, ...] | None = None
+    step_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -1225,6 +1235,7 @@ class RoundEngine:
         self.commits.append(rec)
         self._committed += 1
         self.growth.on_commit()
+        pace = self._fastest_pace(rec.participants)
         if self.config.cohort_size:
             # The pool stays; the participants re-enter it when they say ready with the new state.
             for p in rec.participants:
@@ -1232,7 +1243,7 @@ class RoundEngine:
             self._reset_round(keep_pool=True)
             if self.ready:
                 self.first_ready_at = now  # the pool is ready already: the ready deadline runs
-            return [SendCommit(rec, self.epoch, to=rec.participants)]
+            return [SendCommit(rec, self.epoch, to=rec.participants, step_seconds=pace)]
         # The ready peers that did not take part (peers excluded on a retry, stragglers whose
         # Ready came during the attempt) hold the previous state: order their sync now, as their
         # next Ready would.
@@ -1240,7 +1251,16 @@ class RoundEngine:
                   if p not in set(rec.participants) and p in self.members]
         syncs = [o for o in orders if o is not None]
         self._reset_round()
-        return [SendCommit(rec, self.epoch, frozenset(o.peer_id for o in syncs)), *syncs]
+        return [SendCommit(rec, self.epoch, frozenset(o.peer_id for o in syncs), step_seconds=pace), *syncs]
+
+    def _fastest_pace(self, participants: tuple[str, ...]) -> float:
+        """The fast participants' seconds per inner step (`ReadyInfo.step_seconds`), 0 when none
+        said: the fastest, or with three or more paces the second fastest (one peer that lies
+        about its pace cannot shrink everybody's local phase). Not a mean: with local_work =
+        "time" the next local phase lasts H of these steps, so the fast peers run about H steps
+        and nobody waits for a slow one."""
+        paces = sorted(s for s in (self.ready[p].step_seconds for p in participants if p in self.ready) if s > 0)
+        return paces[1] if len(paces) >= 3 else paces[0] if paces else 0.0
 
     def _abort(self, now: float, reason: str, excluded: tuple[str, ...]) -> list[Action]:
         run = self.running

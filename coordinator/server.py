@@ -38,6 +38,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import pathlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -273,7 +274,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     shown_attempt(r.attempt), len(r.participants), r.seconds, r.train_loss, more(held or 0))
             ev = pb.RoundEvent(commit=pb.Commit(
                 round=r.round, attempt=r.attempt, result_digest=r.result_digest, state_digest=r.state_digest,
-                epoch=a.epoch, participants=r.participants, flagged=r.flagged))
+                epoch=a.epoch, participants=r.participants, flagged=r.flagged, step_seconds=a.step_seconds))
             for p in list(self.watchers) if a.to is None else a.to:
                 if p not in a.synced:  # those get their sync order (a following action) instead
                     self._send(p, ev)
@@ -497,9 +498,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         async with grpc_errors(context):
             require(request.num_elements > 0, "num_elements", "must be positive")
             require(request.dtype != pb.DTYPE_UNSPECIFIED, "dtype", "must be set")
+            require(math.isfinite(request.local_seconds) and request.local_seconds >= 0, "local_seconds",
+                    "must be a finite number of seconds >= 0")
             info = ReadyInfo(request.num_elements, request.dtype, request.num_samples, request.state_digest,
                              request.state_round, self.clock(), request.state_bytes, request.sync_bytes_per_s,
-                             request.training)
+                             request.training, request.local_steps, request.local_seconds)
             try:
                 actions = self.engine.ready_(request.peer_id, request.round, info, self.clock())
             except RoundError as exc:

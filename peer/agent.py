@@ -423,7 +423,8 @@ class PeerAgent(StateSource):
                 return
             self.playing = True
             try:
-                outcome = await self.rounds.play(update.pseudo_grad, update.loss)
+                outcome = await self.rounds.play(update.pseudo_grad, update.loss, num_samples=update.num_samples,
+                                                 local_steps=update.steps, local_seconds=update.seconds)
             finally:
                 self.playing = False
             if outcome.kind is Outcome.FINISHED:

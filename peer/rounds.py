@@ -115,6 +115,7 @@ class Committed:
     state_digest: bytes
     participants: tuple[str, ...]
     flagged: tuple[str, ...]
+    step_seconds: float = 0.0  # the swarm's pace (pb.Commit.step_seconds)
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ def event_of(msg: pb.RoundEvent) -> RoundEvent | None:
         return PlanReceived(msg.plan, Plan.from_proto(msg.plan))
     if kind == "commit":
         c = msg.commit
-        return Committed(c.round, c.attempt, c.state_digest, tuple(c.participants), tuple(c.flagged))
+        return Committed(c.round, c.attempt, c.state_digest, tuple(c.participants), tuple(c.flagged),
+                         c.step_seconds)
     if kind == "abort":
         a = msg.abort
         return Aborted(a.round, a.attempt, a.reason, tuple(a.excluded), a.will_retry)
@@ -326,7 +328,9 @@ class Tentative:
 class RoundState:
     """Everything one round in play holds. update: this peer's `(n,)` update (contribution input);
     attempt: the attempt whose collective runs (or ran last); collective: its task; voting:
-    its ballot is in flight (delivered or not, it is never cancelled: the coordinator may hold it)."""
+    its ballot is in flight (delivered or not, it is never cancelled: the coordinator may hold it).
+    num_samples / local_steps / local_seconds: what the Ready says of the local phase behind
+    `update` (its weight, inner steps and wall seconds; 0 = the workload's num_samples / not said)."""
 
     round: int
     update: np.ndarray
@@ -337,6 +341,9 @@ class RoundState:
     collective: asyncio.Task | None = None
     voting: bool = False
     tentative: dict[int, Tentative] = field(default_factory=dict)
+    num_samples: int = 0
+    local_steps: int = 0
+    local_seconds: float = 0.0
 
     @property
     def collective_running(self) -> bool:
@@ -439,11 +446,15 @@ class RoundClient:
 
     # -------------------------------------------------------------- the round
 
-    async def play(self, update: np.ndarray, loss: float) -> RoundOutcome:
+    async def play(self, update: np.ndarray, loss: float, *, num_samples: int = 0, local_steps: int = 0,
+                   local_seconds: float = 0.0) -> RoundOutcome:
         """Play the current round with `update` `(n,)` until it commits, this peer syncs, or the
-        run finishes (see the module docstring for what happens on failure)."""
+        run finishes (see the module docstring for what happens on failure). num_samples: the
+        update's weight (0 = the workload's `num_samples`); local_steps / local_seconds: the local
+        phase behind it (the coordinator's pace, docs/training.md; 0 = not said)."""
         async with asyncio.TaskGroup() as tg:
-            rs = RoundState(self.workload.state.rounds, update, loss, time.monotonic(), tg)
+            rs = RoundState(self.workload.state.rounds, update, loss, time.monotonic(), tg,
+                            num_samples=num_samples, local_steps=local_steps, local_seconds=local_seconds)
             self._waiting = rs
             try:
                 await self.announce(rs)
@@ -507,9 +518,10 @@ class RoundClient:
     def _ready_request(self, rs: RoundState, round_: int) -> pb.ReadyRequest:
         st = self.workload.state
         return pb.ReadyRequest(peer_id=self.me, round=round_, num_elements=rs.update.size,
-                               dtype=dtype_code(rs.update.dtype), num_samples=self.workload.num_samples,
+                               dtype=dtype_code(rs.update.dtype), num_samples=rs.num_samples or self.workload.num_samples,
                                state_digest=st.digest(), state_round=st.rounds,
-                               state_bytes=self._state_size(st), sync_bytes_per_s=self.sync_rate)
+                               state_bytes=self._state_size(st), sync_bytes_per_s=self.sync_rate,
+                               local_steps=rs.local_steps, local_seconds=rs.local_seconds)
 
     def _state_size(self, st: State) -> int:
         """Bytes of the serialized state, measured once (the layout does not change between
@@ -694,6 +706,7 @@ class RoundClient:
         rs.tentative.clear()
         if self.me not in ev.participants or t is None or t.state.digest() != ev.state_digest:
             return None
+        self.workload.pace(ev.step_seconds)  # before apply: a time-budgeted phase starts with it
         self.workload.apply(t.state)
         self.feedback.reset()  # keep exactly the residuals of the committed attempt
         for key, compensated, decoded in t.feedback:

@@ -13,6 +13,13 @@
         opt.zero_grad()
     opt.close()
 
+With the run's `local_work = "time"` a local phase is not H steps but a time budget: H times
+the swarm's pace (the fast participants' seconds per inner step in the last committed round,
+`Commit.step_seconds`, set by the coordinator), so a slow peer runs fewer steps and nobody waits
+for it; its update is then weighted by the samples it processed (`step(samples=...)`, default 1
+per step), FedAvg's weighting of each client's update by its data (McMahan et al. 2017), here per
+round. A phase whose pace is not known yet (the first, or after a state sync) runs H steps.
+
 This plays the role of hivemind.Optimizer and torchft's wrappers. `step()` runs the inner
 optimizer; every `inner_steps` calls it flattens the parameters, hands the pseudo-gradient
 (committed - local, float32) to a `PeerAgent` running in a background thread, waits for the
@@ -46,7 +53,9 @@ import math
 import queue
 import tempfile
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +111,7 @@ class TorchWorkload(FlatStateWorkload):
         self.evaluate_fn = evaluate
         self.outstanding = False
         self.started = False
+        self.time_budgeted = cfg.local_work == "time"
 
     @property
     def num_samples(self) -> int:
@@ -115,12 +125,17 @@ class TorchWorkload(FlatStateWorkload):
             if self.bridge.closed.is_set():
                 raise WorkloadClosed()
             try:
-                local, loss = self.bridge.to_agent.get(timeout=POLL_SECONDS)
+                local, loss, work = self.bridge.to_agent.get(timeout=POLL_SECONDS)
                 break
             except queue.Empty:
                 continue
         self.outstanding = True
-        return LocalUpdate((self.state.params - local).astype(np.float32), loss, self._num_samples)
+        weight = max(1, work.samples) if self.time_budgeted else self._num_samples
+        return LocalUpdate((self.state.params - local).astype(np.float32), loss, weight, work.steps, work.seconds)
+
+    def pace(self, step_seconds: float) -> None:
+        """The swarm's pace (seconds per inner step); the trainer reads it with the next params."""
+        self.bridge.step_seconds = step_seconds if math.isfinite(step_seconds) and step_seconds > 0 else 0.0
 
     def apply(self, state: CommittedState) -> None:
         self.state = state
@@ -132,11 +147,22 @@ class TorchWorkload(FlatStateWorkload):
         return float(self.evaluate_fn(self.state.params)) if self.evaluate_fn else math.nan
 
 
+@dataclass(frozen=True)
+class _Phase:
+    """What the trainer did in one local phase: inner steps, samples, wall seconds."""
+
+    steps: int
+    samples: int
+    seconds: float
+
+
 class _Bridge:
     def __init__(self) -> None:
-        self.to_agent: queue.Queue[tuple[np.ndarray, float]] = queue.Queue()
+        self.to_agent: queue.Queue[tuple[np.ndarray, float, _Phase]] = queue.Queue()
         self.to_trainer: queue.Queue[tuple[str, object]] = queue.Queue()
         self.closed = threading.Event()
+        # The swarm's pace, set by the agent before it answers with new params (the queue orders it).
+        self.step_seconds = 0.0
 
 
 class SwarmOptimizer:
@@ -166,6 +192,10 @@ class SwarmOptimizer:
         self.run_config: RunConfig | None = None
         self.local_step = 0
         self.rounds = 0
+        self._phase_steps = 0
+        self._phase_samples = 0
+        self._phase_start = 0.0
+        self._budget = 0.0  # seconds of this local phase (local_work = "time", pace known); 0 = H steps
         self.finished = False
         self.summary: dict = {}
         self._losses: list[float] = []
@@ -193,6 +223,7 @@ class SwarmOptimizer:
         kind, params = self._wait(join_timeout, "join")
         if kind == "start":
             unflatten_into(self.model, params)
+            self._new_phase()
             log.info("joined the swarm at %s as %s", coordinator, self.agent.peer_id[:8])
         else:
             self._finish(params)
@@ -243,28 +274,45 @@ class SwarmOptimizer:
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "local_step": self.local_step, "rounds": self.rounds}
 
-    def step(self, closure=None, *, loss: float | None = None):
-        """One inner step; every `inner_steps`-th call also plays one round (blocking).
-        Raises SwarmError when the agent failed (the model keeps its last committed params)."""
+    def step(self, closure=None, *, loss: float | None = None, samples: int = 1):
+        """One inner step on a batch of `samples` samples; the call that ends the local phase
+        (the `inner_steps`-th, or with local_work = "time" the first past the phase's time budget)
+        also plays one round (blocking). Raises SwarmError when the agent failed (the model keeps
+        its last committed params)."""
         result = self.inner.step(closure) if closure is not None else self.inner.step()
         if loss is not None:
             self._losses.append(float(loss))
         elif result is not None:
             self._losses.append(float(result))
         self.local_step += 1
-        if not self.finished and self.local_step % self.inner_steps == 0:
+        self._phase_steps += 1
+        self._phase_samples += max(0, int(samples))
+        if not self.finished and self._phase_over():
             self.outer_step()
         return result
+
+    def _phase_over(self) -> bool:
+        if self._budget > 0:
+            return time.monotonic() - self._phase_start >= self._budget
+        return self._phase_steps >= self.inner_steps
+
+    def _new_phase(self) -> None:
+        timed = self.run_config is not None and self.run_config.local_work == "time"
+        self._budget = self.inner_steps * self._bridge.step_seconds if timed else 0.0
+        self._phase_steps = self._phase_samples = 0
+        self._phase_start = time.monotonic()
 
     def outer_step(self) -> None:
         """Hand this peer's local parameters to the swarm and load the committed ones."""
         loss = float(np.mean(self._losses)) if self._losses else 0.0
         self._losses.clear()
-        self._bridge.to_agent.put((flatten(self.model), loss))
+        work = _Phase(self._phase_steps, self._phase_samples, time.monotonic() - self._phase_start)
+        self._bridge.to_agent.put((flatten(self.model), loss, work))
         kind, params = self._wait(None, "round")
         if kind == "params":
             unflatten_into(self.model, params)
             self.rounds += 1
+            self._new_phase()
         elif kind == "finished":
             self._finish(params)
         else:  # pragma: no cover - protocol error

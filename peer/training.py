@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +48,10 @@ class RunConfig:
     on each contribution, 0 = none; on_norm: "clip" or "reject" beyond it; dp_sigma: Gaussian
     noise multiplier added once by each owner (needs max_norm); compression: per-hop wire codec
     ("none", "fp16", "bf16", "int8"); fedprox_mu: FedProx proximal term of the inner loss.
+    local_work: "steps" (every local phase runs inner_steps steps) or "time" (it lasts inner_steps
+    of the fast peers' steps in seconds, the swarm's pace, and the update is weighted by the
+    samples it processed; the PyTorch integration, docs/training.md; the digits workload always
+    runs inner_steps).
     """
 
     algorithm: str = "diloco"
@@ -66,12 +71,15 @@ class RunConfig:
     max_norm: float = 0.0
     on_norm: str = "clip"
     dp_sigma: float = 0.0
+    local_work: str = "steps"
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "fedavg"):
             raise InvalidArgument(f"algorithm: {self.algorithm!r} is not diloco or fedavg")
         if self.inner_steps < 1:
             raise InvalidArgument("inner_steps: must be >= 1")
+        if self.local_work not in ("steps", "time"):
+            raise InvalidArgument(f"local_work: {self.local_work!r} is not steps or time")
         if self.batch_size < 1:
             raise InvalidArgument("batch_size: must be >= 1")
         if self.hidden < 1:
@@ -170,7 +178,9 @@ class CommittedState:
 class LocalUpdate:
     pseudo_grad: np.ndarray  # (n,) float32
     loss: float  # mean training loss over the inner steps
-    num_samples: int
+    num_samples: int  # the contribution's weight (the peer's samples, or those this phase processed)
+    steps: int = 0  # inner steps run (0 = not counted)
+    seconds: float = 0.0  # wall seconds of the local phase (0 = not measured)
 
 
 class FlatStateWorkload:
@@ -186,6 +196,9 @@ class FlatStateWorkload:
 
     def apply(self, state: CommittedState) -> None:
         self.state = state
+
+    def pace(self, step_seconds: float) -> None:
+        """A fixed H inner steps per round (local_work = "steps"): the swarm's pace changes nothing."""
 
     def state_from_bytes(self, blob: bytes) -> CommittedState:
         return CommittedState.from_bytes(blob, self.cfg)
@@ -214,6 +227,7 @@ class DigitsWorkload(FlatStateWorkload):
 
     def local_update(self) -> LocalUpdate:
         """Run `inner_steps` local steps from the committed parameters; returns the pseudo-gradient."""
+        t0 = time.monotonic()
         start = self.state.params
         w = start.copy()
         losses = []
@@ -224,7 +238,8 @@ class DigitsWorkload(FlatStateWorkload):
                 g = g + fedprox_grad(w, start, self.cfg.fedprox_mu)
             self.inner.step(w, g)
             losses.append(loss)
-        return LocalUpdate((start - w).astype(np.float32), float(np.mean(losses)), len(self.data))
+        return LocalUpdate((start - w).astype(np.float32), float(np.mean(losses)), len(self.data),
+                           self.cfg.inner_steps, time.monotonic() - t0)
 
     def evaluate(self) -> float:
         """Held-out accuracy of the committed parameters, in [0, 1]."""

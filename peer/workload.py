@@ -60,6 +60,9 @@ class Workload(Protocol):
     tentative(aggregate): the state after the outer step on `aggregate` (n,) float32, on
         copies; the committed state is untouched (an abort leaves nothing to undo).
     apply(state): make `state` the committed one (after a commit or a verified state sync).
+    pace(step_seconds): called before `apply` of a committed round with the swarm's pace, the fast
+        participants' seconds per inner step in that round (Commit.step_seconds, 0 = unknown); a
+        workload with local_work = "time" sizes its next local phase from it, others ignore it.
     state_from_bytes(blob): inverse of `state.to_bytes()`; raises InvalidArgument when malformed.
     evaluate(): held-out accuracy of the committed state in [0, 1], or NaN when there is none.
     """
@@ -78,6 +81,8 @@ class Workload(Protocol):
     def tentative(self, aggregate: np.ndarray) -> State: ...
 
     def apply(self, state: State) -> None: ...
+
+    def pace(self, step_seconds: float) -> None: ...
 
     def state_from_bytes(self, blob: bytes) -> State: ...
 
@@ -167,6 +172,9 @@ class ArrayWorkload:
 
     def apply(self, state: ArrayState) -> None:
         self.state = state
+
+    def pace(self, step_seconds: float) -> None:
+        """No training: the swarm's pace changes nothing."""
 
     def state_from_bytes(self, blob: bytes) -> ArrayState:
         return ArrayState.from_bytes(blob)

@@ -541,6 +541,9 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
             raise UsageError(f"--min-peers {min_peers} is greater than --peers {s.peers}: the quorum could "
                              f"never be reached")
         min_peers = s.peers
+    if run.local_work == "time" and s.workload != "lm":
+        raise UsageError("--local-work time needs --workload lm (the digits workload always runs --inner-steps "
+                         "steps per round)")
     if r.cohort_size > s.peers:
         raise UsageError(f"--cohort-size {r.cohort_size} is greater than --peers {s.peers}: no round could open")
     _swarm_files(s)
@@ -578,7 +581,7 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                         byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
                         compression=run.compression, cohort_size=r.cohort_size, scenario=plan,
                         coordinators=s.coordinators, workload=s.workload, lm=lm, baseline=s.baseline,
-                        peer_speed=config_mod.parse_speeds(s.peer_speed))
+                        peer_speed=config_mod.parse_speeds(s.peer_speed), target_val_loss=s.target_val_loss)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 

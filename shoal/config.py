@@ -294,6 +294,10 @@ class RunSection:
                                     "beta2, tau)")
     compression: str = setting("none", "per-hop wire codec (int8: blockwise absmax with error feedback)",
                                choices=("none", "fp16", "bf16", "int8"))
+    local_work: str = setting("steps", "each local phase: steps (inner_steps inner steps) or time (as long as "
+                                       "inner_steps steps of the fast peers, the coordinator's pace; updates weighted "
+                                       "by the samples they processed; the PyTorch integration and --workload lm, "
+                                       "docs/training.md)", choices=("steps", "time"))
     audit_owners: bool = setting(False, "a second shard owner recomputes every shard's aggregate and blames an "
                                         "owner that publishes another one (butterfly; doubles the reduce-scatter "
                                         "bytes; not with dp_sigma)")
@@ -365,7 +369,8 @@ class RunSection:
                          num_data_shards=num_data_shards, non_iid=self.non_iid, fedprox_mu=self.fedprox_mu,
                          aggregator=self.aggregator, aggregator_params=self.aggregator_params(),
                          outer_params=self.outer_param_dict(), compression=self.compression,
-                         max_norm=self.max_norm, on_norm=self.on_norm, dp_sigma=self.dp_sigma)
+                         max_norm=self.max_norm, on_norm=self.on_norm, dp_sigma=self.dp_sigma,
+                         local_work=self.local_work)
 
 
 @dataclass(frozen=True)
@@ -468,6 +473,9 @@ class SwarmSection:
                             choices=("", "ddp"))
     peer_speed: str = setting("", "with workload lm: comma-separated compute speed per peer, e.g. 1,1,1,0.33 (a peer "
                                   "at s sleeps (1/s - 1) x its step time after each inner step: an emulation)")
+    target_val_loss: float = setting(0.0, "with workload lm: the summary's seconds_to_target is when the swarm's "
+                                          "validation loss first reached this (0 = 1.05 x baseline_val_loss with "
+                                          "--baseline ddp, else none)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
@@ -483,6 +491,10 @@ class SwarmSection:
             _check(_finite(self.attack_scale), w, "attack_scale", "a finite number", self.attack_scale)
         _check(not self.baseline or self.workload == "lm", w, "baseline", "only with workload lm", self.baseline)
         _check(not self.peer_speed or self.workload == "lm", w, "peer_speed", "only with workload lm", self.peer_speed)
+        _check(self.target_val_loss >= 0 and _finite(self.target_val_loss), w, "target_val_loss", ">= 0",
+               self.target_val_loss)
+        _check(not self.target_val_loss or self.workload == "lm", w, "target_val_loss", "only with workload lm",
+               self.target_val_loss)
         _check(_speeds_ok(self.peer_speed, self.peers), w, "peer_speed",
                f"at most peers ({self.peers}) numbers in (0, 1], comma-separated", self.peer_speed)
         for key in ("summary", "workdir", "plot", "scenario"):

@@ -118,15 +118,21 @@ def summary(events_by_peer: list[list[dict]], t0: float) -> dict:
 def utilization(events_paths: list[pathlib.Path]) -> dict:
     """`compute_utilization` (the minimum over peers) and `compute_utilization_per_peer` from the
     peers' result files (next to their events files; a peer that left none counts as None):
-    time in the inner steps' forward and backward / the peer's wall time from join to finish."""
-    per = []
+    time in the inner steps' forward and backward / the peer's wall time from join to finish;
+    and `inner_steps_per_peer`, the inner steps each ran (with local_work = "time" a slow peer runs
+    fewer)."""
+    per, steps = [], []
     for path in events_paths:
         try:
-            per.append(json.loads(path.with_suffix(".result.json").read_text())["compute_utilization"])
+            result = json.loads(path.with_suffix(".result.json").read_text())
+            per.append(result["compute_utilization"])
+            steps.append(int(result["steps"]))
         except (OSError, ValueError, KeyError):
             per.append(None)
+            steps.append(None)
     known = [u for u in per if u is not None]
-    return {"compute_utilization": min(known) if known else None, "compute_utilization_per_peer": per}
+    return {"compute_utilization": min(known) if known else None, "compute_utilization_per_peer": per,
+            "inner_steps_per_peer": steps}
 
 
 def _finite(v) -> bool:

@@ -133,7 +133,7 @@ def run_peer(a: argparse.Namespace) -> dict:
             compute += spent
             if slow:
                 time.sleep(slow * spent)  # the --peer-speed emulation (module docstring)
-            opt.step(loss=loss.item())
+            opt.step(loss=loss.item(), samples=a.batch_size)
             opt.zero_grad()
     wall = time.monotonic() - t0
     return {"data_shard": a.data_shard, "rounds": opt.rounds, "steps": opt.local_step,

@@ -81,6 +81,7 @@ class SwarmOptions:
     lm: lm_job.LMSettings = lm_job.LMSettings()
     baseline: str = ""  # "ddp" (workload lm): the synchronous data-parallel baseline after the swarm
     peer_speed: tuple[float, ...] = ()  # per peer slot, compute speed (1 = full; workload lm)
+    target_val_loss: float = 0.0  # workload lm: seconds_to_target's loss (0 = 1.05 x baseline_val_loss)
 
     def run_config(self):
         from shoal.peer.training import RunConfig
@@ -1100,6 +1101,9 @@ def _lm_summary(swarm: Swarm, summary: dict, t0_wall: float, bar) -> bool:
     summary.update(lm_job.utilization([swarm.workdir / f"peer-{i}.jsonl" for i in range(len(swarm.peers))]))
     summary["test_accuracy"] = summary["baseline_accuracy"] = None
     summary["peer_speed"] = list(o.peer_speed)
+    summary["local_work"] = dict(o.run_extra).get("local_work", "steps")
+    if o.target_val_loss:
+        _to_target(summary, o.target_val_loss)
     if o.baseline != "ddp":
         return True
     steps = o.rounds * o.inner_steps
@@ -1111,7 +1115,21 @@ def _lm_summary(swarm: Swarm, summary: dict, t0_wall: float, bar) -> bool:
         log.error("baseline failed: %s", exc)
         summary["baseline_error"] = str(exc).splitlines()[0]
         return False
+    if not o.target_val_loss:
+        _to_target(summary, TARGET_OVER_BASELINE * summary["baseline_val_loss"])
     return True
+
+
+TARGET_OVER_BASELINE = 1.05  # seconds_to_target's default: 5 % above the synchronous baseline's final loss
+
+
+def _to_target(summary: dict, target: float) -> None:
+    """`target_val_loss` and the seconds (since the swarm started) at which the swarm's validation
+    curve, and the baseline's when it ran, first reached it (None: never)."""
+    summary["target_val_loss"] = round(target, 5)
+    summary["seconds_to_target"] = lm_job.time_to_target(summary.get("val_curve", []), target)
+    if "baseline_curve" in summary:
+        summary["baseline_seconds_to_target"] = lm_job.time_to_target(summary["baseline_curve"], target)
 
 
 def _lm_line(s: dict) -> str:

@@ -63,6 +63,11 @@ async def test_garbage_requests_get_clear_errors_and_lose_nothing(procs):
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Ready(pb.ReadyRequest(peer_id=me, num_elements=0, dtype=pb.FLOAT32), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_elements" in e.value.details()
+        for bad in (float("nan"), -1.0, float("inf")):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Ready(pb.ReadyRequest(peer_id=me, num_elements=4, dtype=pb.FLOAT32, local_steps=3,
+                                                 local_seconds=bad), timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "local_seconds" in e.value.details()
         st = await stub.GetStatus(pb.StatusRequest(), timeout=5)
         assert st.rounds_committed == 0 and len(st.members) == 0
     assert coord.poll() is None

@@ -126,6 +126,34 @@ def test_short_lm_swarm_with_ddp_baseline(tmp_path):
     assert len(s["compute_utilization_per_peer"]) == 2
     assert 0 < s["compute_utilization"] == min(s["compute_utilization_per_peer"]) <= 1
     assert s["baseline_steps"] == 40 and s["baseline_val_loss"] < math.log(256)
+    # local_work = "steps": every peer runs H steps per local phase (4 rounds, and the phase after
+    # the last one, which the end of the run discards).
+    assert s["local_work"] == "steps" and s["inner_steps_per_peer"] == [50, 50]
+    assert s["target_val_loss"] == pytest.approx(1.05 * s["baseline_val_loss"], abs=1e-4)
+    assert "seconds_to_target" in s and "baseline_seconds_to_target" in s
     assert s["baseline_wall_seconds"] > 0
     # Shoal sends once per round what the baseline sends every step (no compression, 2 peers).
     assert s["baseline_bytes_sent_total"] >= 5 * s["bytes_sent_total"]
+
+
+@needs_torch
+@pytest.mark.integration
+@pytest.mark.torch
+def test_time_budgeted_local_work_lets_a_slow_peer_run_fewer_steps(tmp_path):
+    """--local-work time with one peer at a third of the speed: after the first round (H steps
+    for everybody: no pace yet) every local phase lasts H of the fast peers' steps, so the slow
+    peer runs fewer inner steps than the fast ones; updates weighted by samples still give every
+    peer the same committed state, and every round commits."""
+    from shoal.swarm import SwarmOptions, run_swarm
+
+    s = run_swarm(SwarmOptions(peers=3, rounds=5, inner_steps=20, workload="lm", lm=TINY, min_peers=3,
+                               peer_speed=(1.0, 1.0, 0.33), run_extra=(("local_work", "time"),),
+                               target_val_loss=math.log(256), workdir=str(tmp_path / "wd"), progress=False,
+                               timeout=300))
+    assert s["ok"], (s.get("error"), s)
+    assert s["local_work"] == "time" and s["rounds_committed"] == 5
+    assert s["digest_mismatches"] == 0 and s["peers_up_to_date"] == 3
+    fast, slow = min(s["inner_steps_per_peer"][:2]), s["inner_steps_per_peer"][2]
+    assert slow < fast, s["inner_steps_per_peer"]
+    assert s["target_val_loss"] == pytest.approx(math.log(256), abs=1e-4)
+    assert s["seconds_to_target"] == s["val_curve"][0]["seconds"]  # the first committed model beats uniform

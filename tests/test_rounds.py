@@ -666,3 +666,29 @@ def test_a_peer_holding_no_committed_state_is_waited_on_as_a_joiner_even_after_p
     commit_all(e, 0.5, b"s1")
     (sync,) = of(e.ready_("c", 1, info(rounds=0), 1.0), SendSync)  # still the initial state
     assert e.members["c"].sync_until == 1.0 + 60.0 and sync.permit_seconds == 300.0
+
+
+def paced(steps, seconds, digest=b""):
+    return ReadyInfo(10, 1, 1, digest, 0, 0.0, local_steps=steps, local_seconds=seconds)
+
+
+def test_a_commit_carries_the_fast_participants_pace():
+    """Commit.step_seconds (local_work = "time"): the fastest participant's seconds per inner step;
+    with three or more paces the second fastest, so one peer claiming an absurd pace cannot shrink
+    everybody's local phase; peers that said nothing do not count; 0 when nobody said."""
+    for paces, expected in ((((10, 1.0), (10, 3.0)), 0.1),
+                            (((10, 1.0), (10, 1.2), (10, 3.3), (1000, 0.001)), 0.1),
+                            (((10, 1.0), (0, 0.0), (10, 3.0)), 0.1),
+                            (((0, 0.0), (0, 0.0)), 0.0)):
+        e = engine()
+        peers = tuple("abcd"[:len(paces)])
+        joined(e, *peers)
+        acts = []
+        for p, (steps, seconds) in zip(peers, paces):
+            acts += e.ready_(p, 0, paced(steps, seconds), 0.1)
+        (plan,) = of(acts, SendPlan)
+        acts = []
+        for p in plan.plan.participants:
+            acts += e.vote(p, 0, 0, True, b"r", b"s", 1.0)
+        (commit,) = of(acts, SendCommit)
+        assert commit.step_seconds == pytest.approx(expected), paces

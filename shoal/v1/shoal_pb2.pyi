@@ -134,7 +134,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReadyRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s", "training")
+    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s", "training", "local_steps", "local_seconds")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,8 @@ class ReadyRequest(_message.Message):
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SYNC_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     TRAINING_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     num_elements: int
@@ -155,7 +157,9 @@ class ReadyRequest(_message.Message):
     state_bytes: int
     sync_bytes_per_s: float
     training: bool
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ..., training: _Optional[bool] = ...) -> None: ...
+    local_steps: int
+    local_seconds: float
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ..., training: _Optional[bool] = ..., local_steps: _Optional[int] = ..., local_seconds: _Optional[float] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
     __slots__ = ("round", "sync", "pooled")
@@ -228,7 +232,7 @@ class Plan(_message.Message):
     def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., collective: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("round", "attempt", "result_digest", "state_digest", "epoch", "participants", "flagged")
+    __slots__ = ("round", "attempt", "result_digest", "state_digest", "epoch", "participants", "flagged", "step_seconds")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RESULT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +240,7 @@ class Commit(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     attempt: int
     result_digest: bytes
@@ -243,7 +248,8 @@ class Commit(_message.Message):
     epoch: int
     participants: _containers.RepeatedScalarFieldContainer[str]
     flagged: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ...) -> None: ...
+    step_seconds: float
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("round", "attempt", "reason", "excluded", "will_retry")
