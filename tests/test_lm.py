@@ -55,8 +55,11 @@ def test_workload_lm_without_torch_is_refused_in_one_line(monkeypatch, capsys):
 def test_baseline_and_peer_speed_need_the_lm_workload(capsys):
     assert cli.main(["swarm", "--baseline", "ddp"]) == cli.EXIT_USAGE
     assert cli.main(["swarm", "--workload", "lm", "--peers", "2", "--peer-speed", "1,1,0.5"]) == cli.EXIT_USAGE
+    assert cli.main(["swarm", "--local-work", "time"]) == cli.EXIT_USAGE
+    assert cli.main(["swarm", "--target-val-loss", "2.0"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
-    assert "--baseline" in err and "--peer-speed" in err
+    assert "--baseline" in err and "--peer-speed" in err and "--local-work time needs --workload lm" in err
+    assert "target_val_loss" in err or "--target-val-loss" in err
 
 
 @needs_torch
