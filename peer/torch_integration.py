@@ -20,6 +20,16 @@ for it; its update is then weighted by the samples it processed (`step(samples=.
 per step), FedAvg's weighting of each client's update by its data (McMahan et al. 2017), here per
 round. A phase whose pace is not known yet (the first, or after a state sync) runs H steps.
 
+With the run's `overlap`, `step()` does not wait for the round: the local parameters of round r
+are handed over and the next local phase starts from them at once, while the all-reduce runs in
+the agent's thread. When round r's committed parameters θ_c arrive (checked at every step), the
+model becomes θ_c + (θ - θ_sub), θ_sub the parameters handed over: the steps taken meanwhile are
+kept on top of the committed state, and the next pseudo-gradient (θ_c - local) covers them. The
+outer update thus reaches the local model one phase late (the one-step-delayed outer update of
+overlapped DiLoCo: Kale et al. 2025, "Eager updates for overlapped communication and computation
+in DiLoCo"; Douillard et al. 2025, "Streaming DiLoCo"). Every committed state is still computed by
+the agent from the all-reduced pseudo-gradients, bit-identical on every peer.
+
 This plays the role of hivemind.Optimizer and torchft's wrappers. `step()` runs the inner
 optimizer; every `inner_steps` calls it flattens the parameters, hands the pseudo-gradient
 (committed - local, float32) to a `PeerAgent` running in a background thread, waits for the
@@ -196,6 +206,8 @@ class SwarmOptimizer:
         self._phase_samples = 0
         self._phase_start = 0.0
         self._budget = 0.0  # seconds of this local phase (local_work = "time", pace known); 0 = H steps
+        self._submitted: np.ndarray | None = None  # the parameters of the round in flight
+        self.overlapped_steps = 0  # inner steps run while a round was in flight (overlap)
         self.finished = False
         self.summary: dict = {}
         self._losses: list[float] = []
@@ -287,9 +299,16 @@ class SwarmOptimizer:
         self.local_step += 1
         self._phase_steps += 1
         self._phase_samples += max(0, int(samples))
+        if self._submitted is not None and not self.finished:
+            self.overlapped_steps += 1  # this step ran while the round's all-reduce was in flight
+            self._poll_round()
         if not self.finished and self._phase_over():
             self.outer_step()
         return result
+
+    @property
+    def _overlapped(self) -> bool:
+        return self.run_config is not None and self.run_config.overlap
 
     def _phase_over(self) -> bool:
         if self._budget > 0:
@@ -303,16 +322,46 @@ class SwarmOptimizer:
         self._phase_start = time.monotonic()
 
     def outer_step(self) -> None:
-        """Hand this peer's local parameters to the swarm and load the committed ones."""
+        """Hand this peer's local parameters to the swarm and load the committed ones; with the
+        run's `overlap`, return at once and keep training (the committed parameters are folded in
+        when they arrive, module docstring). At most one round is in flight: a phase that ends
+        before the previous round's result first waits for it."""
+        if self._submitted is not None:
+            self._land(*self._wait(None, "round"))
+            if self.finished:
+                return
         loss = float(np.mean(self._losses)) if self._losses else 0.0
         self._losses.clear()
         work = _Phase(self._phase_steps, self._phase_samples, time.monotonic() - self._phase_start)
-        self._bridge.to_agent.put((flatten(self.model), loss, work))
-        kind, params = self._wait(None, "round")
-        if kind == "params":
-            unflatten_into(self.model, params)
-            self.rounds += 1
+        self._submitted = flatten(self.model)
+        self._bridge.to_agent.put((self._submitted, loss, work))
+        if self._overlapped:
             self._new_phase()
+            return
+        self._land(*self._wait(None, "round"))
+
+    def _poll_round(self) -> None:
+        """Overlap: fold in the round's result if it has arrived (never blocks)."""
+        try:
+            kind, value = self._bridge.to_trainer.get_nowait()
+        except queue.Empty:
+            return
+        if kind == "error":
+            raise SwarmError(f"round: {type(value).__name__}: {value}") from value
+        self._land(kind, value)
+
+    def _land(self, kind: str, params) -> None:
+        """The in-flight round ended: `params` are the committed (or synced) parameters."""
+        submitted, self._submitted = self._submitted, None
+        if kind == "params":
+            if self._overlapped:
+                # Keep what this phase learnt since the submission, on top of the committed
+                # parameters (the one-step-delayed outer update; module docstring).
+                unflatten_into(self.model, params + (flatten(self.model) - submitted))
+            else:
+                unflatten_into(self.model, params)
+                self._new_phase()
+            self.rounds += 1
         elif kind == "finished":
             self._finish(params)
         else:  # pragma: no cover - protocol error

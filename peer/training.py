@@ -51,7 +51,8 @@ class RunConfig:
     local_work: "steps" (every local phase runs inner_steps steps) or "time" (it lasts inner_steps
     of the fast peers' steps in seconds, the swarm's pace, and the update is weighted by the
     samples it processed; the PyTorch integration, docs/training.md; the digits workload always
-    runs inner_steps).
+    runs inner_steps). overlap: the next local phase starts while the round's all-reduce runs and
+    the committed update is folded in when it arrives (the PyTorch integration, docs/training.md).
     """
 
     algorithm: str = "diloco"
@@ -72,6 +73,7 @@ class RunConfig:
     on_norm: str = "clip"
     dp_sigma: float = 0.0
     local_work: str = "steps"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "fedavg"):

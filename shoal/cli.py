@@ -544,6 +544,8 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     if run.local_work == "time" and s.workload != "lm":
         raise UsageError("--local-work time needs --workload lm (the digits workload always runs --inner-steps "
                          "steps per round)")
+    if run.overlap and s.workload != "lm":
+        raise UsageError("--overlap needs --workload lm (the digits workload waits for every round)")
     if r.cohort_size > s.peers:
         raise UsageError(f"--cohort-size {r.cohort_size} is greater than --peers {s.peers}: no round could open")
     _swarm_files(s)

@@ -298,6 +298,9 @@ class RunSection:
                                        "inner_steps steps of the fast peers, the coordinator's pace; updates weighted "
                                        "by the samples they processed; the PyTorch integration and --workload lm, "
                                        "docs/training.md)", choices=("steps", "time"))
+    overlap: bool = setting(False, "the next local phase starts while the round's all-reduce runs; the committed "
+                                   "update is folded in when it arrives (one-step-delayed outer update; the "
+                                   "PyTorch integration and --workload lm, docs/training.md)")
     audit_owners: bool = setting(False, "a second shard owner recomputes every shard's aggregate and blames an "
                                         "owner that publishes another one (butterfly; doubles the reduce-scatter "
                                         "bytes; not with dp_sigma)")
@@ -370,7 +373,7 @@ class RunSection:
                          aggregator=self.aggregator, aggregator_params=self.aggregator_params(),
                          outer_params=self.outer_param_dict(), compression=self.compression,
                          max_norm=self.max_norm, on_norm=self.on_norm, dp_sigma=self.dp_sigma,
-                         local_work=self.local_work)
+                         local_work=self.local_work, overlap=self.overlap)
 
 
 @dataclass(frozen=True)

@@ -119,20 +119,23 @@ def utilization(events_paths: list[pathlib.Path]) -> dict:
     """`compute_utilization` (the minimum over peers) and `compute_utilization_per_peer` from the
     peers' result files (next to their events files; a peer that left none counts as None):
     time in the inner steps' forward and backward / the peer's wall time from join to finish;
-    and `inner_steps_per_peer`, the inner steps each ran (with local_work = "time" a slow peer runs
-    fewer)."""
-    per, steps = [], []
+    `inner_steps_per_peer`, the inner steps each ran (with local_work = "time" a slow peer runs
+    fewer); `overlapped_steps_per_peer`, those run while a round's all-reduce was in flight
+    (`--overlap`; 0 without)."""
+    per, steps, overlapped = [], [], []
     for path in events_paths:
         try:
             result = json.loads(path.with_suffix(".result.json").read_text())
             per.append(result["compute_utilization"])
             steps.append(int(result["steps"]))
+            overlapped.append(int(result.get("overlapped_steps", 0)))
         except (OSError, ValueError, KeyError):
             per.append(None)
             steps.append(None)
+            overlapped.append(None)
     known = [u for u in per if u is not None]
     return {"compute_utilization": min(known) if known else None, "compute_utilization_per_peer": per,
-            "inner_steps_per_peer": steps}
+            "inner_steps_per_peer": steps, "overlapped_steps_per_peer": overlapped}
 
 
 def _finite(v) -> bool:

@@ -137,6 +137,7 @@ def run_peer(a: argparse.Namespace) -> dict:
             opt.zero_grad()
     wall = time.monotonic() - t0
     return {"data_shard": a.data_shard, "rounds": opt.rounds, "steps": opt.local_step,
+            "overlapped_steps": opt.overlapped_steps,
             "compute_seconds": round(compute, 3), "seconds": round(wall, 3),
             "compute_utilization": round(compute / wall, 4) if wall > 0 else 0.0}
 

@@ -57,8 +57,10 @@ def test_baseline_and_peer_speed_need_the_lm_workload(capsys):
     assert cli.main(["swarm", "--workload", "lm", "--peers", "2", "--peer-speed", "1,1,0.5"]) == cli.EXIT_USAGE
     assert cli.main(["swarm", "--local-work", "time"]) == cli.EXIT_USAGE
     assert cli.main(["swarm", "--target-val-loss", "2.0"]) == cli.EXIT_USAGE
+    assert cli.main(["swarm", "--overlap"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "--baseline" in err and "--peer-speed" in err and "--local-work time needs --workload lm" in err
+    assert "--overlap needs --workload lm" in err
     assert "target_val_loss" in err or "--target-val-loss" in err
 
 
@@ -132,6 +134,7 @@ def test_short_lm_swarm_with_ddp_baseline(tmp_path):
     # local_work = "steps": every peer runs H steps per local phase (4 rounds, and the phase after
     # the last one, which the end of the run discards).
     assert s["local_work"] == "steps" and s["inner_steps_per_peer"] == [50, 50]
+    assert s["overlap"] is False and s["overlapped_steps_per_peer"] == [0, 0]
     assert s["target_val_loss"] == pytest.approx(1.05 * s["baseline_val_loss"], abs=1e-4)
     assert "seconds_to_target" in s and "baseline_seconds_to_target" in s
     assert s["baseline_wall_seconds"] > 0
@@ -160,3 +163,23 @@ def test_time_budgeted_local_work_lets_a_slow_peer_run_fewer_steps(tmp_path):
     assert slow < fast, s["inner_steps_per_peer"]
     assert s["target_val_loss"] == pytest.approx(math.log(256), abs=1e-4)
     assert s["seconds_to_target"] == s["val_curve"][0]["seconds"]  # the first committed model beats uniform
+
+
+@needs_torch
+@pytest.mark.integration
+@pytest.mark.torch
+def test_overlap_trains_while_the_round_runs_and_keeps_peers_identical(tmp_path):
+    """--overlap: every peer runs inner steps while its round's all-reduce is in flight (the
+    next local phase starts at the hand-over), folds the committed update in when it arrives,
+    and every round still commits one state on every peer (0 digest mismatches)."""
+    from shoal.swarm import SwarmOptions, run_swarm
+
+    s = run_swarm(SwarmOptions(peers=3, rounds=5, inner_steps=20, workload="lm", lm=TINY, min_peers=3,
+                               run_extra=(("overlap", True),), workdir=str(tmp_path / "wd"), progress=False,
+                               timeout=300))
+    assert s["ok"], (s.get("error"), s)
+    assert s["overlap"] is True and s["rounds_committed"] == 5
+    assert s["digest_mismatches"] == 0 and s["peers_up_to_date"] == 3
+    assert all(n and n > 0 for n in s["overlapped_steps_per_peer"]), s["overlapped_steps_per_peer"]
+    curve = s["val_curve"]
+    assert curve[-1]["val_loss"] < curve[0]["val_loss"] < math.log(256)
