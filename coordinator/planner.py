@@ -801,6 +801,18 @@ def eligible_fractions(capacity: Sequence[float], eligible: Sequence[int]) -> li
     return [x / total for x in w]
 
 
+def _predicted(plan: Plan, model: Sequence[LinkSpec], itemsize: int) -> float:
+    """The pipelined butterfly's model time (seconds) for `plan`'s shard ownership as it stands
+    (owners' fractions of the tensor, 0 for non-owners) on the denoised links `model`, for a
+    tensor of `itemsize`-byte elements."""
+    fractions = [0.0] * plan.size
+    total = plan.shard_bounds[-1]
+    for k, o in enumerate(plan.shard_owner):
+        fractions[o] += (plan.shard_bounds[k + 1] - plan.shard_bounds[k]) / total
+    return predict_butterfly([l.up_bytes_per_s for l in model], [l.down_bytes_per_s for l in model],
+                             float(total) * itemsize, fractions, [l.rtt_seconds for l in model])
+
+
 def without_outbound_owners(plan: Plan, outbound_only: Collection[str],
                             untrusted: Collection[str] = frozenset(),
                             capacity: Sequence[float] | None = None) -> Plan | None:
@@ -924,6 +936,8 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
             return NoPlan("no reachable, trusted shard owner among the ready peers (the others are outbound-only; "
                           "relays are not built yet)")
         plan = kept
+        if model is not None:
+            plan = dataclasses.replace(plan, predicted_seconds=_predicted(plan, model, ITEMSIZE.get(dtype, 4)))
     elif plan.collective == "butterfly" and set(untrusted) & set(plan.participants):
         stripped = without_untrusted_owners(plan, untrusted)
         if stripped is None:

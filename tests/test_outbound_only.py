@@ -53,6 +53,26 @@ def test_outbound_only_peers_own_no_shard_and_force_the_butterfly(collective):
     assert back.outbound_only == (1, 3) and not back.dialable(1) and back.dialable(0)
 
 
+def test_the_prediction_is_that_of_the_plan_around_outbound_peers():
+    """predicted_seconds is the pipelined butterfly's model time of the shares the plan actually
+    gives (outbound-only peers send and receive the whole tensor, owners carry the rest), not the
+    layout's before they were taken out; a slower outbound-only link makes the round slower."""
+    from shoal.coordinator.planner import predict_butterfly
+
+    n = 1_000_000
+    fast = plan_round(_links([(100, 100)] * 4), n, pb.FLOAT32, PlanPolicy(), outbound_only={"p3"})
+    slow = plan_round(_links([(100, 100)] * 3 + [(5, 5)]), n, pb.FLOAT32, PlanPolicy(), outbound_only={"p3"})
+    for plan, rates in ((fast, [100] * 4), (slow, [100, 100, 100, 5])):
+        assert isinstance(plan, Plan) and 3 not in plan.shard_owner
+        w = [0.0] * 4
+        for k, o in enumerate(plan.shard_owner):
+            w[o] += (plan.shard_bounds[k + 1] - plan.shard_bounds[k]) / n
+        r = [x * MB for x in rates]
+        assert plan.predicted_seconds == pytest.approx(predict_butterfly(r, r, 4.0 * n, w, [0.02] * 4))
+    # p3 sends its whole input and receives the whole result over 5 MB/s: at least 0.8 s.
+    assert slow.predicted_seconds >= 4.0 * n / (5 * MB) > fast.predicted_seconds
+
+
 def test_without_outbound_peers_the_plan_is_unchanged():
     links = _links([(10, 10)] * 4)
     a = plan_round(links, 4000, pb.FLOAT32, PlanPolicy())
