@@ -200,7 +200,8 @@ class Swarm:
 
         tls = self.workdir / "tls"
         if not (tls / "ca.key").exists():
-            init_certs(tls)
+            # The peers dial the coordinator by the bed's address in network namespaces.
+            init_certs(tls, hosts=tuple(dict.fromkeys(("127.0.0.1", "localhost", self.coordinator_host))))
         # What a volunteer gets: the CA certificate only (its own certificate is issued at join).
         (self.workdir / "tls-peer").mkdir(exist_ok=True)
         shutil.copyfile(tls / "ca.pem", self.workdir / "tls-peer" / "ca.pem")
