@@ -19,10 +19,10 @@ not answer an OPEN within `ACCEPT_WAIT` seconds gets the dial closed. Registrati
 (`ERR`) for a bad signature, a stale timestamp or a replayed nonce. A peer keeps its relayed port
 while the relay runs; a relay restart hands out new ports (peers must join again).
 
-Test-only hooks (environment): ``SHOAL_RELAY_FAULT=flip@K`` flips one bit in the middle of the
+Test-only hooks (environment): ``SHOAL_FAULT_RELAY=flip@K`` flips one bit in the middle of the
 K-th (0-based) large HTTP/2 DATA frame (>= `FLIP_MIN_FRAME` bytes: inside a tensor chunk's payload,
 not in framing a flip would merely break) forwarded towards a registered peer, once, reading
-plaintext h2 frames (with TLS on there are none to find); ``SHOAL_RELAY_RECORD=PATH`` appends the
+plaintext h2 frames (with TLS on there are none to find); ``SHOAL_FAULT_RELAY_RECORD=PATH`` appends the
 first 64 MiB it forwards (both directions) to PATH.
 """
 
@@ -159,7 +159,7 @@ class Relay:
         self.advertise = advertise or self.host
         self.stats_path = stats_path
         self.metrics = metrics or RelayMetrics()
-        self.hooks = _Hooks(os.environ.get("SHOAL_RELAY_FAULT", ""), os.environ.get("SHOAL_RELAY_RECORD", ""))
+        self.hooks = _Hooks(os.environ.get("SHOAL_FAULT_RELAY", ""), os.environ.get("SHOAL_FAULT_RELAY_RECORD", ""))
         self.peers: dict[str, _Registration] = {}
         self.pending: dict[str, tuple[str, asyncio.Future]] = {}  # conn id -> (peer id, future of the peer's side)
         self.nonces: dict[bytes, float] = {}
