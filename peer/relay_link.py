@@ -61,8 +61,8 @@ async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> in
             await writer.drain()
         if writer.can_write_eof():
             writer.write_eof()
-    except (ConnectionError, OSError):
-        pass
+    except (ConnectionError, OSError, RuntimeError):  # RuntimeError: uvloop's write on a closed transport
+        writer.close()
     return n
 
 

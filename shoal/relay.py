@@ -61,6 +61,10 @@ class _Registration:
     control: asyncio.StreamWriter | None = None
     registered: asyncio.Event = field(default_factory=asyncio.Event)
     relayed_bytes: int = 0
+    # Both ends of every splice opened under the current registration: a new registration (the
+    # peer's NAT mapping changed) closes them, so the diallers see their connection drop at once
+    # instead of writing into a tunnel whose far end is gone until a keepalive notices.
+    splices: set[asyncio.StreamWriter] = field(default_factory=set)
 
 
 class _H2Frames:
@@ -263,8 +267,12 @@ class Relay:
             server = await asyncio.start_server(lambda r, w: self._dial(peer_id, r, w), self.host, 0)
             reg = _Registration(peer_id, f"{self.advertise}:{server.sockets[0].getsockname()[1]}", server)
             self.peers[peer_id] = reg
-        elif reg.control is not None:
-            reg.control.close()  # the newer registration wins (a NAT rebind, a restart)
+        else:
+            if reg.control is not None:
+                reg.control.close()  # the newer registration wins (a NAT rebind, a restart)
+            for w in reg.splices:  # tunnels through the old path: dead, or about to be
+                w.close()
+            reg.splices = set()
         reg.token, reg.control = secrets.token_hex(16), writer
         reg.registered.set()
         self.metrics.registered.set(sum(1 for r in self.peers.values() if r.control is not None))
@@ -314,9 +322,16 @@ class Relay:
             self.pending.pop(conn_id, None)
         self.connections += 1
         self.metrics.connections.inc()
-        await asyncio.gather(self._pipe(reader, peer_side[1], reg, True), self._pipe(peer_side[0], writer, reg, False))
-        writer.close()
-        peer_side[1].close()
+        ends = reg.splices
+        ends.update((writer, peer_side[1]))
+        try:
+            await asyncio.gather(self._pipe(reader, peer_side[1], reg, True),
+                                 self._pipe(peer_side[0], writer, reg, False))
+        finally:
+            writer.close()
+            peer_side[1].close()
+            ends.discard(writer)
+            ends.discard(peer_side[1])
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reg: _Registration,
                     towards_peer: bool) -> None:
@@ -334,7 +349,7 @@ class Relay:
                 await writer.drain()
             if writer.can_write_eof():
                 writer.write_eof()
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError, RuntimeError):  # RuntimeError: uvloop's write on a closed transport
             writer.close()
 
 
