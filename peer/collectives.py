@@ -199,6 +199,13 @@ class _Stream:
             raise CollectiveError(f"stream to {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
                                   [self.peer_id]) from None
         except asyncio.InvalidStateError:
+            details = ""
+            if self.relay and call is not None:  # the receiver ended the call: did a check fail in transit?
+                with contextlib.suppress(Exception):
+                    details = await asyncio.wait_for(call.details(), 1.0) or ""
+            if RELAY_ALTERED in details:
+                raise CollectiveError(f"relay {self.relay} altered a chunk to {self.peer_id[:8]}: {details}",
+                                      relay=self.relay) from None
             raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id]) from None
         finally:
             if self.writer is not None:  # a failed stream: its slabs are never written again

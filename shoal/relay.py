@@ -20,9 +20,10 @@ not answer an OPEN within `ACCEPT_WAIT` seconds gets the dial closed. Registrati
 while the relay runs; a relay restart hands out new ports (peers must join again).
 
 Test-only hooks (environment): ``SHOAL_FAULT_RELAY=flip@K`` flips one bit in the middle of the
-K-th (0-based) large HTTP/2 DATA frame (>= `FLIP_MIN_FRAME` bytes: inside a tensor chunk's payload,
-not in framing a flip would merely break) forwarded towards a registered peer, once, reading
-plaintext h2 frames (with TLS on there are none to find); ``SHOAL_FAULT_RELAY_RECORD=PATH`` appends the
+K-th (0-based) large gRPC message that fills one HTTP/2 DATA frame (>= `FLIP_MIN_FRAME` bytes:
+inside a tensor chunk's values, not in framing, where a flip would merely break the stream)
+forwarded towards a registered peer, once, reading plaintext h2 frames (with TLS on there are
+none to find); ``SHOAL_FAULT_RELAY_RECORD=PATH`` appends the
 first 64 MiB it forwards (both directions) to PATH.
 """
 
@@ -69,13 +70,17 @@ class _Registration:
 
 class _H2Frames:
     """Follows the HTTP/2 frames of one plaintext client-to-server byte stream (preface, then
-    9-byte headers), to find a byte inside a DATA frame's payload (the flip hook)."""
+    9-byte headers), to find a byte inside a tensor chunk for the flip hook: the middle of a
+    DATA frame that holds exactly one gRPC message of at least `FLIP_MIN_FRAME` bytes (a Chunk
+    is mostly its `data` field; a flip in framing or a length prefix would only break the stream)."""
 
     def __init__(self) -> None:
         self.preface = 24  # "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
         self.header = b""
-        self.left = 0  # payload bytes of the current frame still to come
-        self.target = -1  # payload bytes before the byte to flip in the current frame (-1: none)
+        self.length = self.pos = 0  # the current frame's payload length, and how much of it passed
+        self.data = False  # the current frame is a large DATA frame
+        self.prefix = b""  # its first 5 payload bytes: the gRPC message prefix
+        self.target = -1  # payload offset of the byte to flip (-1: none)
 
     def flip(self, data: bytes, hooks: "_Hooks") -> bytes:
         buf = bytearray(data)
@@ -84,26 +89,26 @@ class _H2Frames:
             if self.preface:
                 step = min(self.preface, len(buf) - i)
                 self.preface -= step
-                i += step
-            elif self.left == 0:
+            elif self.pos >= self.length:
                 step = min(9 - len(self.header), len(buf) - i)
                 self.header += bytes(buf[i:i + step])
-                i += step
                 if len(self.header) == 9:
-                    length, kind = int.from_bytes(self.header[:3], "big"), self.header[3]
-                    self.header, self.left, self.target = b"", length, -1
-                    if kind == 0 and length >= FLIP_MIN_FRAME and hooks.large_frame():
-                        self.target = length // 2
+                    self.length, kind = int.from_bytes(self.header[:3], "big"), self.header[3]
+                    self.header, self.pos, self.prefix, self.target = b"", 0, b"", -1
+                    self.data = kind == 0 and self.length >= FLIP_MIN_FRAME
             else:
-                step = min(self.left, len(buf) - i)
-                if 0 <= self.target < step:
-                    buf[i + self.target] ^= 0x01
+                step = min(self.length - self.pos, len(buf) - i)
+                if self.data and len(self.prefix) < 5:
+                    self.prefix += bytes(buf[i:i + min(step, 5 - len(self.prefix))])
+                    if len(self.prefix) == 5 and self.prefix[0] == 0 \
+                            and int.from_bytes(self.prefix[1:], "big") == self.length - 5 and hooks.large_frame():
+                        self.target = self.length // 2
+                if self.pos <= self.target < self.pos + step:
+                    buf[i + self.target - self.pos] ^= 0x01
                     log.warning("fault injection: flipped a bit in a relayed DATA frame")
                     self.target = -1
-                elif self.target >= step:
-                    self.target -= step
-                self.left -= step
-                i += step
+                self.pos += step
+            i += step
         return bytes(buf)
 
 
