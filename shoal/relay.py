@@ -39,8 +39,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
-
+from shoal.common.metrics import RelayMetrics
 from shoal.common.relaying import MAGIC, MAX_LINE, REGISTER_SKEW_SECONDS, check_register
 
 log = logging.getLogger("shoal.relay")
@@ -137,24 +136,6 @@ class _Hooks:
     def close(self) -> None:
         if self.record is not None:
             self.record.close()
-
-
-class RelayMetrics:
-    """The relay's Prometheus metrics (its own registry)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.relayed = Counter("shoal_relay_relayed_bytes", "Bytes the relay forwarded, both directions",
-                               registry=self.registry)
-        self.connections = Counter("shoal_relay_connections", "Dials of relayed addresses spliced to their peer",
-                                   registry=self.registry)
-        self.registered = Gauge("shoal_relay_registered_peers", "Peers holding a control connection",
-                                registry=self.registry)
-
-    def serve(self, port: int, host: str) -> None:
-        if port > 0:
-            start_http_server(port, addr=host, registry=self.registry)
-            log.info("metrics on http://%s:%d/metrics", host, port)
 
 
 class Relay:
@@ -280,7 +261,7 @@ class Relay:
             reg.splices = set()
         reg.token, reg.control = secrets.token_hex(16), writer
         reg.registered.set()
-        self.metrics.registered.set(sum(1 for r in self.peers.values() if r.control is not None))
+        self.metrics.observe_registered(sum(1 for r in self.peers.values() if r.control is not None))
         log.info("peer %s registered from %s: relayed as %s", peer_id[:8], writer.get_extra_info("peername"),
                  reg.address)
         writer.write(f"OK {reg.address} {reg.token}\n".encode())
@@ -297,7 +278,7 @@ class Relay:
                 reg.control = None
                 reg.registered.clear()
                 log.info("peer %s: control connection closed", peer_id[:8])
-            self.metrics.registered.set(sum(1 for r in self.peers.values() if r.control is not None))
+            self.metrics.observe_registered(sum(1 for r in self.peers.values() if r.control is not None))
             writer.close()
 
     def _accept(self, conn_id: str, token: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -326,7 +307,7 @@ class Relay:
         finally:
             self.pending.pop(conn_id, None)
         self.connections += 1
-        self.metrics.connections.inc()
+        self.metrics.on_connection()
         ends = reg.splices
         ends.update((writer, peer_side[1]))
         try:
@@ -350,7 +331,7 @@ class Relay:
                 reg.relayed_bytes += n
                 if towards_peer:
                     self.towards_peers += n
-                self.metrics.relayed.inc(n)
+                self.metrics.on_relayed(n)
                 await writer.drain()
             if writer.can_write_eof():
                 writer.write_eof()
@@ -364,10 +345,13 @@ async def run_relay(listen: str, advertise: str = "", *, stats_path: str | None 
     metrics = RelayMetrics()
     metrics.serve(metrics_port, metrics_host)
     relay = Relay(listen, advertise, stats_path=stats_path, metrics=metrics)
-    address = await relay.start()
-    relay.write_stats()
-    if ready_file:
-        pathlib.Path(ready_file).write_text(address)
-    await relay.serve_forever(stop or asyncio.Event())
+    try:
+        address = await relay.start()
+        relay.write_stats()
+        if ready_file:
+            pathlib.Path(ready_file).write_text(address)
+        await relay.serve_forever(stop or asyncio.Event())
+    finally:
+        metrics.close()
     log.info("relay stopped: %d bytes relayed over %d connections", relay.relayed_bytes, relay.connections)
     return relay.stats()

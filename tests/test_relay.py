@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import pytest
@@ -26,10 +27,10 @@ from tests.procs import read_json
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
-def _relay(procs, name: str = "relay") -> str:
+def _relay(procs, name: str = "relay", *flags: str) -> str:
     ready = procs.workdir / f"{name}.addr"
     p = procs.start(name, [sys.executable, "-m", "shoal.cli", "relay", "--listen", "127.0.0.1:0", "--ready-file",
-                           str(ready), "--stats", str(procs.workdir / f"{name}.json")])
+                           str(ready), "--stats", str(procs.workdir / f"{name}.json"), *flags])
     return procs.wait_file(ready, 30, p)
 
 
@@ -41,7 +42,10 @@ def _line(relay: str, line: bytes) -> str:
 
 
 def test_relay_splices_a_registered_peer_and_refuses_a_forged_registration(procs):
-    relay = _relay(procs)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    relay = _relay(procs, "relay", "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1")
     payload = os.urandom(300_000)
 
     async def main() -> tuple[bytes, str]:
@@ -84,6 +88,10 @@ def test_relay_splices_a_registered_peer_and_refuses_a_forged_registration(procs
         asyncio.run(asyncio.sleep(0.5))
         deadline -= 0.5
     assert stats["relayed_bytes"] >= 2 * len(payload) and stats["registrations_refused"] == 2
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    counted = next(float(line.split()[1]) for line in scraped.splitlines()
+                   if line.startswith("shoal_relay_relayed_bytes_total "))
+    assert counted >= 2 * len(payload)
 
 
 def test_a_relay_that_alters_a_chunk_is_blamed_and_no_peer_is_excluded(tmp_path):

@@ -91,3 +91,25 @@ def test_a_relay_fault_aborts_at_once_excluding_nobody():
     (abort,) = [a for a in acts if isinstance(a, SendAbort)]
     assert abort.record.excluded == () and "relay relay:1" in abort.record.reason and abort.record.will_retry
     assert not e.excluded
+
+
+async def test_status_says_which_member_is_relayed_and_through_which_relay():
+    from shoal.coordinator.server import CoordinatorService
+    from shoal.coordinator.store import MemoryStore
+    from shoal.status import render_table
+
+    svc = CoordinatorService(RoundEngine(EngineConfig()), MemoryStore(), "{}", Ed25519PrivateKey.generate(),
+                             clock=lambda: 0.0)
+    svc.apply(svc.engine.join("a", bytes(32), "10.0.0.1:7000", 1, 0.0))
+    svc.apply(svc.engine.join("b", bytes(32), "203.0.113.5:40001", 1, 0.0, relay="203.0.113.5:7071"))
+    a, b = (await svc.GetStatus(pb.StatusRequest(), None)).members
+    assert (a.relay, b.relay) == ("", "203.0.113.5:7071")
+    member = {"address": "x", "state": "member", "untrusted": False, "lease_remaining_seconds": 1.0,
+              "num_samples": 1, "shm_peers": 0, "reachability": "reachable", "outbound_only": False,
+              "links": {"up_bytes_per_s": 0.0, "down_bytes_per_s": 0.0, "rtt_seconds": 0.0, "age_seconds": None}}
+    table = render_table({"coordinator": "c", "epoch": 0, "round": 0, "rounds_committed": 0, "rounds_aborted": 0,
+                          "run_config": {}, "waiting": {}, "rounds": [],
+                          "members": [{**member, "peer_id": "a" * 12, "relay": ""},
+                                      {**member, "peer_id": "b" * 12, "relay": b.relay}]})
+    rows = {line.split()[0]: line for line in table.splitlines() if line.startswith(("aaaa", "bbbb"))}
+    assert "relayed via 203.0.113.5:7071" in rows["b" * 12] and "reachable" in rows["a" * 12]
