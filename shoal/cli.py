@@ -1,4 +1,4 @@
-"""The `shoal` command: coordinator, peer, swarm and status.
+"""The `shoal` command: coordinator, peer, swarm, status and relay.
 
 Every subcommand takes `--config shoal.toml`, `--log-level` and `--log-format text|json`, and
 one flag per setting of the configuration sections it reads (shoal.config; precedence: defaults

@@ -113,3 +113,12 @@ async def test_status_says_which_member_is_relayed_and_through_which_relay():
                                       {**member, "peer_id": "b" * 12, "relay": b.relay}]})
     rows = {line.split()[0]: line for line in table.splitlines() if line.startswith(("aaaa", "bbbb"))}
     assert "relayed via 203.0.113.5:7071" in rows["b" * 12] and "reachable" in rows["a" * 12]
+
+
+def test_relay_settings_are_checked_before_anything_starts(capsys):
+    from shoal import cli
+
+    assert cli.main(["peer", "--relay", "relay:7071", "--advertise", "10.0.0.1:7000"]) == 2
+    assert "relay" in capsys.readouterr().err
+    assert cli.main(["relay", "--listen", "nonsense"]) == 2
+    assert "listen" in capsys.readouterr().err
