@@ -319,8 +319,6 @@ class PeerAgent(StateSource):
         self.address = self.config.advertise or bound
         # Behind NAT with a relay: reachable through it (a reverse tunnel into `bound`).
         relay = RelayLink(self.config.relay, self.key, bound) if self.config.relay else None
-        if relay is not None:
-            self.address = await relay.start(self.config.connect_timeout)
         health = health_box[0]
         await health.serving()
         self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
@@ -330,6 +328,8 @@ class PeerAgent(StateSource):
                                          rpc_timeout=self.config.rpc_timeout, join_request=self._join_request,
                                          on_join=self._joined, target=self.config.coordinator)
         try:
+            if relay is not None:  # RelayRefused, OSError: no relay, or it refused this identity
+                self.address = await relay.start(self.config.connect_timeout)
             await self._start()
             async with asyncio.TaskGroup() as tg:
                 hb = tg.create_task(self._heartbeat_loop())

@@ -442,6 +442,7 @@ def _hold_peer_key(p) -> str:
 def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from shoal.peer.agent import PeerConfig, run_peer
 
+    from shoal.common.relaying import RelayRefused
     from shoal.peer.diagnosis import CoordinatorUnreachable, diagnose
 
     p = cfg.peer
@@ -488,6 +489,10 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
             rpc = _rpc_error(exc)
             log.error("peer: coordinator %s %s (key file %s)", p.coordinator,
                       diagnose(rpc, p.coordinator, names=lambda t: []).line(), key_path)
+            return EXIT_USAGE
+        refused = _found(exc, RelayRefused)
+        if refused is not None:
+            log.error("peer: %s (key file %s)", refused, key_path)
             return EXIT_USAGE
         if isinstance(exc, OSError):
             log.error("peer: address unavailable: %s", exc)

@@ -49,6 +49,7 @@ ACCEPT_WAIT = 10.0  # and this long for the peer's ACCEPT
 HEADER_WAIT = 10.0  # a new connection must send its header line within this
 PIPE_BYTES = 1 << 16
 RECORD_LIMIT = 64 << 20
+MAX_PEERS = 4096  # registered peer ids (one port each); more are refused
 FLIP_MIN_FRAME = 4096
 
 
@@ -249,6 +250,11 @@ class Relay:
             return
         self.nonces[nonce] = now
         reg = self.peers.get(peer_id)
+        if reg is None and len(self.peers) >= MAX_PEERS:
+            self.refused += 1
+            writer.write(f"ERR relay full: {MAX_PEERS} peers registered\n".encode())
+            writer.close()
+            return
         if reg is None:
             server = await asyncio.start_server(lambda r, w: self._dial(peer_id, r, w), self.host, 0)
             reg = _Registration(peer_id, f"{self.advertise}:{server.sockets[0].getsockname()[1]}", server)

@@ -147,3 +147,15 @@ def test_with_tls_the_relay_forwards_no_plaintext_tensor_bytes(procs, monkeypatc
         assert found > len(windows) // 4  # the search works: half of each input crossed the relay in clear
     else:
         assert found == 0
+
+
+def test_a_peer_whose_relay_cannot_be_reached_exits_unavailable(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "peer", "--insecure", "--coordinator", "127.0.0.1:1", "--relay",
+         f"127.0.0.1:{port}", "--connect-timeout", "2", "--key", str(tmp_path / "peer.key")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert f"127.0.0.1:{port}" in proc.stderr or "address unavailable" in proc.stderr
