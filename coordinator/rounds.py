@@ -239,7 +239,7 @@ class Member:
     # participant that owns no shard and is never a state donor (docs/nat.md).
     outbound_only: bool = False
     # The relay it is reached through (joined with --relay; `address` is on that relay), "" if
-    # dialled directly. The planner prefers direct owners (`_relayed_outbound`).
+    # dialled directly. The planner prefers direct owners (`_outbound_in`).
     relay: str = ""
     state_bytes: int = 0  # size of its serialized state (its Ready): what a sync downloads
     sync_bytes_per_s: float = 0.0  # rate of its last state download (its Ready; 0 = unknown)
@@ -867,8 +867,8 @@ class RoundEngine:
         also costs the accused owner and the accusing auditor their shard ownership for the rest
         of the run (`untrusted`): a lying owner is caught once, not every round, and a false
         accuser pays as much as its victim. A failed vote blaming a relay (`relay_failure`: a chunk
-        through it failed its end-to-end check) aborts at once excluding nobody: the peers are
-        healthy, the path between them is not. Raises RoundError PRECONDITION when the voter is not a
+        through it failed its end-to-end check; only a relay of this plan counts) aborts at once
+        excluding nobody: the peers are healthy, the path between them is not. Raises RoundError PRECONDITION when the voter is not a
         participant of that attempt.
         """
         run = self.running
@@ -880,7 +880,7 @@ class RoundEngine:
         v = Vote(ok, result_digest, state_digest, loss, suspects, flagged, error, audit)
         run.votes[peer_id] = v
         run.voted_at[peer_id] = now
-        if not v.ok and relay_failure:
+        if not v.ok and relay_failure and relay_failure in run.plan.relays:
             return self._abort(now, f"relay {relay_failure} altered a chunk ({peer_id[:8]}: "
                                     f"{v.error or 'chunk signature'})", ())
         if not v.ok:

@@ -83,6 +83,11 @@ def test_relayed_peers_own_shards_only_when_no_direct_peer_is_there():
 
 def test_a_relay_fault_aborts_at_once_excluding_nobody():
     e = _engine()
+    direct = _open(e, {"x": "", "y": ""})
+    acts = e.vote("x", direct.round, direct.attempt, False, b"", b"", 0.5, error="?", relay_failure="relay:1")
+    (abort,) = [a for a in acts if isinstance(a, SendAbort)]  # no relay in that plan: the voter's own failure
+    assert abort.record.excluded == ("x",)
+    e = _engine()
     plan = _open(e, {"a": "relay:1", "b": "relay:1", "c": "relay:1"})
     acts = e.vote("a", plan.round, plan.attempt, False, b"", b"", 1.0, suspects=("b",), error="no chunk")
     assert not [a for a in acts if isinstance(a, SendAbort)]  # an accusation waits for the blame window
