@@ -238,6 +238,9 @@ class Member:
     # Nobody dials it (unreachable, or it joined with --outbound-only): placed in rounds as a
     # participant that owns no shard and is never a state donor (docs/nat.md).
     outbound_only: bool = False
+    # The relay it is reached through (joined with --relay; `address` is on that relay), "" if
+    # dialled directly. The planner prefers direct owners (`_outbound_in`).
+    relay: str = ""
     state_bytes: int = 0  # size of its serialized state (its Ready): what a sync downloads
     sync_bytes_per_s: float = 0.0  # rate of its last state download (its Ready; 0 = unknown)
     sync_until: float = 0.0  # rounds wait for its download until then (set with each sync order)
@@ -647,13 +650,14 @@ class RoundEngine:
 
     def join(self, peer_id: str, public_key: bytes, address: str, num_samples: int, now: float,
              up: float = 0.0, down: float = 0.0, *, reachable: bool | None = None,
-             connected: bool = False, outbound_only: bool = False) -> list[Action]:
+             connected: bool = False, outbound_only: bool = False, relay: str = "") -> list[Action]:
         """Admit (or re-admit, same identity) a peer with a fresh lease; pending until a boundary.
 
         reachable: the outcome of the coordinator's dial-back of `address` (None: not checked);
         a peer that is not reachable (or says `outbound_only`) takes part outbound-only: it owns no
         shard and is no donor (the planner's `outbound_only`).
-        connected: its round-event stream is open (it stayed open across this rejoin).
+        connected: its round-event stream is open (it stayed open across this rejoin). relay: the
+        relay `address` is on ("" = direct; docs/nat.md).
         """
         old = self.members.get(peer_id)
         state = MemberState.SYNCING if self.commits else MemberState.PENDING
@@ -661,7 +665,7 @@ class RoundEngine:
             state = MemberState.MEMBER
         m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
                    connected=connected or (old.connected if old is not None else False), reachable=reachable,
-                   outbound_only=outbound_only or reachable is False)
+                   outbound_only=outbound_only or reachable is False, relay=relay)
         if state is MemberState.SYNCING:
             # Its join answer orders a sync: rounds wait for that download (up to sync_hold; it
             # says ready once done), so the state it fetches is still the head when it is done,
@@ -862,7 +866,8 @@ class RoundEngine:
 
     def vote(self, peer_id: str, round_: int, attempt: int, ok: bool, result_digest: bytes,
              state_digest: bytes, now: float, *, loss: float = 0.0, suspects: tuple[str, ...] = (),
-             flagged: tuple[str, ...] = (), error: str = "", audit: bool = False) -> list[Action]:
+             flagged: tuple[str, ...] = (), error: str = "", audit: bool = False,
+             relay_failure: str = "") -> list[Action]:
         """Record a participant's vote (the fields of `Vote`); commit when all agree, abort on any failure.
 
         A late vote for an attempt already decided is ignored. A failed vote naming no suspect
@@ -871,7 +876,9 @@ class RoundEngine:
         passed (`tick`), excluding whom `coordinator.blame.blame` names. A failed owner audit (`audit`)
         also costs the accused owner and the accusing auditor their shard ownership for the rest
         of the run (`untrusted`): a lying owner is caught once, not every round, and a false
-        accuser pays as much as its victim. Raises RoundError PRECONDITION when the voter is not a
+        accuser pays as much as its victim. A failed vote blaming a relay (`relay_failure`: a chunk
+        through it failed its end-to-end check; only a relay of this plan counts) aborts at once
+        excluding nobody: the peers are healthy, the path between them is not. Raises RoundError PRECONDITION when the voter is not a
         participant of that attempt.
         """
         run = self.running
@@ -883,6 +890,9 @@ class RoundEngine:
         v = Vote(ok, result_digest, state_digest, loss, suspects, flagged, error, audit)
         run.votes[peer_id] = v
         run.voted_at[peer_id] = now
+        if not v.ok and relay_failure and relay_failure in run.plan.relays:
+            return self._abort(now, f"relay {relay_failure} altered a chunk ({peer_id[:8]}: "
+                                    f"{v.error or 'chunk signature'})", ())
         if not v.ok:
             accused = self._audited_owner(run.plan, peer_id, v.suspects) if v.audit else None
             if accused is not None:
@@ -1171,7 +1181,7 @@ class RoundEngine:
         info = self.ready[participants[0]]
         planned = plan_round([self.members[p].link() for p in participants], info.num_elements, info.dtype,
                              self.policy, untrusted=self.untrusted, deadline_scale=self.growth.scale,
-                             outbound_only={p for p in participants if self.members[p].outbound_only})
+                             outbound_only=self._outbound_in(participants))
         if isinstance(planned, NoPlan):
             # E.g. two peers, one of them lying in an owner audit: nobody can tell which.
             if not self._no_trusted_logged:
@@ -1203,7 +1213,9 @@ class RoundEngine:
             deadline_seconds=planned.deadline_seconds,
             addresses=tuple(self.members[p].address for p in planned.participants),
             num_samples=tuple(self.ready[p].num_samples for p in planned.participants),
-            public_keys=tuple(self.members[p].public_key for p in planned.participants))
+            public_keys=tuple(self.members[p].public_key for p in planned.participants),
+            relays=tuple(self.members[p].relay for p in planned.participants)
+            if any(self.members[p].relay for p in planned.participants) else ())
         self.running = _Running(plan, now)
         actions.append(SendPlan(plan))
         return actions
@@ -1261,6 +1273,15 @@ class RoundEngine:
         and nobody waits for a slow one."""
         paces = sorted(s for s in (self.ready[p].step_seconds for p in participants if p in self.ready) if s > 0)
         return paces[1] if len(paces) >= 3 else paces[0] if paces else 0.0
+
+    def _outbound_in(self, participants) -> set[str]:
+        """The participants planned outbound-only: those that are, and the relayed ones while a
+        directly reachable participant can own the shards (a relay is a detour and a bottleneck:
+        it is used only when nobody else can be dialled; docs/nat.md, "Relays")."""
+        out = {p for p in participants if self.members[p].outbound_only}
+        relayed = {p for p in participants if self.members[p].relay and p not in out}
+        direct = set(participants) - out - relayed
+        return out | relayed if direct else out
 
     def _abort(self, now: float, reason: str, excluded: tuple[str, ...]) -> list[Action]:
         run = self.running

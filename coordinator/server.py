@@ -395,11 +395,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.apply(self.engine.join(peer_id, request.public_key, request.data_address, request.num_samples, now,
                                         request.up_bytes_per_s, request.down_bytes_per_s,
                                         reachable=reach.reachable if reach is not None else None,
-                                        connected=peer_id in self.watchers, outbound_only=request.outbound_only))
+                                        connected=peer_id in self.watchers, outbound_only=request.outbound_only,
+                                        relay=request.relay))
             if request.up_bytes_per_s or request.down_bytes_per_s:
                 self.metrics.observe_link(peer_id, request.up_bytes_per_s, request.down_bytes_per_s, 0.0)
-            log.info("peer %s joined from %s%s (%s)", peer_id[:8], request.data_address,
+            log.info("peer %s joined from %s%s%s (%s)", peer_id[:8], request.data_address,
                      ", outbound-only" if request.outbound_only or (reach is not None and not reach.reachable) else "",
+                     f", relayed via {request.relay}" if request.relay else "",
                      f"admitted: {rec.label}" if rec.admitted_at == asked else "member since "
                      + time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(rec.admitted_at)))
             resp = pb.JoinResponse(
@@ -582,7 +584,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.apply(self.engine.vote(
                     request.peer_id, request.round, request.attempt, request.ok, request.result_digest,
                     request.state_digest, self.clock(), loss=request.train_loss, suspects=tuple(request.suspects),
-                    flagged=tuple(request.flagged), error=request.error, audit=request.audit_failure))
+                    flagged=tuple(request.flagged), error=request.error, audit=request.audit_failure,
+                    relay_failure=request.relay_failure))
             except RoundError as exc:
                 raise _raise(exc) from None
             return pb.VoteResponse()
@@ -639,7 +642,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           rtt_seconds=m.rtt_seconds, untrusted=m.peer_id in e.untrusted, shm_peers=len(m.shm_peers),
                           reachability={True: "reachable", False: "unreachable", None: "unchecked"}[m.reachable],
                           links_age_seconds=-1.0 if m.links_at is None else max(0.0, now - m.links_at),
-                          outbound_only=m.outbound_only)
+                          outbound_only=m.outbound_only, relay=m.relay)
             for m in sorted(e.members.values(), key=lambda m: m.peer_id)
         ]
         k = request.recent_rounds or 10

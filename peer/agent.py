@@ -56,6 +56,7 @@ from shoal.peer.control import CoordinatorClient
 from shoal.common.certs import PeerTLS
 from shoal.peer.certificates import keep_renewed, legacy_mode, take_join_certificate
 from shoal.peer.dataplane import Inbox, PeerService, StateSource, Transport, channel_options, serve_data_plane
+from shoal.peer.relay_link import RelayLink
 from shoal.peer.links import COORDINATOR, COORDINATOR_PROBE_BYTES, LinkMeter, probe_missing, probe_peer
 from shoal.peer.rounds import (Aborted, CollectiveRecord, EventMailbox, Outcome, Reconnected, RoundClient,
                                RoundListener, RoundOutcome, RunFinished, SyncRecord, SyncSettings, Traffic,
@@ -111,6 +112,7 @@ class PeerConfig:
     metrics_host: str = "0.0.0.0"
     shared_memory: bool = True  # the shared-memory lane to peers on this host (peer.shm)
     outbound_only: bool = False  # take part without being dialled, as behind NAT (docs/nat.md)
+    relay: str | None = None  # HOST:PORT of a relay to be reached through (peer.relay_link; docs/nat.md)
     attack: str = ""  # testing only: send forged updates (peer.byzantine); "" = honest
     attack_scale: float | None = None
 
@@ -259,7 +261,7 @@ class PeerAgent(StateSource):
         return pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
                               version="0.1.0", join_token=self.config.join_token,
                               tls_csr=self.peer_tls.csr() if self.peer_tls is not None else b"",
-                              outbound_only=self.config.outbound_only)
+                              outbound_only=self.config.outbound_only, relay=self.config.relay or "")
 
     def _joined(self, resp: pb.JoinResponse) -> None:
         if self.peer_tls is not None:
@@ -315,6 +317,8 @@ class PeerAgent(StateSource):
             self.service, self.config.listen, self.config.security,
             before_start=lambda s: health_box.append(attach(s, (PEER_SERVICE,))), peer_tls=self.peer_tls)
         self.address = self.config.advertise or bound
+        # Behind NAT with a relay: reachable through it (a reverse tunnel into `bound`).
+        relay = RelayLink(self.config.relay, self.key, bound) if self.config.relay else None
         health = health_box[0]
         await health.serving()
         self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
@@ -324,6 +328,8 @@ class PeerAgent(StateSource):
                                          rpc_timeout=self.config.rpc_timeout, join_request=self._join_request,
                                          on_join=self._joined, target=self.config.coordinator)
         try:
+            if relay is not None:  # RelayRefused, OSError: no relay, or it refused this identity
+                self.address = await relay.start(self.config.connect_timeout)
             await self._start()
             async with asyncio.TaskGroup() as tg:
                 hb = tg.create_task(self._heartbeat_loop())
@@ -348,6 +354,8 @@ class PeerAgent(StateSource):
             return summary
         finally:
             await health.shutdown()
+            if relay is not None:
+                await relay.close()
             await self.transport.close()
             await channel.close()
             await server.stop(grace=0.5)
@@ -378,6 +386,8 @@ class PeerAgent(StateSource):
         return {"peer": self.peer_id, "rounds": st.rounds, "test_accuracy": self.workload.evaluate(),
                 "state_digest": st.digest().hex(), "bytes_sent": self.bytes_sent,
                 "bytes_received": self.bytes_received, "state_syncs": self.state_syncs,
+                # chunk bytes this peer sent to relayed participants (through a relay; docs/nat.md)
+                "relayed_bytes_sent": self.transport.relayed_bytes_sent,
                 "params_finite": bool(np.isfinite(st.params).all())}
 
     def _count_received(self, n: int) -> None:
@@ -470,7 +480,10 @@ class PeerAgent(StateSource):
                         return
                     report = self.links.report(self.peer_id)
                 else:
-                    peers = list(zip(plan.participants, plan.addresses))
+                    # Not through a relay: a probe would spend the relay's bandwidth to measure the
+                    # relay (the collectives' streams still give passive estimates; docs/nat.md).
+                    peers = [(p, a) for i, (p, a) in enumerate(zip(plan.participants, plan.addresses))
+                             if not plan.relay_of(i)]
                     if await probe_missing(self.links, self.transport, peers, self.peer_id):
                         self.links.forget(COORDINATOR)
                     await self.transport.probe_lanes((pid, a) for pid, a in peers if pid != self.peer_id)

@@ -48,6 +48,7 @@ import numpy as np
 
 from shoal.common.errors import InvalidArgument, ShoalError
 from shoal.common.plan import Plan
+from shoal.common.relaying import RELAY_ALTERED
 from shoal.common.tensors import digest, dtype_code
 from shoal.peer import faults
 from shoal.peer.audit import AuditVerdict, OwnerAudit
@@ -68,12 +69,14 @@ __all__ = ["CollectiveError", "CollectiveResult", "OwnerReducer", "all_reduce"]
 
 class CollectiveError(Exception):
     """A collective attempt failed; `suspects` are the peer ids blamed for it; `audit` marks an
-    owner audit that failed (suspects: the owner and the auditor)."""
+    owner audit that failed (suspects: the owner and the auditor); `relay` names the relay that
+    altered a chunk (its end-to-end signature failed; docs/nat.md): no peer is to blame."""
 
-    def __init__(self, message: str, suspects: Sequence[str] = (), *, audit: bool = False):
+    def __init__(self, message: str, suspects: Sequence[str] = (), *, audit: bool = False, relay: str = ""):
         super().__init__(message)
         self.suspects = tuple(suspects)
         self.audit = audit
+        self.relay = relay
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ class _Stream:
         self.lane: str | None = None  # "shm" or "socket", chosen at the first chunk
         self._choosing = asyncio.Lock()
         self.writer: SegmentWriter | None = None
+        # Through a relay (docs/nat.md): every chunk signed end to end, never shared memory.
+        self.relay = plan.relay_of(plan.position(peer_id)) if plan.relays else ""
 
     async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None) -> None:
         """Queue (chunk without data, its bytes), or None to close the stream."""
@@ -144,7 +149,7 @@ class _Stream:
         msg, body = item
         async with self._choosing:  # scatter and publish may both open the stream (butterfly)
             if self.lane is None:
-                shared = await self.transport.shm_lane(self.address, self.peer_id)
+                shared = not self.relay and await self.transport.shm_lane(self.address, self.peer_id)
                 self.writer = self.transport.take_writer(self.address) if shared else None
                 self.lane = "shm" if shared else "socket"
         if self.lane == "shm":
@@ -167,6 +172,9 @@ class _Stream:
             while (msg := await self.queue.get()) is not None:
                 if call is None:  # the stream opens with the ticket, signed with the first chunk
                     msg.ticket = self.plan.ticket
+                if self.relay:  # before the first chunk's stream signature, which covers it
+                    self.transport.sign_relayed(msg)
+                if call is None:
                     call = self.transport.stub(self.address, self.peer_id).PushChunks(
                         timeout=self.timeout, metadata=self.transport.push_metadata(msg))
                     t0 = time.perf_counter()
@@ -185,9 +193,19 @@ class _Stream:
                 self.writer = None
         except grpc.aio.AioRpcError as exc:
             await self.transport.forget(self.address)
+            if self.relay and RELAY_ALTERED in (exc.details() or ""):
+                raise CollectiveError(f"relay {self.relay} altered a chunk to {self.peer_id[:8]}: {exc.details()}",
+                                      relay=self.relay) from None
             raise CollectiveError(f"stream to {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
                                   [self.peer_id]) from None
         except asyncio.InvalidStateError:
+            details = ""
+            if self.relay and call is not None:  # the receiver ended the call: did a check fail in transit?
+                with contextlib.suppress(Exception):
+                    details = await asyncio.wait_for(call.details(), 1.0) or ""
+            if RELAY_ALTERED in details:
+                raise CollectiveError(f"relay {self.relay} altered a chunk to {self.peer_id[:8]}: {details}",
+                                      relay=self.relay) from None
             raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id]) from None
         finally:
             if self.writer is not None:  # a failed stream: its slabs are never written again
@@ -338,6 +356,9 @@ class _Wire:
                 f"no chunk from {sender[:8]} within {plan.chunk_timeout_seconds:.1f}s "
                 f"(phase {phase}, step {step}, shard {shard}, offset {off})", [sender]) from None
         except SenderGone as exc:
+            if RELAY_ALTERED in str(exc):  # the chunk changed on its way through this peer's relay
+                relay = plan.relay_of(plan.position(self.me))
+                raise CollectiveError(f"relay {relay}: {exc}", relay=relay) from None
             raise CollectiveError(str(exc), [sender]) from None
 
     async def received(self, phase: int, step: int, span: ChunkSpan, sender: str) -> tuple[Payload, np.ndarray]:
@@ -726,7 +747,8 @@ async def _attempt(x: np.ndarray, plan: Plan, me: str, transport: Transport, inb
 def _first(group: BaseExceptionGroup) -> CollectiveError:
     excs = [e for e in _flatten(group) if isinstance(e, CollectiveError)]
     suspects = tuple(dict.fromkeys(s for e in excs for s in e.suspects))
-    return CollectiveError("; ".join(str(e) for e in excs[:3]), suspects)
+    relay = next((e.relay for e in excs if e.relay), "")
+    return CollectiveError("; ".join(str(e) for e in excs[:3]), () if relay else suspects, relay=relay)
 
 
 def _flatten(e: BaseException):

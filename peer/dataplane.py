@@ -27,6 +27,13 @@ reduced shards go back on the same stream from the participant's `ReplyLane` (fi
 owner's collective). The owner signs its first reply (initial metadata, `EXCHANGE_REPLY`) and it
 carries the owner's ticket; `take_replies` checks both, then every reply against the plan, before
 a single value reaches the participant's inbox.
+
+Relayed participants (docs/nat.md, "Relays"; `Plan.relays`): every chunk pushed to one carries
+`chunk_signature` (`Transport.sign_relayed`), and such a participant checks it on every chunk
+before anything else (`PeerService._check_relayed`): a relay cannot change a chunk unseen. A
+failed check refuses the stream with `RELAY_ALTERED` in its details and fails the waits on that
+sender with it, so both ends vote the relay's fault (no peer is excluded). Exchange streams are
+not covered: a relayed peer that is planned outbound-only dials the owners directly.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from shoal.common.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondit
 from shoal.common.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public_bytes, sign_metadata
 from shoal.peer.shm import SegmentReader
 from shoal.common import reach
+from shoal.common.relaying import RELAY_ALTERED, chunk_signature_ok, sign_chunk
 from shoal.common.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
 from shoal.common.certs import PeerTLS
 from shoal.common.security import (MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_peer_channel,
@@ -113,6 +121,7 @@ class Session:
     chunk_elems: int = 0
     deadline_seconds: float = 0.0
     outbound_only: frozenset[str] = frozenset()  # participants that open Exchange instead of being dialled
+    relayed: frozenset[str] = frozenset()  # participants reached through a relay: every chunk to them is signed
 
     @classmethod
     def from_plan(cls, plan: pb.Plan, coordinator_public_key: bytes) -> Session:
@@ -129,7 +138,8 @@ class Session:
         itemsize = to_numpy_dtype(plan.dtype).itemsize if plan.dtype else 1
         return cls(plan.round, plan.attempt, frozenset(p.peer_id for p in plan.participants), plan.dtype,
                    ticket_check, tuple(plan.shard_bounds), max(1, (plan.chunk_bytes or (1 << 20)) // itemsize),
-                   plan.deadline_seconds, frozenset(p.peer_id for p in plan.participants if p.outbound_only))
+                   plan.deadline_seconds, frozenset(p.peer_id for p in plan.participants if p.outbound_only),
+                   frozenset(p.peer_id for p in plan.participants if p.relay))
 
     def check_chunk(self, c: pb.Chunk, shm: SegmentReader | None = None) -> "Payload":
         """Check `c` against the plan; returns its payload (an array, or an `Encoded` chunk).
@@ -353,6 +363,7 @@ class PeerService(pb_grpc.PeerServicer):
         self.coordinator_public_key = coordinator_public_key
         self.session_wait = session_wait
         self.tls_identity = False  # set by serve_data_plane with an issued certificate
+        self.peer_id = peer_id_of(public_bytes(key)) if key is not None else ""
 
     def _coordinator_key(self) -> bytes:
         if len(self.coordinator_public_key) != 32:
@@ -372,8 +383,26 @@ class PeerService(pb_grpc.PeerServicer):
                 first = await anext(it)
             except StopAsyncIteration:
                 return pb.PushAck(chunks=0)
+            pub = self._check_relayed(first, context)
             s = await self._admit(first, context, PUSH_CHUNKS)
-            return pb.PushAck(chunks=await self._receive(first, it, s))
+            return pb.PushAck(chunks=await self._receive(first, it, s, pub if self.peer_id in s.relayed else None))
+
+    def _check_relayed(self, c: pb.Chunk, context, pub: bytes | None = None) -> bytes:
+        """The stream's signer key (from its metadata, checked by `_admit`); raises
+        InvalidArgument (`RELAY_ALTERED`) when `c` carries a chunk signature that fails, or none
+        while `pub` is given (this peer is relayed in the running plan: every chunk is signed)."""
+        if pub is None:
+            md = dict(context.invocation_metadata() or ())
+            try:
+                pub = bytes.fromhex(str(md.get(MD_PUBKEY, "")))
+            except ValueError:
+                pub = b""
+            if not c.chunk_signature:
+                return pub
+        if len(pub) != 32 or peer_id_of(pub) != c.sender or not chunk_signature_ok(pub, c):
+            raise InvalidArgument(f"chunk_signature: chunk {c.phase}/{c.step}/{c.shard}@{c.offset} from "
+                                  f"{c.sender[:8]} fails its sender's signature: {RELAY_ALTERED}")
+        return pub
 
     async def Exchange(self, request_iterator: AsyncIterator[pb.Chunk], context) -> None:
         """An outbound-only participant's stream (see the module docstring): its chunks into the
@@ -441,12 +470,14 @@ class PeerService(pb_grpc.PeerServicer):
         s.ticket_check(first.ticket, first.sender)
         return s
 
-    async def _receive(self, first: pb.Chunk, it: AsyncIterator[pb.Chunk], s: Session) -> int:
+    async def _receive(self, first: pb.Chunk, it: AsyncIterator[pb.Chunk], s: Session,
+                       signer: bytes | None = None) -> int:
         """Check and deliver an authenticated stream's chunks (`first`, then the rest of `it`)
         into the inbox; returns how many. A refused chunk (wrong shape, dtype...) delivers
         nothing and does not count as a broken stream: the sender is alive, and if it never
         sends valid chunks the chunk deadline blames it. Anything else that ends the stream early
-        fails every wait on the sender (`Inbox.fail_sender`)."""
+        fails every wait on the sender (`Inbox.fail_sender`). With `signer` (this peer is relayed)
+        every chunk's signature is checked first; a failure fails the waits with `RELAY_ALTERED`."""
         origin = (first.round, first.attempt, first.sender)
         n = 0
         refused = False
@@ -461,6 +492,12 @@ class PeerService(pb_grpc.PeerServicer):
                     while True:
                         if c is not first and (c.round, c.attempt, c.sender) != origin:
                             raise InvalidArgument("sender: one stream carries one sender's chunks of one round attempt")
+                        if signer is not None:
+                            try:
+                                self._check_relayed(c, None, signer)
+                            except InvalidArgument as exc:
+                                self.inbox.fail_sender(*origin, str(exc))
+                                raise
                         values = s.check_chunk(c, reader)
                         any_shm = any_shm or bool(c.shm_name)
                         self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
@@ -648,6 +685,7 @@ class Transport:
         self._chosen: dict[str, str] = {}  # lane chosen per address
         self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
         self.bytes_sent = 0
+        self.relayed_bytes_sent = 0  # chunk bytes sent to relayed participants (sign_relayed)
         self.created = time.monotonic()
         self.reply_verifier = RequestVerifier()  # owners' signed first replies on Exchange streams
         if self.shared_memory:
@@ -713,6 +751,12 @@ class Transport:
         ok = hmac.compare_digest(resp.shm_nonce, nonce)
         log.info("data lane to %s: %s", address, "shared memory" if ok else "socket")
         return ok
+
+    def sign_relayed(self, chunk: pb.Chunk) -> None:
+        """Sign `chunk` (complete: data filled in) for a relayed receiver and count its bytes."""
+        if self.key is not None:
+            sign_chunk(self.key, chunk)
+        self.relayed_bytes_sent += chunk.ByteSize() + 5  # as gRPC frames it (5-byte message prefix)
 
     def push_metadata(self, first_chunk: pb.Chunk) -> tuple[tuple[str, str], ...] | None:
         """Signature metadata for a PushChunks stream opening with `first_chunk`."""

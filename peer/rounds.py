@@ -653,13 +653,13 @@ class RoundClient:
         reason = describe(exc)
         if isinstance(exc, CollectiveError):
             log.warning("round %d.%d collective failed: %s", plan.round, shown_attempt(plan.attempt), reason)
-            suspects, audit = exc.suspects, exc.audit
+            suspects, audit, relay = exc.suspects, exc.audit, exc.relay
         else:
             log.error("round %d.%d: the collective raised %s; voting failed", plan.round,
                       shown_attempt(plan.attempt), reason, exc_info=exc)
-            suspects, audit = (), False
+            suspects, audit, relay = (), False, ""
         return pb.VoteRequest(peer_id=self.me, round=plan.round, attempt=plan.attempt, train_loss=rs.loss, ok=False,
-                              error=reason[:500], suspects=suspects, audit_failure=audit)
+                              error=reason[:500], suspects=suspects, audit_failure=audit, relay_failure=relay)
 
     # -------------------------------------------------------------- phase 4: vote
 

@@ -1,4 +1,4 @@
-"""The `shoal` command: coordinator, peer, swarm and status.
+"""The `shoal` command: coordinator, peer, swarm, status and relay.
 
 Every subcommand takes `--config shoal.toml`, `--log-level` and `--log-format text|json`, and
 one flag per setting of the configuration sections it reads (shoal.config; precedence: defaults
@@ -442,6 +442,7 @@ def _hold_peer_key(p) -> str:
 def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from shoal.peer.agent import PeerConfig, run_peer
 
+    from shoal.common.relaying import RelayRefused
     from shoal.peer.diagnosis import CoordinatorUnreachable, diagnose
 
     p = cfg.peer
@@ -460,7 +461,7 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                           sync_range_bytes=p.sync_range_bytes,
                           connect_timeout=p.connect_timeout, advertise=p.advertise, metrics_port=p.metrics_port,
                           metrics_host=p.metrics_host, shared_memory=p.shared_memory,
-                          outbound_only=p.outbound_only)
+                          outbound_only=p.outbound_only, relay=p.relay)
     result: dict = {}
     got: list[int] = []
 
@@ -489,6 +490,10 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
             log.error("peer: coordinator %s %s (key file %s)", p.coordinator,
                       diagnose(rpc, p.coordinator, names=lambda t: []).line(), key_path)
             return EXIT_USAGE
+        refused = _found(exc, RelayRefused)
+        if refused is not None:
+            log.error("peer: %s (key file %s)", refused, key_path)
+            return EXIT_USAGE
         if isinstance(exc, OSError):
             log.error("peer: address unavailable: %s", exc)
             return EXIT_UNAVAILABLE
@@ -499,6 +504,37 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
         return EXIT_FAILED
     logging.getLogger("shoal.peer").info("%s: %s", "left the swarm" if result.get("left") else "finished",
                                          json.dumps(result))
+    return EXIT_INTERRUPTED if signal.SIGINT in got else EXIT_OK
+
+
+def cmd_relay(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
+    from shoal.relay import run_relay
+
+    r = cfg.relay
+    _bindable("--listen", r.listen)
+    if r.metrics_port:
+        _bindable("--metrics-port", f"{r.metrics_host}:{r.metrics_port}")
+    for flag, path in (("--stats", r.stats), ("--ready-file", r.ready_file)):
+        _parent_dir(flag, path)
+    got: list[int] = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
+        stats = await run_relay(r.listen, r.advertise or "", stats_path=r.stats, ready_file=r.ready_file,
+                                metrics_port=r.metrics_port, metrics_host=r.metrics_host, stop=stop)
+        log.info("relay: %s", json.dumps({k: v for k, v in stats.items() if k != "peers"}))
+
+    try:
+        _run(main())
+    except OSError as exc:
+        failure = _bind_failure(exc, "--listen", r.listen)
+        if failure is not None:
+            raise failure from None
+        log.error("relay: %s", exc)
+        return EXIT_UNAVAILABLE
     return EXIT_INTERRUPTED if signal.SIGINT in got else EXIT_OK
 
 
@@ -583,7 +619,8 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                         byzantine=s.byzantine, attack_args=attack_args, aggregator=run.aggregator,
                         compression=run.compression, cohort_size=r.cohort_size, scenario=plan,
                         coordinators=s.coordinators, workload=s.workload, lm=lm, baseline=s.baseline,
-                        peer_speed=config_mod.parse_speeds(s.peer_speed), target_val_loss=s.target_val_loss)
+                        peer_speed=config_mod.parse_speeds(s.peer_speed), target_val_loss=s.target_val_loss,
+                        relay=s.relay)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED
 
@@ -624,6 +661,8 @@ COMMANDS = {
     "peer": (cmd_peer, "run a peer: the agent on a volunteer machine"),
     "swarm": (cmd_swarm, "run a whole local swarm: a coordinator + N peers as processes on 127.0.0.1"),
     "status": (cmd_status, "show a coordinator's members, their links and recent rounds"),
+    "relay": (cmd_relay, "run a relay for peers nobody can dial (behind NAT): they register, others reach them "
+                         "through it (docs/nat.md)"),
 }
 
 _EXIT_CODES = """\

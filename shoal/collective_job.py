@@ -97,7 +97,7 @@ class JobReport(RoundListener):
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
                   listen: str = "127.0.0.1:0", timeout: float = 120.0, security: Security | None = None,
                   join_token: str = "", aggregators: tuple[str, ...] = (), attack: str = "",
-                  keep_results: bool = True, shared_memory: bool = True) -> dict:
+                  keep_results: bool = True, shared_memory: bool = True, relay: str | None = None) -> dict:
     """Play rounds until the coordinator finishes the run; returns the report dict (module
     docstring) plus `last_result` (the last committed sum) and `results` (every committed
     round's sum when `keep_results`).
@@ -116,7 +116,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     config = PeerConfig(coordinator=coordinator, listen=listen, key_path=key_path,
                         security=security or Security(insecure=True), join_token=join_token,
                         shared_memory=shared_memory, connect_timeout=timeout, finish_linger=FINISH_LINGER_SECONDS,
-                        held_states=HELD_STATES)
+                        held_states=HELD_STATES, relay=relay)
     agent = PeerAgent(config, workload, contribution=contribution, listeners=[listener])
     async with asyncio.timeout(timeout):
         await agent.run()
@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--aggregators", default="", help="comma-separated owner aggregators, one per round, cycled")
     ap.add_argument("--attack", default="", help="send forged tensors (peer.byzantine)")
     ap.add_argument("--no-save", action="store_true", help="write no results (.npy/.npz), only the JSON report")
+    ap.add_argument("--relay", default=None, help="relay HOST:PORT to be reached through (docs/nat.md)")
     ap.add_argument("--no-shared-memory", action="store_true",
                     help="send every chunk through the socket, also to peers on this host")
     a = ap.parse_args()
@@ -162,7 +163,7 @@ def main() -> None:
         run = asyncio.run
     report = run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout, security,
                          a.join_token, aggs, a.attack, keep_results=not a.no_save,
-                         shared_memory=not a.no_shared_memory))
+                         shared_memory=not a.no_shared_memory, relay=a.relay))
     result = report.pop("last_result", None)
     results = report.pop("results")
     if result is not None and not a.no_save:

@@ -409,6 +409,9 @@ class PeerSection:
                                          "state donor; contributions go out and results come back on streams this "
                                          "peer opens (a peer the coordinator cannot dial back is so by itself; "
                                          "docs/nat.md)")
+    relay: str | None = setting(None, "relay HOST:PORT (`shoal relay`) to be reached through when nobody can dial "
+                                      "this peer (behind NAT): it registers there and advertises the relayed "
+                                      "address it gets (docs/nat.md, Relays)")
     tls_dir: str | None = setting(None, "TLS directory holding ca.pem (the CA that signed the coordinator's "
                                         "certificate); the data-plane certificate is issued at join")
     mtls: bool = setting(False, "mutual TLS on the data plane (always so with the certificate issued at join); "
@@ -428,6 +431,10 @@ class PeerSection:
         check_address(p, "listen", self.listen)
         if self.advertise is not None:
             check_address(p, "advertise", self.advertise, port_zero=False)
+        if self.relay is not None:
+            check_address(p, "relay", self.relay, port_zero=False)
+            _check(self.advertise is None and not self.outbound_only, p, "relay",
+                   "not with advertise or outbound_only (the relayed address is advertised)", self.relay)
         _check(self.key is None or bool(self.key), p, "key", "a file path", self.key)
         if self.name is not None:
             _check(bool(self.name) and all(ch.isalnum() or ch in "._-" for ch in self.name)
@@ -474,6 +481,9 @@ class SwarmSection:
     baseline: str = setting("", "with workload lm: ddp also trains the same model by synchronous data parallelism "
                                 "(gloo all-reduce every step) after the swarm; the summary gains baseline_*",
                             choices=("", "ddp"))
+    relay: bool = setting(False, "start a relay (`shoal relay`; in the bed's public namespace with a scenario) and "
+                                 "start the NATed peers with --relay; on by itself when a scenario leaves no peer "
+                                 "reachable (every peer nat = true); the summary gains relayed_bytes")
     peer_speed: str = setting("", "with workload lm: comma-separated compute speed per peer, e.g. 1,1,1,0.33 (a peer "
                                   "at s sleeps (1/s - 1) x its step time after each inner step: an emulation)")
     target_val_loss: float = setting(0.0, "with workload lm: the summary's seconds_to_target is when the swarm's "
@@ -539,6 +549,27 @@ class StatusSection:
 
 
 @dataclass(frozen=True)
+class RelaySection:
+    """[relay]: a relay for peers nobody can dial (`shoal relay`, docs/nat.md)."""
+
+    listen: str = setting("0.0.0.0:7071", "HOST:PORT peers register at; each registered peer gets a port of its own "
+                                          "on this host")
+    advertise: str | None = setting(None, "host name or IP peers and the coordinator dial the relayed ports by "
+                                          "(default: the listen host)")
+    stats: str | None = setting(None, "write the relay's counters (relayed_bytes, per peer) here as JSON, every second")
+    ready_file: str | None = setting(None, "write the relay's HOST:PORT here once it listens")
+    metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0 = off)")
+    metrics_host: str = setting("0.0.0.0", "address the /metrics server binds")
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first out-of-range setting."""
+        check_address("relay", "listen", self.listen)
+        _check(0 <= self.metrics_port <= 65535, "relay", "metrics_port", "in 0..65535", self.metrics_port)
+        _check(self.advertise is None or bool(self.advertise), "relay", "advertise", "a host name or IP",
+               self.advertise)
+
+
+@dataclass(frozen=True)
 class ShoalConfig:
     """The whole configuration; each command reads the sections it needs."""
 
@@ -549,6 +580,7 @@ class ShoalConfig:
     peer: PeerSection = PeerSection()
     swarm: SwarmSection = SwarmSection()
     status: StatusSection = StatusSection()
+    relay: RelaySection = RelaySection()
 
     def validate(self, command: str | None = None) -> None:
         """Check the sections `command` reads (every section when None); raise ConfigError
@@ -566,6 +598,7 @@ COMMAND_SECTIONS: dict[str, tuple[str, ...]] = {
     "peer": ("peer", "log"),
     "swarm": ("swarm", "rounds", "run", "log"),
     "status": ("status", "log"),
+    "relay": ("relay", "log"),
 }
 
 

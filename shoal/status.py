@@ -51,7 +51,9 @@ async def fetch_status_async(address: str, *, recent: int = 10, timeout: float =
              "untrusted": m.untrusted, "shm_peers": m.shm_peers,
              # the coordinator's dial-back: "reachable" | "unreachable" | "unchecked"; outbound_only:
              # it takes part without being dialled (unreachable, or --outbound-only; docs/nat.md)
-             "reachability": m.reachability or "unchecked", "outbound_only": m.outbound_only}
+             "reachability": m.reachability or "unchecked", "outbound_only": m.outbound_only,
+             # the relay it is reached through (joined with --relay), "" when dialled directly
+             "relay": m.relay}
             for m in resp.members
         ],
         "rounds": [
@@ -96,7 +98,8 @@ def render_table(s: dict) -> str:
     members = _table(
         ["peer", "address", "state", "reach", "lease", "samples", "up", "down", "rtt", "links age", "shm peers"],
         [[m["peer_id"][:12], m["address"], m["state"] + (" (untrusted)" if m["untrusted"] else ""),
-          "outbound-only" if m.get("outbound_only") else m.get("reachability", "unchecked"),
+          "outbound-only" if m.get("outbound_only") else f"relayed via {m['relay']}" if m.get("relay")
+          else m.get("reachability", "unchecked"),
           f"{m['lease_remaining_seconds']:.1f}s", str(m["num_samples"]),
           _rate(m["links"]["up_bytes_per_s"]), _rate(m["links"]["down_bytes_per_s"]),
           f"{m['links']['rtt_seconds'] * 1000:.1f}ms" if m["links"]["rtt_seconds"] else "-",

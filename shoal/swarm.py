@@ -82,6 +82,7 @@ class SwarmOptions:
     baseline: str = ""  # "ddp" (workload lm): the synchronous data-parallel baseline after the swarm
     peer_speed: tuple[float, ...] = ()  # per peer slot, compute speed (1 = full; workload lm)
     target_val_loss: float = 0.0  # workload lm: seconds_to_target's loss (0 = 1.05 x baseline_val_loss)
+    relay: bool = False  # start a relay and the NATed peers (all peers, without NAT) with --relay
 
     def run_config(self):
         from shoal.peer.training import RunConfig
@@ -182,6 +183,8 @@ class Swarm:
     # The network-namespace runner (`--scenario` with shaping): peer i runs in bed.netns(i) on
     # bed.host_ip(i), the coordinator in the root namespace on bed.root_ip. None: all on loopback.
     bed: NetBed | None = None
+    relay: _Proc | None = None  # `shoal relay` (docs/nat.md), in the root (public) namespace
+    relay_address: str = ""
 
     def peer_host(self, i: int) -> str:
         return self.bed.host_ip(i) if self.bed is not None else "127.0.0.1"
@@ -293,6 +296,59 @@ class Swarm:
                 args += [flag, str(v)]
         return args
 
+    @property
+    def wants_relay(self) -> bool:
+        """`--relay`, or a scenario that leaves no peer reachable (every peer nat or outbound-only)."""
+        sc = self.opts.scenario
+        if self.opts.relay:
+            return True
+        return sc is not None and not any(not (sc.peer_spec(i).nat or sc.peer_spec(i).outbound_only)
+                                          for i in range(self.opts.peers))
+
+    def relayed(self, i: int) -> bool:
+        """Peer i starts with --relay: the NATed peers, or every peer when none is NATed (a loopback
+        swarm with --relay). Never outbound-only ones (they need no relay) nor the LM workload."""
+        sc = self.opts.scenario
+        if self.relay is None or self.opts.workload != "digits" or (sc is not None and sc.peer_spec(i).outbound_only):
+            return False
+        nat = [sc is not None and sc.peer_spec(k).nat for k in range(self.opts.peers)]
+        return nat[i] if any(nat) else True
+
+    def start_relay(self, timeout: float = 30.0) -> str:
+        """Start `shoal relay` on the coordinator's host (the bed's public side), as an operator
+        would on a public host; returns its HOST:PORT. Its counters go to relay.json."""
+        ready = self.workdir / "relay.addr"
+        ready.unlink(missing_ok=True)
+        self.relay = _Proc("relay", [sys.executable, "-m", "shoal.cli", "relay", "--listen",
+                                     f"{self.coordinator_host}:0", "--stats", str(self.workdir / "relay.json"),
+                                     "--ready-file", str(ready), "--log-level", self.opts.log_level,
+                                     "--log-format", self.opts.log_format], self.workdir / "relay.log")
+        self.relay.start()
+        end = time.monotonic() + timeout
+        while not ready.exists():
+            if not self.relay.alive():
+                raise RuntimeError(f"relay exited:\n{self.relay.tail()}")
+            if time.monotonic() > end:
+                raise TimeoutError("relay did not start in time")
+            time.sleep(0.05)
+        self.relay_address = ready.read_text().strip()
+        return self.relay_address
+
+    def relay_summary(self) -> dict:
+        """relayed_bytes (the relay's count, both directions; relayed_bytes_to_peers: towards the
+        relayed peers) and relayed_plan_bytes (chunk bytes the peers sent to relayed participants,
+        from their "finished" events), for comparison."""
+        try:
+            stats = json.loads((self.workdir / "relay.json").read_text())
+        except (OSError, ValueError):
+            stats = {}
+        sent = 0
+        for i in range(len(self.peers)):
+            fin = [e for e in self.events(i) if e["event"] in ("finished", "left")]
+            sent += fin[-1].get("relayed_bytes_sent", 0) if fin else 0
+        return {"relay": self.relay_address, "relayed_bytes": stats.get("relayed_bytes", 0),
+                "relayed_bytes_to_peers": stats.get("relayed_bytes_to_peers", 0), "relayed_plan_bytes": sent}
+
     def start_coordinator(self, timeout: float = 30.0) -> str:
         if self.replicated:
             return self._start_coordinators(timeout)
@@ -399,6 +455,7 @@ class Swarm:
             return self._lm_peer_argv(i, advertise, listen)
         return [sys.executable, "-m", "shoal.cli", "peer", "--coordinator", self.address, "--listen", listen,
                 *(["--advertise", advertise] if advertise else []),
+                *(["--relay", self.relay_address] if self.relayed(i) else []),
                 *(["--no-shared-memory"] if self.bed is not None else []),
                 *(["--outbound-only"] if self.opts.scenario is not None
                   and self.opts.scenario.peer_spec(i).outbound_only else []),
@@ -439,6 +496,8 @@ class Swarm:
         """Stop every process; `state_too=False` leaves etcd running (the summary reads it)."""
         for p in self.peers:
             p.stop()
+        if self.relay is not None:
+            self.relay.stop()
         if self.coordinator is not None:
             self.coordinator.stop()
         for p in self.standbys:
@@ -990,6 +1049,8 @@ def run_swarm(opts: SwarmOptions) -> dict:
         ok, why = True, ""
         try:
             swarm.start_coordinator()
+            if swarm.wants_relay:
+                swarm.start_relay()
             if opts.scenario is not None:
                 driver = ScenarioDriver(swarm, opts.scenario, time.time())
             for i in range(opts.peers):
@@ -1057,6 +1118,8 @@ def run_swarm(opts: SwarmOptions) -> dict:
             summary["error"] = why.splitlines()[0]
         if opts.metrics:
             summary["metrics"] = swarm.metrics_urls()
+        if swarm.relay is not None:
+            summary.update(swarm.relay_summary())
         if driver is not None:
             summary["events"] = driver.report()
             summary.update(driver.tables())

@@ -64,6 +64,12 @@ PEER_METRICS = (
     MetricSpec("shoal_peer_test_accuracy", "gauge", (), "Held-out accuracy of the committed state (NaN when the workload has none)"),
 )
 
+RELAY_METRICS = (
+    MetricSpec("shoal_relay_relayed_bytes_total", "counter", (), "Bytes the relay forwarded between peers, both directions (relayed_bytes)"),
+    MetricSpec("shoal_relay_connections_total", "counter", (), "Dials of relayed addresses spliced to their peer"),
+    MetricSpec("shoal_relay_registered_peers", "gauge", (), "Peers holding a control connection to the relay"),
+)
+
 
 def _build(specs: tuple[MetricSpec, ...], registry: CollectorRegistry) -> dict[str, object]:
     out: dict[str, object] = {}
@@ -206,10 +212,25 @@ class PeerMetrics(_Metrics):
         return new if old == 0.0 or not math.isfinite(old) else (1 - self.EWMA) * old + self.EWMA * new
 
 
+class RelayMetrics(_Metrics):
+    """Metrics of `shoal relay`; see RELAY_METRICS."""
+
+    specs = RELAY_METRICS
+
+    def on_relayed(self, nbytes: int) -> None:
+        self.m["shoal_relay_relayed_bytes_total"].inc(nbytes)
+
+    def on_connection(self) -> None:
+        self.m["shoal_relay_connections_total"].inc()
+
+    def observe_registered(self, peers: int) -> None:
+        self.m["shoal_relay_registered_peers"].set(peers)
+
+
 def render_markdown_table() -> str:
     """The metric tables of docs/observability.md."""
     lines: list[str] = []
-    for title, specs in (("Coordinator", COORDINATOR_METRICS), ("Peer", PEER_METRICS)):
+    for title, specs in (("Coordinator", COORDINATOR_METRICS), ("Peer", PEER_METRICS), ("Relay", RELAY_METRICS)):
         lines += [f"### {title}", "", "| metric | type | labels | meaning |", "| --- | --- | --- | --- |"]
         for s in specs:
             lines.append(f"| `{s.name}` | {s.kind} | {', '.join(s.labels) or '—'} | {s.help} |")

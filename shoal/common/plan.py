@@ -57,7 +57,9 @@ class Plan:
     every shard's aggregate (`auditor_positions`). ticket: the coordinator-signed round ticket
     (empty before the server signs it). outbound_only: positions of participants nobody dials
     (behind NAT, or `--outbound-only`; docs/nat.md): never shard owners, only in a butterfly; each
-    opens a stream to every owner and gets the reduced shards back on it.
+    opens a stream to every owner and gets the reduced shards back on it. relays: per participant,
+    the relay it is reached through ("" = dialled directly; empty tuple: nobody is relayed);
+    chunks sent to a relayed participant are signed one by one (shoal.common.relaying).
     """
 
     participants: tuple[str, ...]
@@ -84,6 +86,7 @@ class Plan:
     demoted: tuple[str, ...] = ()
     ticket: bytes = b""
     outbound_only: tuple[int, ...] = ()
+    relays: tuple[str, ...] = ()
 
     @property
     def size(self) -> int:
@@ -97,6 +100,10 @@ class Plan:
     def dialable(self, position: int) -> bool:
         """Whether other participants may dial the participant at `position` (not outbound-only)."""
         return position not in self.outbound_only
+
+    def relay_of(self, position: int) -> str:
+        """The relay the participant at `position` is reached through, "" when dialled directly."""
+        return self.relays[position] if position < len(self.relays) else ""
 
     def owners(self) -> tuple[int, ...]:
         """Positions that own at least one tensor shard, ascending."""
@@ -116,7 +123,7 @@ class Plan:
                            num_samples=self.num_samples[i] if i < len(self.num_samples) else 0,
                            owner=i in owners,
                            public_key=self.public_keys[i] if i < len(self.public_keys) else b"",
-                           outbound_only=i in self.outbound_only)
+                           outbound_only=i in self.outbound_only, relay=self.relay_of(i))
             for i, p in enumerate(self.participants)
         ]
         return pb.Plan(round=self.round, attempt=self.attempt, epoch=self.epoch, participants=parts,
@@ -147,4 +154,5 @@ class Plan:
             demoted=tuple(p.peer_id for i, p in enumerate(msg.participants) if i not in set(msg.shard_owner)),
             ticket=msg.ticket,
             outbound_only=tuple(i for i, p in enumerate(msg.participants) if p.outbound_only),
+            relays=tuple(p.relay for p in msg.participants) if any(p.relay for p in msg.participants) else (),
         )

@@ -36,7 +36,7 @@ ALL_GATHER: Phase
 DISTANCES: Phase
 
 class JoinRequest(_message.Message):
-    __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s", "tls_csr", "outbound_only")
+    __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s", "tls_csr", "outbound_only", "relay")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class JoinRequest(_message.Message):
     DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     TLS_CSR_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     data_address: str
     join_token: str
@@ -55,7 +56,8 @@ class JoinRequest(_message.Message):
     down_bytes_per_s: float
     tls_csr: bytes
     outbound_only: bool
-    def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., tls_csr: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
+    relay: str
+    def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., tls_csr: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable", "tls_certificate", "tls_ca", "tls_not_after")
@@ -178,20 +180,22 @@ class WatchRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
 
 class Participant(_message.Message):
-    __slots__ = ("peer_id", "address", "num_samples", "owner", "public_key", "outbound_only")
+    __slots__ = ("peer_id", "address", "num_samples", "owner", "public_key", "outbound_only", "relay")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     num_samples: int
     owner: bool
     public_key: bytes
     outbound_only: bool
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
+    relay: str
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners")
@@ -302,7 +306,7 @@ class RoundEvent(_message.Message):
     def __init__(self, plan: _Optional[_Union[Plan, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., abort: _Optional[_Union[Abort, _Mapping]] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class VoteRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "attempt", "ok", "result_digest", "state_digest", "error", "suspects", "flagged", "train_loss", "bytes_sent", "collective_seconds", "audit_failure")
+    __slots__ = ("peer_id", "round", "attempt", "ok", "result_digest", "state_digest", "error", "suspects", "flagged", "train_loss", "bytes_sent", "collective_seconds", "audit_failure", "relay_failure")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +320,7 @@ class VoteRequest(_message.Message):
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FAILURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     attempt: int
@@ -329,7 +334,8 @@ class VoteRequest(_message.Message):
     bytes_sent: int
     collective_seconds: float
     audit_failure: bool
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., error: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ..., train_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., collective_seconds: _Optional[float] = ..., audit_failure: _Optional[bool] = ...) -> None: ...
+    relay_failure: str
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., ok: _Optional[bool] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., error: _Optional[str] = ..., suspects: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ..., train_loss: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., collective_seconds: _Optional[float] = ..., audit_failure: _Optional[bool] = ..., relay_failure: _Optional[str] = ...) -> None: ...
 
 class VoteResponse(_message.Message):
     __slots__ = ()
@@ -374,7 +380,7 @@ class StatusRequest(_message.Message):
     def __init__(self, recent_rounds: _Optional[int] = ...) -> None: ...
 
 class MemberInfo(_message.Message):
-    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "untrusted", "shm_peers", "reachability", "links_age_seconds", "outbound_only")
+    __slots__ = ("peer_id", "address", "state", "lease_remaining_seconds", "num_samples", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "untrusted", "shm_peers", "reachability", "links_age_seconds", "outbound_only", "relay")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +394,7 @@ class MemberInfo(_message.Message):
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     LINKS_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     state: str
@@ -401,7 +408,8 @@ class MemberInfo(_message.Message):
     reachability: str
     links_age_seconds: float
     outbound_only: bool
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ..., reachability: _Optional[str] = ..., links_age_seconds: _Optional[float] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
+    relay: str
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., num_samples: _Optional[int] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., untrusted: _Optional[bool] = ..., shm_peers: _Optional[int] = ..., reachability: _Optional[str] = ..., links_age_seconds: _Optional[float] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
     __slots__ = ("round", "attempt", "status", "state_digest", "participants", "seconds", "reason", "train_loss", "collective")
@@ -458,7 +466,7 @@ class StatusResponse(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., rounds_committed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., run_config_json: _Optional[str] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("round", "attempt", "sender", "phase", "step", "shard", "offset", "dtype", "shape", "data", "ticket", "scale", "codec", "shm_name", "shm_offset")
+    __slots__ = ("round", "attempt", "sender", "phase", "step", "shard", "offset", "dtype", "shape", "data", "ticket", "scale", "codec", "shm_name", "shm_offset", "chunk_signature")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
@@ -474,6 +482,7 @@ class Chunk(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     round: int
     attempt: int
     sender: str
@@ -489,7 +498,8 @@ class Chunk(_message.Message):
     codec: int
     shm_name: str
     shm_offset: int
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., sender: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., scale: _Optional[bytes] = ..., codec: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ...) -> None: ...
+    chunk_signature: bytes
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., sender: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., step: _Optional[int] = ..., shard: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., ticket: _Optional[bytes] = ..., scale: _Optional[bytes] = ..., codec: _Optional[int] = ..., shm_name: _Optional[str] = ..., shm_offset: _Optional[int] = ..., chunk_signature: _Optional[bytes] = ...) -> None: ...
 
 class PushAck(_message.Message):
     __slots__ = ("chunks",)

@@ -1,0 +1,363 @@
+"""`shoal relay`: a TCP relay for peers nobody can dial (docs/nat.md, "Relays").
+
+An operator runs it on a public host. A NATed peer started with `--relay HOST:PORT` registers
+over an outbound control connection (signed with its identity key, shoal.common.relaying) and
+gets a relayed address: a port of its own on this relay (`--advertise` host). A connection to
+that port is spliced, byte for byte, with a fresh connection the peer opens to the relay when
+asked (OPEN / ACCEPT): a TURN-like reverse tunnel. The relay parses nothing past the header
+lines: with TLS on it forwards TLS records between the two peers (peer-id-bound certificates, end
+to end) and reads nothing; with TLS off every chunk to a relayed participant is signed by its
+sender, so a change is detected (the round aborts, the relay is blamed).
+
+What it counts: `relayed_bytes` (every byte it forwarded, both directions; the Prometheus counter
+`shoal_relay_relayed_bytes_total` and the JSON stats file `--stats`, rewritten every second and at
+exit), connections and registrations.
+
+Failure semantics: a dial of a relayed port while its peer has no control connection waits
+`REGISTER_WAIT` seconds for it to register again (a NAT rebind), then is closed; a peer that does
+not answer an OPEN within `ACCEPT_WAIT` seconds gets the dial closed. Registrations are refused
+(`ERR`) for a bad signature, a stale timestamp or a replayed nonce. A peer keeps its relayed port
+while the relay runs; a relay restart hands out new ports (peers must join again).
+
+Test-only hooks (environment): ``SHOAL_FAULT_RELAY=flip@K`` flips one bit in the middle of the
+K-th (0-based) large gRPC message that fills one HTTP/2 DATA frame (>= `FLIP_MIN_FRAME` bytes:
+inside a tensor chunk's values, not in framing, where a flip would merely break the stream)
+forwarded towards a registered peer, once, reading plaintext h2 frames (with TLS on there are
+none to find); ``SHOAL_FAULT_RELAY_RECORD=PATH`` appends the
+first 64 MiB it forwards (both directions) to PATH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from shoal.common.metrics import RelayMetrics
+from shoal.common.relaying import MAGIC, MAX_LINE, REGISTER_SKEW_SECONDS, check_register
+
+log = logging.getLogger("shoal.relay")
+
+REGISTER_WAIT = 5.0  # a dial waits this long for its peer's control connection
+ACCEPT_WAIT = 10.0  # and this long for the peer's ACCEPT
+HEADER_WAIT = 10.0  # a new connection must send its header line within this
+PIPE_BYTES = 1 << 16
+RECORD_LIMIT = 64 << 20
+MAX_PEERS = 4096  # registered peer ids (one port each); more are refused
+FLIP_MIN_FRAME = 4096
+
+
+@dataclass
+class _Registration:
+    peer_id: str
+    address: str
+    server: asyncio.base_events.Server
+    token: str = ""
+    control: asyncio.StreamWriter | None = None
+    registered: asyncio.Event = field(default_factory=asyncio.Event)
+    relayed_bytes: int = 0
+    # Both ends of every splice opened under the current registration: a new registration (the
+    # peer's NAT mapping changed) closes them, so the diallers see their connection drop at once
+    # instead of writing into a tunnel whose far end is gone until a keepalive notices.
+    splices: set[asyncio.StreamWriter] = field(default_factory=set)
+
+
+class _H2Frames:
+    """Follows the HTTP/2 frames of one plaintext client-to-server byte stream (preface, then
+    9-byte headers), to find a byte inside a tensor chunk for the flip hook: the middle of a
+    DATA frame that holds exactly one gRPC message of at least `FLIP_MIN_FRAME` bytes (a Chunk
+    is mostly its `data` field; a flip in framing or a length prefix would only break the stream)."""
+
+    def __init__(self) -> None:
+        self.preface = 24  # "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+        self.header = b""
+        self.length = self.pos = 0  # the current frame's payload length, and how much of it passed
+        self.data = False  # the current frame is a large DATA frame
+        self.prefix = b""  # its first 5 payload bytes: the gRPC message prefix
+        self.target = -1  # payload offset of the byte to flip (-1: none)
+
+    def flip(self, data: bytes, hooks: "_Hooks") -> bytes:
+        buf = bytearray(data)
+        i = 0
+        while i < len(buf):
+            if self.preface:
+                step = min(self.preface, len(buf) - i)
+                self.preface -= step
+            elif self.pos >= self.length:
+                step = min(9 - len(self.header), len(buf) - i)
+                self.header += bytes(buf[i:i + step])
+                if len(self.header) == 9:
+                    self.length, kind = int.from_bytes(self.header[:3], "big"), self.header[3]
+                    self.header, self.pos, self.prefix, self.target = b"", 0, b"", -1
+                    self.data = kind == 0 and self.length >= FLIP_MIN_FRAME
+            else:
+                step = min(self.length - self.pos, len(buf) - i)
+                if self.data and len(self.prefix) < 5:
+                    self.prefix += bytes(buf[i:i + min(step, 5 - len(self.prefix))])
+                    if len(self.prefix) == 5 and self.prefix[0] == 0 \
+                            and int.from_bytes(self.prefix[1:], "big") == self.length - 5 and hooks.large_frame():
+                        self.target = self.length // 2
+                if self.pos <= self.target < self.pos + step:
+                    buf[i + self.target - self.pos] ^= 0x01
+                    log.warning("fault injection: flipped a bit in a relayed DATA frame")
+                    self.target = -1
+                self.pos += step
+            i += step
+        return bytes(buf)
+
+
+class _Hooks:
+    """The test-only fault and record hooks (module docstring)."""
+
+    def __init__(self, fault: str = "", record: str = ""):
+        self.flip_at = int(fault.split("@", 1)[1]) if fault.startswith("flip@") else -1
+        self.large_frames = 0  # large DATA frames seen towards registered peers so far
+        self.record = open(record, "ab") if record else None
+        self.recorded = 0
+
+    def large_frame(self) -> bool:
+        """Count a large DATA frame; True for the one to flip."""
+        self.large_frames += 1
+        return self.large_frames - 1 == self.flip_at
+
+    def forward(self, data: bytes, frames: _H2Frames | None) -> bytes:
+        if frames is not None and self.flip_at >= 0 and self.large_frames <= self.flip_at + 1:
+            data = frames.flip(data, self)
+        if self.record is not None and self.recorded < RECORD_LIMIT:
+            self.record.write(data)
+            self.recorded += len(data)
+        return data
+
+    def close(self) -> None:
+        if self.record is not None:
+            self.record.close()
+
+
+class Relay:
+    """The relay on `listen` (HOST:PORT, port 0 = any); relayed ports are bound on the same host
+    and advertised under `advertise` (a host name or IP; default the listen host)."""
+
+    def __init__(self, listen: str, advertise: str = "", *, stats_path: str | None = None,
+                 metrics: RelayMetrics | None = None):
+        self.host, port = listen.rsplit(":", 1)
+        self.port = int(port)
+        self.advertise = advertise or self.host
+        self.stats_path = stats_path
+        self.metrics = metrics or RelayMetrics()
+        self.hooks = _Hooks(os.environ.get("SHOAL_FAULT_RELAY", ""), os.environ.get("SHOAL_FAULT_RELAY_RECORD", ""))
+        self.peers: dict[str, _Registration] = {}
+        self.pending: dict[str, tuple[str, asyncio.Future]] = {}  # conn id -> (peer id, future of the peer's side)
+        self.nonces: dict[bytes, float] = {}
+        self.relayed_bytes = 0
+        self.towards_peers = 0  # of relayed_bytes: from the diallers to the registered peers
+        self.connections = 0
+        self.refused = 0
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def address(self) -> str:
+        return f"{self.advertise}:{self.port}"
+
+    async def start(self) -> str:
+        """Bind the front port; returns the relay's advertised HOST:PORT. Raises OSError."""
+        self._server = await asyncio.start_server(self._front, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("relay listening on %s:%d (advertised as %s)", self.host, self.port, self.address)
+        return self.address
+
+    def stats(self) -> dict:
+        """What the swarm and operators read: relayed_bytes (both directions), per peer too."""
+        return {"address": self.address, "relayed_bytes": self.relayed_bytes,
+                "relayed_bytes_to_peers": self.towards_peers, "connections": self.connections,
+                "registrations_refused": self.refused,
+                "peers": {p: {"address": r.address, "relayed_bytes": r.relayed_bytes,
+                              "registered": r.control is not None} for p, r in self.peers.items()}}
+
+    def write_stats(self) -> None:
+        if self.stats_path:
+            tmp = pathlib.Path(self.stats_path + ".tmp")
+            tmp.write_text(json.dumps(self.stats(), indent=1))
+            tmp.replace(self.stats_path)
+
+    async def serve_forever(self, stop: asyncio.Event) -> None:
+        """Write the stats every second until `stop` is set; then close everything."""
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                self.write_stats()
+        finally:
+            await self.close()
+            self.write_stats()
+
+    async def close(self) -> None:
+        for s in [self._server, *(r.server for r in self.peers.values())]:
+            if s is not None:
+                s.close()
+        for r in self.peers.values():
+            if r.control is not None:
+                r.control.close()
+        for t in list(self._tasks):
+            t.cancel()
+        self.hooks.close()
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------ connections
+
+    async def _front(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection to the relay's own port: a REGISTER (control) or an ACCEPT (tunnel)."""
+        try:
+            line = await asyncio.wait_for(reader.readline(), HEADER_WAIT)
+        except (TimeoutError, OSError, ValueError):
+            writer.close()
+            return
+        words = line.decode("ascii", "replace").split()
+        if len(line) > MAX_LINE or " ".join(words[:2]) != MAGIC:
+            writer.close()
+            return
+        if words[2:3] == ["REGISTER"]:
+            await self._register(words[2:], reader, writer)
+        elif words[2:3] == ["ACCEPT"] and len(words) == 5:
+            self._accept(words[3], words[4], reader, writer)
+        else:
+            writer.close()
+
+    async def _register(self, words: list[str], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        now = time.time()
+        self.nonces = {n: t for n, t in self.nonces.items() if t > now - 2 * REGISTER_SKEW_SECONDS}
+        try:
+            peer_id, nonce = check_register(words, now)
+            if nonce in self.nonces:
+                raise ValueError("nonce already used")
+        except ValueError as exc:
+            self.refused += 1
+            log.warning("registration refused from %s: %s", writer.get_extra_info("peername"), exc)
+            writer.write(f"ERR {exc}\n".encode())
+            with contextlib.suppress(OSError):
+                await writer.drain()
+            writer.close()
+            return
+        self.nonces[nonce] = now
+        reg = self.peers.get(peer_id)
+        if reg is None and len(self.peers) >= MAX_PEERS:
+            self.refused += 1
+            writer.write(f"ERR relay full: {MAX_PEERS} peers registered\n".encode())
+            writer.close()
+            return
+        if reg is None:
+            server = await asyncio.start_server(lambda r, w: self._dial(peer_id, r, w), self.host, 0)
+            reg = _Registration(peer_id, f"{self.advertise}:{server.sockets[0].getsockname()[1]}", server)
+            self.peers[peer_id] = reg
+        else:
+            if reg.control is not None:
+                reg.control.close()  # the newer registration wins (a NAT rebind, a restart)
+            for w in reg.splices:  # tunnels through the old path: dead, or about to be
+                w.close()
+            reg.splices = set()
+        reg.token, reg.control = secrets.token_hex(16), writer
+        reg.registered.set()
+        self.metrics.observe_registered(sum(1 for r in self.peers.values() if r.control is not None))
+        log.info("peer %s registered from %s: relayed as %s", peer_id[:8], writer.get_extra_info("peername"),
+                 reg.address)
+        writer.write(f"OK {reg.address} {reg.token}\n".encode())
+        try:
+            await writer.drain()
+            while line := await reader.readline():  # PINGs, answered: the peer's liveness check
+                if line.strip() == b"PING":
+                    writer.write(b"PONG\n")
+                    await writer.drain()
+        except OSError:
+            pass
+        finally:
+            if reg.control is writer:
+                reg.control = None
+                reg.registered.clear()
+                log.info("peer %s: control connection closed", peer_id[:8])
+            self.metrics.observe_registered(sum(1 for r in self.peers.values() if r.control is not None))
+            writer.close()
+
+    def _accept(self, conn_id: str, token: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        entry = self.pending.get(conn_id)
+        reg = self.peers.get(entry[0]) if entry is not None else None
+        if entry is None or reg is None or not secrets.compare_digest(token, reg.token) or entry[1].done():
+            writer.close()
+            return
+        entry[1].set_result((reader, writer))
+
+    async def _dial(self, peer_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Someone dialled `peer_id`'s relayed port: ask the peer for a tunnel, splice the two."""
+        reg = self.peers[peer_id]
+        conn_id = secrets.token_hex(12)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.pending[conn_id] = (peer_id, fut)
+        try:
+            await asyncio.wait_for(reg.registered.wait(), REGISTER_WAIT)
+            assert reg.control is not None
+            reg.control.write(f"OPEN {conn_id}\n".encode())
+            peer_side = await asyncio.wait_for(fut, ACCEPT_WAIT)
+        except (TimeoutError, OSError, AssertionError):
+            log.info("dial of %s (%s) closed: the peer opened no tunnel in time", reg.address, peer_id[:8])
+            writer.close()
+            return
+        finally:
+            self.pending.pop(conn_id, None)
+        self.connections += 1
+        self.metrics.on_connection()
+        ends = reg.splices
+        ends.update((writer, peer_side[1]))
+        try:
+            await asyncio.gather(self._pipe(reader, peer_side[1], reg, True),
+                                 self._pipe(peer_side[0], writer, reg, False))
+        finally:
+            writer.close()
+            peer_side[1].close()
+            ends.discard(writer)
+            ends.discard(peer_side[1])
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, reg: _Registration,
+                    towards_peer: bool) -> None:
+        frames = _H2Frames() if towards_peer else None
+        try:
+            while data := await reader.read(PIPE_BYTES):
+                data = self.hooks.forward(data, frames)
+                writer.write(data)
+                n = len(data)
+                self.relayed_bytes += n
+                reg.relayed_bytes += n
+                if towards_peer:
+                    self.towards_peers += n
+                self.metrics.on_relayed(n)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+        except (ConnectionError, OSError, RuntimeError):  # RuntimeError: uvloop's write on a closed transport
+            writer.close()
+
+
+async def run_relay(listen: str, advertise: str = "", *, stats_path: str | None = None, ready_file: str | None = None,
+                    metrics_port: int = 0, metrics_host: str = "0.0.0.0", stop: asyncio.Event | None = None) -> dict:
+    """Run a relay until `stop` is set (SIGTERM/SIGINT in the CLI); returns its final stats."""
+    metrics = RelayMetrics()
+    metrics.serve(metrics_port, metrics_host)
+    relay = Relay(listen, advertise, stats_path=stats_path, metrics=metrics)
+    try:
+        address = await relay.start()
+        relay.write_stats()
+        if ready_file:
+            pathlib.Path(ready_file).write_text(address)
+        await relay.serve_forever(stop or asyncio.Event())
+    finally:
+        metrics.close()
+    log.info("relay stopped: %d bytes relayed over %d connections", relay.relayed_bytes, relay.connections)
+    return relay.stats()
