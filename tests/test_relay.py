@@ -22,7 +22,7 @@ from shoal.collective_job import make_input
 from shoal.common.identity import public_bytes
 from shoal.common.relaying import register_line
 from shoal.peer.relay_link import RelayLink
-from tests.procs import read_json
+from procs import read_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
