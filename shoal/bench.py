@@ -68,6 +68,7 @@ class BenchOptions:
     workdir: str | None = None
     shared_memory: bool = True  # loopback only: namespaces emulate separate hosts
     also_socket: bool = False  # loopback: also time the socket-only data plane in the same run
+    tcp_lane: bool = True  # between hosts (shaped): the bulk lane (peer.tcplane); False: gRPC streams
 
     @property
     def shaped(self) -> bool:
@@ -175,6 +176,8 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
                 "--no-save", "--insecure"]
         if opts.shaped or not shared_memory:  # shaped namespaces stand for separate hosts
             argv.append("--no-shared-memory")
+        if not opts.tcp_lane:
+            argv.append("--no-tcp-lane")
         name = f"job-{r}"
         jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None), out))
     for name, proc, _ in jobs:
@@ -198,7 +201,18 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     result["links_reported"] = [rep.get("links") for rep in reports]
     # The data lane the timed rounds used: "shm" (peers on one host, peer.shm), "socket" or both.
     result["lane"] = "+".join(sorted({lane for r in timed for rd in rounds[r] for lane in rd.get("lanes", ())}))
+    result.update(_memory(reports, n * 4))
     return result
+
+
+def _memory(reports: Sequence[dict], size_bytes: int) -> dict:
+    """Peak resident memory per process: the largest (`peak_rss_bytes_max`) and, per process,
+    (peak - its resident size before any tensor) / tensor size, the largest (`peak_rss_ratio`)
+    and each (`peak_rss_ratios`)."""
+    peaks = [rep.get("peak_rss_bytes", 0) for rep in reports]
+    ratios = [(rep.get("peak_rss_bytes", 0) - rep.get("rss_baseline_bytes", 0)) / size_bytes for rep in reports]
+    return {"peak_rss_bytes_max": max(peaks, default=0), "peak_rss_ratio": max(ratios, default=0.0),
+            "peak_rss_ratios": ratios}
 
 
 def _run_gloo(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: float, hosts: list[str],
@@ -217,9 +231,12 @@ def _run_gloo(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: flo
         jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None, env=env), out))
     for name, proc, _ in jobs:
         procs.wait(name, proc, deadline)
-    per_rank = [json.loads(out.read_text())["seconds"] for _, _, out in jobs]
-    times = [max(ts) for ts in zip(*per_rank)]
-    return {"peers": p, "size_bytes": n * 4, "algorithm": "gloo", **_summary(times, n * 4, p, bound)}
+    reports = [json.loads(out.read_text()) for _, _, out in jobs]
+    times = [max(ts) for ts in zip(*(rep["seconds"] for rep in reports))]
+    # CPU seconds (all threads) the ranks spent in all_reduce per timed call, summed over them.
+    cpu = [sum(cs) for cs in zip(*(rep.get("cpu_seconds", ()) for rep in reports))]
+    return {"peers": p, "size_bytes": n * 4, "algorithm": "gloo", **_summary(times, n * 4, p, bound),
+            "cpu_seconds_median": statistics.median(cpu) if cpu else 0.0, **_memory(reports, n * 4)}
 
 
 def run_bench(opts: BenchOptions) -> dict:
@@ -291,23 +308,27 @@ def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out:
     import torch
     import torch.distributed as dist
 
-    from shoal.collective_job import make_input
+    from shoal.collective_job import make_input, memory_bytes
 
+    rss_baseline = memory_bytes()[0]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     try:
         base = torch.from_numpy(make_input(0, rank, 0, size, "float32"))
-        times = []
+        times, cpu = [], []
         for k in range(repeat + 1):
             x = base.clone()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             dist.all_reduce(x)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if k > 0:
                 times.append(dt)
-        pathlib.Path(out).write_text(json.dumps({"seconds": times}))
+                cpu.append(dc)
+        pathlib.Path(out).write_text(json.dumps({"seconds": times, "cpu_seconds": cpu,
+                                                 "rss_baseline_bytes": rss_baseline,
+                                                 "peak_rss_bytes": memory_bytes()[1]}))
     finally:
         dist.destroy_process_group()
 
@@ -343,7 +364,8 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
         raise ValueError("link rates must be > 0 Mbit/s")
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
                         repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
-                        workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket)
+                        workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket,
+                        tcp_lane=not a.no_tcp_lane)
 
 
 def add_bench_parser(sub) -> None:
@@ -365,6 +387,8 @@ def add_bench_parser(sub) -> None:
                    help="largest chunk through sockets, bytes (default 1 MiB, the coordinator's default)")
     b.add_argument("--no-shared-memory", action="store_true",
                    help="loopback: send every chunk through the socket (no shared-memory lane)")
+    b.add_argument("--no-tcp-lane", action="store_true",
+                   help="between hosts (shaped links): chunks on gRPC streams, not the bulk TCP lane")
     b.add_argument("--also-socket", action="store_true",
                    help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
