@@ -706,7 +706,8 @@ class Transport:
             except grpc.aio.AioRpcError:
                 if self._lanes.get(address) is task:
                     del self._lanes[address]
-        self._chosen[address] = "shm" if ok else "socket"
+        if ok or self.bulk is None:  # otherwise the bulk lane chooses (bulk_lane)
+            self._chosen[address] = "shm" if ok else "socket"
         return ok
 
     async def probe_lanes(self, peers) -> None:

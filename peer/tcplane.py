@@ -212,6 +212,21 @@ class BulkConnection:
             raise ConnectionError(f"frame: kind {kind} where an ACK or ERROR was due")
         return int(body.get("chunks", 0))
 
+    @staticmethod
+    async def _next(frames, reply: asyncio.Future | None):
+        """The next item of `frames`, or None as soon as the receiver answered (a refusal, or the
+        connection broke) while the stream waits for more: a sender idle on a dead connection
+        learns it now, not at its next chunk."""
+        if reply is None:
+            return await frames()
+        nxt = asyncio.ensure_future(frames())
+        if not nxt.done():
+            await asyncio.wait((nxt, reply), return_when=asyncio.FIRST_COMPLETED)
+        if nxt.done():
+            return nxt.result()
+        nxt.cancel()
+        return None
+
     async def send_stream(self, frames, hello: Callable[[pb.Chunk], object]) -> int:
         """Write one stream: `frames` yields (header, frame) pairs as made by `chunk_frame` (or
         None to stop), the first header already holding the ticket; `hello(first header)` is
@@ -221,13 +236,13 @@ class BulkConnection:
         ConnectionError/OSError (broken). Either way this connection is broken for good."""
         reply: asyncio.Future | None = None
         try:
-            while (item := await frames()) is not None:
+            while (item := await self._next(frames, reply)) is not None:
                 header, frame = item
                 if reply is None:
                     await self.loop.sock_sendall(self.sock, hello_frame(hello(header)))
                     reply = asyncio.ensure_future(self._reply())
                 if reply.done():
-                    break  # refused mid-stream: the reason is in the reply
+                    break  # refused or broken mid-stream: the reason is in the reply
                 await self.loop.sock_sendall(self.sock, frame)
             if reply is None:
                 return 0
