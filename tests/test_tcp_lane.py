@@ -289,6 +289,8 @@ async def test_an_advertised_port_that_refuses_falls_back_to_push_chunks():
 
 
 def _jobs(procs, p: int, size: int, *flags: str, tag: str) -> list[dict]:
+    """One run of p collective jobs on loopback without shared memory. The same key files every
+    run: the same peer ids, so the same participant order, so the same order of every sum."""
     coord, addr = procs.coordinator("--rounds", "2", "--min-peers", str(p), "--initial-peers", str(p),
                                     "--algorithm-collective", "butterfly", name=f"coordinator-{tag}",
                                     state=f"coordinator-{tag}.db")
@@ -297,7 +299,7 @@ def _jobs(procs, p: int, size: int, *flags: str, tag: str) -> list[dict]:
         out = procs.workdir / f"{tag}-{r}.json"
         jobs.append((procs.start(f"{tag}-{r}", [
             sys.executable, "-m", "shoal.collective_job", "--coordinator", addr, "--rank", str(r), "--size", str(size),
-            "--key", str(procs.workdir / f"{tag}-{r}.key"), "--out", str(out), "--timeout", "90",
+            "--key", str(procs.workdir / f"job-{r}.key"), "--out", str(out), "--timeout", "90",
             "--no-shared-memory", *flags]), out))
     reports = []
     for proc, out in jobs:
