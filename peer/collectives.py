@@ -209,7 +209,7 @@ class _Stream:
                 self.writer.close()
                 self.writer = None
 
-    async def _run_bulk(self, item: tuple[pb.Chunk, bytearray]) -> None:
+    async def _run_bulk(self, item: tuple[pb.Chunk, memoryview]) -> None:
         """Write the queued frames on the bulk connection; fails like a PushChunks stream:
         CollectiveError blaming the receiver when it refuses or the connection breaks."""
         conn, peer = self.bulk, self.peer_id

@@ -86,19 +86,20 @@ def decode_header(raw: bytes | memoryview) -> tuple[int, int, int]:
     return kind, meta_len, payload_len
 
 
-def chunk_frame(header: pb.Chunk, body) -> bytearray:
+def chunk_frame(header: pb.Chunk, body) -> memoryview:
     """One CHUNK frame, the payload copied in once (so later writes to `body` never reach the
-    wire): the only copy the sender makes. `header` must not carry `data`."""
+    wire): the only copy the sender makes (into uninitialised memory: no zeroing pass).
+    `header` must not carry `data`."""
     view = memoryview(body).cast("B")
     meta = header.SerializeToString()
-    out = bytearray(HEADER.size + len(meta) + view.nbytes)
+    out = memoryview(np.empty(HEADER.size + len(meta) + view.nbytes, dtype=np.uint8))
     HEADER.pack_into(out, 0, CHUNK, len(meta), view.nbytes)
     out[HEADER.size:HEADER.size + len(meta)] = meta
     out[HEADER.size + len(meta):] = view
     return out
 
 
-def split_chunk_frame(frame: bytes | bytearray) -> tuple[pb.Chunk, memoryview]:
+def split_chunk_frame(frame) -> tuple[pb.Chunk, memoryview]:
     """Inverse of `chunk_frame` (tests, and re-signing the first chunk's header)."""
     kind, meta_len, payload_len = decode_header(memoryview(frame)[:HEADER.size])
     if kind != CHUNK or len(frame) != HEADER.size + meta_len + payload_len:
