@@ -206,13 +206,19 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
 
 
 def _memory(reports: Sequence[dict], size_bytes: int) -> dict:
-    """Peak resident memory per process: the largest (`peak_rss_bytes_max`) and, per process,
-    (peak - its resident size before any tensor) / tensor size, the largest (`peak_rss_ratio`)
-    and each (`peak_rss_ratios`)."""
+    """Peak resident memory per process (VmHWM): the largest (`peak_rss_bytes_max`); per process
+    (peak - its resident size once its input existed, before its first collective) / tensor
+    size, the largest (`peak_rss_ratio`: what the collective and the rounds add to a process that
+    holds its input) and each (`peak_rss_ratios`); and the same from the process's start, before
+    any tensor (`peak_rss_ratio_from_start`: the input, its copies and the result included)."""
     peaks = [rep.get("peak_rss_bytes", 0) for rep in reports]
-    ratios = [(rep.get("peak_rss_bytes", 0) - rep.get("rss_baseline_bytes", 0)) / size_bytes for rep in reports]
-    return {"peak_rss_bytes_max": max(peaks, default=0), "peak_rss_ratio": max(ratios, default=0.0),
-            "peak_rss_ratios": ratios}
+
+    def ratios(key: str) -> list[float]:
+        return [(rep.get("peak_rss_bytes", 0) - rep.get(key, 0)) / size_bytes for rep in reports]
+
+    held = ratios("rss_before_collective_bytes")
+    return {"peak_rss_bytes_max": max(peaks, default=0), "peak_rss_ratio": max(held, default=0.0),
+            "peak_rss_ratios": held, "peak_rss_ratio_from_start": max(ratios("rss_baseline_bytes"), default=0.0)}
 
 
 def _run_gloo(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: float, hosts: list[str],
@@ -317,6 +323,7 @@ def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out:
     try:
         base = torch.from_numpy(make_input(0, rank, 0, size, "float32"))
         times, cpu = [], []
+        rss_before = memory_bytes()[0]  # the input made, no all_reduce run yet
         for k in range(repeat + 1):
             x = base.clone()
             dist.barrier()
@@ -328,6 +335,7 @@ def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out:
                 cpu.append(dc)
         pathlib.Path(out).write_text(json.dumps({"seconds": times, "cpu_seconds": cpu,
                                                  "rss_baseline_bytes": rss_baseline,
+                                                 "rss_before_collective_bytes": rss_before,
                                                  "peak_rss_bytes": memory_bytes()[1]}))
     finally:
         dist.destroy_process_group()

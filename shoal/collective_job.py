@@ -10,8 +10,9 @@ of the participants' inputs (what gloo's all_reduce computes), and that sum is t
 state. The JSON report has, per collective attempt that produced a result, `rounds[]` (seconds,
 bytes_sent, algorithm, participants, predicted_seconds, cpu_seconds, shard_fractions, lanes,
 chunk_bytes, aggregator, flagged), and `committed`, `last_digest`, `links`, `peer_id`,
-`wall_seconds`, `rss_baseline_bytes` (resident bytes at start, before any tensor) and
-`peak_rss_bytes` (the process's peak resident bytes, VmHWM). The result of the last round is saved as PATH.npy next to the JSON report.
+`wall_seconds`, `rss_baseline_bytes` (resident bytes at start, before any tensor),
+`rss_before_collective_bytes` (resident bytes when the first plan came: the first input made, no
+collective run yet) and `peak_rss_bytes` (the process's peak resident bytes, VmHWM). The result of the last round is saved as PATH.npy next to the JSON report.
 
     python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH \
         (--insecure | --tls-dir DIR) [--join-token T]
@@ -94,6 +95,11 @@ class JobReport(RoundListener):
         self.keep_results = keep_results
         self.workload: ArrayWorkload | None = None
         self.report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype, "results": {}}
+        self.rss_before_collective: int | None = None  # at the first plan: the first input exists
+
+    def on_plan(self, plan: Plan) -> None:
+        if self.rss_before_collective is None:
+            self.rss_before_collective = memory_bytes()[0]
 
     def on_collective(self, rec: CollectiveRecord) -> None:
         p = rec.plan
@@ -139,6 +145,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     report, st = listener.report, listener.workload.state
     report["peer_id"] = agent.peer_id
     report["rss_baseline_bytes"], report["peak_rss_bytes"] = rss_baseline, memory_bytes()[1]
+    report["rss_before_collective_bytes"] = listener.rss_before_collective or rss_baseline
     report["committed"] = st.rounds
     if st.rounds:
         report["last_digest"] = st.digest().hex()
