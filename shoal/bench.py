@@ -10,9 +10,18 @@ gloo rank) runs in its own network namespace behind kernel-shaped links (`shoal.
 needs root); without them everything runs on 127.0.0.1.
 
 On loopback the peers share a host, so chunks take the shared-memory lane (`peer.shm`, reported
-as ``lane``) unless ``--no-shared-memory``; ``--also-socket`` times the socket-only data plane
-too, in the same invocation (``socket_lane``). Shaped runs always use the sockets: their
-namespaces stand for separate hosts.
+as ``lane`` "shm") unless ``--no-shared-memory``; ``--also-socket`` times the socket-only data
+plane too, in the same invocation (``socket_lane``). Shaped runs never use shared memory: their
+namespaces stand for separate hosts. Between hosts (and on loopback without shared memory) chunks
+take the bulk TCP lane (`peer.tcplane`, ``lane`` "tcp"), or gRPC streams with ``--no-tcp-lane``
+(``lane`` "socket").
+
+Accounting: ``cpu_seconds_median`` is the CPU time (all threads) of all participants in one timed
+round, summed, median over rounds; for gloo (``baseline.cpu_seconds_median``) the ranks' CPU time
+inside ``all_reduce``. ``peak_rss_bytes_max`` is the largest peak resident size (VmHWM) of a
+participant process; ``peak_rss_ratio`` the largest (peak - resident size once the input existed,
+before the first collective) / tensor size, ``peak_rss_ratio_from_start`` the same from the
+process's start (before any tensor); the gloo ranks report the same fields.
 
 The time of one round is the slowest participant's collective time (plan received → result
 ready); the time of one gloo all-reduce is the slowest rank's ``all_reduce`` call after a barrier.
@@ -43,6 +52,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from shoal import bench_coordinator
+from shoal.common.certs import init_certs
 from shoal.common.procexit import exit_after_gloo
 
 log = logging.getLogger("shoal.bench")
@@ -69,6 +79,7 @@ class BenchOptions:
     shared_memory: bool = True  # loopback only: namespaces emulate separate hosts
     also_socket: bool = False  # loopback: also time the socket-only data plane in the same run
     tcp_lane: bool = True  # between hosts (shaped): the bulk lane (peer.tcplane); False: gRPC streams
+    tls: bool = False  # Shoal's planes with TLS (certificates issued at join); gloo stays plaintext
 
     @property
     def shaped(self) -> bool:
@@ -165,7 +176,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         "--ready-timeout", str(per_round), "--collective-timeout", str(per_round),
         "--chunk-timeout", str(per_round), "--lease-seconds", str(max(30.0, per_round)), "--max-attempts", "1",
         "--collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes), "--log-level", "warning",
-        "--insecure"])  # plaintext on both planes, like the gloo baseline
+        *_security_args(opts, wd, coord_host, "coordinator")])  # plaintext, like gloo, unless --tls
     addr = _wait_file(ready, deadline, procs, "coordinator", coord)
     jobs = []
     for r in range(p):
@@ -173,7 +184,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         argv = [sys.executable, "-m", "shoal.collective_job", "--coordinator", addr, "--rank", str(r),
                 "--size", str(n), "--key", str(wd / f"job-{r}.key"), "--out", str(out),
                 "--listen", f"{hosts[r]}:0", "--timeout", str(max(60.0, deadline - time.monotonic())),
-                "--no-save", "--insecure"]
+                "--no-save", *_security_args(opts, wd, coord_host, "peer")]
         if opts.shaped or not shared_memory:  # shaped namespaces stand for separate hosts
             argv.append("--no-shared-memory")
         if not opts.tcp_lane:
@@ -219,6 +230,20 @@ def _memory(reports: Sequence[dict], size_bytes: int) -> dict:
     held = ratios("rss_before_collective_bytes")
     return {"peak_rss_bytes_max": max(peaks, default=0), "peak_rss_ratio": max(held, default=0.0),
             "peak_rss_ratios": held, "peak_rss_ratio_from_start": max(ratios("rss_baseline_bytes"), default=0.0)}
+
+
+def _security_args(opts: BenchOptions, wd: pathlib.Path, coord_host: str, role: str) -> list[str]:
+    """`--insecure`, or with `opts.tls` a CA and coordinator certificate for `coord_host` in
+    wd/tls (made once) and, for peers, a directory with the CA certificate only: peers get their
+    data-plane certificates at join, as volunteers do (docs/security.md)."""
+    if not opts.tls:
+        return ["--insecure"]
+    tls, peer_dir = wd / "tls", wd / "tls-peer"
+    if not (tls / "ca.key").exists():
+        init_certs(tls, hosts=(coord_host, "127.0.0.1", "localhost"))
+        peer_dir.mkdir(exist_ok=True)
+        (peer_dir / "ca.pem").write_bytes((tls / "ca.pem").read_bytes())
+    return ["--tls-dir", str(tls if role == "coordinator" else peer_dir)]
 
 
 def _run_gloo(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: float, hosts: list[str],
@@ -284,7 +309,8 @@ def run_bench(opts: BenchOptions) -> dict:
             coord_host = "127.0.0.1"
         procs = _Procs(wd, bed)
         stack.callback(procs.close)
-        report: dict = {"peers": p, "size_bytes": size_bytes, "network": "shaped" if opts.shaped else "loopback"}
+        report: dict = {"peers": p, "size_bytes": size_bytes, "network": "shaped" if opts.shaped else "loopback",
+                        "tls": opts.tls}
         if opts.shaped:
             report["up_mbit"], report["down_mbit"] = list(opts.up_mbit), list(opts.down_mbit)
         report.update(_run_shoal(opts, procs, wd, deadline, hosts, coord_host, bound,
@@ -373,7 +399,7 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
                         repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
                         workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket,
-                        tcp_lane=not a.no_tcp_lane)
+                        tcp_lane=not a.no_tcp_lane, tls=a.tls)
 
 
 def add_bench_parser(sub) -> None:
@@ -397,6 +423,9 @@ def add_bench_parser(sub) -> None:
                    help="loopback: send every chunk through the socket (no shared-memory lane)")
     b.add_argument("--no-tcp-lane", action="store_true",
                    help="between hosts (shaped links): chunks on gRPC streams, not the bulk TCP lane")
+    b.add_argument("--tls", action="store_true",
+                   help="Shoal's control and data planes with TLS (gloo stays plaintext); tensor bytes then "
+                        "go on mutual-TLS gRPC, not the bulk lane")
     b.add_argument("--also-socket", action="store_true",
                    help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
