@@ -713,8 +713,18 @@ class Transport:
     async def probe_lanes(self, peers) -> None:
         """Choose the lane to each of `peers` ((peer id, address) pairs) now (probes are cached),
         so that this peer can report every peer it reaches through shared memory, not only those
-        it streamed to."""
-        await asyncio.gather(*(self.shm_lane(a, pid) for pid, a in peers), return_exceptions=True)
+        it streamed to; open a bulk-lane connection to the others (kept for their next stream)."""
+        peers = list(peers)
+        shared = await asyncio.gather(*(self.shm_lane(a, pid) for pid, a in peers), return_exceptions=True)
+        if self.bulk is not None:  # connect now, off the round: a port that cannot be reached costs nothing there
+            await asyncio.gather(*(self._warm_bulk(a, pid) for (pid, a), ok in zip(peers, shared) if ok is False),
+                                 return_exceptions=True)
+
+    async def _warm_bulk(self, address: str, peer_id: str) -> None:
+        if self.bulk is not None and not self.bulk.has_idle(address):
+            conn = await self.bulk.connect(address, peer_id)
+            if conn is not None:
+                self.bulk.give_back(address, conn)
 
     def lane_failed(self, address: str, exc: OSError) -> None:
         """Writing a segment failed (/dev/shm full?): this transport uses sockets from now on."""

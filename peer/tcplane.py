@@ -261,6 +261,17 @@ class BulkConnection:
             if reply is not None and not reply.done():
                 reply.cancel()
 
+    def alive(self) -> bool:
+        """Whether an idle connection is still open: nothing to read (the receiver sends nothing
+        between streams), no end of file, no error."""
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)  # end of file, or bytes nobody asked for
+            return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
     def close(self) -> None:
         self.sock.close()
 
@@ -279,9 +290,12 @@ class BulkClient:
         """An open connection to the bulk lane of the peer at `address`, or None when it has
         none or the connection fails (the caller uses PushChunks; a failure is logged and the
         port asked again next time)."""
-        pool = self._idle.get(address)
-        if pool:
-            return pool.pop()
+        pool = self._idle.get(address, [])
+        while pool:
+            conn = pool.pop()
+            if conn.alive():
+                return conn
+            conn.close()  # the receiver closed it while idle (IDLE_SECONDS, a restart)
         if self._down.get(address, 0.0) > time.monotonic():
             return None
         task = self._ports.get(address)
@@ -304,6 +318,9 @@ class BulkClient:
             self._ports.pop(address, None)
             self._down[address] = time.monotonic() + DOWN_SECONDS
             return None
+
+    def has_idle(self, address: str) -> bool:
+        return bool(self._idle.get(address))
 
     def give_back(self, address: str, conn: BulkConnection) -> None:
         """Return a connection whose stream was acknowledged (or close a broken one)."""

@@ -116,6 +116,26 @@ async def test_all_reduce_over_the_bulk_lane_is_bit_identical_to_push_chunks(alg
     assert all(r.digest == digest(r.values) for r in bulk)
 
 
+async def test_idle_connections_are_reused_only_while_open_and_warmed_before_rounds():
+    p, n = 3, 100_003
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        t, to_1 = peers.transports[0], peers.addresses[1]
+        await t.probe_lanes(list(zip(peers.ids, peers.addresses))[1:])  # what the agent does before Ready
+        assert t.bulk.has_idle(to_1) and t.lanes() == {}  # connected, nothing chosen yet
+        first = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=16 << 10)
+        idle = t.bulk._idle[to_1][0]
+        assert idle.alive()
+        for task in list(peers.services[1].bulk._tasks):  # the receiver drops its idle connections
+            if task.get_coro().__qualname__.endswith("_serve"):
+                task.cancel()
+        await asyncio.sleep(0.1)
+        assert not idle.alive()
+        again = await peers.run(xs, attempt=1, algorithm="butterfly", chunk_bytes=16 << 10)
+        assert t.lanes()[to_1] == "tcp" and t.bulk._idle[to_1][0] is not idle
+    assert first[0].values.tobytes() == again[0].values.tobytes()
+
+
 async def test_a_peer_without_a_bulk_listener_is_pushed_to_and_the_result_is_the_same():
     p, n = 3, 200_003
     xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
