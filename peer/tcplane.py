@@ -52,8 +52,9 @@ BULK_METHOD = "/shoal.v1.Peer/PushChunks#tcp"  # what the HELLO's signature is m
 HEADER = struct.Struct("<B3xIQ")
 HELLO, CHUNK, END, ACK, ERROR = 1, 2, 3, 4, 5
 MAX_META_BYTES = 64 << 10  # a chunk header, a ticket, signature metadata: far below
-HELLO_SECONDS = 10.0  # an accepted connection must authenticate within this
-IDLE_SECONDS = 300.0  # a reused connection idle this long is closed
+HELLO_SECONDS = 10.0  # a HELLO must be followed by its first chunk within this
+IDLE_SECONDS = 300.0  # a connection (opened ahead of a round, or between streams) idle this long is closed
+REUSE_SECONDS = IDLE_SECONDS / 2  # a sender reuses only connections idle less than this (never racing the close)
 MAX_CONNECTIONS = 256  # accepted connections held at once; more are closed at once
 CONNECT_SECONDS = 3.0
 DOWN_SECONDS = 300.0  # after a failed connect, PushChunks to that address for this long
@@ -180,6 +181,7 @@ class BulkConnection:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.broken = False
+        self.idle_since = time.monotonic()
 
     @classmethod
     async def open(cls, host: str, port: int) -> BulkConnection:
@@ -293,9 +295,9 @@ class BulkClient:
         pool = self._idle.get(address, [])
         while pool:
             conn = pool.pop()
-            if conn.alive():
+            if time.monotonic() - conn.idle_since < REUSE_SECONDS and conn.alive():
                 return conn
-            conn.close()  # the receiver closed it while idle (IDLE_SECONDS, a restart)
+            conn.close()  # idle too long, or the receiver closed it (a restart)
         if self._down.get(address, 0.0) > time.monotonic():
             return None
         task = self._ports.get(address)
@@ -327,6 +329,7 @@ class BulkClient:
         if conn.broken:
             conn.close()
         else:
+            conn.idle_since = time.monotonic()
             self._idle.setdefault(address, []).append(conn)
 
     def forget(self, address: str) -> None:
@@ -439,7 +442,7 @@ class BulkServer:
     async def _serve(self, sock: socket.socket) -> None:
         """Streams on one connection, one after another, until the sender closes it or one fails."""
         loop = asyncio.get_running_loop()
-        wait = HELLO_SECONDS
+        wait = IDLE_SECONDS  # senders connect ahead of rounds (Transport.probe_lanes)
         try:
             while True:
                 try:
@@ -453,7 +456,6 @@ class BulkServer:
                     await self._refuse(loop, sock, exc)
                     return
                 await loop.sock_sendall(sock, encode_frame(ACK, json.dumps({"chunks": n}).encode()))
-                wait = IDLE_SECONDS
         except (OSError, ConnectionError, TimeoutError, InvalidArgument):
             return  # a broken stream already failed its sender's waits (PeerService._receive)
         finally:
