@@ -111,6 +111,7 @@ class PeerConfig:
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
     shared_memory: bool = True  # the shared-memory lane to peers on this host (peer.shm)
+    tcp_lane: bool = True  # the bulk lane to peers on other hosts, plaintext data plane only (peer.tcplane)
     outbound_only: bool = False  # take part without being dialled, as behind NAT (docs/nat.md)
     relay: str | None = None  # HOST:PORT of a relay to be reached through (peer.relay_link; docs/nat.md)
     attack: str = ""  # testing only: send forged updates (peer.byzantine); "" = honest
@@ -205,7 +206,7 @@ class PeerAgent(StateSource):
         self.peer_tls = PeerTLS(peer_id_of(self.public_key)) \
             if config.security.tls_dir and not legacy_mode(config.security) else None
         self.transport = Transport(config.security, self.key, shared_memory=config.shared_memory,
-                                   peer_tls=self.peer_tls)
+                                   peer_tls=self.peer_tls, tcp_lane=config.tcp_lane)
         self.links = LinkMeter()  # passive from the collectives' streams, probes when no history
         self.retry = RetryPolicy(config.backoff_initial, config.backoff_max, config.connect_timeout)
         self.events = EventMailbox()  # coalesced: the newest state of the world, never a backlog
@@ -315,7 +316,8 @@ class PeerAgent(StateSource):
         health_box: list = []
         server, bound = await serve_data_plane(
             self.service, self.config.listen, self.config.security,
-            before_start=lambda s: health_box.append(attach(s, (PEER_SERVICE,))), peer_tls=self.peer_tls)
+            before_start=lambda s: health_box.append(attach(s, (PEER_SERVICE,))), peer_tls=self.peer_tls,
+            tcp_lane=self.config.tcp_lane)
         self.address = self.config.advertise or bound
         # Behind NAT with a relay: reachable through it (a reverse tunnel into `bound`).
         relay = RelayLink(self.config.relay, self.key, bound) if self.config.relay else None

@@ -50,7 +50,7 @@ from shoal.common.errors import InvalidArgument, ShoalError
 from shoal.common.plan import Plan
 from shoal.common.relaying import RELAY_ALTERED
 from shoal.common.tensors import digest, dtype_code
-from shoal.peer import faults
+from shoal.peer import faults, tcplane
 from shoal.peer.audit import AuditVerdict, OwnerAudit
 from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
 from shoal.peer.dataplane import Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
@@ -124,7 +124,9 @@ class _Stream:
 
     `put` fixes a chunk's bytes at once (so later writes to the caller's buffer never reach the
     wire): inline in `data`, or, on the shared-memory lane (a co-located receiver, see peer.shm
-    and `Transport.shm_lane`), copied once into a segment of a writer reused across streams.
+    and `Transport.shm_lane`), copied once into a segment of a writer reused across streams, or,
+    on the bulk lane (a receiver on another host, peer.tcplane, `Transport.bulk_lane`), copied
+    once into the frame written on a raw TCP connection. With neither, the stream is PushChunks.
     """
 
     def __init__(self, transport: Transport, address: str, peer_id: str, plan: Plan, timeout: float,
@@ -135,11 +137,12 @@ class _Stream:
         self.bytes_sent = 0
         self.links = links  # peer.links.LinkMeter: one passive upload sample per stream
         self.solo = False  # the sender's only stream (ring): its goodput while queued is the link's
-        self.lane: str | None = None  # "shm" or "socket", chosen at the first chunk
+        self.lane: str | None = None  # "shm", "tcp" or "socket", chosen at the first chunk
         self._choosing = asyncio.Lock()
         self.writer: SegmentWriter | None = None
         # Through a relay (docs/nat.md): every chunk signed end to end, never shared memory.
         self.relay = plan.relay_of(plan.position(peer_id)) if plan.relays else ""
+        self.bulk: tcplane.BulkConnection | None = None
 
     async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None) -> None:
         """Queue (chunk without data, its bytes), or None to close the stream."""
@@ -151,7 +154,17 @@ class _Stream:
             if self.lane is None:
                 shared = not self.relay and await self.transport.shm_lane(self.address, self.peer_id)
                 self.writer = self.transport.take_writer(self.address) if shared else None
-                self.lane = "shm" if shared else "socket"
+                # A relayed participant is reached through its relay's gRPC splice only (the relay
+                # forwards one port, and every chunk must carry its end-to-end signature).
+                direct = not shared and not self.relay
+                self.bulk = await self.transport.bulk_lane(self.address, self.peer_id) if direct else None
+                self.lane = "shm" if shared else "tcp" if self.bulk is not None else "socket"
+                if self.bulk is not None:
+                    msg.ticket = self.plan.ticket  # the first chunk opens the stream (see _run_bulk)
+        if self.lane == "tcp":
+            self.bytes_sent += memoryview(body).nbytes + len(msg.scale)
+            await self.queue.put((msg, tcplane.chunk_frame(msg, body)))
+            return
         if self.lane == "shm":
             if self.writer is None:
                 raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id])
@@ -166,10 +179,14 @@ class _Stream:
         await self.queue.put(msg)
 
     async def run(self) -> None:
+        msg = await self.queue.get()
+        if isinstance(msg, tuple):  # the bulk lane (put chose it)
+            await self._run_bulk(msg)
+            return
         call = None
         try:
             busy_bytes, busy_s = 0, 0.0  # written while more chunks were queued behind (peer.links)
-            while (msg := await self.queue.get()) is not None:
+            while msg is not None:
                 if call is None:  # the stream opens with the ticket, signed with the first chunk
                     msg.ticket = self.plan.ticket
                 if self.relay:  # before the first chunk's stream signature, which covers it
@@ -182,6 +199,7 @@ class _Stream:
                 await call.write(msg)
                 if queued and self.solo:
                     busy_bytes, busy_s = busy_bytes + len(msg.data), busy_s + time.perf_counter() - tw
+                msg = await self.queue.get()
             if call is not None:
                 await call.done_writing()
                 await call  # the receiver took every chunk: the writer may be reused
@@ -211,6 +229,41 @@ class _Stream:
             if self.writer is not None:  # a failed stream: its slabs are never written again
                 self.writer.close()
                 self.writer = None
+
+    async def _run_bulk(self, item: tuple[pb.Chunk, memoryview]) -> None:
+        """Write the queued frames on the bulk connection; fails like a PushChunks stream:
+        CollectiveError blaming the receiver when it refuses or the connection breaks."""
+        conn, peer = self.bulk, self.peer_id
+        assert conn is not None
+        t0 = time.perf_counter()
+        busy = [0, 0.0, 0.0, 0]  # bytes and seconds written while more were queued; last start, last size
+
+        async def frames():
+            nonlocal item
+            if busy[3]:
+                busy[0], busy[1], busy[3] = busy[0] + busy[3], busy[1] + time.perf_counter() - busy[2], 0
+            nxt, item = item, None
+            nxt = nxt if nxt is not None else await self.queue.get()
+            if nxt is not None and self.solo and not self.queue.empty():
+                busy[2], busy[3] = time.perf_counter(), len(nxt[1])
+            return nxt
+
+        try:
+            header, frame = item
+            if not header.ticket:  # another chunk won the race to the queue: it opens the stream
+                header.ticket = self.plan.ticket
+                item = (header, tcplane.chunk_frame(header, tcplane.split_chunk_frame(frame)[1]))
+            await conn.send_stream(frames, self.transport.bulk_metadata)
+        except tcplane.BulkRefused as exc:
+            raise CollectiveError(f"stream to {peer[:8]} failed: {exc.code} {exc.message}", [peer]) from None
+        except OSError as exc:
+            await self.transport.forget(self.address)
+            raise CollectiveError(f"stream to {peer[:8]} failed: bulk lane broke: {exc}", [peer]) from None
+        finally:
+            self.transport.give_back_bulk(self.address, conn)
+        if self.links is not None:
+            self.links.observe_send(peer, self.bytes_sent, time.perf_counter() - t0,
+                                    busy_bytes=busy[0], busy_seconds=busy[1])
 
 
 class _Exchange(_Stream):

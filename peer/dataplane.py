@@ -49,7 +49,7 @@ import grpc
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.peer import faults, shm
+from shoal.peer import faults, shm, tcplane
 from shoal.peer.compression import BLOCK, Encoded
 from shoal.common.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
                          ResourceExhausted, ShoalError, grpc_errors, require)
@@ -141,12 +141,13 @@ class Session:
                    plan.deadline_seconds, frozenset(p.peer_id for p in plan.participants if p.outbound_only),
                    frozenset(p.peer_id for p in plan.participants if p.relay))
 
-    def check_chunk(self, c: pb.Chunk, shm: SegmentReader | None = None) -> "Payload":
+    def check_chunk(self, c: pb.Chunk, shm: SegmentReader | None = None, body=None) -> "Payload":
         """Check `c` against the plan; returns its payload (an array, or an `Encoded` chunk).
 
         A chunk on the shared-memory lane (`shm_name` set) has its bytes read from the sender's
         segment through `shm` only after every structural check passed, and only as many as
-        the checked shape needs.
+        the checked shape needs. A chunk of the bulk lane (peer.tcplane) carries no `data`: its
+        bytes are `body` (a buffer), held to the same length checks.
 
         Raises:
             PermissionDenied: the sender is not a participant.
@@ -156,6 +157,9 @@ class Session:
         """
 
         def data(n: int) -> bytes:
+            if body is not None:
+                require(not c.data and not c.shm_name, "data", "a bulk chunk's bytes follow its header")
+                return body
             if not c.shm_name:
                 return c.data
             require(not c.data, "data", "must be empty when shm_name is set")
@@ -364,6 +368,7 @@ class PeerService(pb_grpc.PeerServicer):
         self.session_wait = session_wait
         self.tls_identity = False  # set by serve_data_plane with an issued certificate
         self.peer_id = peer_id_of(public_bytes(key)) if key is not None else ""
+        self.bulk: tcplane.BulkServer | None = None  # the bulk lane's listener (plaintext data plane only)
 
     def _coordinator_key(self) -> bytes:
         if len(self.coordinator_public_key) != 32:
@@ -471,9 +476,10 @@ class PeerService(pb_grpc.PeerServicer):
         return s
 
     async def _receive(self, first: pb.Chunk, it: AsyncIterator[pb.Chunk], s: Session,
-                       signer: bytes | None = None) -> int:
+                       signer: bytes | None = None, body: Callable[[], object] | None = None) -> int:
         """Check and deliver an authenticated stream's chunks (`first`, then the rest of `it`)
-        into the inbox; returns how many. A refused chunk (wrong shape, dtype...) delivers
+        into the inbox; returns how many. On the bulk lane (peer.tcplane) `body()` is the
+        payload of the chunk last yielded. A refused chunk (wrong shape, dtype...) delivers
         nothing and does not count as a broken stream: the sender is alive, and if it never
         sends valid chunks the chunk deadline blames it. Anything else that ends the stream early
         fails every wait on the sender (`Inbox.fail_sender`). With `signer` (this peer is relayed)
@@ -498,7 +504,7 @@ class PeerService(pb_grpc.PeerServicer):
                             except InvalidArgument as exc:
                                 self.inbox.fail_sender(*origin, str(exc))
                                 raise
-                        values = s.check_chunk(c, reader)
+                        values = s.check_chunk(c, reader, body() if body is not None else None)
                         any_shm = any_shm or bool(c.shm_name)
                         self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
                         nb = payload_nbytes(values)
@@ -540,6 +546,8 @@ class PeerService(pb_grpc.PeerServicer):
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+        if self.bulk is not None:
+            self.bulk.close()
 
     async def FetchState(self, request: pb.StateRequest, context) -> AsyncIterator[pb.StateChunk]:
         async with grpc_errors(context):
@@ -568,7 +576,7 @@ class PeerService(pb_grpc.PeerServicer):
     async def Probe(self, request: pb.ProbeRequest, context) -> pb.ProbeResponse:
         async with grpc_errors(context):
             require(request.reply_bytes <= MAX_MESSAGE_BYTES // 2, "reply_bytes", f"at most {MAX_MESSAGE_BYTES // 2}")
-            resp = pb.ProbeResponse(payload=bytes(request.reply_bytes))
+            resp = pb.ProbeResponse(payload=bytes(request.reply_bytes), bulk_port=self.bulk.port if self.bulk else 0)
             if request.shm_name and self.shared_memory:
                 # The signature was verified by the interceptor: the key in it names the caller.
                 pub = next((v for k, v in (context.invocation_metadata() or ()) if k == MD_PUBKEY), "")
@@ -624,13 +632,15 @@ async def take_replies(call, inbox: Inbox, verifier: RequestVerifier, owner: str
 async def serve_data_plane(service: PeerService, listen: str, security: Security, *,
                            rate_per_s: float = 2000.0, burst: int = 4000,
                            before_start: Callable[[grpc.aio.Server], object] | None = None,
-                           peer_tls: PeerTLS | None = None,
+                           peer_tls: PeerTLS | None = None, tcp_lane: bool = False,
                            ) -> tuple[grpc.aio.Server, str]:
     """Start the data-plane server for `service` on `listen` (TLS per `security`); returns the
     started server and its HOST:PORT. Calls are rate limited per host and FetchState/Probe must
     be signed (PushChunks is checked by the handler). With `peer_tls` (TLS and a certificate
     issued at join) the server presents its newest installed certificate, demands the client's
-    and checks that it names the signer. Raises OSError when `listen` cannot be bound."""
+    and checks that it names the signer. With `tcp_lane` and a plaintext data plane it also
+    listens for the bulk lane (peer.tcplane) on an ephemeral port of the same host, advertised
+    by Probe. Raises OSError when `listen` cannot be bound."""
     bound = security.tls_dir is not None and peer_tls is not None
     service.tls_identity = bound
     interceptors = [DecodeErrors(), SignedCalls("/shoal.v1.Peer/", service.verifier, unsigned=(REACH,),
@@ -641,6 +651,9 @@ async def serve_data_plane(service: PeerService, listen: str, security: Security
     if before_start is not None:
         before_start(server)  # e.g. add the health and reflection services
     port = add_port(server, listen, security, "peer", peer_tls if bound else None)
+    if tcp_lane and security.tls_dir is None:  # with TLS, tensor bytes stay on TLS gRPC
+        service.bulk = tcplane.BulkServer(service)
+        await service.bulk.start(listen.rsplit(":", 1)[0].strip("[]"))
     await server.start()
     return server, f"{listen.rsplit(':', 1)[0]}:{port}"
 
@@ -671,7 +684,7 @@ class Transport:
     """
 
     def __init__(self, security: Security | None = None, key: Ed25519PrivateKey | None = None, *,
-                 shared_memory: bool = True, peer_tls: PeerTLS | None = None):
+                 shared_memory: bool = True, peer_tls: PeerTLS | None = None, tcp_lane: bool = False):
         self.security = security or Security(insecure=True)
         self.peer_tls = peer_tls if self.security.tls_dir else None
         self._opened: dict[str, tuple[str, int]] = {}  # per address: (peer id, certificate generation)
@@ -690,6 +703,31 @@ class Transport:
         self.reply_verifier = RequestVerifier()  # owners' signed first replies on Exchange streams
         if self.shared_memory:
             shm.remove_stale(self.peer_id)  # slabs a killed predecessor with this identity left
+        # The bulk lane (peer.tcplane) between hosts: plaintext data plane and an identity only.
+        self.bulk = tcplane.BulkClient(self._probe_bulk) \
+            if tcp_lane and key is not None and self.security.tls_dir is None else None
+
+    async def bulk_lane(self, address: str, peer_id: str = "") -> tcplane.BulkConnection | None:
+        """A connection to the bulk lane of the peer at `address` (chosen when the shared-memory
+        lane is not), or None: PushChunks then."""
+        conn = await self.bulk.connect(address, peer_id) if self.bulk is not None else None
+        self._chosen[address] = "tcp" if conn is not None else "socket"
+        return conn
+
+    async def _probe_bulk(self, address: str, peer_id: str) -> int:
+        return (await self.stub(address, peer_id).Probe(pb.ProbeRequest(), timeout=5.0)).bulk_port
+
+    def give_back_bulk(self, address: str, conn: tcplane.BulkConnection) -> None:
+        """Return a bulk connection after its stream (closed when broken, else reused)."""
+        if self.bulk is not None:
+            self.bulk.give_back(address, conn)
+        else:
+            conn.close()
+
+    def bulk_metadata(self, first_chunk: pb.Chunk) -> tuple[tuple[str, str], ...]:
+        """Signature metadata of a bulk-lane stream opening with `first_chunk` (its header)."""
+        assert self.key is not None
+        return sign_metadata(self.key, tcplane.BULK_METHOD, first_chunk)
 
     async def shm_lane(self, address: str, peer_id: str = "") -> bool:
         """Whether chunks to `address` go through shared memory (peer.shm): true once a probe
@@ -705,14 +743,25 @@ class Transport:
             except grpc.aio.AioRpcError:
                 if self._lanes.get(address) is task:
                     del self._lanes[address]
-        self._chosen[address] = "shm" if ok else "socket"
+        if ok or self.bulk is None:  # otherwise the bulk lane chooses (bulk_lane)
+            self._chosen[address] = "shm" if ok else "socket"
         return ok
 
     async def probe_lanes(self, peers) -> None:
         """Choose the lane to each of `peers` ((peer id, address) pairs) now (probes are cached),
         so that this peer can report every peer it reaches through shared memory, not only those
-        it streamed to."""
-        await asyncio.gather(*(self.shm_lane(a, pid) for pid, a in peers), return_exceptions=True)
+        it streamed to; open a bulk-lane connection to the others (kept for their next stream)."""
+        peers = list(peers)
+        shared = await asyncio.gather(*(self.shm_lane(a, pid) for pid, a in peers), return_exceptions=True)
+        if self.bulk is not None:  # connect now, off the round: a port that cannot be reached costs nothing there
+            await asyncio.gather(*(self._warm_bulk(a, pid) for (pid, a), ok in zip(peers, shared) if ok is False),
+                                 return_exceptions=True)
+
+    async def _warm_bulk(self, address: str, peer_id: str) -> None:
+        if self.bulk is not None and not self.bulk.has_idle(address):
+            conn = await self.bulk.connect(address, peer_id)
+            if conn is not None:
+                self.bulk.give_back(address, conn)
 
     def lane_failed(self, address: str, exc: OSError) -> None:
         """Writing a segment failed (/dev/shm full?): this transport uses sockets from now on."""
@@ -721,7 +770,7 @@ class Transport:
         self._chosen[address] = "socket"
 
     def lanes(self) -> dict[str, str]:
-        """The lane chosen per remote address so far: "shm" or "socket"."""
+        """The lane chosen per remote address so far: "shm", "tcp" or "socket"."""
         return dict(self._chosen)
 
     def shm_peers(self, peers) -> list[str]:
@@ -792,6 +841,8 @@ class Transport:
         """Close the channel to `address` (after a failure, so the next use reconnects fresh)."""
         self._lanes.pop(address, None)
         self._opened.pop(address, None)
+        if self.bulk is not None:
+            self.bulk.forget(address)
         for w in self._writers.pop(address, []):
             w.close()
         ch = self._channels.pop(address, None)
@@ -799,6 +850,8 @@ class Transport:
             await ch.close(grace=None)
 
     async def close(self) -> None:
+        if self.bulk is not None:
+            self.bulk.close()
         for pool in self._writers.values():
             for w in pool:
                 w.close()

@@ -10,9 +10,18 @@ gloo rank) runs in its own network namespace behind kernel-shaped links (`shoal.
 needs root); without them everything runs on 127.0.0.1.
 
 On loopback the peers share a host, so chunks take the shared-memory lane (`peer.shm`, reported
-as ``lane``) unless ``--no-shared-memory``; ``--also-socket`` times the socket-only data plane
-too, in the same invocation (``socket_lane``). Shaped runs always use the sockets: their
-namespaces stand for separate hosts.
+as ``lane`` "shm") unless ``--no-shared-memory``; ``--also-socket`` times the socket-only data
+plane too, in the same invocation (``socket_lane``). Shaped runs never use shared memory: their
+namespaces stand for separate hosts. Between hosts (and on loopback without shared memory) chunks
+take the bulk TCP lane (`peer.tcplane`, ``lane`` "tcp"), or gRPC streams with ``--no-tcp-lane``
+(``lane`` "socket").
+
+Accounting: ``cpu_seconds_median`` is the CPU time (all threads) of all participants in one timed
+round, summed, median over rounds; for gloo (``baseline.cpu_seconds_median``) the ranks' CPU time
+inside ``all_reduce``. ``peak_rss_bytes_max`` is the largest peak resident size (VmHWM) of a
+participant process; ``peak_rss_ratio`` the largest (peak - resident size once the input existed,
+before the first collective) / tensor size, ``peak_rss_ratio_from_start`` the same from the
+process's start (before any tensor); the gloo ranks report the same fields.
 
 The time of one round is the slowest participant's collective time (plan received → result
 ready); the time of one gloo all-reduce is the slowest rank's ``all_reduce`` call after a barrier.
@@ -43,6 +52,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from shoal import bench_coordinator
+from shoal.common.certs import init_certs
 from shoal.common.procexit import exit_after_gloo
 
 log = logging.getLogger("shoal.bench")
@@ -68,6 +78,8 @@ class BenchOptions:
     workdir: str | None = None
     shared_memory: bool = True  # loopback only: namespaces emulate separate hosts
     also_socket: bool = False  # loopback: also time the socket-only data plane in the same run
+    tcp_lane: bool = True  # between hosts (shaped): the bulk lane (peer.tcplane); False: gRPC streams
+    tls: bool = False  # Shoal's planes with TLS (certificates issued at join); gloo stays plaintext
 
     @property
     def shaped(self) -> bool:
@@ -164,7 +176,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         "--ready-timeout", str(per_round), "--collective-timeout", str(per_round),
         "--chunk-timeout", str(per_round), "--lease-seconds", str(max(30.0, per_round)), "--max-attempts", "1",
         "--collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes), "--log-level", "warning",
-        "--insecure"])  # plaintext on both planes, like the gloo baseline
+        *_security_args(opts, wd, coord_host, "coordinator")])  # plaintext, like gloo, unless --tls
     addr = _wait_file(ready, deadline, procs, "coordinator", coord)
     jobs = []
     for r in range(p):
@@ -172,9 +184,11 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         argv = [sys.executable, "-m", "shoal.collective_job", "--coordinator", addr, "--rank", str(r),
                 "--size", str(n), "--key", str(wd / f"job-{r}.key"), "--out", str(out),
                 "--listen", f"{hosts[r]}:0", "--timeout", str(max(60.0, deadline - time.monotonic())),
-                "--no-save", "--insecure"]
+                "--no-save", *_security_args(opts, wd, coord_host, "peer")]
         if opts.shaped or not shared_memory:  # shaped namespaces stand for separate hosts
             argv.append("--no-shared-memory")
+        if not opts.tcp_lane:
+            argv.append("--no-tcp-lane")
         name = f"job-{r}"
         jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None), out))
     for name, proc, _ in jobs:
@@ -198,7 +212,38 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     result["links_reported"] = [rep.get("links") for rep in reports]
     # The data lane the timed rounds used: "shm" (peers on one host, peer.shm), "socket" or both.
     result["lane"] = "+".join(sorted({lane for r in timed for rd in rounds[r] for lane in rd.get("lanes", ())}))
+    result.update(_memory(reports, n * 4))
     return result
+
+
+def _memory(reports: Sequence[dict], size_bytes: int) -> dict:
+    """Peak resident memory per process (VmHWM): the largest (`peak_rss_bytes_max`); per process
+    (peak - its resident size once its input existed, before its first collective) / tensor
+    size, the largest (`peak_rss_ratio`: what the collective and the rounds add to a process that
+    holds its input) and each (`peak_rss_ratios`); and the same from the process's start, before
+    any tensor (`peak_rss_ratio_from_start`: the input, its copies and the result included)."""
+    peaks = [rep.get("peak_rss_bytes", 0) for rep in reports]
+
+    def ratios(key: str) -> list[float]:
+        return [(rep.get("peak_rss_bytes", 0) - rep.get(key, 0)) / size_bytes for rep in reports]
+
+    held = ratios("rss_before_collective_bytes")
+    return {"peak_rss_bytes_max": max(peaks, default=0), "peak_rss_ratio": max(held, default=0.0),
+            "peak_rss_ratios": held, "peak_rss_ratio_from_start": max(ratios("rss_baseline_bytes"), default=0.0)}
+
+
+def _security_args(opts: BenchOptions, wd: pathlib.Path, coord_host: str, role: str) -> list[str]:
+    """`--insecure`, or with `opts.tls` a CA and coordinator certificate for `coord_host` in
+    wd/tls (made once) and, for peers, a directory with the CA certificate only: peers get their
+    data-plane certificates at join, as volunteers do (docs/security.md)."""
+    if not opts.tls:
+        return ["--insecure"]
+    tls, peer_dir = wd / "tls", wd / "tls-peer"
+    if not (tls / "ca.key").exists():
+        init_certs(tls, hosts=(coord_host, "127.0.0.1", "localhost"))
+        peer_dir.mkdir(exist_ok=True)
+        (peer_dir / "ca.pem").write_bytes((tls / "ca.pem").read_bytes())
+    return ["--tls-dir", str(tls if role == "coordinator" else peer_dir)]
 
 
 def _run_gloo(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: float, hosts: list[str],
@@ -217,9 +262,12 @@ def _run_gloo(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: flo
         jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None, env=env), out))
     for name, proc, _ in jobs:
         procs.wait(name, proc, deadline)
-    per_rank = [json.loads(out.read_text())["seconds"] for _, _, out in jobs]
-    times = [max(ts) for ts in zip(*per_rank)]
-    return {"peers": p, "size_bytes": n * 4, "algorithm": "gloo", **_summary(times, n * 4, p, bound)}
+    reports = [json.loads(out.read_text()) for _, _, out in jobs]
+    times = [max(ts) for ts in zip(*(rep["seconds"] for rep in reports))]
+    # CPU seconds (all threads) the ranks spent in all_reduce per timed call, summed over them.
+    cpu = [sum(cs) for cs in zip(*(rep.get("cpu_seconds", ()) for rep in reports))]
+    return {"peers": p, "size_bytes": n * 4, "algorithm": "gloo", **_summary(times, n * 4, p, bound),
+            "cpu_seconds_median": statistics.median(cpu) if cpu else 0.0, **_memory(reports, n * 4)}
 
 
 def run_bench(opts: BenchOptions) -> dict:
@@ -261,7 +309,8 @@ def run_bench(opts: BenchOptions) -> dict:
             coord_host = "127.0.0.1"
         procs = _Procs(wd, bed)
         stack.callback(procs.close)
-        report: dict = {"peers": p, "size_bytes": size_bytes, "network": "shaped" if opts.shaped else "loopback"}
+        report: dict = {"peers": p, "size_bytes": size_bytes, "network": "shaped" if opts.shaped else "loopback",
+                        "tls": opts.tls}
         if opts.shaped:
             report["up_mbit"], report["down_mbit"] = list(opts.up_mbit), list(opts.down_mbit)
         report.update(_run_shoal(opts, procs, wd, deadline, hosts, coord_host, bound,
@@ -291,23 +340,29 @@ def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out:
     import torch
     import torch.distributed as dist
 
-    from shoal.collective_job import make_input
+    from shoal.collective_job import make_input, memory_bytes
 
+    rss_baseline = memory_bytes()[0]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     try:
         base = torch.from_numpy(make_input(0, rank, 0, size, "float32"))
-        times = []
+        times, cpu = [], []
+        rss_before = memory_bytes()[0]  # the input made, no all_reduce run yet
         for k in range(repeat + 1):
             x = base.clone()
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             dist.all_reduce(x)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if k > 0:
                 times.append(dt)
-        pathlib.Path(out).write_text(json.dumps({"seconds": times}))
+                cpu.append(dc)
+        pathlib.Path(out).write_text(json.dumps({"seconds": times, "cpu_seconds": cpu,
+                                                 "rss_baseline_bytes": rss_baseline,
+                                                 "rss_before_collective_bytes": rss_before,
+                                                 "peak_rss_bytes": memory_bytes()[1]}))
     finally:
         dist.destroy_process_group()
 
@@ -343,7 +398,8 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
         raise ValueError("link rates must be > 0 Mbit/s")
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
                         repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
-                        workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket)
+                        workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket,
+                        tcp_lane=not a.no_tcp_lane, tls=a.tls)
 
 
 def add_bench_parser(sub) -> None:
@@ -365,6 +421,11 @@ def add_bench_parser(sub) -> None:
                    help="largest chunk through sockets, bytes (default 1 MiB, the coordinator's default)")
     b.add_argument("--no-shared-memory", action="store_true",
                    help="loopback: send every chunk through the socket (no shared-memory lane)")
+    b.add_argument("--no-tcp-lane", action="store_true",
+                   help="between hosts (shaped links): chunks on gRPC streams, not the bulk TCP lane")
+    b.add_argument("--tls", action="store_true",
+                   help="Shoal's control and data planes with TLS (gloo stays plaintext); tensor bytes then "
+                        "go on mutual-TLS gRPC, not the bulk lane")
     b.add_argument("--also-socket", action="store_true",
                    help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")

@@ -460,7 +460,7 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                           round_silence=p.round_silence, sync_donors=p.sync_donors,
                           sync_range_bytes=p.sync_range_bytes,
                           connect_timeout=p.connect_timeout, advertise=p.advertise, metrics_port=p.metrics_port,
-                          metrics_host=p.metrics_host, shared_memory=p.shared_memory,
+                          metrics_host=p.metrics_host, shared_memory=p.shared_memory, tcp_lane=p.tcp_lane,
                           outbound_only=p.outbound_only, relay=p.relay)
     result: dict = {}
     got: list[int] = []

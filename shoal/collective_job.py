@@ -10,7 +10,9 @@ of the participants' inputs (what gloo's all_reduce computes), and that sum is t
 state. The JSON report has, per collective attempt that produced a result, `rounds[]` (seconds,
 bytes_sent, algorithm, participants, predicted_seconds, cpu_seconds, shard_fractions, lanes,
 chunk_bytes, aggregator, flagged), and `committed`, `last_digest`, `links`, `peer_id`,
-`wall_seconds`. The result of the last round is saved as PATH.npy next to the JSON report.
+`wall_seconds`, `rss_baseline_bytes` (resident bytes at start, before any tensor),
+`rss_before_collective_bytes` (resident bytes when the first plan came: the first input made, no
+collective run yet) and `peak_rss_bytes` (the process's peak resident bytes, VmHWM). The result of the last round is saved as PATH.npy next to the JSON report.
 
     python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH \
         (--insecure | --tls-dir DIR) [--join-token T]
@@ -62,6 +64,20 @@ def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.n
     return (_base_input(seed, rank, size) + np.float32(0.01 * round_)).astype(dtype, copy=False)
 
 
+def memory_bytes() -> tuple[int, int]:
+    """(resident, peak resident) bytes of this process (VmRSS, VmHWM of /proc/self/status; 0, 0
+    where there is none)."""
+    found = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    found[line[:5]] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return found.get("VmRSS", 0), found.get("VmHWM", 0)
+
+
 def shard_fractions(plan: Plan) -> list[float]:
     """Share of the tensor each participant (in collective order) owns."""
     n = plan.shard_bounds[-1] or 1
@@ -79,6 +95,11 @@ class JobReport(RoundListener):
         self.keep_results = keep_results
         self.workload: ArrayWorkload | None = None
         self.report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype, "results": {}}
+        self.rss_before_collective: int | None = None  # at the first plan: the first input exists
+
+    def on_plan(self, plan: Plan) -> None:
+        if self.rss_before_collective is None:
+            self.rss_before_collective = memory_bytes()[0]
 
     def on_collective(self, rec: CollectiveRecord) -> None:
         p = rec.plan
@@ -97,7 +118,8 @@ class JobReport(RoundListener):
 async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: str, seed: int = 0,
                   listen: str = "127.0.0.1:0", timeout: float = 120.0, security: Security | None = None,
                   join_token: str = "", aggregators: tuple[str, ...] = (), attack: str = "",
-                  keep_results: bool = True, shared_memory: bool = True, relay: str | None = None) -> dict:
+                  keep_results: bool = True, shared_memory: bool = True, tcp_lane: bool = True,
+                  relay: str | None = None) -> dict:
     """Play rounds until the coordinator finishes the run; returns the report dict (module
     docstring) plus `last_result` (the last committed sum) and `results` (every committed
     round's sum when `keep_results`).
@@ -106,6 +128,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     round syncs the committed sum from the others. Raises TimeoutError after `timeout` seconds,
     or what the agent raises (e.g. a refused join).
     """
+    rss_baseline = memory_bytes()[0]  # before any tensor: what the collective and its inputs add is on top
     contribution = SumContribution(aggregators, Forgery(attack, None, np.random.default_rng(rank)))
     listener = JobReport(rank, size, dtype, contribution, keep_results)
 
@@ -115,13 +138,15 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
 
     config = PeerConfig(coordinator=coordinator, listen=listen, key_path=key_path,
                         security=security or Security(insecure=True), join_token=join_token,
-                        shared_memory=shared_memory, connect_timeout=timeout, finish_linger=FINISH_LINGER_SECONDS,
-                        held_states=HELD_STATES, relay=relay)
+                        shared_memory=shared_memory, tcp_lane=tcp_lane, connect_timeout=timeout,
+                        finish_linger=FINISH_LINGER_SECONDS, held_states=HELD_STATES, relay=relay)
     agent = PeerAgent(config, workload, contribution=contribution, listeners=[listener])
     async with asyncio.timeout(timeout):
         await agent.run()
     report, st = listener.report, listener.workload.state
     report["peer_id"] = agent.peer_id
+    report["rss_baseline_bytes"], report["peak_rss_bytes"] = rss_baseline, memory_bytes()[1]
+    report["rss_before_collective_bytes"] = listener.rss_before_collective or rss_baseline
     report["committed"] = st.rounds
     if st.rounds:
         report["last_digest"] = st.digest().hex()
@@ -151,6 +176,8 @@ def main() -> None:
     ap.add_argument("--relay", default=None, help="relay HOST:PORT to be reached through (docs/nat.md)")
     ap.add_argument("--no-shared-memory", action="store_true",
                     help="send every chunk through the socket, also to peers on this host")
+    ap.add_argument("--no-tcp-lane", action="store_true",
+                    help="send chunks to peers on other hosts on gRPC, not on the bulk lane (peer.tcplane)")
     a = ap.parse_args()
     security = Security(tls_dir=a.tls_dir, insecure=a.insecure or not a.tls_dir)
     aggs = tuple(x for x in a.aggregators.split(",") if x)
@@ -163,7 +190,7 @@ def main() -> None:
         run = asyncio.run
     report = run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout, security,
                          a.join_token, aggs, a.attack, keep_results=not a.no_save,
-                         shared_memory=not a.no_shared_memory, relay=a.relay))
+                         shared_memory=not a.no_shared_memory, tcp_lane=not a.no_tcp_lane, relay=a.relay))
     result = report.pop("last_result", None)
     results = report.pop("results")
     if result is not None and not a.no_save:

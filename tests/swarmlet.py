@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.common.plan import Plan
 from shoal.peer.collectives import all_reduce
 from shoal.peer.dataplane import Inbox, PeerService, Session, Transport
+from shoal.peer.tcplane import BulkServer
 from shoal.common.identity import peer_id_of, public_bytes
 from shoal.common.tickets import issue_ticket, verify_ticket
 from shoal.v1 import shoal_pb2 as pb
@@ -20,11 +21,13 @@ from shoal.v1 import shoal_pb2_grpc as pb_grpc
 class Swarmlet:
     """p peers' data planes on loopback in this event loop, secured as in production: each peer
     has an Ed25519 identity and signs its streams, and a coordinator key signs round tickets.
-    `shared[i]`: whether peer i takes the shared-memory lane (default: all do)."""
+    `shared[i]`: whether peer i takes the shared-memory lane (default: all do); `tcp[i]`: whether
+    it listens on and sends through the bulk lane (peer.tcplane; default: none does)."""
 
-    def __init__(self, p: int, shared: list[bool] | None = None):
+    def __init__(self, p: int, shared: list[bool] | None = None, tcp: list[bool] | None = None):
         self.p = p
         self.shared = shared if shared is not None else [True] * p
+        self.tcp = tcp if tcp is not None else [False] * p
         self.coordinator_key = Ed25519PrivateKey.generate()
         self.keys = [Ed25519PrivateKey.generate() for _ in range(p)]
         self.ids = [peer_id_of(public_bytes(k)) for k in self.keys]
@@ -47,12 +50,15 @@ class Swarmlet:
                                   shared_memory=self.shared[i], key=self.keys[i])
             pb_grpc.add_PeerServicer_to_server(service, server)
             port = server.add_insecure_port("127.0.0.1:0")
+            if self.tcp[i]:
+                service.bulk = BulkServer(service)
+                await service.bulk.start("127.0.0.1")
             await server.start()
             self.servers.append(server)
             self.services.append(service)
             self.inboxes.append(inbox)
             self.addresses.append(f"127.0.0.1:{port}")
-            self.transports.append(Transport(key=self.keys[i], shared_memory=self.shared[i]))
+            self.transports.append(Transport(key=self.keys[i], shared_memory=self.shared[i], tcp_lane=self.tcp[i]))
         return self
 
     async def __aexit__(self, *exc):

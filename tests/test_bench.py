@@ -51,9 +51,32 @@ def test_loopback_report_fields_and_baseline():
     assert rep["algorithm"] in ("butterfly", "ring")
     assert rep["bound_seconds"] == 0.0  # loopback: the links are not known
     assert len(rep["seconds_all"]) == 2
+    assert rep["lane"] == "shm" and rep["tls"] is False
+    check_accounting(rep, 3)
     if HAVE_TORCH:
         assert rep["baseline"]["algorithm"] == "gloo"
         check(rep["baseline"], 3, 300_000 // 4 * 4)
+        check_accounting(rep["baseline"], 3)
+
+
+def check_accounting(rep: dict, peers: int) -> None:
+    """CPU and memory fields: present, positive, and the ratios consistent with the peak."""
+    assert rep["cpu_seconds_median"] > 0
+    assert rep["peak_rss_bytes_max"] > 0
+    assert len(rep.get("peak_rss_ratios", [0] * peers)) == peers
+    # Counted from a later baseline (the input made), the ratio is at most the one from the start.
+    assert rep["peak_rss_ratio"] <= rep["peak_rss_ratio_from_start"]
+    assert rep["peak_rss_ratio_from_start"] * rep["size_bytes"] < rep["peak_rss_bytes_max"]
+
+
+@pytest.mark.timeout(150)
+def test_tls_run_and_runs_without_shared_memory_report_their_lane():
+    # Between processes without shared memory: the bulk lane in plaintext, gRPC with TLS.
+    rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--no-shared-memory")
+    assert rep["lane"] == "tcp" and rep["tls"] is False
+    rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--no-shared-memory", "--tls")
+    assert rep["lane"] == "socket" and rep["tls"] is True
+    check(rep, 2, 300_000)
 
 
 def test_bad_link_lists_are_usage_errors():
@@ -75,6 +98,7 @@ def test_shaped_run_reports_the_bound():
     # The floor for these links: the slower upload must carry the whole 0.5 MB.
     assert rep["bound_seconds"] == pytest.approx(500_000 / (20e6 / 8))
     assert rep["network"] == "shaped" and rep["up_mbit"] == [40, 20]
+    assert rep["lane"] == "tcp"  # namespaces stand for hosts: the bulk lane
     # Nothing beats the bound but tbf's bucket, full at the start, which lets its burst through at
     # line rate (CI measured 1.06 with the old 1.05 slack).
     from shoal.netbed import tbf_params

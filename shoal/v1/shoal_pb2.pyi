@@ -544,12 +544,14 @@ class ProbeRequest(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ..., shm_name: _Optional[str] = ...) -> None: ...
 
 class ProbeResponse(_message.Message):
-    __slots__ = ("payload", "shm_nonce")
+    __slots__ = ("payload", "shm_nonce", "bulk_port")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SHM_NONCE_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     shm_nonce: bytes
-    def __init__(self, payload: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, payload: _Optional[bytes] = ..., shm_nonce: _Optional[bytes] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class ReachRequest(_message.Message):
     __slots__ = ("nonce",)

@@ -1,0 +1,358 @@
+"""The bulk lane (peer/tcplane.py): its frame codec, its admission (the same checks as
+PushChunks), all-reduces over it, and broken connections.
+
+The codec tests are pure. The others use real TCP sockets and real gRPC on loopback in this
+event loop (tests/swarmlet.py: real Ed25519 identities, coordinator-signed tickets), and real
+processes (collective jobs, `shoal peer`) for the end-to-end and kill -9 cases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import struct
+import sys
+
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from procs import read_json
+from shoal.collective_job import make_input
+from shoal.common.errors import InvalidArgument
+from shoal.common.identity import sign_metadata
+from shoal.common.tensors import digest
+from shoal.common.tickets import issue_ticket, verify_ticket
+from shoal.peer import tcplane
+from shoal.peer.collectives import CollectiveError
+from shoal.peer.dataplane import SenderGone, Session
+from shoal.v1 import shoal_pb2 as pb
+from swarmlet import Swarmlet
+
+ALICE = "a1" * 16
+
+
+def _header(sender: str = ALICE, count: int = 4, **kw) -> pb.Chunk:
+    return pb.Chunk(round=0, attempt=0, sender=sender, phase=kw.pop("phase", pb.REDUCE_SCATTER), shard=0,
+                    offset=kw.pop("offset", 0), dtype=kw.pop("dtype", pb.FLOAT32), shape=[count], **kw)
+
+
+# ------------------------------------------------------------------------------- codec (pure)
+
+
+def test_chunk_frame_round_trips_header_and_payload():
+    values = np.arange(5, dtype=np.float32)
+    header = _header(count=5, step=2, ticket=b"t" * 40)
+    frame = tcplane.chunk_frame(header, values)
+    kind, meta_len, payload_len = tcplane.decode_header(frame[:tcplane.HEADER.size])
+    assert (kind, payload_len) == (tcplane.CHUNK, 20) and len(frame) == tcplane.HEADER.size + meta_len + 20
+    c, body = tcplane.split_chunk_frame(frame)
+    assert c == header and np.array_equal(np.frombuffer(body, np.float32), values)
+    values[0] = 99  # the frame holds a copy: later writes to the source never reach the wire
+    assert np.frombuffer(tcplane.split_chunk_frame(frame)[1], np.float32)[0] == 0
+
+
+def test_frame_headers_refuse_unknown_kinds_and_oversized_meta():
+    with pytest.raises(InvalidArgument, match="kind 9"):
+        tcplane.decode_header(struct.pack("<B3xIQ", 9, 0, 0))
+    with pytest.raises(InvalidArgument, match="header"):
+        tcplane.decode_header(struct.pack("<B3xIQ", tcplane.CHUNK, tcplane.MAX_META_BYTES + 1, 0))
+    with pytest.raises(InvalidArgument, match="whole CHUNK"):
+        tcplane.split_chunk_frame(tcplane.chunk_frame(_header(), np.zeros(4, np.float32))[:-1])
+
+
+def test_hello_carries_the_signature_pairs_and_garbage_is_refused():
+    md = (("x-shoal-pubkey", "ab"), ("x-shoal-ts", "1"))
+    frame = tcplane.hello_frame(md)
+    kind, meta_len, payload_len = tcplane.decode_header(frame[:tcplane.HEADER.size])
+    assert (kind, payload_len) == (tcplane.HELLO, 0)
+    assert tcplane.parse_hello(frame[tcplane.HEADER.size:]) == md
+    for bad in (b"{", b"[1]", b"7"):
+        with pytest.raises(InvalidArgument, match="HELLO"):
+            tcplane.parse_hello(bad)
+
+
+def test_a_chunk_header_must_not_carry_its_bytes():
+    with pytest.raises(InvalidArgument, match="follow"):
+        tcplane.parse_chunk_header(_header(data=b"\0" * 16).SerializeToString())
+    with pytest.raises(InvalidArgument, match="decode"):
+        tcplane.parse_chunk_header(b"\xff\xff\xff")
+
+
+def test_check_chunk_holds_a_bulk_payload_to_the_plans_checks():
+    s = Session(0, 0, frozenset({ALICE}), pb.FLOAT32, None, (0, 16), 16)
+    body = memoryview(np.arange(4, dtype=np.float32)).cast("B")
+    assert np.array_equal(s.check_chunk(_header(), None, body), np.arange(4, dtype=np.float32))
+    with pytest.raises(InvalidArgument, match="data"):
+        s.check_chunk(_header(count=5), None, body)  # 16 bytes for 5 elements
+    with pytest.raises(InvalidArgument, match="dtype"):
+        s.check_chunk(_header(dtype=pb.FLOAT16, count=8), None, body)
+    with pytest.raises(InvalidArgument, match="shape"):
+        s.check_chunk(_header(offset=14), None, body)  # past the shard's 16 elements
+    with pytest.raises(InvalidArgument, match="data"):
+        s.check_chunk(_header(data=bytes(16)), None, body)  # bytes inline and behind the header
+    assert tcplane.max_payload(s) == 16 * 8
+
+
+# ------------------------------------------------------------------------------- all-reduce (sockets)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "butterfly"])
+async def test_all_reduce_over_the_bulk_lane_is_bit_identical_to_push_chunks(algorithm):
+    p, n = 4, 1_000_003  # several chunks per shard, n not divisible by p
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        bulk = []
+        for attempt in range(2):  # the second attempt reuses the connections of the first
+            bulk = await peers.run(xs, attempt=attempt, algorithm=algorithm, chunk_bytes=128 << 10)
+            assert all(set(t.lanes().values()) == {"tcp"} for t in peers.transports)
+        assert all(len(t.bulk._idle.get(a, ())) == 1 for t in peers.transports for a in t.lanes())
+    async with Swarmlet(p, [False] * p) as peers:
+        grpc_lane = await peers.run(xs, attempt=0, algorithm=algorithm, chunk_bytes=128 << 10)
+        assert all(set(t.lanes().values()) == {"socket"} for t in peers.transports)
+    assert len({r.values.tobytes() for r in bulk + grpc_lane}) == 1
+    assert all(r.digest == digest(r.values) for r in bulk)
+
+
+async def test_idle_connections_are_reused_only_while_open_and_warmed_before_rounds():
+    p, n = 3, 100_003
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        t, to_1 = peers.transports[0], peers.addresses[1]
+        await t.probe_lanes(list(zip(peers.ids, peers.addresses))[1:])  # what the agent does before Ready
+        assert t.bulk.has_idle(to_1) and t.lanes() == {}  # connected, nothing chosen yet
+        first = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=16 << 10)
+        idle = t.bulk._idle[to_1][0]
+        assert idle.alive()
+        for task in list(peers.services[1].bulk._tasks):  # the receiver drops its idle connections
+            if task.get_coro().__qualname__.endswith("_serve"):
+                task.cancel()
+        await asyncio.sleep(0.1)
+        assert not idle.alive()
+        again = await peers.run(xs, attempt=1, algorithm="butterfly", chunk_bytes=16 << 10)
+        assert t.lanes()[to_1] == "tcp" and t.bulk._idle[to_1][0] is not idle
+    assert first[0].values.tobytes() == again[0].values.tobytes()
+
+
+async def test_a_peer_without_a_bulk_listener_is_pushed_to_and_the_result_is_the_same():
+    p, n = 3, 200_003
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    async with Swarmlet(p, [False] * p, tcp=[True, True, False]) as peers:
+        mixed = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
+        lanes = [t.lanes() for t in peers.transports]
+    assert lanes[0][peers.addresses[2]] == lanes[1][peers.addresses[2]] == "socket"  # it advertises no port
+    assert lanes[0][peers.addresses[1]] == "tcp" and set(lanes[2].values()) == {"socket"}
+    async with Swarmlet(p, [False] * p) as peers:
+        plain = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
+    assert mixed[0].values.tobytes() == plain[0].values.tobytes()
+
+
+async def test_a_refused_bulk_stream_fails_the_attempt_cleanly():
+    # Tickets signed by a key the receivers do not trust: every stream is refused at its HELLO
+    # (PERMISSION_DENIED), every peer raises CollectiveError, no value reaches an inbox.
+    p, n = 3, 50_000
+    xs = [np.ones(n, np.float32)] * p
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        peers.coordinator_key = Ed25519PrivateKey.generate()
+        out = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=16 << 10,
+                              return_exceptions=True, chunk_timeout=10.0)
+        assert all(isinstance(e, CollectiveError) for e in out), out
+        assert any("PERMISSION_DENIED" in str(e) for e in out), out
+        lanes = [set(t.lanes().values()) for t in peers.transports]
+        assert all(lane <= {"tcp"} for lane in lanes) and any(lanes), lanes  # refused, not fallen back
+        assert all(inbox._bytes == 0 for inbox in peers.inboxes)
+
+
+# ------------------------------------------------------------------------------- admission (sockets)
+
+
+def _session(peers: Swarmlet, chunk_elems: int = 16) -> Session:
+    pub_key = peers.coordinator_key
+
+    def check(ticket: bytes, sender: str) -> None:
+        from shoal.common.identity import public_bytes
+
+        verify_ticket(public_bytes(pub_key), ticket, round=0, attempt=0, sender=sender)
+
+    return Session(0, 0, frozenset(peers.ids), pb.FLOAT32, check, (0, 16, 32), chunk_elems, 30.0)
+
+
+async def _send(port: int, key, chunks, *, sign=None, method: str = tcplane.BULK_METHOD) -> int:
+    """One bulk stream of (header, payload) pairs signed by `key` (or the given metadata)."""
+    conn = await tcplane.BulkConnection.open("127.0.0.1", port)
+    items = iter(chunks)
+
+    async def frames():
+        item = next(items, None)
+        return None if item is None else (item[0], tcplane.chunk_frame(*item))
+
+    try:
+        return await conn.send_stream(frames, sign or (lambda h: sign_metadata(key, method, h)))
+    finally:
+        conn.close()
+
+
+def _ticket(peers: Swarmlet, key=None) -> bytes:
+    return issue_ticket(key or peers.coordinator_key, 0, 0, peers.ids, bytes(32), 60.0)
+
+
+async def test_the_bulk_lane_admits_exactly_what_push_chunks_admits():
+    async with Swarmlet(2, [False, False], tcp=[True, False]) as peers:
+        inbox, port = peers.inboxes[0], peers.services[0].bulk.port
+        inbox.start(_session(peers))
+        me, key = peers.ids[1], peers.keys[1]
+        vals = np.arange(4, dtype=np.float32)
+        t = _ticket(peers)
+        stranger = Ed25519PrivateKey.generate()
+        refusals = {
+            "UNAUTHENTICATED": [  # signed by another key; signed for PushChunks, not the bulk lane
+                dict(chunks=[(_header(me, ticket=t), vals)], key=stranger),
+                dict(chunks=[(_header(me, ticket=t), vals)], key=key, method="/shoal.v1.Peer/PushChunks")],
+            "PERMISSION_DENIED": [  # no ticket; a ticket the sender signed itself
+                dict(chunks=[(_header(me), vals)], key=key),
+                dict(chunks=[(_header(me, ticket=_ticket(peers, stranger)), vals)], key=key)],
+            "INVALID_ARGUMENT": [  # dtype, past the shard, 2-D, payload length, a bad second chunk
+                dict(chunks=[(_header(me, ticket=t, dtype=pb.FLOAT16, count=8), vals)], key=key),
+                dict(chunks=[(_header(me, ticket=t, offset=14), vals)], key=key),
+                dict(chunks=[(pb.Chunk(round=0, sender=me, dtype=pb.FLOAT32, shape=[2, 2], ticket=t), vals)], key=key),
+                dict(chunks=[(_header(me, ticket=t, count=3), vals)], key=key),
+                dict(chunks=[(_header(me, ticket=t), vals), (_header(me, offset=4, dtype=pb.FLOAT16, count=8), vals)],
+                     key=key)],
+        }
+        for code, cases in refusals.items():
+            for case in cases:
+                with pytest.raises(tcplane.BulkRefused) as refused:
+                    await _send(port, case.pop("key"), case.pop("chunks"), **case)
+                assert refused.value.code == code, refused.value
+        # Only the valid first chunk of the last stream got in; nothing of a refused chunk did.
+        assert inbox._bytes == 16
+        assert np.array_equal(await inbox.get((0, 0, pb.REDUCE_SCATTER, 0, 0, 0, me), 1.0), vals)
+        assert inbox._bytes == 0
+        # A valid stream is acknowledged; the same signed HELLO replayed is refused.
+        md = sign_metadata(key, tcplane.BULK_METHOD, _header(me, ticket=t, offset=8))
+        assert await _send(port, key, [(_header(me, ticket=t, offset=8), vals)], sign=lambda h: md) == 1
+        with pytest.raises(tcplane.BulkRefused, match="replayed"):
+            await _send(port, key, [(_header(me, ticket=t, offset=8), vals)], sign=lambda h: md)
+        # A payload larger than the plan's chunks is refused before it is read.
+        big = np.zeros(17 * 2, np.float32)
+        with pytest.raises(tcplane.BulkRefused, match="at most"):
+            await _send(port, key, [(_header(me, ticket=t, offset=12), vals), (_header(me, count=34), big)])
+
+
+async def test_a_connection_killed_mid_stream_fails_the_waits_on_its_sender_at_once():
+    async with Swarmlet(2, [False, False], tcp=[True, False]) as peers:
+        inbox, port = peers.inboxes[0], peers.services[0].bulk.port
+        inbox.start(_session(peers))
+        me, key = peers.ids[1], peers.keys[1]
+        first = _header(me, ticket=_ticket(peers))
+        loop = asyncio.get_running_loop()
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setblocking(False)
+        await loop.sock_sendall(sock, tcplane.hello_frame(sign_metadata(key, tcplane.BULK_METHOD, first)))
+        await loop.sock_sendall(sock, tcplane.chunk_frame(first, np.ones(4, np.float32)))
+        second = tcplane.chunk_frame(_header(me, offset=4), np.ones(4, np.float32))
+        await loop.sock_sendall(sock, second[:-5])  # the connection dies inside the second payload
+        assert np.array_equal(await inbox.get((0, 0, pb.REDUCE_SCATTER, 0, 0, 0, me), 10.0), np.ones(4))
+        sock.close()
+        with pytest.raises(SenderGone, match="broke"):  # not the 20 s chunk timeout: the break itself
+            await inbox.get((0, 0, pb.REDUCE_SCATTER, 0, 0, 4, me), 20.0)
+        assert inbox._bytes == 0
+
+
+async def test_a_receiver_that_goes_away_mid_stream_fails_the_senders_attempt():
+    # Peer 2's data plane takes the first chunk of both bulk streams and then stalls; its bulk
+    # listener then closes every connection: the senders' streams break mid-transfer and their
+    # attempts fail blaming peer 2 (as when a PushChunks stream is killed), not at a timeout.
+    p, n = 3, 2_000_000
+    xs = [np.ones(n, np.float32)] * p
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        entered: list[str] = []
+
+        async def stall(first, *args, **kw):
+            entered.append(first.sender)
+            await asyncio.Event().wait()
+
+        peers.services[2]._receive = stall
+
+        async def kill_when_entered():
+            while len(entered) < 2:  # both senders' streams are open and stalled
+                await asyncio.sleep(0.01)
+            peers.services[2].bulk.close()
+
+        killer = asyncio.ensure_future(kill_when_entered())
+        out = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=16 << 10,
+                              return_exceptions=True, silent=(2,), chunk_timeout=60.0)
+        await killer
+        assert all(isinstance(r, CollectiveError) and "deadline" not in str(r) for r in out[:2]), out
+        # Each sender's stream to peer 2 broke; one that failed first may make the other fail
+        # on its broken stream from that one (as with PushChunks).
+        assert any(peers.ids[2] in r.suspects and "bulk lane broke" in str(r) for r in out[:2]), out
+
+
+async def test_an_advertised_port_that_refuses_falls_back_to_push_chunks():
+    p, n = 3, 100_003
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        bulk = peers.services[2].bulk
+        listener_port = bulk.port
+        bulk.close()  # Probe still advertises the port; connecting to it is refused
+        assert peers.services[2].bulk.port == listener_port
+        out = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=16 << 10)
+        assert peers.transports[0].lanes()[peers.addresses[2]] == "socket"
+        assert peers.transports[0].lanes()[peers.addresses[1]] == "tcp"
+    assert len({r.values.tobytes() for r in out}) == 1
+
+
+# ------------------------------------------------------------------------------- real processes
+
+
+def _jobs(procs, p: int, size: int, *flags: str, tag: str) -> list[dict]:
+    """One run of p collective jobs on loopback without shared memory. The same key files every
+    run: the same peer ids, so the same participant order, so the same order of every sum."""
+    coord, addr = procs.coordinator("--rounds", "2", "--min-peers", str(p), "--initial-peers", str(p),
+                                    "--algorithm-collective", "butterfly", name=f"coordinator-{tag}",
+                                    state=f"coordinator-{tag}.db")
+    jobs = []
+    for r in range(p):
+        out = procs.workdir / f"{tag}-{r}.json"
+        jobs.append((procs.start(f"{tag}-{r}", [
+            sys.executable, "-m", "shoal.collective_job", "--coordinator", addr, "--rank", str(r), "--size", str(size),
+            "--key", str(procs.workdir / f"job-{r}.key"), "--out", str(out), "--timeout", "90",
+            "--no-shared-memory", *flags]), out))
+    reports = []
+    for proc, out in jobs:
+        assert procs.wait_exit(proc, 120) == 0, procs.log(proc.name)
+        rep = read_json(out)
+        rep["result"] = np.load(str(out) + ".npy")
+        reports.append(rep)
+    procs.kill(coord)
+    return reports
+
+
+@pytest.mark.integration
+def test_processes_over_the_bulk_lane_commit_the_same_bytes_as_over_grpc(procs):
+    p, size = 3, 700_001
+    bulk = _jobs(procs, p, size, tag="tcp")
+    grpc_lane = _jobs(procs, p, size, "--no-tcp-lane", tag="grpc")
+    assert all(rd["lanes"] == ["tcp"] for rep in bulk for rd in rep["rounds"]), [rep["rounds"] for rep in bulk]
+    assert all(rd["lanes"] == ["socket"] for rep in grpc_lane for rd in rep["rounds"])
+    assert len({rep["result"].tobytes() for rep in bulk + grpc_lane}) == 1
+    expected = sum(make_input(0, r, 1, size, "float32").astype(np.float64) for r in range(p))
+    np.testing.assert_allclose(bulk[0]["result"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_a_peer_killed_mid_collective_on_the_bulk_lane_is_retried_without_it(procs):
+    from test_chaos import assert_survivors_consistent, events, start_peer, start_swarm
+
+    addr = start_swarm(procs, 4)
+    extra = ("--no-shared-memory",)  # loopback processes then talk over the bulk lane
+    peers = [start_peer(procs, addr, i, fault="rs:kill@3" if i == 2 else "", extra=extra) for i in range(4)]
+    assert procs.wait_exit(peers[2], 60) == -signal.SIGKILL, "the fault did not fire"
+    assert_survivors_consistent(procs, [p for i, p in enumerate(peers) if i != 2])
+    aborted = [e for e in events(procs, "peer-0") if e["event"] == "abort"]
+    assert any(e["round"] == 3 and e["will_retry"] for e in aborted), "round 3 should have been aborted and retried"
+    r3 = [e for e in events(procs, "peer-0") if e["event"] == "commit" and e["round"] == 3][0]
+    assert r3["participants"] == 3 and r3["attempt"] >= 1
