@@ -298,12 +298,13 @@ class Swarm:
 
     @property
     def wants_relay(self) -> bool:
-        """`--relay`, or a scenario that leaves no peer reachable (every peer nat or outbound-only)."""
+        """`--relay`, or a scenario that leaves no peer reachable (every peer nat or outbound-only,
+        some behind NAT: those go through the relay)."""
         sc = self.opts.scenario
         if self.opts.relay:
             return True
-        return sc is not None and not any(not (sc.peer_spec(i).nat or sc.peer_spec(i).outbound_only)
-                                          for i in range(self.opts.peers))
+        specs = [sc.peer_spec(i) for i in range(self.opts.peers)] if sc is not None else []
+        return any(p.nat for p in specs) and all(p.nat or p.outbound_only for p in specs)
 
     def relayed(self, i: int) -> bool:
         """Peer i starts with --relay: the NATed peers, or every peer when none is NATed (a loopback

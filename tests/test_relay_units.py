@@ -127,3 +127,22 @@ def test_relay_settings_are_checked_before_anything_starts(capsys):
     assert "relay" in capsys.readouterr().err
     assert cli.main(["relay", "--listen", "nonsense"]) == 2
     assert "listen" in capsys.readouterr().err
+
+
+def test_the_swarm_starts_a_relay_when_no_peer_is_reachable(tmp_path):
+    from shoal.scenario import parse
+    from shoal.swarm import Swarm, SwarmOptions, _Proc
+
+    def swarm(peers: list[dict], relay: bool = False) -> Swarm:
+        return Swarm(SwarmOptions(peers=len(peers), relay=relay, scenario=parse({"peer": peers}, len(peers))),
+                     tmp_path)
+
+    assert swarm([{"nat": True}, {"nat": True}]).wants_relay
+    assert swarm([{"nat": True}, {"outbound_only": True}]).wants_relay
+    assert not swarm([{"nat": True}, {}]).wants_relay  # one peer can be dialled: outbound-only is enough
+    assert not swarm([{"outbound_only": True}, {"outbound_only": True}]).wants_relay  # nobody to relay
+    mixed = swarm([{"nat": True}, {}], relay=True)
+    assert mixed.wants_relay
+    mixed.relay, mixed.relay_address = _Proc("relay", [], tmp_path / "relay.log"), "10.0.0.254:7071"
+    assert [mixed.relayed(i) for i in range(2)] == [True, False]  # the NATed one only
+    assert "--relay" in mixed.peer_argv(0) and "--relay" not in mixed.peer_argv(1)
