@@ -179,7 +179,12 @@ class _Stream:
         await self.queue.put(msg)
 
     async def run(self) -> None:
-        msg = await self.queue.get()
+        try:
+            msg = await self.queue.get()
+        except BaseException:  # cancelled before the first chunk: a connection put chose is not used
+            if self.bulk is not None:
+                self.bulk.close()
+            raise
         if isinstance(msg, tuple):  # the bulk lane (put chose it)
             await self._run_bulk(msg)
             return

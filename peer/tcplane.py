@@ -207,13 +207,13 @@ class BulkConnection:
             raise ConnectionError("frame: a reply carries no payload")
         try:
             body = json.loads(meta or b"{}")
-        except ValueError:
+            if kind == ERROR:
+                raise BulkRefused(str(body["code"]), str(body.get("message", "")))
+            if kind != ACK:
+                raise ConnectionError(f"frame: kind {kind} where an ACK or ERROR was due")
+            return int(body["chunks"])
+        except (ValueError, TypeError, KeyError, AttributeError):
             raise ConnectionError("frame: reply does not decode") from None
-        if kind == ERROR:
-            raise BulkRefused(str(body.get("code", "UNKNOWN")), str(body.get("message", "")))
-        if kind != ACK:
-            raise ConnectionError(f"frame: kind {kind} where an ACK or ERROR was due")
-        return int(body.get("chunks", 0))
 
     @staticmethod
     async def _next(frames, reply: asyncio.Future | None):
@@ -249,8 +249,10 @@ class BulkConnection:
                 await self.loop.sock_sendall(self.sock, frame)
             if reply is None:
                 return 0
-            if not reply.done():
-                await self.loop.sock_sendall(self.sock, encode_frame(END))
+            if reply.done():  # answered before the END: a refusal, a break, or a receiver out of step
+                n = reply.result()  # raises the refusal or the break
+                raise ConnectionError(f"frame: {n} chunks acknowledged before the stream ended")
+            await self.loop.sock_sendall(self.sock, encode_frame(END))
             return await reply
         except BaseException:
             self.broken = True

@@ -95,6 +95,31 @@ def test_check_chunk_holds_a_bulk_payload_to_the_plans_checks():
     assert tcplane.max_payload(s) == 16 * 8
 
 
+@pytest.mark.parametrize("reply", [
+    tcplane.encode_frame(tcplane.ACK, b'{"chunks": 3}'),  # acknowledged before the END
+    tcplane.encode_frame(tcplane.ACK, b"[1]"),  # not the reply's shape
+    tcplane.encode_frame(tcplane.CHUNK, b""),  # not a reply
+    b"\x09" + bytes(15),  # not a frame
+])
+async def test_a_receiver_out_of_step_breaks_the_stream(reply):
+    mine, theirs = socket.socketpair()
+    mine.setblocking(False)
+    try:
+        theirs.sendall(reply)
+        conn = tcplane.BulkConnection(mine)
+        items = iter([(_header(), tcplane.chunk_frame(_header(), np.zeros(4, np.float32)))] * 3)
+
+        async def frames():
+            return next(items, None)
+
+        with pytest.raises(ConnectionError):
+            await conn.send_stream(frames, lambda h: (("k", "v"),))
+        assert conn.broken
+    finally:
+        mine.close()
+        theirs.close()
+
+
 # ------------------------------------------------------------------------------- all-reduce (sockets)
 
 
