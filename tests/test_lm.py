@@ -145,41 +145,26 @@ def test_short_lm_swarm_with_ddp_baseline(tmp_path):
 @needs_torch
 @pytest.mark.integration
 @pytest.mark.torch
-def test_time_budgeted_local_work_lets_a_slow_peer_run_fewer_steps(tmp_path):
-    """--local-work time with one peer at a third of the speed: after the first round (H steps
-    for everybody: no pace yet) every local phase lasts H of the fast peers' steps, so the slow
-    peer runs fewer inner steps than the fast ones; updates weighted by samples still give every
-    peer the same committed state, and every round commits."""
+def test_time_budgeted_local_work_and_overlap(tmp_path):
+    """--local-work time with one peer at a third of the speed, and --overlap, in one swarm:
+    after the first round (H steps for everybody: no pace yet) every local phase lasts H of the
+    fast peers' steps, so the slow peer runs fewer inner steps than the fast ones; every peer runs
+    inner steps while its round's all-reduce is in flight and folds the committed update in when
+    it arrives; updates weighted by samples still give every peer the same committed state, and
+    every round commits. (Steps without overlap: test_short_lm_swarm_with_ddp_baseline.)"""
     from shoal.swarm import SwarmOptions, run_swarm
 
     s = run_swarm(SwarmOptions(peers=3, rounds=5, inner_steps=20, workload="lm", lm=TINY, min_peers=3,
-                               peer_speed=(1.0, 1.0, 0.33), run_extra=(("local_work", "time"),),
+                               peer_speed=(1.0, 1.0, 0.33), run_extra=(("local_work", "time"), ("overlap", True)),
                                target_val_loss=math.log(256), workdir=str(tmp_path / "wd"), progress=False,
                                timeout=300))
     assert s["ok"], (s.get("error"), s)
-    assert s["local_work"] == "time" and s["rounds_committed"] == 5
+    assert s["local_work"] == "time" and s["overlap"] is True and s["rounds_committed"] == 5
     assert s["digest_mismatches"] == 0 and s["peers_up_to_date"] == 3
     fast, slow = min(s["inner_steps_per_peer"][:2]), s["inner_steps_per_peer"][2]
     assert slow < fast, s["inner_steps_per_peer"]
-    assert s["target_val_loss"] == pytest.approx(math.log(256), abs=1e-4)
-    assert s["seconds_to_target"] == s["val_curve"][0]["seconds"]  # the first committed model beats uniform
-
-
-@needs_torch
-@pytest.mark.integration
-@pytest.mark.torch
-def test_overlap_trains_while_the_round_runs_and_keeps_peers_identical(tmp_path):
-    """--overlap: every peer runs inner steps while its round's all-reduce is in flight (the
-    next local phase starts at the hand-over), folds the committed update in when it arrives,
-    and every round still commits one state on every peer (0 digest mismatches)."""
-    from shoal.swarm import SwarmOptions, run_swarm
-
-    s = run_swarm(SwarmOptions(peers=3, rounds=5, inner_steps=20, workload="lm", lm=TINY, min_peers=3,
-                               run_extra=(("overlap", True),), workdir=str(tmp_path / "wd"), progress=False,
-                               timeout=300))
-    assert s["ok"], (s.get("error"), s)
-    assert s["overlap"] is True and s["rounds_committed"] == 5
-    assert s["digest_mismatches"] == 0 and s["peers_up_to_date"] == 3
     assert all(n and n > 0 for n in s["overlapped_steps_per_peer"]), s["overlapped_steps_per_peer"]
     curve = s["val_curve"]
     assert curve[-1]["val_loss"] < curve[0]["val_loss"] < math.log(256)
+    assert s["target_val_loss"] == pytest.approx(math.log(256), abs=1e-4)
+    assert s["seconds_to_target"] == curve[0]["seconds"]  # the first committed model beats uniform

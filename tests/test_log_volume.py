@@ -45,7 +45,10 @@ def test_attempts_are_shown_within_their_round():
     assert render_table(s).splitlines()[-1].split()[:2] == ["3", "1"]
 
 
+# A long run by design (the log volume of a busy minute): in the soak tier; the throttle and
+# the round lines it relies on are unit-tested above.
 @pytest.mark.integration
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_a_3_peer_minute_logs_little_and_each_peer_says_its_rounds(procs):
     coord, addr = procs.coordinator("--rounds", "0", "--min-peers", "3", "--initial-peers", "3",

@@ -14,7 +14,9 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
-@pytest.mark.parametrize("security", ["plaintext", "tls"])
+# Plaintext outbound-only swarms also run in the default tier through tests/test_nat_netns.py (real
+# NAT); this plaintext loopback case is kept for the long runs.
+@pytest.mark.parametrize("security", [pytest.param("plaintext", marks=pytest.mark.soak), "tls"])
 def test_outbound_only_peers_take_part_in_committed_rounds(tmp_path, security):
     path, summary, wd = tmp_path / "scenario.toml", tmp_path / "s.json", tmp_path / "wd"
     path.write_text("[[peer]]\n[[peer]]\noutbound_only = true\n[[peer]]\n[[peer]]\noutbound_only = true\n")
