@@ -34,7 +34,9 @@ before anything else (`PeerService._check_relayed`): a relay cannot change a chu
 failed check refuses the stream with `RELAY_ALTERED` in its details and fails the waits on that
 sender with it, so both ends vote the relay's fault (no peer is excluded): on a stream's first
 chunk too, once its ticket names the sender (`PeerService._first_altered`), and on a later
-message that no longer decodes. Exchange streams are
+message that no longer decodes. The inbox counts each sender's open streams (`Inbox.streaming`)
+so that a relayed receiver can tell a chunk stalled in an open stream (the relay's doing) from a
+sender that never sent it. Exchange streams are
 not covered: a relayed peer that is planned outbound-only dials the owners directly.
 """
 
@@ -230,6 +232,19 @@ class Inbox:
         self._waiting = 0
         self._broken: dict[tuple[int, int, str], str] = {}
         self._lanes: dict[tuple[int, int, str], ReplyLane] = {}  # per outbound-only participant (ReplyLane)
+        self._streams: dict[tuple[int, int, str], int] = {}  # open streams per (round, attempt, sender)
+
+    def streaming(self, round_: int, attempt: int, sender: str) -> bool:
+        """Whether a stream of `sender`'s chunks for this attempt is open here right now."""
+        return self._streams.get((round_, attempt, sender), 0) > 0
+
+    def count_stream(self, origin: tuple[int, int, str], delta: int) -> None:
+        """A stream from origin = (round, attempt, sender) opened (+1) or ended (-1)."""
+        n = self._streams.get(origin, 0) + delta
+        if n > 0:
+            self._streams[origin] = n
+        else:
+            self._streams.pop(origin, None)
 
     def reply_lane(self, round_: int, attempt: int, peer_id: str) -> ReplyLane:
         """The lane of `peer_id`'s replies in this round attempt, made at first use (by the owner's
@@ -522,6 +537,7 @@ class PeerService(pb_grpc.PeerServicer):
         first_bytes = total_bytes = 0
         any_shm = False  # a stream that used shared memory says nothing about the link
         reader = self._reader(first.sender) if self.shared_memory else None
+        self.inbox.count_stream(origin, +1)
         try:
             try:
                 async with asyncio.timeout(s.deadline_seconds or None):
@@ -568,6 +584,7 @@ class PeerService(pb_grpc.PeerServicer):
             raise
         finally:
             self.chunks_received += n
+            self.inbox.count_stream(origin, -1)
         if self.links is not None and n > 1 and not any_shm:
             # The first chunk's own transfer time is unknown: count the bytes after it.
             self.links.observe_receive(origin[2], total_bytes - first_bytes, t_last - t_first)

@@ -23,7 +23,8 @@ Test-only hooks (environment): ``SHOAL_FAULT_RELAY=flip@K`` flips one bit in the
 K-th (0-based) large gRPC message that fills one HTTP/2 DATA frame (>= `FLIP_MIN_FRAME` bytes:
 inside a tensor chunk's values, not in framing, where a flip would merely break the stream) and is
 not its call's first message (a PushChunks chunk after the first: `_H2Frames`) forwarded towards a
-registered peer, once, reading plaintext h2 frames (with TLS on there are
+registered peer, once (``prefix@K``: a bit of that message's gRPC length prefix instead, so
+that the receiver's gRPC waits for bytes that never come or ends the call without the message), reading plaintext h2 frames (with TLS on there are
 none to find); ``SHOAL_FAULT_RELAY_RECORD=PATH`` appends the
 first 64 MiB it forwards (both directions) to PATH.
 """
@@ -148,7 +149,7 @@ class _H2Frames:
                     compressed = st[3] >> 32
                     if self.whole and self.pos + (i - (end - step)) == 5 and compressed == 0 \
                             and st[2] == self.length - 5 and st[0] > 1 and hooks.large_frame():
-                        self.target = self.length // 2
+                        self.target = 2 if hooks.prefix else self.length // 2
                     st[3] = 0
                     if st[2] == 0:
                         st[1] = 5
@@ -164,7 +165,8 @@ class _Hooks:
     """The test-only fault and record hooks (module docstring)."""
 
     def __init__(self, fault: str = "", record: str = ""):
-        self.flip_at = int(fault.split("@", 1)[1]) if fault.startswith("flip@") else -1
+        self.flip_at = int(fault.split("@", 1)[1]) if fault.startswith(("flip@", "prefix@")) else -1
+        self.prefix = fault.startswith("prefix@")  # flip the length prefix (+/- 64 KiB), not a value
         self.large_frames = 0  # large DATA frames seen towards registered peers so far
         self.record = open(record, "ab") if record else None
         self.recorded = 0

@@ -16,6 +16,7 @@ from shoal.common.relaying import RELAY_ALTERED, check_register, chunk_signature
 from shoal.common.security import PUSH_CHUNKS
 from shoal.common.tickets import issue_ticket, verify_ticket
 from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendAbort, SendPlan
+from shoal.peer.collectives import CollectiveError, _Wire
 from shoal.peer.dataplane import Inbox, PeerService, SenderGone, Session
 from shoal.relay import FLIP_MIN_FRAME, _H2Frames, _Hooks
 from shoal.v1 import shoal_pb2 as pb
@@ -263,3 +264,31 @@ def test_the_flip_hook_changes_one_bit_of_a_calls_later_message_only():
         start = 24 + sum(len(f) for f in frames[:which]) + 9  # the flipped frame's payload
         length = len(frames[which]) - 9
         assert changed == [start + length // 2] and out[changed[0]] ^ stream[changed[0]] == 1, (k, changed)
+    hooks, parser = _Hooks("prefix@0"), _H2Frames()  # the length prefix of the same message instead
+    out = hooks.forward(stream, parser)
+    start = 24 + sum(len(f) for f in frames[:5]) + 9
+    assert [i for i in range(len(stream)) if out[i] != stream[i]] == [start + 2]
+
+
+async def test_a_chunk_missing_from_an_open_relayed_stream_is_blamed_on_the_relay():
+    # A changed length prefix leaves the receiver's gRPC waiting for bytes that never come: the
+    # sender's stream stays open and nobody sees an error. Through a relay that is the relay's.
+    plan = Plan(participants=("a", "b"), collective="butterfly", shard_bounds=(0, 1, 2), shard_owner=(0, 1),
+                addresses=("r:1", "r:2"), relays=("relay:1", "relay:1"), chunk_timeout_seconds=0.05)
+    inbox = Inbox()
+    wire = _Wire(plan, "a", inbox)
+    with pytest.raises(CollectiveError) as silent:  # b never opened a stream: b is the suspect
+        await wire.payload(pb.REDUCE_SCATTER, 0, 0, 0, "b")
+    assert silent.value.suspects == ("b",) and not silent.value.relay
+    inbox.count_stream((0, 0, "b"), +1)
+    with pytest.raises(CollectiveError) as stalled:
+        await wire.payload(pb.REDUCE_SCATTER, 0, 0, 0, "b")
+    assert stalled.value.relay == "relay:1" and not stalled.value.suspects
+    inbox.count_stream((0, 0, "b"), -1)
+    assert not inbox.streaming(0, 0, "b")
+    direct = Plan(participants=("a", "b"), collective="butterfly", shard_bounds=(0, 1, 2), shard_owner=(0, 1),
+                  addresses=("r:1", "r:2"), chunk_timeout_seconds=0.05)
+    inbox.count_stream((0, 0, "b"), +1)
+    with pytest.raises(CollectiveError) as unrelayed:  # no relay on the path: the sender as before
+        await _Wire(direct, "a", inbox).payload(pb.REDUCE_SCATTER, 0, 0, 0, "b")
+    assert unrelayed.value.suspects == ("b",) and not unrelayed.value.relay
