@@ -70,7 +70,9 @@ __all__ = ["CollectiveError", "CollectiveResult", "OwnerReducer", "all_reduce"]
 class CollectiveError(Exception):
     """A collective attempt failed; `suspects` are the peer ids blamed for it; `audit` marks an
     owner audit that failed (suspects: the owner and the auditor); `relay` names the relay that
-    altered a chunk (its end-to-end signature failed; docs/nat.md): no peer is to blame."""
+    altered a chunk (its end-to-end signature failed, a message no longer decodes, the receiver
+    took fewer chunks than were written, or one stalled in an open stream; docs/nat.md): no peer
+    is to blame."""
 
     def __init__(self, message: str, suspects: Sequence[str] = (), *, audit: bool = False, relay: str = ""):
         super().__init__(message)
@@ -189,6 +191,7 @@ class _Stream:
             await self._run_bulk(msg)
             return
         call = None
+        written = 0
         try:
             busy_bytes, busy_s = 0, 0.0  # written while more chunks were queued behind (peer.links)
             while msg is not None:
@@ -202,12 +205,20 @@ class _Stream:
                     t0 = time.perf_counter()
                 queued, tw = not self.queue.empty(), time.perf_counter()
                 await call.write(msg)
+                written += 1
                 if queued and self.solo:
                     busy_bytes, busy_s = busy_bytes + len(msg.data), busy_s + time.perf_counter() - tw
                 msg = await self.queue.get()
             if call is not None:
                 await call.done_writing()
-                await call  # the receiver took every chunk: the writer may be reused
+                ack = await call  # the receiver took every chunk: the writer may be reused
+                if self.relay and ack.chunks != written:
+                    # A changed gRPC length prefix can make the receiver's gRPC end the call
+                    # cleanly without the last message: nobody sees an error, the receiver
+                    # waits out the chunk deadline and would blame this (healthy) sender.
+                    raise CollectiveError(f"relay {self.relay} lost chunks to {self.peer_id[:8]}: it took "
+                                          f"{ack.chunks} of the {written} written: {RELAY_ALTERED}",
+                                          relay=self.relay)
                 if self.links is not None and self.lane != "shm":  # shared memory says nothing of links
                     self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0,
                                             busy_bytes=busy_bytes, busy_seconds=busy_s)
@@ -410,9 +421,17 @@ class _Wire:
             return await self.inbox.get((plan.round, plan.attempt, phase, step, shard, off, sender),
                                         plan.chunk_timeout_seconds)
         except TimeoutError:
+            where = f"(phase {phase}, step {step}, shard {shard}, offset {off})"
+            relay = plan.relay_of(plan.position(self.me))
+            if relay and self.inbox.streaming(plan.round, plan.attempt, sender):
+                # Its stream reaches this peer through the relay and is open, yet the chunk did
+                # not come: a relay that changed a gRPC length prefix leaves the message waiting
+                # for bytes that never come, with no error at either end (docs/nat.md, "Relays").
+                raise CollectiveError(f"relay {relay}: no chunk from {sender[:8]} within "
+                                      f"{plan.chunk_timeout_seconds:.1f}s {where} although its stream through "
+                                      f"the relay is open: stalled in transit", relay=relay) from None
             raise CollectiveError(
-                f"no chunk from {sender[:8]} within {plan.chunk_timeout_seconds:.1f}s "
-                f"(phase {phase}, step {step}, shard {shard}, offset {off})", [sender]) from None
+                f"no chunk from {sender[:8]} within {plan.chunk_timeout_seconds:.1f}s {where}", [sender]) from None
         except SenderGone as exc:
             if RELAY_ALTERED in str(exc):  # the chunk changed on its way through this peer's relay
                 relay = plan.relay_of(plan.position(self.me))

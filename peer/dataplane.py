@@ -32,7 +32,11 @@ Relayed participants (docs/nat.md, "Relays"; `Plan.relays`): every chunk pushed 
 `chunk_signature` (`Transport.sign_relayed`), and such a participant checks it on every chunk
 before anything else (`PeerService._check_relayed`): a relay cannot change a chunk unseen. A
 failed check refuses the stream with `RELAY_ALTERED` in its details and fails the waits on that
-sender with it, so both ends vote the relay's fault (no peer is excluded). Exchange streams are
+sender with it, so both ends vote the relay's fault (no peer is excluded): on a stream's first
+chunk too, once its ticket names the sender (`PeerService._first_altered`), and on a later
+message that no longer decodes. The inbox counts each sender's open streams (`Inbox.streaming`)
+so that a relayed receiver can tell a chunk stalled in an open stream (the relay's doing) from a
+sender that never sent it. Exchange streams are
 not covered: a relayed peer that is planned outbound-only dials the owners directly.
 """
 
@@ -228,6 +232,19 @@ class Inbox:
         self._waiting = 0
         self._broken: dict[tuple[int, int, str], str] = {}
         self._lanes: dict[tuple[int, int, str], ReplyLane] = {}  # per outbound-only participant (ReplyLane)
+        self._streams: dict[tuple[int, int, str], int] = {}  # open streams per (round, attempt, sender)
+
+    def streaming(self, round_: int, attempt: int, sender: str) -> bool:
+        """Whether a stream of `sender`'s chunks for this attempt is open here right now."""
+        return self._streams.get((round_, attempt, sender), 0) > 0
+
+    def count_stream(self, origin: tuple[int, int, str], delta: int) -> None:
+        """A stream from origin = (round, attempt, sender) opened (+1) or ended (-1)."""
+        n = self._streams.get(origin, 0) + delta
+        if n > 0:
+            self._streams[origin] = n
+        else:
+            self._streams.pop(origin, None)
 
     def reply_lane(self, round_: int, attempt: int, peer_id: str) -> ReplyLane:
         """The lane of `peer_id`'s replies in this round attempt, made at first use (by the owner's
@@ -388,7 +405,11 @@ class PeerService(pb_grpc.PeerServicer):
                 first = await anext(it)
             except StopAsyncIteration:
                 return pb.PushAck(chunks=0)
-            pub = self._check_relayed(first, context)
+            try:
+                pub = self._check_relayed(first, context)
+            except InvalidArgument as exc:
+                await self._first_altered(first, str(exc))
+                raise
             s = await self._admit(first, context, PUSH_CHUNKS)
             return pb.PushAck(chunks=await self._receive(first, it, s, pub if self.peer_id in s.relayed else None))
 
@@ -408,6 +429,27 @@ class PeerService(pb_grpc.PeerServicer):
             raise InvalidArgument(f"chunk_signature: chunk {c.phase}/{c.step}/{c.shard}@{c.offset} from "
                                   f"{c.sender[:8]} fails its sender's signature: {RELAY_ALTERED}")
         return pub
+
+    async def _first_altered(self, first: pb.Chunk, reason: str) -> None:
+        """A stream's first chunk failed its chunk signature (`reason` names `RELAY_ALTERED`): fail
+        every wait on its sender with `reason` when this peer is relayed in the running attempt,
+        so the collective blames the relay at once. Without this the refusal ends only this call
+        (the stream signature covers the changed chunk: `_admit` could not authenticate it
+        either), the sender learns of it only at its next write, which may never come (it awaits
+        its own chunks first), and this peer's wait ran into the chunk deadline and blamed the
+        sender: a healthy peer excluded for the relay's change. Who may fail a sender's waits:
+        a ticket the coordinator signed for this sender and attempt (the stream signature cannot
+        be checked on changed bytes); a chunk with no valid ticket fails nothing."""
+        try:
+            verify_ticket(self._coordinator_key(), first.ticket, round=first.round, attempt=first.attempt,
+                          sender=first.sender)
+            s = await self.inbox.wait_session(first.round, first.attempt, self.session_wait)
+            if s.ticket_check is None or self.peer_id not in s.relayed:
+                return
+            s.ticket_check(first.ticket, first.sender)
+        except (ShoalError, ValueError):  # ValueError: no valid coordinator key here
+            return
+        self.inbox.fail_sender(first.round, first.attempt, first.sender, reason)
 
     async def Exchange(self, request_iterator: AsyncIterator[pb.Chunk], context) -> None:
         """An outbound-only participant's stream (see the module docstring): its chunks into the
@@ -483,7 +525,11 @@ class PeerService(pb_grpc.PeerServicer):
         nothing and does not count as a broken stream: the sender is alive, and if it never
         sends valid chunks the chunk deadline blames it. Anything else that ends the stream early
         fails every wait on the sender (`Inbox.fail_sender`). With `signer` (this peer is relayed)
-        every chunk's signature is checked first; a failure fails the waits with `RELAY_ALTERED`."""
+        every chunk's signature is checked first; a failure, or a later message that does not
+        decode at all (bytes changed in its protobuf framing), fails the waits with
+        `RELAY_ALTERED` and ends the call INVALID_ARGUMENT naming it, so both ends blame the relay.
+        (A participant that writes garbage on purpose thus gets the relay blamed instead of
+        itself: the round aborts, nobody is excluded; the coordinator's attempt limit bounds it.)"""
         origin = (first.round, first.attempt, first.sender)
         n = 0
         refused = False
@@ -491,19 +537,20 @@ class PeerService(pb_grpc.PeerServicer):
         first_bytes = total_bytes = 0
         any_shm = False  # a stream that used shared memory says nothing about the link
         reader = self._reader(first.sender) if self.shared_memory else None
+        self.inbox.count_stream(origin, +1)
         try:
             try:
                 async with asyncio.timeout(s.deadline_seconds or None):
                     c = first
                     while True:
-                        if c is not first and (c.round, c.attempt, c.sender) != origin:
-                            raise InvalidArgument("sender: one stream carries one sender's chunks of one round attempt")
-                        if signer is not None:
+                        if signer is not None:  # first: it also covers the round, attempt and sender
                             try:
                                 self._check_relayed(c, None, signer)
                             except InvalidArgument as exc:
                                 self.inbox.fail_sender(*origin, str(exc))
                                 raise
+                        if c is not first and (c.round, c.attempt, c.sender) != origin:
+                            raise InvalidArgument("sender: one stream carries one sender's chunks of one round attempt")
                         values = s.check_chunk(c, reader, body() if body is not None else None)
                         any_shm = any_shm or bool(c.shm_name)
                         self.inbox.deliver((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), values)
@@ -518,6 +565,14 @@ class PeerService(pb_grpc.PeerServicer):
                             c = await anext(it)
                         except StopAsyncIteration:
                             break
+                        except InvalidArgument as exc:  # a message that does not decode (DecodeErrors)
+                            if signer is None:
+                                raise
+                            # The sender's gRPC wrote a Chunk; through the relay it no longer
+                            # decodes, so there is no signature to check: the relay changed it.
+                            why = f"{exc} (a relayed stream, past its signed first chunk): {RELAY_ALTERED}"
+                            self.inbox.fail_sender(*origin, why)
+                            raise InvalidArgument(why) from None
             except TimeoutError:
                 raise DeadlineExceeded(f"round: stream outlived the plan's {s.deadline_seconds:.0f}s deadline") from None
             except ShoalError:
@@ -529,6 +584,7 @@ class PeerService(pb_grpc.PeerServicer):
             raise
         finally:
             self.chunks_received += n
+            self.inbox.count_stream(origin, -1)
         if self.links is not None and n > 1 and not any_shm:
             # The first chunk's own transfer time is unknown: count the bytes after it.
             self.links.observe_receive(origin[2], total_bytes - first_bytes, t_last - t_first)

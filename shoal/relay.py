@@ -21,8 +21,10 @@ while the relay runs; a relay restart hands out new ports (peers must join again
 
 Test-only hooks (environment): ``SHOAL_FAULT_RELAY=flip@K`` flips one bit in the middle of the
 K-th (0-based) large gRPC message that fills one HTTP/2 DATA frame (>= `FLIP_MIN_FRAME` bytes:
-inside a tensor chunk's values, not in framing, where a flip would merely break the stream)
-forwarded towards a registered peer, once, reading plaintext h2 frames (with TLS on there are
+inside a tensor chunk's values, not in framing, where a flip would merely break the stream) and is
+not its call's first message (a PushChunks chunk after the first: `_H2Frames`) forwarded towards a
+registered peer, once (``prefix@K``: a bit of that message's gRPC length prefix instead, so
+that the receiver's gRPC waits for bytes that never come or ends the call without the message), reading plaintext h2 frames (with TLS on there are
 none to find); ``SHOAL_FAULT_RELAY_RECORD=PATH`` appends the
 first 64 MiB it forwards (both directions) to PATH.
 """
@@ -70,17 +72,26 @@ class _Registration:
 
 class _H2Frames:
     """Follows the HTTP/2 frames of one plaintext client-to-server byte stream (preface, then
-    9-byte headers), to find a byte inside a tensor chunk for the flip hook: the middle of a
-    DATA frame that holds exactly one gRPC message of at least `FLIP_MIN_FRAME` bytes (a Chunk
-    is mostly its `data` field; a flip in framing or a length prefix would only break the stream)."""
+    9-byte headers) and the gRPC messages (5-byte prefix, then the message) in each HTTP/2
+    stream's DATA, to find a byte inside a tensor chunk for the flip hook: the middle of a DATA
+    frame that holds exactly one whole gRPC message of at least `FLIP_MIN_FRAME` bytes (a Chunk is
+    mostly its `data` field; a flip in framing or a length prefix would only break the stream)
+    that is not its call's first message. Only later chunks are candidates: a call's first
+    message is the one its stream signature and ticket cover, and streams of other kinds
+    (Exchange, FetchState, Probe...) carry one small request or none past the first, so the
+    flip lands in a PushChunks chunk after the first, every run alike."""
 
     def __init__(self) -> None:
         self.preface = 24  # "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
         self.header = b""
         self.length = self.pos = 0  # the current frame's payload length, and how much of it passed
-        self.data = False  # the current frame is a large DATA frame
-        self.prefix = b""  # its first 5 payload bytes: the gRPC message prefix
+        self.stream: list[int] | None = None  # the current DATA frame's stream: `streams` entry
+        self.whole = False  # the current DATA frame starts at a message boundary and is large
         self.target = -1  # payload offset of the byte to flip (-1: none)
+        # HTTP/2 stream id -> [messages begun, prefix bytes still to read, message bytes still to
+        # read, the prefix so far as an int]: where each call's gRPC message framing stands.
+        self.streams: dict[int, list[int]] = {}
+        self.broken: set[int] = set()  # streams whose framing this parser cannot follow (padding)
 
     def flip(self, data: bytes, hooks: "_Hooks") -> bytes:
         buf = bytearray(data)
@@ -93,16 +104,12 @@ class _H2Frames:
                 step = min(9 - len(self.header), len(buf) - i)
                 self.header += bytes(buf[i:i + step])
                 if len(self.header) == 9:
-                    self.length, kind = int.from_bytes(self.header[:3], "big"), self.header[3]
-                    self.header, self.pos, self.prefix, self.target = b"", 0, b"", -1
-                    self.data = kind == 0 and self.length >= FLIP_MIN_FRAME
+                    self._frame(self.header)
+                    self.header = b""
             else:
                 step = min(self.length - self.pos, len(buf) - i)
-                if self.data and len(self.prefix) < 5:
-                    self.prefix += bytes(buf[i:i + min(step, 5 - len(self.prefix))])
-                    if len(self.prefix) == 5 and self.prefix[0] == 0 \
-                            and int.from_bytes(self.prefix[1:], "big") == self.length - 5 and hooks.large_frame():
-                        self.target = self.length // 2
+                if self.stream is not None:
+                    self._messages(buf, i, step, hooks)
                 if self.pos <= self.target < self.pos + step:
                     buf[i + self.target - self.pos] ^= 0x01
                     log.warning("fault injection: flipped a bit in a relayed DATA frame")
@@ -111,12 +118,55 @@ class _H2Frames:
             i += step
         return bytes(buf)
 
+    def _frame(self, header: bytes) -> None:
+        self.length, kind, flags = int.from_bytes(header[:3], "big"), header[3], header[4]
+        sid = int.from_bytes(header[5:9], "big") & 0x7FFFFFFF
+        self.pos, self.target, self.stream, self.whole = 0, -1, None, False
+        if kind != 0 or sid in self.broken:
+            return
+        if flags & 0x08:  # PADDED: gRPC does not pad; give up on this stream rather than misparse
+            self.broken.add(sid)
+            self.streams.pop(sid, None)
+            return
+        self.stream = self.streams.setdefault(sid, [0, 5, 0, 0])
+        self.whole = self.stream[1] == 5 and self.stream[2] == 0 and self.length >= FLIP_MIN_FRAME
+
+    def _messages(self, buf: bytearray, i: int, step: int, hooks: "_Hooks") -> None:
+        """Advance the current stream's message framing over `buf[i:i + step]`."""
+        st = self.stream
+        assert st is not None
+        end = i + step
+        while i < end:
+            if st[1]:  # in a prefix
+                take = min(st[1], end - i)
+                for b in buf[i:i + take]:
+                    st[3] = (st[3] << 8) | b
+                st[1] -= take
+                i += take
+                if st[1] == 0:
+                    st[0] += 1
+                    st[2] = st[3] & 0xFFFFFFFF  # the length; the top byte was the compressed flag
+                    compressed = st[3] >> 32
+                    if self.whole and self.pos + (i - (end - step)) == 5 and compressed == 0 \
+                            and st[2] == self.length - 5 and st[0] > 1 and hooks.large_frame():
+                        self.target = 2 if hooks.prefix else self.length // 2
+                    st[3] = 0
+                    if st[2] == 0:
+                        st[1] = 5
+            else:
+                take = min(st[2], end - i)
+                st[2] -= take
+                i += take
+                if st[2] == 0:
+                    st[1] = 5
+
 
 class _Hooks:
     """The test-only fault and record hooks (module docstring)."""
 
     def __init__(self, fault: str = "", record: str = ""):
-        self.flip_at = int(fault.split("@", 1)[1]) if fault.startswith("flip@") else -1
+        self.flip_at = int(fault.split("@", 1)[1]) if fault.startswith(("flip@", "prefix@")) else -1
+        self.prefix = fault.startswith("prefix@")  # flip the length prefix (+/- 64 KiB), not a value
         self.large_frames = 0  # large DATA frames seen towards registered peers so far
         self.record = open(record, "ab") if record else None
         self.recorded = 0

@@ -1,6 +1,7 @@
 """Relays end to end (docs/nat.md, "Relays"), with a real `shoal relay` process: a registered
 peer is reached through its relayed address (the splice round trip), a registration under
-another peer's key is refused; a relay that flips a bit of a chunk makes the round abort with the
+another peer's key is refused; a relay that flips a bit of a chunk (in its values, or in its gRPC length
+prefix: a message the receiver never gets, with no error at either end) makes the round abort with the
 relay blamed and no peer excluded (then the retry commits); with TLS on, what the relay forwards
 holds no plaintext tensor bytes (the same search finds them without TLS)."""
 
@@ -94,9 +95,10 @@ def test_relay_splices_a_registered_peer_and_refuses_a_forged_registration(procs
     assert counted >= 2 * len(payload)
 
 
-def test_a_relay_that_alters_a_chunk_is_blamed_and_no_peer_is_excluded(tmp_path):
+@pytest.mark.parametrize("fault", ["flip@2", "prefix@2"])  # a chunk's values; its gRPC length prefix
+def test_a_relay_that_alters_a_chunk_is_blamed_and_no_peer_is_excluded(tmp_path, fault):
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
-    env = {**os.environ, "SHOAL_FAULT_RELAY": "flip@2"}  # only the relay reads it
+    env = {**os.environ, "SHOAL_FAULT_RELAY": fault}  # only the relay reads it
     proc = subprocess.run(
         [sys.executable, "-m", "shoal.cli", "swarm", "--relay", "--peers", "3", "--rounds", "6", "--summary",
          str(summary), "--no-progress", "--workdir", str(wd), "--timeout", "400"],

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.common.identity import peer_id_of, public_bytes
+from shoal.common.errors import InvalidArgument
+from shoal.common.identity import peer_id_of, public_bytes, sign_metadata
 from shoal.common.plan import Plan
-from shoal.common.relaying import check_register, chunk_signature_ok, register_line, sign_chunk
+from shoal.common.relaying import RELAY_ALTERED, check_register, chunk_signature_ok, register_line, sign_chunk
+from shoal.common.security import PUSH_CHUNKS
+from shoal.common.tickets import issue_ticket, verify_ticket
 from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendAbort, SendPlan
+from shoal.peer.collectives import CollectiveError, _Wire
+from shoal.peer.dataplane import Inbox, PeerService, SenderGone, Session
+from shoal.relay import FLIP_MIN_FRAME, _H2Frames, _Hooks
 from shoal.v1 import shoal_pb2 as pb
 
 
@@ -146,3 +153,142 @@ def test_the_swarm_starts_a_relay_when_no_peer_is_reachable(tmp_path):
     mixed.relay, mixed.relay_address = _Proc("relay", [], tmp_path / "relay.log"), "10.0.0.254:7071"
     assert [mixed.relayed(i) for i in range(2)] == [True, False]  # the NATed one only
     assert "--relay" in mixed.peer_argv(0) and "--relay" not in mixed.peer_argv(1)
+
+
+# ----------------------------------------------- an altered first chunk (PeerService, no sockets)
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """The parts of a grpc.aio.ServicerContext that PushChunks uses before anything is admitted."""
+
+    def __init__(self, metadata):
+        self.metadata, self.aborted = metadata, None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    async def abort(self, code, details):
+        self.aborted = (code, details)
+        raise _Aborted(details)
+
+
+async def _push_altered_first_chunk(ticket_key: Ed25519PrivateKey, coordinator: Ed25519PrivateKey,
+                                    sender_key: Ed25519PrivateKey, me_key: Ed25519PrivateKey,
+                                    undecodable_second: bool = False):
+    """A relayed receiver's inbox and the wait key of the sender's chunk after a stream whose first
+    (only) chunk had a bit flipped in transit, the sender's chunk and stream signatures made over
+    the original; or (`undecodable_second`) whose first chunk came intact and whose second
+    message no longer decodes (as `DecodeErrors` hands it to the handler)."""
+    sender, me = peer_id_of(public_bytes(sender_key)), peer_id_of(public_bytes(me_key))
+    inbox = Inbox()
+
+    def check(ticket: bytes, who: str) -> None:
+        verify_ticket(public_bytes(coordinator), ticket, round=0, attempt=0, sender=who)
+
+    inbox.start(Session(0, 0, frozenset({sender, me}), pb.FLOAT32, check, (0, 16), 16, 30.0, relayed=frozenset({me})))
+    service = PeerService(inbox, key=me_key, coordinator_public_key=public_bytes(coordinator), session_wait=1.0)
+    c = pb.Chunk(round=0, attempt=0, sender=sender, phase=pb.REDUCE_SCATTER, dtype=pb.FLOAT32, shape=[4],
+                 data=bytes(16), ticket=issue_ticket(ticket_key, 0, 0, [sender, me], bytes(32), 60.0))
+    sign_chunk(sender_key, c)
+    ctx = _Context(sign_metadata(sender_key, PUSH_CHUNKS, c))
+    altered = pb.Chunk()
+    altered.CopyFrom(c)
+    altered.data = b"\x01" + c.data[1:]
+
+    async def stream():
+        if undecodable_second:
+            yield c
+            raise InvalidArgument("request: does not decode as the request message of PushChunks")
+        yield altered
+
+    with pytest.raises(_Aborted, match=RELAY_ALTERED):
+        await service.PushChunks(stream(), ctx)
+    assert ctx.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+    return inbox, (0, 0, pb.REDUCE_SCATTER, 0, 4 if undecodable_second else 0, 0, sender)
+
+
+async def test_an_altered_first_chunk_fails_the_waits_on_its_sender_as_the_relays_fault():
+    # The silent path behind a flaky relay test: the refusal of a stream's first chunk ended only
+    # that call; the receiver waited out the chunk deadline and blamed the (healthy) sender.
+    coordinator, sender_key, me_key = (Ed25519PrivateKey.generate() for _ in range(3))
+    inbox, key = await _push_altered_first_chunk(coordinator, coordinator, sender_key, me_key)
+    with pytest.raises(SenderGone, match=RELAY_ALTERED):
+        await inbox.get(key, 5.0)
+
+
+async def test_a_later_message_that_no_longer_decodes_on_a_relayed_stream_is_the_relays_fault():
+    coordinator, sender_key, me_key = (Ed25519PrivateKey.generate() for _ in range(3))
+    inbox, key = await _push_altered_first_chunk(coordinator, coordinator, sender_key, me_key,
+                                                 undecodable_second=True)
+    with pytest.raises(SenderGone, match=RELAY_ALTERED):
+        await inbox.get(key, 5.0)
+
+
+async def test_an_altered_first_chunk_without_a_valid_ticket_fails_nobodys_waits():
+    coordinator, sender_key, me_key = (Ed25519PrivateKey.generate() for _ in range(3))
+    inbox, key = await _push_altered_first_chunk(Ed25519PrivateKey.generate(), coordinator, sender_key, me_key)
+    with pytest.raises(TimeoutError):  # a stranger cannot fail a participant's waits
+        await inbox.get(key, 0.05)
+
+
+# ----------------------------------------------------------------- the relay's flip hook (pure)
+
+
+def _frame(kind: int, sid: int, payload: bytes, flags: int = 0) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + sid.to_bytes(4, "big") + payload
+
+
+def _message(body: bytes) -> bytes:
+    return b"\0" + len(body).to_bytes(4, "big") + body
+
+
+def test_the_flip_hook_changes_one_bit_of_a_calls_later_message_only():
+    big = [bytes([i]) * (FLIP_MIN_FRAME + 100 * i) for i in range(6)]
+    split = _message(big[4])  # a first message over two DATA frames, then a later one
+    frames = [
+        _frame(1, 1, b"headers"), _frame(0, 1, _message(big[0])),  # call 1's first message: never
+        _frame(1, 3, b"headers"), _frame(0, 3, _message(big[1])),  # call 3's first message: never
+        _frame(4, 0, b"settings"), _frame(0, 1, _message(big[2])),  # call 1's second: flip@0
+        _frame(0, 3, _message(big[3])),  # call 3's second: flip@1
+        _frame(0, 5, split[:3000]), _frame(0, 5, split[3000:]), _frame(0, 5, _message(big[5])),  # flip@2
+    ]
+    stream = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"".join(frames)
+    for k, which in ((0, 5), (1, 6), (2, 9)):
+        hooks, parser = _Hooks(f"flip@{k}"), _H2Frames()
+        out = b"".join(hooks.forward(stream[i:i + 777], parser) for i in range(0, len(stream), 777))
+        changed = [i for i in range(len(stream)) if out[i] != stream[i]]
+        start = 24 + sum(len(f) for f in frames[:which]) + 9  # the flipped frame's payload
+        length = len(frames[which]) - 9
+        assert changed == [start + length // 2] and out[changed[0]] ^ stream[changed[0]] == 1, (k, changed)
+    hooks, parser = _Hooks("prefix@0"), _H2Frames()  # the length prefix of the same message instead
+    out = hooks.forward(stream, parser)
+    start = 24 + sum(len(f) for f in frames[:5]) + 9
+    assert [i for i in range(len(stream)) if out[i] != stream[i]] == [start + 2]
+
+
+async def test_a_chunk_missing_from_an_open_relayed_stream_is_blamed_on_the_relay():
+    # A changed length prefix leaves the receiver's gRPC waiting for bytes that never come: the
+    # sender's stream stays open and nobody sees an error. Through a relay that is the relay's.
+    plan = Plan(participants=("a", "b"), collective="butterfly", shard_bounds=(0, 1, 2), shard_owner=(0, 1),
+                addresses=("r:1", "r:2"), relays=("relay:1", "relay:1"), chunk_timeout_seconds=0.05)
+    inbox = Inbox()
+    wire = _Wire(plan, "a", inbox)
+    with pytest.raises(CollectiveError) as silent:  # b never opened a stream: b is the suspect
+        await wire.payload(pb.REDUCE_SCATTER, 0, 0, 0, "b")
+    assert silent.value.suspects == ("b",) and not silent.value.relay
+    inbox.count_stream((0, 0, "b"), +1)
+    with pytest.raises(CollectiveError) as stalled:
+        await wire.payload(pb.REDUCE_SCATTER, 0, 0, 0, "b")
+    assert stalled.value.relay == "relay:1" and not stalled.value.suspects
+    inbox.count_stream((0, 0, "b"), -1)
+    assert not inbox.streaming(0, 0, "b")
+    direct = Plan(participants=("a", "b"), collective="butterfly", shard_bounds=(0, 1, 2), shard_owner=(0, 1),
+                  addresses=("r:1", "r:2"), chunk_timeout_seconds=0.05)
+    inbox.count_stream((0, 0, "b"), +1)
+    with pytest.raises(CollectiveError) as unrelayed:  # no relay on the path: the sender as before
+        await _Wire(direct, "a", inbox).payload(pb.REDUCE_SCATTER, 0, 0, 0, "b")
+    assert unrelayed.value.suspects == ("b",) and not unrelayed.value.relay
