@@ -801,6 +801,30 @@ def eligible_fractions(capacity: Sequence[float], eligible: Sequence[int]) -> li
     return [x / total for x in w]
 
 
+def relay_links(links: Sequence[LinkSpec], relays: Sequence[tuple[str, float]]) -> list[LinkSpec]:
+    """The links as the planner should see them when some participants are reached through a relay.
+
+    `relays`: per participant (in `links`' order), the relay it is reached through ("" = direct)
+    and that relay's declared capacity in bytes/s each way (0 = not declared). Every byte to or
+    from a relayed participant crosses its relay's link in both directions, so the k participants
+    of one relay share its capacity C: each gets ``min(own rate, C/k)`` up and down (a rate not
+    reported yet becomes C/k, a measurement). Direct participants, and those of a relay without
+    a declared capacity, keep their links. Pure; raises nothing.
+    """
+    shared: dict[str, int] = {}
+    for relay, capacity in relays:
+        if relay and capacity > 0 and math.isfinite(capacity):
+            shared[relay] = shared.get(relay, 0) + 1
+    out = []
+    for link, (relay, capacity) in zip(links, relays):
+        if relay in shared:
+            cap = capacity / shared[relay]
+            link = dataclasses.replace(link, up_bytes_per_s=min(link.up_bytes_per_s, cap) if link.up_bytes_per_s > 0 else cap,
+                                       down_bytes_per_s=min(link.down_bytes_per_s, cap) if link.down_bytes_per_s > 0 else cap)
+        out.append(link)
+    return out
+
+
 def _predicted(plan: Plan, model: Sequence[LinkSpec], itemsize: int) -> float:
     """The pipelined butterfly's model time (seconds) for `plan`'s shard ownership as it stands
     (owners' fractions of the tensor, 0 for non-owners) on the denoised links `model`, for a

@@ -50,7 +50,7 @@ from shoal.common.plan import Plan, auditor_positions
 from shoal.coordinator.blame import blame
 from shoal.coordinator.cohorts import Cohort, draw_cohort
 from shoal.coordinator.leases import LeaseSchedule
-from shoal.coordinator.planner import MAX_DEADLINE_SCALE, LinkSpec, NoPlan, PlanPolicy, plan_round
+from shoal.coordinator.planner import MAX_DEADLINE_SCALE, LinkSpec, NoPlan, PlanPolicy, plan_round, relay_links
 
 __all__ = ["draw_cohort"]  # re-exported: the draw is part of the engine's rules
 
@@ -241,6 +241,7 @@ class Member:
     # The relay it is reached through (joined with --relay; `address` is on that relay), "" if
     # dialled directly. The planner prefers direct owners (`_outbound_in`).
     relay: str = ""
+    relay_bytes_per_s: float = 0.0  # that relay's declared capacity each way (0 = not declared)
     state_bytes: int = 0  # size of its serialized state (its Ready): what a sync downloads
     sync_bytes_per_s: float = 0.0  # rate of its last state download (its Ready; 0 = unknown)
     sync_until: float = 0.0  # rounds wait for its download until then (set with each sync order)
@@ -650,14 +651,16 @@ class RoundEngine:
 
     def join(self, peer_id: str, public_key: bytes, address: str, num_samples: int, now: float,
              up: float = 0.0, down: float = 0.0, *, reachable: bool | None = None,
-             connected: bool = False, outbound_only: bool = False, relay: str = "") -> list[Action]:
+             connected: bool = False, outbound_only: bool = False, relay: str = "",
+             relay_bytes_per_s: float = 0.0) -> list[Action]:
         """Admit (or re-admit, same identity) a peer with a fresh lease; pending until a boundary.
 
         reachable: the outcome of the coordinator's dial-back of `address` (None: not checked);
         a peer that is not reachable (or says `outbound_only`) takes part outbound-only: it owns no
         shard and is no donor (the planner's `outbound_only`).
         connected: its round-event stream is open (it stayed open across this rejoin). relay: the
-        relay `address` is on ("" = direct; docs/nat.md).
+        relay `address` is on ("" = direct; docs/nat.md); relay_bytes_per_s: its declared capacity
+        each way (0 = not declared), a link the round's relayed participants share (`relay_links`).
         """
         old = self.members.get(peer_id)
         state = MemberState.SYNCING if self.commits else MemberState.PENDING
@@ -665,7 +668,8 @@ class RoundEngine:
             state = MemberState.MEMBER
         m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
                    connected=connected or (old.connected if old is not None else False), reachable=reachable,
-                   outbound_only=outbound_only or reachable is False, relay=relay)
+                   outbound_only=outbound_only or reachable is False, relay=relay,
+                   relay_bytes_per_s=relay_bytes_per_s if math.isfinite(relay_bytes_per_s) else 0.0)
         if state is MemberState.SYNCING:
             # Its join answer orders a sync: rounds wait for that download (up to sync_hold; it
             # says ready once done), so the state it fetches is still the head when it is done,
@@ -1179,7 +1183,9 @@ class RoundEngine:
         cannot be planned (no trusted shard owner: no round until a trusted peer is among them)."""
         participants = opening.participants
         info = self.ready[participants[0]]
-        planned = plan_round([self.members[p].link() for p in participants], info.num_elements, info.dtype,
+        links = relay_links([self.members[p].link() for p in participants],
+                            [(self.members[p].relay, self.members[p].relay_bytes_per_s) for p in participants])
+        planned = plan_round(links, info.num_elements, info.dtype,
                              self.policy, untrusted=self.untrusted, deadline_scale=self.growth.scale,
                              outbound_only=self._outbound_in(participants))
         if isinstance(planned, NoPlan):

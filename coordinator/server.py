@@ -396,7 +396,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                         request.up_bytes_per_s, request.down_bytes_per_s,
                                         reachable=reach.reachable if reach is not None else None,
                                         connected=peer_id in self.watchers, outbound_only=request.outbound_only,
-                                        relay=request.relay))
+                                        relay=request.relay, relay_bytes_per_s=request.relay_bytes_per_s))
             if request.up_bytes_per_s or request.down_bytes_per_s:
                 self.metrics.observe_link(peer_id, request.up_bytes_per_s, request.down_bytes_per_s, 0.0)
             log.info("peer %s joined from %s%s%s (%s)", peer_id[:8], request.data_address,

@@ -207,6 +207,7 @@ class PeerAgent(StateSource):
             if config.security.tls_dir and not legacy_mode(config.security) else None
         self.transport = Transport(config.security, self.key, shared_memory=config.shared_memory,
                                    peer_tls=self.peer_tls, tcp_lane=config.tcp_lane)
+        self.relay_link: RelayLink | None = None  # set in run() with --relay
         self.links = LinkMeter()  # passive from the collectives' streams, probes when no history
         self.retry = RetryPolicy(config.backoff_initial, config.backoff_max, config.connect_timeout)
         self.events = EventMailbox()  # coalesced: the newest state of the world, never a backlog
@@ -262,7 +263,8 @@ class PeerAgent(StateSource):
         return pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
                               version="0.1.0", join_token=self.config.join_token,
                               tls_csr=self.peer_tls.csr() if self.peer_tls is not None else b"",
-                              outbound_only=self.config.outbound_only, relay=self.config.relay or "")
+                              outbound_only=self.config.outbound_only, relay=self.config.relay or "",
+                              relay_bytes_per_s=self.relay_link.capacity if self.relay_link is not None else 0.0)
 
     def _joined(self, resp: pb.JoinResponse) -> None:
         if self.peer_tls is not None:
@@ -320,7 +322,7 @@ class PeerAgent(StateSource):
             tcp_lane=self.config.tcp_lane)
         self.address = self.config.advertise or bound
         # Behind NAT with a relay: reachable through it (a reverse tunnel into `bound`).
-        relay = RelayLink(self.config.relay, self.key, bound) if self.config.relay else None
+        relay = self.relay_link = RelayLink(self.config.relay, self.key, bound) if self.config.relay else None
         health = health_box[0]
         await health.serving()
         self.metrics.serve(self.config.metrics_port, self.config.metrics_host)

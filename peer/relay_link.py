@@ -20,6 +20,7 @@ connection drop and the round's usual failure handling applies).
 from __future__ import annotations
 
 import asyncio
+import math
 import contextlib
 import logging
 import time
@@ -32,6 +33,15 @@ log = logging.getLogger("shoal.peer.relay")
 
 PIPE_BYTES = 1 << 16
 CONNECT_TIMEOUT = 5.0
+
+
+def _rate(word: str) -> float:
+    """The relay's declared capacity (bytes/s) from its answer; 0 when unusable."""
+    try:
+        v = float(word)
+    except ValueError:
+        return 0.0
+    return v if math.isfinite(v) and v > 0 else 0.0
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -130,13 +140,14 @@ class RelayLink:
         if words[:1] == ["ERR"]:
             writer.close()
             raise RelayRefused(f"relay {self.relay} refused the registration: {' '.join(words[1:])}")
-        if len(words) != 3 or words[0] != "OK":
+        if len(words) not in (3, 4) or words[0] != "OK":
             writer.close()
             raise RelayRefused(f"relay {self.relay}: unexpected answer {' '.join(words)[:80]!r}")
         if self.address and words[1] != self.address:
             log.warning("relay %s now gives the relayed address %s (was %s): the peer must rejoin to advertise it",
                         self.relay, words[1], self.address)
         self.address, self.token = words[1], words[2]
+        self.capacity = _rate(words[3]) if len(words) == 4 else 0.0
         return reader, writer
 
     async def _serve(self, ctl: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:

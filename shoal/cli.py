@@ -524,7 +524,8 @@ def cmd_relay(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
         stats = await run_relay(r.listen, r.advertise or "", stats_path=r.stats, ready_file=r.ready_file,
-                                metrics_port=r.metrics_port, metrics_host=r.metrics_host, stop=stop)
+                                metrics_port=r.metrics_port, metrics_host=r.metrics_host, stop=stop,
+                                capacity_bytes_per_s=r.capacity_mbit * 1e6 / 8)
         log.info("relay: %s", json.dumps({k: v for k, v in stats.items() if k != "peers"}))
 
     try:

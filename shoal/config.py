@@ -563,10 +563,14 @@ class RelaySection:
     ready_file: str | None = setting(None, "write the relay's HOST:PORT here once it listens")
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0 = off)")
     metrics_host: str = setting("0.0.0.0", "address the /metrics server binds")
+    capacity_mbit: float = setting(0.0, "what the relay's link carries each way, Mbit/s (0 = not declared): told to "
+                                        "the peers, the planner counts the relay as a link they share")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         check_address("relay", "listen", self.listen)
+        _check(self.capacity_mbit >= 0 and _finite(self.capacity_mbit), "relay", "capacity_mbit", ">= 0",
+               self.capacity_mbit)
         _check(0 <= self.metrics_port <= 65535, "relay", "metrics_port", "in 0..65535", self.metrics_port)
         _check(self.advertise is None or bool(self.advertise), "relay", "advertise", "a host name or IP",
                self.advertise)

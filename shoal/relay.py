@@ -194,7 +194,8 @@ class Relay:
     and advertised under `advertise` (a host name or IP; default the listen host)."""
 
     def __init__(self, listen: str, advertise: str = "", *, stats_path: str | None = None,
-                 metrics: RelayMetrics | None = None):
+                 metrics: RelayMetrics | None = None, capacity_bytes_per_s: float = 0.0):
+        self.capacity_bytes_per_s = capacity_bytes_per_s  # declared by the operator; 0 = not said
         self.host, port = listen.rsplit(":", 1)
         self.port = int(port)
         self.advertise = advertise or self.host
@@ -320,7 +321,9 @@ class Relay:
         self.metrics.observe_registered(sum(1 for r in self.peers.values() if r.control is not None))
         log.info("peer %s registered from %s: relayed as %s", peer_id[:8], writer.get_extra_info("peername"),
                  reg.address)
-        writer.write(f"OK {reg.address} {reg.token}\n".encode())
+        # The 4th word, the declared capacity (bytes/s each way), goes into the peer's Join: the
+        # planner counts the relay as a link its relayed participants share.
+        writer.write(f"OK {reg.address} {reg.token} {self.capacity_bytes_per_s:.0f}\n".encode())
         try:
             await writer.drain()
             while line := await reader.readline():  # PINGs, answered: the peer's liveness check
@@ -396,11 +399,14 @@ class Relay:
 
 
 async def run_relay(listen: str, advertise: str = "", *, stats_path: str | None = None, ready_file: str | None = None,
-                    metrics_port: int = 0, metrics_host: str = "0.0.0.0", stop: asyncio.Event | None = None) -> dict:
-    """Run a relay until `stop` is set (SIGTERM/SIGINT in the CLI); returns its final stats."""
+                    metrics_port: int = 0, metrics_host: str = "0.0.0.0", stop: asyncio.Event | None = None,
+                    capacity_bytes_per_s: float = 0.0) -> dict:
+    """Run a relay until `stop` is set (SIGTERM/SIGINT in the CLI); returns its final stats.
+    capacity_bytes_per_s: what the operator declares the relay's link carries each way (0 = not
+    said), told to every peer at registration."""
     metrics = RelayMetrics()
     metrics.serve(metrics_port, metrics_host)
-    relay = Relay(listen, advertise, stats_path=stats_path, metrics=metrics)
+    relay = Relay(listen, advertise, stats_path=stats_path, metrics=metrics, capacity_bytes_per_s=capacity_bytes_per_s)
     try:
         address = await relay.start()
         relay.write_stats()

@@ -46,7 +46,8 @@ def test_relay_splices_a_registered_peer_and_refuses_a_forged_registration(procs
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
-    relay = _relay(procs, "relay", "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1")
+    relay = _relay(procs, "relay", "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1",
+                   "--capacity-mbit", "80")
     payload = os.urandom(300_000)
 
     async def main() -> tuple[bytes, str]:
@@ -67,6 +68,7 @@ def test_relay_splices_a_registered_peer_and_refuses_a_forged_registration(procs
             await w.drain()
             got = await asyncio.wait_for(r.readexactly(len(payload)), 60)
             w.close()
+            assert link.capacity == 10e6  # the declared 80 Mbit/s, told at registration (bytes/s)
             return got, address
         finally:
             await link.close()

@@ -15,6 +15,7 @@ from shoal.common.plan import Plan
 from shoal.common.relaying import RELAY_ALTERED, check_register, chunk_signature_ok, register_line, sign_chunk
 from shoal.common.security import PUSH_CHUNKS
 from shoal.common.tickets import issue_ticket, verify_ticket
+from shoal.coordinator.planner import LinkSpec, relay_links
 from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, SendAbort, SendPlan
 from shoal.peer.collectives import CollectiveError, _Wire
 from shoal.peer.dataplane import Inbox, PeerService, SenderGone, Session
@@ -86,6 +87,38 @@ def test_relayed_peers_own_shards_only_when_no_direct_peer_is_there():
     assert {mixed.participants[i] for i in mixed.outbound_only} == {"b", "c"}
     relayed = _open(_engine(), {"a": "relay:1", "b": "relay:1", "c": "relay:1"})
     assert relayed.outbound_only == () and len(relayed.owners()) == 3  # nobody direct: through the relay
+
+
+def test_a_relay_is_a_link_its_relayed_participants_share():
+    """relay_links: the k participants of a relay with a declared capacity C each get at most
+    C/k up and down (an unreported rate becomes C/k); direct participants and those of a relay
+    without a declared capacity keep their links."""
+    mb = 1e6
+    links = [LinkSpec("a", 100 * mb, 100 * mb, 0.01), LinkSpec("b", 100 * mb, 3 * mb, 0.01),
+             LinkSpec("c", 0.0, 0.0, 0.0), LinkSpec("d", 50 * mb, 50 * mb, 0.01)]
+    got = relay_links(links, [("", 0.0), ("r:1", 10 * mb), ("r:1", 10 * mb), ("q:1", 0.0)])
+    assert got[0] == links[0] and got[3] == links[3]
+    assert (got[1].up_bytes_per_s, got[1].down_bytes_per_s) == (5 * mb, 3 * mb)
+    assert (got[2].up_bytes_per_s, got[2].down_bytes_per_s) == (5 * mb, 5 * mb)
+
+
+def test_the_engine_plans_a_relayed_round_on_the_relay_s_capacity():
+    """Three peers all reached through one relay declared at 1 MB/s, each on a 100 MB/s link:
+    the plan's prediction is that of three links of 1/3 MB/s (the relay), not of 100 MB/s ones."""
+    mb = 1e6
+    e = _engine()
+    n = 300_000
+    for i, p in enumerate("abc"):
+        e.join(p, bytes(32), f"10.0.0.{i}:7000", 1, 0.0, up=100 * mb, down=100 * mb, relay="relay:1",
+               relay_bytes_per_s=1 * mb)
+        e.connected(p, 0.0)
+    acts = []
+    for p in "abc":
+        acts += e.ready_(p, 0, ReadyInfo(n, pb.FLOAT32, 1, b"", 0, 0.0), 0.1)
+    (sent,) = [a for a in acts if isinstance(a, SendPlan)]
+    # Pipelined butterfly, equal shares: each sends and receives (1 + (p-2)/p) x 1.2 MB over 1/3 MB/s.
+    assert sent.plan.predicted_seconds >= 4.0 * n * (1 + 1 / 3) / (mb / 3)
+    assert sent.plan.predicted_seconds > 10 * 4.0 * n * (1 + 1 / 3) / (100 * mb)
 
 
 def test_a_relay_fault_aborts_at_once_excluding_nobody():

@@ -36,7 +36,7 @@ ALL_GATHER: Phase
 DISTANCES: Phase
 
 class JoinRequest(_message.Message):
-    __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s", "tls_csr", "outbound_only", "relay")
+    __slots__ = ("public_key", "data_address", "join_token", "num_samples", "version", "up_bytes_per_s", "down_bytes_per_s", "tls_csr", "outbound_only", "relay", "relay_bytes_per_s")
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class JoinRequest(_message.Message):
     TLS_CSR_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    RELAY_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     public_key: bytes
     data_address: str
     join_token: str
@@ -57,7 +58,8 @@ class JoinRequest(_message.Message):
     tls_csr: bytes
     outbound_only: bool
     relay: str
-    def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., tls_csr: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
+    relay_bytes_per_s: float
+    def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., tls_csr: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relay_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable", "tls_certificate", "tls_ca", "tls_not_after")
