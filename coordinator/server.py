@@ -364,6 +364,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         async with grpc_errors(context):
             require(len(request.public_key) == 32, "public_key", "must be a raw 32-byte Ed25519 key")
             require(":" in request.data_address, "data_address", "must be HOST:PORT")
+            require(math.isfinite(request.relay_bytes_per_s) and request.relay_bytes_per_s >= 0, "relay_bytes_per_s",
+                    "must be a finite rate >= 0 (bytes/s)")
             request.data_address = advertised_address(request.data_address, context)
             peer_id = peer_id_of(request.public_key)
             asked = self.clock()

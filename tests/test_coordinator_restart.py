@@ -58,6 +58,10 @@ async def test_garbage_requests_get_clear_errors_and_lose_nothing(procs):
             await stub.Join(pb.JoinRequest(public_key=public_bytes(key), data_address="nowhere"), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "data_address" in e.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Join(pb.JoinRequest(public_key=public_bytes(key), data_address="127.0.0.1:1", relay="r:1",
+                                           relay_bytes_per_s=float("nan")), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "relay_bytes_per_s" in e.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Heartbeat(pb.HeartbeatRequest(peer_id=me), timeout=5)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.aio.AioRpcError) as e:
