@@ -621,6 +621,7 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                         compression=run.compression, cohort_size=r.cohort_size, scenario=plan,
                         coordinators=s.coordinators, workload=s.workload, lm=lm, baseline=s.baseline,
                         peer_speed=config_mod.parse_speeds(s.peer_speed), target_val_loss=s.target_val_loss,
+                        warm_start_steps=s.warm_start_steps,
                         relay=s.relay)
     summary = run_swarm(opts)
     return EXIT_OK if summary.get("ok") else EXIT_FAILED

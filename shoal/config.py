@@ -489,6 +489,9 @@ class SwarmSection:
                                  "reachable (every peer nat = true); the summary gains relayed_bytes")
     peer_speed: str = setting("", "with workload lm: comma-separated compute speed per peer, e.g. 1,1,1,0.33 (a peer "
                                   "at s sleeps (1/s - 1) x its step time after each inner step: an emulation)")
+    warm_start_steps: int = setting(0, "with workload lm: before the swarm, train the model for this many "
+                                       "synchronous steps (peers x batch windows each) and start every peer and the "
+                                       "baseline from it, as DiLoCo starts from a pretrained model (0 = from the seed)")
     target_val_loss: float = setting(0.0, "with workload lm: the summary's seconds_to_target is when the swarm's "
                                           "validation loss first reached this (0 = 1.05 x baseline_val_loss with "
                                           "--baseline ddp, else none)")
@@ -507,6 +510,9 @@ class SwarmSection:
             _check(_finite(self.attack_scale), w, "attack_scale", "a finite number", self.attack_scale)
         _check(not self.baseline or self.workload == "lm", w, "baseline", "only with workload lm", self.baseline)
         _check(not self.peer_speed or self.workload == "lm", w, "peer_speed", "only with workload lm", self.peer_speed)
+        _check(self.warm_start_steps >= 0, w, "warm_start_steps", ">= 0", self.warm_start_steps)
+        _check(not self.warm_start_steps or self.workload == "lm", w, "warm_start_steps", "only with workload lm",
+               self.warm_start_steps)
         _check(self.target_val_loss >= 0 and _finite(self.target_val_loss), w, "target_val_loss", ">= 0",
                self.target_val_loss)
         _check(not self.target_val_loss or self.workload == "lm", w, "target_val_loss", "only with workload lm",

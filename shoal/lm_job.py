@@ -20,8 +20,10 @@ of rank 0's log.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import os
 import pathlib
@@ -30,6 +32,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+log = logging.getLogger("shoal.lm")
 
 NEEDS_TORCH = 'needs PyTorch: pip install -e ".[torch]"'
 
@@ -62,11 +66,13 @@ class LMSettings:
     lr: float = 2e-3
     eval_windows: int = 128
     seed: int = 0
+    warm_start: str = ""  # parameters every peer and rank start from (`warm_start`); "" = the seed's
 
     def args(self) -> list[str]:
         return ["--d-model", str(self.d_model), "--layers", str(self.layers), "--heads", str(self.heads),
                 "--context", str(self.context), "--batch-size", str(self.batch_size), "--lr", str(self.lr),
-                "--eval-windows", str(self.eval_windows), "--seed", str(self.seed)]
+                "--eval-windows", str(self.eval_windows), "--seed", str(self.seed),
+                *(["--warm-start", self.warm_start] if self.warm_start else [])]
 
 
 def peer_argv(settings: LMSettings, *, coordinator: str, key: str, data_shard: int, num_data_shards: int,
@@ -142,12 +148,50 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def warm_start(settings: LMSettings, *, world: int, steps: int, workdir: pathlib.Path, timeout: float) -> tuple[LMSettings, dict]:
+    """`--warm-start-steps`: train the seed's model for `steps` synchronous steps (one process,
+    `world` x batch windows a step: what `steps` steps of the ddp baseline compute, the same for
+    Shoal and the baseline, as the DiLoCo paper starts both from one pretrained model) and return
+    the settings that start every peer and rank from it, and {warm_start_steps,
+    warm_start_val_loss}. Raises RuntimeError when the process fails or passes `timeout`."""
+    out = workdir / "warm-start.pt"
+    argv = [sys.executable, "-m", "shoal.lm_worker", "warm", "--world", str(world), "--steps", str(steps),
+            "--out", str(out), *settings.args()]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"warm start did not finish within {timeout:.0f}s") from None
+    if p.returncode != 0:
+        raise RuntimeError(f"warm start failed:\n{p.stderr[-2000:]}")
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    return dataclasses.replace(settings, warm_start=str(out)), {
+        "warm_start_steps": steps, "warm_start_val_loss": round(got["val_loss"], 5)}
+
+
+# What a rank prints when its gloo group could not connect (nothing trained yet: worth one retry).
+GLOO_SETUP_FAILURES = ("connectFullMesh", "init_process_group")
+
+
 def run_ddp_baseline(settings: LMSettings, *, world: int, steps: int, eval_every: int, workdir: pathlib.Path,
                      timeout: float) -> dict:
     """Run the synchronous baseline (module docstring) to completion; returns baseline_val_loss,
     baseline_val_bits_per_byte, baseline_bytes_sent_total, baseline_wall_seconds, baseline_steps,
-    baseline_curve. Raises RuntimeError when a rank fails or `timeout` seconds pass."""
+    baseline_curve. A gloo group that fails to connect (`GLOO_SETUP_FAILURES`: "Gloo
+    connectFullMesh failed ... Connection refused", seen once under load) is started again once,
+    from scratch. Raises RuntimeError when a rank fails or `timeout` seconds pass."""
+    try:
+        return _ddp_once(settings, world=world, steps=steps, eval_every=eval_every, workdir=workdir, timeout=timeout)
+    except RuntimeError as exc:
+        if not any(s in str(exc) for s in GLOO_SETUP_FAILURES):
+            raise
+        log.warning("baseline: the gloo group did not connect (%s); starting it again", str(exc).splitlines()[-1])
+    return _ddp_once(settings, world=world, steps=steps, eval_every=eval_every, workdir=workdir, timeout=timeout)
+
+
+def _ddp_once(settings: LMSettings, *, world: int, steps: int, eval_every: int, workdir: pathlib.Path,
+              timeout: float) -> dict:
     out = workdir / "baseline-ddp.jsonl"
+    out.unlink(missing_ok=True)
     # A file store, not a TCP port picked in advance: a port freed and re-bound can be taken in
     # between by another process (seen in CI, under parallel load).
     store = workdir / "baseline-ddp.store"

@@ -61,6 +61,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-data-shards", type=int, default=1)
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-format", default="text")
+    p.add_argument("--warm-start", default=None, help="start from these parameters (a `warm` output), not the seed's")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -89,11 +90,44 @@ def parse(argv: list[str]) -> argparse.Namespace:
     d.add_argument("--steps", type=int, required=True)
     d.add_argument("--eval-every", type=int, required=True)
     d.add_argument("--out", default=None)
+    w = sub.add_parser("warm")
+    _model_args(w)
+    w.add_argument("--world", type=int, required=True)
+    w.add_argument("--steps", type=int, required=True)
+    w.add_argument("--out", required=True)
     return ap.parse_args(argv)
 
 
 def _shape(a: argparse.Namespace) -> lm.LMShape:
     return lm.LMShape(a.d_model, a.layers, a.heads, a.context)
+
+
+def _model(a: argparse.Namespace) -> "lm.TinyGPT":
+    """The model every peer and rank starts from: the seed's, or the `--warm-start` parameters."""
+    model = lm.make_model(_shape(a), a.seed)
+    if a.warm_start:
+        model.load_state_dict(torch.load(a.warm_start, weights_only=True))
+    return model
+
+
+def run_warm(a: argparse.Namespace) -> dict:
+    """`--warm-start-steps`: `--steps` synchronous steps of the seed's model on the whole training
+    corpus, `--world` x `--batch-size` windows a step (what one step of the ddp baseline computes),
+    AdamW at `--lr`; writes the parameters to `--out`; returns {steps, val_loss}."""
+    shape = _shape(a)
+    corpus = lm.load_corpus()
+    model = lm.make_model(shape, a.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(a.seed * 1000 + 7)
+    for _ in range(a.steps):
+        x, y = lm.sample_batch(corpus.train, a.world * a.batch_size, shape.context, gen)
+        model.loss(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    val = lm.evaluate_loss(model, lm.validation_windows(corpus, shape.context, a.eval_windows))
+    torch.save(model.state_dict(), a.out)
+    return {"steps": a.steps, "val_loss": val}
 
 
 def run_peer(a: argparse.Namespace) -> dict:
@@ -102,7 +136,7 @@ def run_peer(a: argparse.Namespace) -> dict:
     corpus = lm.load_corpus()
     data = corpus.shard(a.data_shard, a.num_data_shards)
     windows = lm.validation_windows(corpus, shape.context, a.eval_windows)
-    model = lm.make_model(shape, a.seed)
+    model = _model(a)
     probe = lm.make_model(shape, a.seed)  # evaluates committed parameters, off the training model
     probe.eval()
 
@@ -151,7 +185,7 @@ def run_ddp(a: argparse.Namespace) -> None:
         corpus = lm.load_corpus()
         data = corpus.shard(rank, world)
         windows = lm.validation_windows(corpus, shape.context, a.eval_windows) if rank == 0 else None
-        model = lm.make_model(shape, a.seed)
+        model = _model(a)
         n = lm.num_params(model)
         per_step = 2 * (world - 1) * n * 4  # bytes every rank together must send, ring all-reduce
         inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
@@ -201,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.result:
             with open(a.result, "w") as f:
                 json.dump(result, f)
+    elif a.command == "warm":
+        print(json.dumps(run_warm(a)))
     else:
         run_ddp(a)
         exit_after_gloo(0)  # the rank's results are written (shoal.common.procexit)

@@ -82,6 +82,7 @@ class SwarmOptions:
     baseline: str = ""  # "ddp" (workload lm): the synchronous data-parallel baseline after the swarm
     peer_speed: tuple[float, ...] = ()  # per peer slot, compute speed (1 = full; workload lm)
     target_val_loss: float = 0.0  # workload lm: seconds_to_target's loss (0 = 1.05 x baseline_val_loss)
+    warm_start_steps: int = 0  # workload lm: both the swarm and the baseline start from this many sync steps
     relay: bool = False  # start a relay and the NATed peers (all peers, without NAT) with --relay
 
     def run_config(self):
@@ -1037,6 +1038,17 @@ def run_swarm(opts: SwarmOptions) -> dict:
             wd.mkdir(parents=True, exist_ok=True)
         else:
             wd = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shoal-swarm-")))
+        warm: dict = {}
+        if opts.workload == "lm" and opts.warm_start_steps:
+            _say(None, f"warm start: {opts.warm_start_steps} synchronous steps of the model, shared by the swarm"
+                       f"{' and the baseline' if opts.baseline else ''}")
+            try:
+                lm_settings, warm = lm_job.warm_start(opts.lm, world=opts.peers, steps=opts.warm_start_steps,
+                                                      workdir=wd, timeout=opts.timeout)
+            except RuntimeError as exc:
+                log.error("%s", exc)
+                return {"ok": False, "error": str(exc).splitlines()[0]}
+            opts = dataclasses.replace(opts, lm=lm_settings)
         swarm = Swarm(opts, wd)
         if opts.scenario is not None and opts.scenario.needs_netns:
             swarm.bed = stack.enter_context(_netbed(opts))  # closed after the processes stop (LIFO)
@@ -1112,6 +1124,7 @@ def run_swarm(opts: SwarmOptions) -> dict:
             _say(bar, f"baseline: training one process for the same {steps} optimizer steps, to compare accuracy")
         baseline = baseline_accuracy(opts.run_config(), steps) if opts.workload == "digits" else math.nan
         summary = summarize(swarm, wall, baseline, chaos.log if chaos is not None else None)
+        summary.update(warm)
         if opts.workload == "lm":
             ok = _lm_summary(swarm, summary, t0_wall, bar) and ok
         summary["ok"] = ok and summary["peers_up_to_date"] >= 1 and summary["rounds_committed"] == opts.rounds

@@ -58,6 +58,7 @@ def test_baseline_and_peer_speed_need_the_lm_workload(capsys):
     assert cli.main(["swarm", "--local-work", "time"]) == cli.EXIT_USAGE
     assert cli.main(["swarm", "--target-val-loss", "2.0"]) == cli.EXIT_USAGE
     assert cli.main(["swarm", "--overlap"]) == cli.EXIT_USAGE
+    assert cli.main(["swarm", "--warm-start-steps", "10"]) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert "--baseline" in err and "--peer-speed" in err and "--local-work time needs --workload lm" in err
     assert "--overlap needs --workload lm" in err
@@ -119,7 +120,7 @@ def test_short_lm_swarm_with_ddp_baseline(tmp_path):
     summary_path = tmp_path / "s.json"
     s = run_swarm(SwarmOptions(peers=2, rounds=4, inner_steps=10, workload="lm", lm=TINY, baseline="ddp",
                                workdir=str(tmp_path / "wd"), progress=False, min_peers=2, timeout=400,
-                               summary_path=str(summary_path)))
+                               summary_path=str(summary_path), warm_start_steps=5))
     assert s["ok"], (s.get("error"), s.get("baseline_error"), s)
     assert json.loads(summary_path.read_text())["val_loss"] == s["val_loss"]
     assert s["digest_mismatches"] == 0 and s["peers_up_to_date"] == 2
@@ -131,6 +132,10 @@ def test_short_lm_swarm_with_ddp_baseline(tmp_path):
     assert len(s["compute_utilization_per_peer"]) == 2
     assert 0 < s["compute_utilization"] == min(s["compute_utilization_per_peer"]) <= 1
     assert s["baseline_steps"] == 40 and s["baseline_val_loss"] < math.log(256)
+    # The warm start: both start from it (the baseline's step-0 evaluation is the warm model's).
+    assert s["warm_start_steps"] == 5
+    assert s["baseline_curve"][0]["step"] == 0
+    assert s["baseline_curve"][0]["val_loss"] == pytest.approx(s["warm_start_val_loss"], abs=1e-4)
     # local_work = "steps": every peer runs H steps per local phase (4 rounds, and the phase after
     # the last one, which the end of the run discards).
     assert s["local_work"] == "steps" and s["inner_steps_per_peer"] == [50, 50]
