@@ -114,13 +114,18 @@ class RelayLink:
         the background; returns the relayed address. Raises RelayRefused or OSError."""
         deadline = time.monotonic() + timeout
         delay = 0.2
+        told = False
         while True:
             try:
                 ctl = await self._register()
                 break
-            except (OSError, ConnectionError):
+            except (OSError, ConnectionError) as exc:
                 if time.monotonic() + delay > deadline:
-                    raise
+                    raise OSError(f"relay {self.relay} unreachable for {timeout:.0f}s: {exc}") from exc
+                if not told:  # once, at once: the operator sees why nothing happens
+                    log.warning("relay %s: cannot register (%s); retrying for up to %.0fs (is `shoal relay` "
+                                "running there, and is its port open?)", self.relay, exc, timeout)
+                    told = True
                 await asyncio.sleep(delay)
                 delay = min(2.0, delay * 2)
         log.info("registered at relay %s: reachable as %s", self.relay, self.address)

@@ -511,6 +511,9 @@ def cmd_relay(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from shoal.relay import run_relay
 
     r = cfg.relay
+    if r.advertise is None and r.listen.rsplit(":", 1)[0].strip("[]") in ("0.0.0.0", "::", ""):
+        raise UsageError(f"--listen {r.listen} is a wildcard address: give --advertise, the host name or IP peers "
+                         f"and the coordinator dial this relay by (the wildcard would be advertised)")
     _bindable("--listen", r.listen)
     if r.metrics_port:
         _bindable("--metrics-port", f"{r.metrics_host}:{r.metrics_port}")
@@ -581,6 +584,9 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     if run.local_work == "time" and s.workload != "lm":
         raise UsageError("--local-work time needs --workload lm (the digits workload always runs --inner-steps "
                          "steps per round)")
+    if s.relay and s.workload == "lm":
+        raise UsageError("--relay is not built for --workload lm (its peers are not started through a relay; "
+                         "docs/nat.md)")
     if run.overlap and s.workload != "lm":
         raise UsageError("--overlap needs --workload lm (the digits workload waits for every round)")
     if r.cohort_size > s.peers:

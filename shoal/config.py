@@ -66,6 +66,18 @@ def _check(ok: bool, section: str, key: str, rule: str, value: Any) -> None:
         raise ConfigError(f"must be {rule}, got {value!r}", setting=f"{section}.{key}")
 
 
+def _plain_host(text: str) -> bool:
+    """A host name or an IP literal (no port, no spaces): what a relay advertises."""
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+        return True
+    except ValueError:
+        pass
+    labels = text.rstrip(".").split(".")
+    return bool(text) and len(text) <= 253 and all(
+        0 < len(label) <= 63 and label.replace("-", "").isalnum() and label.isascii() for label in labels)
+
+
 def _finite(x: float) -> bool:
     return x == x and x not in (float("inf"), float("-inf"))
 
@@ -437,7 +449,8 @@ class PeerSection:
         if self.relay is not None:
             check_address(p, "relay", self.relay, port_zero=False)
             _check(self.advertise is None and not self.outbound_only, p, "relay",
-                   "not with advertise or outbound_only (the relayed address is advertised)", self.relay)
+                   "given without --advertise and --outbound-only (the relay's address for this peer is what it "
+                   "advertises)", self.relay)
         _check(self.key is None or bool(self.key), p, "key", "a file path", self.key)
         if self.name is not None:
             _check(bool(self.name) and all(ch.isalnum() or ch in "._-" for ch in self.name)
@@ -486,7 +499,8 @@ class SwarmSection:
                             choices=("", "ddp"))
     relay: bool = setting(False, "start a relay (`shoal relay`; in the bed's public namespace with a scenario) and "
                                  "start the NATed peers with --relay; on by itself when a scenario leaves no peer "
-                                 "reachable (every peer nat = true); the summary gains relayed_bytes")
+                                 "reachable (every peer nat or outbound-only, at least one nat); the summary gains "
+                                 "relayed_bytes; not with workload lm")
     peer_speed: str = setting("", "with workload lm: comma-separated compute speed per peer, e.g. 1,1,1,0.33 (a peer "
                                   "at s sleeps (1/s - 1) x its step time after each inner step: an emulation)")
     warm_start_steps: int = setting(0, "with workload lm: before the swarm, train the model for this many "
@@ -575,10 +589,11 @@ class RelaySection:
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         check_address("relay", "listen", self.listen)
-        _check(self.capacity_mbit >= 0 and _finite(self.capacity_mbit), "relay", "capacity_mbit", ">= 0",
+        _check(self.capacity_mbit >= 0 and _finite(self.capacity_mbit), "relay", "capacity_mbit", "a finite number >= 0",
                self.capacity_mbit)
         _check(0 <= self.metrics_port <= 65535, "relay", "metrics_port", "in 0..65535", self.metrics_port)
-        _check(self.advertise is None or bool(self.advertise), "relay", "advertise", "a host name or IP",
+        _check(self.advertise is None or _plain_host(self.advertise), "relay", "advertise",
+               "a host name or IP without a port (each relayed peer gets a port of its own)",
                self.advertise)
 
 

@@ -220,12 +220,15 @@ class Relay:
         """Bind the front port; returns the relay's advertised HOST:PORT. Raises OSError."""
         self._server = await asyncio.start_server(self._front, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
-        log.info("relay listening on %s:%d (advertised as %s)", self.host, self.port, self.address)
+        log.info("relay listening on %s:%d (advertised as %s; declared capacity %s)", self.host, self.port,
+                 self.address, f"{self.capacity_bytes_per_s * 8 / 1e6:g} Mbit/s each way"
+                 if self.capacity_bytes_per_s else "none")
         return self.address
 
     def stats(self) -> dict:
         """What the swarm and operators read: relayed_bytes (both directions), per peer too."""
-        return {"address": self.address, "relayed_bytes": self.relayed_bytes,
+        return {"address": self.address, "capacity_bytes_per_s": self.capacity_bytes_per_s,
+                "relayed_bytes": self.relayed_bytes,
                 "relayed_bytes_to_peers": self.towards_peers, "connections": self.connections,
                 "registrations_refused": self.refused,
                 "peers": {p: {"address": r.address, "relayed_bytes": r.relayed_bytes,

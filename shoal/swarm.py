@@ -1181,6 +1181,7 @@ def _lm_summary(swarm: Swarm, summary: dict, t0_wall: float, bar) -> bool:
     summary["peer_speed"] = list(o.peer_speed)
     summary["local_work"] = dict(o.run_extra).get("local_work", "steps")
     summary["overlap"] = bool(dict(o.run_extra).get("overlap", False))
+    summary.update(target_val_loss=None, seconds_to_target=None, baseline_seconds_to_target=None)
     if o.target_val_loss:
         _to_target(summary, o.target_val_loss)
     if o.baseline != "ddp":

@@ -167,6 +167,16 @@ def test_relay_settings_are_checked_before_anything_starts(capsys):
     assert "relay" in capsys.readouterr().err
     assert cli.main(["relay", "--listen", "nonsense"]) == 2
     assert "listen" in capsys.readouterr().err
+    # A wildcard listen address would be advertised (peers elsewhere could not dial it).
+    assert cli.main(["relay", "--listen", "0.0.0.0:0"]) == 2
+    assert "--advertise" in capsys.readouterr().err
+    for bad in ("127.0.0.1:7071", "bad host", "under_score"):  # a host, not HOST:PORT
+        assert cli.main(["relay", "--listen", "127.0.0.1:0", "--advertise", bad]) == 2
+        assert "advertise" in capsys.readouterr().err
+    assert cli.main(["relay", "--listen", "127.0.0.1:0", "--capacity-mbit", "inf"]) == 2
+    assert "finite" in capsys.readouterr().err
+    assert cli.main(["swarm", "--workload", "lm", "--relay"]) == 2
+    assert "--relay is not built for --workload lm" in capsys.readouterr().err
 
 
 def test_the_swarm_starts_a_relay_when_no_peer_is_reachable(tmp_path):
