@@ -30,12 +30,13 @@ the plain sum. Metrics (shoal.common.metrics.PeerMetrics) are always recorded an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
 import pathlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -332,9 +333,11 @@ class PeerAgent(StateSource):
                                          rpc_timeout=self.config.rpc_timeout, join_request=self._join_request,
                                          on_join=self._joined, target=self.config.coordinator)
         try:
-            if relay is not None:  # RelayRefused, OSError: no relay, or it refused this identity
-                self.address = await relay.start(self.config.connect_timeout)
-            await self._start()
+            # A signal while the relay or the coordinator does not answer yet ends the process too
+            # (the retries run up to --connect-timeout; nobody should need kill -9).
+            if not await _unless_stopped(self._register_and_join(relay), stop):
+                log.info("stopped before it joined the swarm")
+                return {"peer": peer_id_of(self.public_key), "rounds": 0, "left": True}
             async with asyncio.TaskGroup() as tg:
                 hb = tg.create_task(self._heartbeat_loop())
                 pauses = tg.create_task(keep_reading(self.clock))  # notices when this process did not run
@@ -365,6 +368,12 @@ class PeerAgent(StateSource):
             await server.stop(grace=0.5)
             self.service.close()
             self.metrics.close()
+
+    async def _register_and_join(self, relay: RelayLink | None) -> None:
+        """Register at the relay (with --relay: RelayRefused, OSError), then `_start`."""
+        if relay is not None:
+            self.address = await relay.start(self.config.connect_timeout)
+        await self._start()
 
     async def _start(self) -> None:
         """Join, build the workload from the run's configuration, and the round protocol."""
@@ -509,6 +518,27 @@ class PeerAgent(StateSource):
                 return True
             await asyncio.sleep(1.0)
         return False
+
+
+async def _unless_stopped(work: Awaitable[None], stop: asyncio.Event | None) -> bool:
+    """Await `work`; False when `stop` is set first (`work` is then cancelled). Errors of
+    `work` propagate."""
+    if stop is None:
+        await work
+        return True
+    task, stopped = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return False
+    task.result()
+    return True
 
 
 async def run_peer(config: PeerConfig, workload_factory: Callable[[RunConfig], Workload] | None = None, *,

@@ -495,7 +495,8 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
             log.error("peer: %s (key file %s)", refused, key_path)
             return EXIT_USAGE
         if isinstance(exc, OSError):
-            log.error("peer: address unavailable: %s", exc)
+            # "relay HOST:PORT unreachable ...": the relay named; else a local address problem
+            log.error("peer: %s" if str(exc).startswith("relay ") else "peer: address unavailable: %s", exc)
             return EXIT_UNAVAILABLE
         failure = _bind_failure(exc, "--listen", p.listen)
         if failure is not None:

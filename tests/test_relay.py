@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import numpy as np
@@ -162,4 +164,34 @@ def test_a_peer_whose_relay_cannot_be_reached_exits_unavailable(tmp_path):
          f"127.0.0.1:{port}", "--connect-timeout", "2", "--key", str(tmp_path / "peer.key")],
         capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-2000:]
-    assert f"127.0.0.1:{port}" in proc.stderr or "address unavailable" in proc.stderr
+    # Said at once (not only when it gives up), and the last line names the relay.
+    assert f"relay 127.0.0.1:{port}: cannot register" in proc.stderr
+    assert f"peer: relay 127.0.0.1:{port} unreachable" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_peer_waiting_for_its_relay_leaves_on_sigterm(tmp_path):
+    """SIGTERM while the relay (or the coordinator) does not answer yet ends the peer at once,
+    exit 0, instead of after --connect-timeout (it needed kill -9)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", "peer", "--insecure", "--coordinator", "127.0.0.1:1", "--relay",
+         f"127.0.0.1:{port}", "--connect-timeout", "300", "--key", str(tmp_path / "peer.key")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        lines = []
+        while time.monotonic() < deadline:  # wait until it is in its registration retries
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "cannot register" in line:
+                break
+        assert "cannot register" in lines[-1], lines
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert "stopped before it joined the swarm" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
