@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import json
-import logging
 import math
 import os
 import pathlib
@@ -32,8 +31,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-
-log = logging.getLogger("shoal.lm")
 
 NEEDS_TORCH = 'needs PyTorch: pip install -e ".[torch]"'
 
@@ -168,35 +165,26 @@ def warm_start(settings: LMSettings, *, world: int, steps: int, workdir: pathlib
         "warm_start_steps": steps, "warm_start_val_loss": round(got["val_loss"], 5)}
 
 
-# What a rank prints when its gloo group could not connect (nothing trained yet: worth one retry).
-GLOO_SETUP_FAILURES = ("connectFullMesh", "init_process_group")
+def store_uri(path: pathlib.Path) -> str:
+    """The torch.distributed init method of a file store at `path`: an absolute file URI.
+    "file://" + a relative path (`--workdir wd`) reads as host "wd" and path "/baseline-ddp.store":
+    one file that every run shared, so a later run's ranks read an earlier run's addresses ("Gloo
+    connectFullMesh failed ... Connection refused") or waited on them."""
+    return path.resolve().as_uri()
 
 
 def run_ddp_baseline(settings: LMSettings, *, world: int, steps: int, eval_every: int, workdir: pathlib.Path,
                      timeout: float) -> dict:
     """Run the synchronous baseline (module docstring) to completion; returns baseline_val_loss,
     baseline_val_bits_per_byte, baseline_bytes_sent_total, baseline_wall_seconds, baseline_steps,
-    baseline_curve. A gloo group that fails to connect (`GLOO_SETUP_FAILURES`: "Gloo
-    connectFullMesh failed ... Connection refused", seen once under load) is started again once,
-    from scratch. Raises RuntimeError when a rank fails or `timeout` seconds pass."""
-    try:
-        return _ddp_once(settings, world=world, steps=steps, eval_every=eval_every, workdir=workdir, timeout=timeout)
-    except RuntimeError as exc:
-        if not any(s in str(exc) for s in GLOO_SETUP_FAILURES):
-            raise
-        log.warning("baseline: the gloo group did not connect (%s); starting it again", str(exc).splitlines()[-1])
-    return _ddp_once(settings, world=world, steps=steps, eval_every=eval_every, workdir=workdir, timeout=timeout)
-
-
-def _ddp_once(settings: LMSettings, *, world: int, steps: int, eval_every: int, workdir: pathlib.Path,
-              timeout: float) -> dict:
+    baseline_curve. Raises RuntimeError when a rank fails or `timeout` seconds pass."""
     out = workdir / "baseline-ddp.jsonl"
     out.unlink(missing_ok=True)
     # A file store, not a TCP port picked in advance: a port freed and re-bound can be taken in
     # between by another process (seen in CI, under parallel load).
     store = workdir / "baseline-ddp.store"
     store.unlink(missing_ok=True)
-    init = f"file://{store}"
+    init = store_uri(store)
     procs: list[subprocess.Popen] = []
     t0 = time.monotonic()
     t0_wall = time.time()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import pathlib
 import sys
 
 import pytest
@@ -173,3 +174,15 @@ def test_time_budgeted_local_work_and_overlap(tmp_path):
     assert curve[-1]["val_loss"] < curve[0]["val_loss"] < math.log(256)
     assert s["target_val_loss"] == pytest.approx(math.log(256), abs=1e-4)
     assert s["seconds_to_target"] == curve[0]["seconds"]  # the first committed model beats uniform
+
+
+def test_the_baseline_store_is_an_absolute_file_uri(tmp_path, monkeypatch):
+    """A relative --workdir gave "file://wd/baseline-ddp.store": host "wd", path
+    "/baseline-ddp.store", shared by every run (stale gloo addresses, refused connections)."""
+    import urllib.parse
+
+    monkeypatch.chdir(tmp_path)
+    uri = lm_job.store_uri(pathlib.Path("wd") / "baseline-ddp.store")
+    parts = urllib.parse.urlparse(uri)
+    assert parts.scheme == "file" and parts.netloc == ""
+    assert parts.path == str(tmp_path / "wd" / "baseline-ddp.store")
