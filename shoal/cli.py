@@ -153,6 +153,16 @@ class AddressUnavailable(Exception):
     privileged port): printed as one line, `shoal <command>: <message>`, exit 3."""
 
 
+def _stop_on_signals(got: list[int]) -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT on the running loop; each signal received is appended
+    to `got` (the command's exit code tells Ctrl-C from SIGTERM)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
+    return stop
+
+
 def _bindable(flag: str, address: str) -> None:
     """`address` (HOST:PORT, as validated by shoal.config) can be listened on right now; port 0
     always can. Binds and closes a probe socket with SO_REUSEADDR, as the servers do, so only a
@@ -388,10 +398,7 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, st
     async def main() -> None:
         # SIGTERM (docker stop, kubectl delete) and Ctrl-C shut down in order: health flips to
         # NOT_SERVING, the server drains, the state file is closed.
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
+        stop = _stop_on_signals(got)
         await serve(server_cfg, stop=stop)
 
     try:
@@ -468,10 +475,7 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     async def main() -> None:
         # SIGTERM (docker stop, kubectl delete, a supervisor) and Ctrl-C are a graceful leave: the
         # round in play may end, the coordinator is told (Leave), slabs and sockets are closed.
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
+        stop = _stop_on_signals(got)
         result.update(await run_peer(peer_cfg, stop=stop))
 
     try:
@@ -523,10 +527,7 @@ def cmd_relay(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     got: list[int] = []
 
     async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: (got.append(s), stop.set()))
+        stop = _stop_on_signals(got)
         stats = await run_relay(r.listen, r.advertise or "", stats_path=r.stats, ready_file=r.ready_file,
                                 metrics_port=r.metrics_port, metrics_host=r.metrics_host, stop=stop,
                                 capacity_bytes_per_s=r.capacity_mbit * 1e6 / 8)
