@@ -94,3 +94,23 @@ class Procs:
 
 def read_json(path: pathlib.Path) -> dict:
     return json.loads(path.read_text())
+
+
+def scenario_swarm(tmp_path: pathlib.Path, scenario: pathlib.Path, *args: str) -> tuple[dict, pathlib.Path]:
+    """Run `shoal swarm --scenario scenario *args` in a subprocess (killed on a timeout or a
+    failure), assert it exited 0 and left no network namespace behind; returns (summary, workdir)."""
+    summary, wd = tmp_path / "s.json", tmp_path / "wd"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", "swarm", "--scenario", str(scenario), "--summary", str(summary),
+         "--workdir", str(wd), "--no-progress", "--timeout", "400", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=540)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, out[-3000:]
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    assert f"shls-{proc.pid}-" not in leftovers
+    return json.loads(summary.read_text()), wd

@@ -6,13 +6,11 @@ committed round. Nothing is left behind."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from procs import scenario_swarm
 
 pytestmark = [
     pytest.mark.integration,
@@ -24,31 +22,13 @@ pytestmark = [
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "scenarios"
 
 
-def _swarm(tmp_path, scenario: Path, *args: str) -> tuple[dict, Path]:
-    summary, wd = tmp_path / "s.json", tmp_path / "wd"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", "swarm", "--scenario", str(scenario), "--summary", str(summary),
-         "--workdir", str(wd), "--no-progress", "--timeout", "400", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=540)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
-    assert proc.returncode == 0, out[-3000:]
-    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
-    assert f"shls-{proc.pid}-" not in leftovers
-    return json.loads(summary.read_text()), wd
-
-
 def _share(s: dict, peer: int) -> float:
     committed = [r for r in s["rounds"] if r["status"] == "committed"]
     return sum(peer in r["participants"] for r in committed) / len(committed)
 
 
 def test_two_of_five_peers_behind_nat_take_part_outbound_only(tmp_path):
-    s, wd = _swarm(tmp_path, EXAMPLES / "nat-2-of-5.toml", "--peers", "5", "--rounds", "12")
+    s, wd = scenario_swarm(tmp_path, EXAMPLES / "nat-2-of-5.toml", "--peers", "5", "--rounds", "12")
     assert s["rounds_committed"] == 12 and s["digest_mismatches"] == 0
     for i in (1, 3):
         assert _share(s, i) >= 0.9, (i, s["rounds"])
@@ -61,7 +41,7 @@ def test_two_of_five_peers_behind_nat_take_part_outbound_only(tmp_path):
 
 @pytest.mark.soak  # 45 s; at load 10 a healthy peer was once excluded in the rebind's abort (CI run of session 5)
 def test_a_nat_rebind_mid_run_and_the_peer_is_back(tmp_path):
-    s, _ = _swarm(tmp_path, EXAMPLES / "nat-rebind.toml", "--peers", "4", "--rounds", "150")
+    s, _ = scenario_swarm(tmp_path, EXAMPLES / "nat-rebind.toml", "--peers", "4", "--rounds", "150")
     assert s["digest_mismatches"] == 0 and s["rounds_committed"] == 150
     (ev,) = s["events"]
     assert ev["action"] == "nat-rebind" and ev["done_after_start_seconds"] is not None

@@ -6,12 +6,11 @@ plans sent through it. Nothing is left behind."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from procs import scenario_swarm
 
 pytestmark = [
     pytest.mark.integration,
@@ -24,24 +23,10 @@ SCENARIO = Path(__file__).resolve().parent.parent / "examples" / "scenarios" / "
 
 
 def test_all_peers_behind_nat_train_through_a_relay(tmp_path):
-    summary, wd = tmp_path / "s.json", tmp_path / "wd"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "4", "--rounds", "8", "--scenario", str(SCENARIO),
-         "--summary", str(summary), "--workdir", str(wd), "--no-progress", "--timeout", "400"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=540)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
-    assert proc.returncode == 0, out[-3000:]
-    s = json.loads(summary.read_text())
+    s, wd = scenario_swarm(tmp_path, SCENARIO, "--peers", "4", "--rounds", "8")
     assert s["rounds_committed"] == 8 and s["digest_mismatches"] == 0
     assert s["relayed_plan_bytes"] > 0
     # Both count the same chunks; the relay also carries gRPC framing, handshakes and dial-backs.
     assert s["relayed_plan_bytes"] <= s["relayed_bytes"] <= 1.25 * s["relayed_plan_bytes"]
     log = (wd / "coordinator.log").read_text()
     assert log.count(f"relayed via {s['relay']}") >= 4  # every peer joined through the relay
-    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
-    assert f"shls-{proc.pid}-" not in leftovers
