@@ -128,6 +128,7 @@ def test_blackhole_drops_connections():
         hole.close()
 
 
+@pytest.mark.soak  # default-run budget (10 min): a 15-17 s swarm; tests/test_outbound_only_swarm.py keeps outbound-only peers in committed rounds, tests/test_blame.py the rules
 def test_an_unreachable_peer_is_told_and_takes_part_outbound_only(tmp_path):
     hole = Blackhole()
     try:

@@ -94,6 +94,7 @@ def test_a_member_whose_token_expired_rejoins_after_a_crash_and_a_new_key_is_ref
     assert "fix: ask the operator for a new join token" in lines[0]
 
 
+@pytest.mark.soak  # default-run budget (10 min): a 22-33 s process run; tests/test_membership.py keeps the revocation rules
 def test_a_revoked_member_is_refused_at_its_next_call_and_on_every_join(procs):
     wd = procs.workdir
     _, addr = procs.coordinator("--rounds", "0", "--min-peers", "2", "--initial-peers", "3", "--inner-steps", "10")
