@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shoal import lm_job
@@ -105,6 +106,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _accepts(address: tuple[str, int]) -> bool:
+    """Something accepts TCP connections at `address` now (0.2 s connect timeout)."""
+    try:
+        socket.create_connection(address, timeout=0.2).close()
+    except OSError:
+        return False
+    return True
+
+
 @dataclass
 class _Proc:
     name: str
@@ -140,6 +150,21 @@ class _Proc:
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        """Poll `ready` every 50 ms until it is true.
+
+        Raises:
+            RuntimeError: the process exited first (its log's tail in the message).
+            TimeoutError: `timeout` seconds passed first.
+        """
+        end = time.monotonic() + timeout
+        while not ready():
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited before {what}:\n{self.tail()}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.name}: {what} did not happen within {timeout:.0f} s")
+            time.sleep(0.05)
 
     def signal(self, sig: int) -> None:
         if self.popen is not None and self.popen.poll() is None:
@@ -326,13 +351,7 @@ class Swarm:
                                      "--ready-file", str(ready), "--log-level", self.opts.log_level,
                                      "--log-format", self.opts.log_format], self.workdir / "relay.log")
         self.relay.start()
-        end = time.monotonic() + timeout
-        while not ready.exists():
-            if not self.relay.alive():
-                raise RuntimeError(f"relay exited:\n{self.relay.tail()}")
-            if time.monotonic() > end:
-                raise TimeoutError("relay did not start in time")
-            time.sleep(0.05)
+        self.relay.wait_until(ready.exists, timeout, "writing its ready file")
         self.relay_address = ready.read_text().strip()
         return self.relay_address
 
@@ -364,13 +383,7 @@ class Swarm:
             argv[argv.index("--listen") + 1] = self.address
         ready.unlink(missing_ok=True)
         self.coordinator.start()
-        end = time.monotonic() + timeout
-        while not ready.exists():
-            if not self.coordinator.alive():
-                raise RuntimeError(f"coordinator exited:\n{self.coordinator.tail()}")
-            if time.monotonic() > end:
-                raise TimeoutError("coordinator did not start in time")
-            time.sleep(0.05)
+        self.coordinator.wait_until(ready.exists, timeout, "writing its ready file")
         self.address = ready.read_text().strip()
         return self.address
 
@@ -387,13 +400,7 @@ class Swarm:
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
             "--initial-cluster", f"swarm=http://127.0.0.1:{peer}"], self.workdir / "etcd.log")
         self.etcd.start()
-        end = time.monotonic() + timeout
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", client), timeout=0.2):
-                return
-            if not self.etcd.alive() or time.monotonic() > end:
-                raise RuntimeError(f"etcd did not start:\n{self.etcd.tail()}")
-            time.sleep(0.05)
+        self.etcd.wait_until(lambda: _accepts(("127.0.0.1", client)), timeout, "accepting connections")
 
     def _start_coordinators(self, timeout: float) -> str:
         """Start etcd (once) and every coordinator not running; wait for a leader. The peers get
