@@ -217,8 +217,9 @@ class Evaluator:
 
     def submit(self, rounds: int, params: np.ndarray) -> None:
         """Queue the committed state of `rounds` rounds (copied); one already queued is skipped
-        (the agent evaluates the final state at the end of the run once more)."""
-        if rounds == self.last:
+        (the agent evaluates the final state at the end of the run once more), and so is the
+        initial state (no committed round yet)."""
+        if rounds < 1 or rounds == self.last:
             return
         self.last = rounds
         self.todo.put((rounds, np.array(params, dtype=np.float32, copy=True)))

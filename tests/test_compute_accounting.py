@@ -105,3 +105,28 @@ def test_evaluations_file_feeds_the_validation_curve(tmp_path):
              for r in range(2)] + [{"event": "finished", "rounds": 2, "test_accuracy": nan}]
     s = lm_job.summary([peer0], t0=10.0, evaluated=evaluated)
     assert [p["val_loss"] for p in s["val_curve"]] == [3.0, 2.5] and s["val_loss"] == 2.5
+
+
+def test_evaluator_writes_one_line_per_committed_state_in_order(tmp_path):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    from shoal.lm_worker import Evaluator
+    from shoal.peer import lm
+    from shoal.peer.torch_integration import flatten
+
+    shape = lm.LMShape(d_model=16, layers=1, heads=2, context=8)
+    probe = lm.make_model(shape, 0)
+    probe.eval()
+    inputs = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(1))
+    windows = (inputs, inputs.roll(-1, dims=1))
+    params = flatten(lm.make_model(shape, 0))
+    path = tmp_path / "peer-0.val.jsonl"
+    ev = Evaluator(probe, windows, path)
+    ev.submit(0, params)  # no committed round: skipped
+    ev.submit(1, params)
+    ev.submit(2, params * 0)
+    ev.submit(2, params)  # the final state once more (the agent's end-of-run evaluation): skipped
+    assert ev.close() >= 0.0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1]
+    assert rows[1]["val_loss"] == pytest.approx(math.log(256), abs=1e-3)  # zero parameters: uniform
+    assert rows[0]["val_loss"] != rows[1]["val_loss"]
