@@ -82,7 +82,8 @@ def peer_argv(settings: LMSettings, *, coordinator: str, key: str, data_shard: i
     return [sys.executable, "-m", "shoal.lm_worker", "peer", "--coordinator", coordinator, "--listen", listen,
             *(["--advertise", advertise] if advertise else []), "--key", key, "--data-shard", str(data_shard),
             "--num-data-shards", str(num_data_shards), "--events", events, "--algorithm", algorithm,
-            "--speed", str(speed), *([] if shared_memory else ["--no-shared-memory"]), "--result", str(pathlib.Path(events).with_suffix(".result.json")),
+            "--speed", str(speed), *([] if shared_memory else ["--no-shared-memory"]),
+            "--result", str(pathlib.Path(events).with_suffix(".result.json")),
             *settings.args(), *extra]
 
 
@@ -209,7 +210,8 @@ def round_timing(events_by_peer: list[list[dict]]) -> dict:
             shares.append(reduce / period)
     if not periods:
         return {"round_seconds_median": None, "allreduce_seconds_median": None, "allreduce_share_median": None}
-    return {"round_seconds_median": round(statistics.median(periods), 4), "allreduce_seconds_median": round(statistics.median(reduces), 4),
+    return {"round_seconds_median": round(statistics.median(periods), 4),
+            "allreduce_seconds_median": round(statistics.median(reduces), 4),
             "allreduce_share_median": round(statistics.median(shares), 4)}
 
 
