@@ -28,7 +28,16 @@ kept on top of the committed state, and the next pseudo-gradient (θ_c - local) 
 outer update thus reaches the local model one phase late (the one-step-delayed outer update of
 overlapped DiLoCo: Kale et al. 2025, "Eager updates for overlapped communication and computation
 in DiLoCo"; Douillard et al. 2025, "Streaming DiLoCo"). Every committed state is still computed by
-the agent from the all-reduced pseudo-gradients, bit-identical on every peer.
+the agent from the all-reduced pseudo-gradients, bit-identical on every peer. At most one round
+is in flight: a phase that reaches its end (H steps, or its time budget) before the round in
+flight landed does not idle; it goes on with inner steps until the round lands, then hands over
+(so with overlap a phase runs at least H steps: a fast peer does not wait for the slowest one,
+it trains meanwhile, and its next pseudo-gradient covers those steps).
+
+Compute accounting: `times` (TrainerTimes) says where the trainer's time inside the wrapper
+went, `ledger` (ComputeLedger) gives the training window's compute and length (the
+`compute_utilization` of shoal.lm_worker); `step(work_seconds=...)` tells both how long the
+caller's part of the step took.
 
 This plays the role of hivemind.Optimizer and torchft's wrappers. `step()` runs the inner
 optimizer; every `inner_steps` calls it flattens the parameters, hands the pseudo-gradient
@@ -157,6 +166,76 @@ class TorchWorkload(FlatStateWorkload):
         return float(self.evaluate_fn(self.state.params)) if self.evaluate_fn else math.nan
 
 
+@dataclass
+class TrainerTimes:
+    """Where the trainer thread's time inside the wrapper went, seconds (monotonic clock).
+
+    steps: the inner steps, whole (the caller's batch, forward and backward as measured by
+        `step()`, see there, plus the inner optimizer's step); inner_optimizer: the part of
+        `steps` in the inner optimizer's step; handover: flattening the local parameters and
+        handing them to the agent; wait: blocked on a round (without overlap the whole round;
+        with it only `outer_step()` called directly while a round is in flight); land: loading the
+        committed parameters into the model (with overlap: folding them in)."""
+
+    steps: float = 0.0
+    inner_optimizer: float = 0.0
+    handover: float = 0.0
+    wait: float = 0.0
+    land: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in vars(self).items()}
+
+
+class ComputeLedger:
+    """Inner-step seconds against the training window, from times it is given (pure, no clock).
+
+    The training window runs from the start of the first inner step to the hand-over of the last
+    local phase that a committed state answered (the end of the last phase whose work reached a
+    commit); the compute in it is the seconds of the inner steps of those phases. Steps of a
+    phase the run discarded (the phase after the last commit, answered by the end of the run)
+    are outside it, with or without overlap; so are the join and the end of the run. This is
+    the figure INTELLECT-1 reports (Jaghouar et al. 2024, arXiv:2412.01152, 83-96 %: the share of
+    the training time spent computing rather than blocked in the outer step's all-reduce).
+
+    step(start, seconds): an inner step that began at `start` and computed `seconds`.
+    handed_over(t): the current phase ended, its parameters handed over at `t` (one in flight).
+    answered(committed): the round in flight ended: with a committed state (its phase counts)
+        or not (the run finished; its phase does not).
+    """
+
+    def __init__(self) -> None:
+        self.first_start: float | None = None
+        self.compute = 0.0  # all inner steps so far
+        self._in_flight: tuple[float, float] | None = None  # (hand-over time, compute at it)
+        self._last: tuple[float, float] | None = None  # the same, of the last committed phase
+
+    def step(self, start: float, seconds: float) -> None:
+        if self.first_start is None:
+            self.first_start = start
+        self.compute += seconds
+
+    def handed_over(self, t: float) -> None:
+        self._in_flight = (t, self.compute)
+
+    def answered(self, committed: bool) -> None:
+        if self._in_flight is not None and committed:
+            self._last = self._in_flight
+        self._in_flight = None
+
+    def window(self) -> tuple[float, float]:
+        """(compute seconds, window seconds) of the training window; (0, 0) before a commit."""
+        if self._last is None or self.first_start is None:
+            return 0.0, 0.0
+        end, compute = self._last
+        return compute, max(0.0, end - self.first_start)
+
+
+def utilization(compute_seconds: float, wall_seconds: float) -> float:
+    """compute / wall, rounded to 4 digits; 0.0 for an empty or negative wall time."""
+    return round(compute_seconds / wall_seconds, 4) if wall_seconds > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class _Phase:
     """What the trainer did in one local phase: inner steps, samples, wall seconds."""
@@ -208,6 +287,8 @@ class SwarmOptimizer:
         self._budget = 0.0  # seconds of this local phase (local_work = "time", pace known); 0 = H steps
         self._submitted: np.ndarray | None = None  # the parameters of the round in flight
         self.overlapped_steps = 0  # inner steps run while a round was in flight (overlap)
+        self.times = TrainerTimes()
+        self.ledger = ComputeLedger()
         self.finished = False
         self.summary: dict = {}
         self._losses: list[float] = []
@@ -239,6 +320,7 @@ class SwarmOptimizer:
             log.info("joined the swarm at %s as %s", coordinator, self.agent.peer_id[:8])
         else:
             self._finish(params)
+        self._returned = time.monotonic()  # a step's default start: the previous step() returned
 
     # ------------------------------------------------------------ agent thread
 
@@ -274,6 +356,13 @@ class SwarmOptimizer:
         self.finished = True
         log.info("the swarm finished the run after %d rounds here", self.rounds)
 
+    @property
+    def committed_rounds(self) -> int:
+        """Rounds of the agent's committed state (0 before the first commit); read from the
+        agent's thread (e.g. in `evaluate`) it is the state being evaluated."""
+        wl = self.agent.workload
+        return wl.state.rounds if wl is not None else 0
+
     # ------------------------------------------------------------ torch.optim-like API
 
     @property
@@ -286,12 +375,24 @@ class SwarmOptimizer:
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict(), "local_step": self.local_step, "rounds": self.rounds}
 
-    def step(self, closure=None, *, loss: float | None = None, samples: int = 1):
+    def step(self, closure=None, *, loss: float | None = None, samples: int = 1,
+             work_seconds: float | None = None):
         """One inner step on a batch of `samples` samples; the call that ends the local phase
         (the `inner_steps`-th, or with local_work = "time" the first past the phase's time budget)
-        also plays one round (blocking). Raises SwarmError when the agent failed (the model keeps
-        its last committed params)."""
+        also plays one round (blocking; with the run's `overlap` it hands the round over and
+        returns, or while a round is still in flight lets the phase go on). Raises SwarmError
+        when the agent failed (the model keeps its last committed params).
+
+        work_seconds: the seconds the caller spent on this step before calling (batch, forward,
+        backward), for the compute accounting (`times`, `ledger`); None: the time since the
+        previous `step()` (or the constructor) returned."""
+        entry = time.monotonic()
+        work = entry - self._returned if work_seconds is None else max(0.0, float(work_seconds))
         result = self.inner.step(closure) if closure is not None else self.inner.step()
+        spent = time.monotonic() - entry
+        self.times.inner_optimizer += spent
+        self.times.steps += work + spent
+        self.ledger.step(entry - work, work + spent)
         if loss is not None:
             self._losses.append(float(loss))
         elif result is not None:
@@ -303,7 +404,11 @@ class SwarmOptimizer:
             self.overlapped_steps += 1  # this step ran while the round's all-reduce was in flight
             self._poll_round()
         if not self.finished and self._phase_over():
-            self.outer_step()
+            if self._submitted is None:
+                self.outer_step()
+            # else (overlap): the round in flight has not landed yet; rather than idle until it
+            # does, the phase goes on (its result is polled after every step, module docstring).
+        self._returned = time.monotonic()
         return result
 
     @property
@@ -324,21 +429,31 @@ class SwarmOptimizer:
     def outer_step(self) -> None:
         """Hand this peer's local parameters to the swarm and load the committed ones; with the
         run's `overlap`, return at once and keep training (the committed parameters are folded in
-        when they arrive, module docstring). At most one round is in flight: a phase that ends
-        before the previous round's result first waits for it."""
+        when they arrive, module docstring). At most one round is in flight: called while one is
+        (only directly: `step()` keeps training instead), it first waits for that round."""
         if self._submitted is not None:
-            self._land(*self._wait(None, "round"))
+            self._land(*self._wait_round())
             if self.finished:
                 return
+        t = time.monotonic()
         loss = float(np.mean(self._losses)) if self._losses else 0.0
         self._losses.clear()
-        work = _Phase(self._phase_steps, self._phase_samples, time.monotonic() - self._phase_start)
+        work = _Phase(self._phase_steps, self._phase_samples, t - self._phase_start)
         self._submitted = flatten(self.model)
         self._bridge.to_agent.put((self._submitted, loss, work))
+        self.ledger.handed_over(t)
+        self.times.handover += time.monotonic() - t
         if self._overlapped:
             self._new_phase()
             return
-        self._land(*self._wait(None, "round"))
+        self._land(*self._wait_round())
+
+    def _wait_round(self) -> tuple[str, object]:
+        t = time.monotonic()
+        try:
+            return self._wait(None, "round")
+        finally:
+            self.times.wait += time.monotonic() - t
 
     def _poll_round(self) -> None:
         """Overlap: fold in the round's result if it has arrived (never blocks)."""
@@ -352,7 +467,9 @@ class SwarmOptimizer:
 
     def _land(self, kind: str, params) -> None:
         """The in-flight round ended: `params` are the committed (or synced) parameters."""
+        t = time.monotonic()
         submitted, self._submitted = self._submitted, None
+        self.ledger.answered(kind == "params")
         if kind == "params":
             if self._overlapped:
                 # Keep what this phase learnt since the submission, on top of the committed
@@ -366,6 +483,7 @@ class SwarmOptimizer:
             self._finish(params)
         else:  # pragma: no cover - protocol error
             raise SwarmError(f"round: unexpected message {kind!r}")
+        self.times.land += time.monotonic() - t
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave the swarm and stop the agent thread (bounded by `timeout`)."""

@@ -27,6 +27,7 @@ import math
 import os
 import pathlib
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -74,12 +75,15 @@ class LMSettings:
 
 def peer_argv(settings: LMSettings, *, coordinator: str, key: str, data_shard: int, num_data_shards: int,
               events: str, algorithm: str, speed: float, advertise: str = "", listen: str = "127.0.0.1:0",
-              extra: list[str] = ()) -> list[str]:
-    """`python -m shoal.lm_worker peer ...`; `extra`: the swarm's log, metrics and security flags."""
+              shared_memory: bool = True, extra: list[str] = ()) -> list[str]:
+    """`python -m shoal.lm_worker peer ...`; `extra`: the swarm's log, metrics and security flags.
+    shared_memory=False: no shared-memory lane to peers on this host (a peer in a network namespace
+    stands for a host of its own: its tensors must cross its shaped link)."""
     return [sys.executable, "-m", "shoal.lm_worker", "peer", "--coordinator", coordinator, "--listen", listen,
             *(["--advertise", advertise] if advertise else []), "--key", key, "--data-shard", str(data_shard),
             "--num-data-shards", str(num_data_shards), "--events", events, "--algorithm", algorithm,
-            "--speed", str(speed), "--result", str(pathlib.Path(events).with_suffix(".result.json")),
+            "--speed", str(speed), *([] if shared_memory else ["--no-shared-memory"]),
+            "--result", str(pathlib.Path(events).with_suffix(".result.json")),
             *settings.args(), *extra]
 
 
@@ -87,13 +91,34 @@ def bits(loss: float) -> float:
     return loss / math.log(2) if math.isfinite(loss) else math.nan
 
 
-def summary(events_by_peer: list[list[dict]], t0: float) -> dict:
+def evaluations(events_paths: list[pathlib.Path]) -> dict[int, float]:
+    """{round index: val_loss} from the evaluations files next to the peers' events files
+    (`peer-0.val.jsonl`: the evaluating peer's Evaluator, shoal.lm_worker); a missing file or a
+    torn last line (a process killed while writing) is skipped."""
+    out: dict[int, float] = {}
+    for path in events_paths:
+        try:
+            lines = path.with_suffix(".val.jsonl").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            try:
+                rec = json.loads(line)
+                out[int(rec["round"])] = float(rec["val_loss"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def summary(events_by_peer: list[list[dict]], t0: float, evaluated: dict[int, float] | None = None) -> dict:
     """val_loss / val_bits_per_byte of the final committed state, and val_curve (module docstring).
 
     `events_by_peer`: each peer slot's events (shoal.swarm.Swarm.events); `t0`: the swarm's start,
-    unix seconds. The evaluating peer (data shard 0) records the loss; the others NaN. A round
-    that peer missed (it was syncing) has no point on the curve; `val_loss` is NaN when it did
-    not end on the last committed state."""
+    unix seconds; `evaluated`: {round index: val_loss} (`evaluations`), which the LM peers write
+    instead of putting the loss in their commit events (a value in an event counts as well). The
+    evaluating peer (data shard 0) evaluates; the others record NaN. A round that peer missed (it
+    was syncing) has no point on the curve; `val_loss` is NaN when it did not end on the last
+    committed state."""
     finals = [next((e for e in reversed(evs) if e["event"] == "finished"), None) for evs in events_by_peer]
     top = max((f["rounds"] for f in finals if f is not None), default=0)
     # Only a peer that ended on the last committed state speaks for it (one left behind holds an older one).
@@ -101,7 +126,7 @@ def summary(events_by_peer: list[list[dict]], t0: float) -> dict:
               if f is not None and f["rounds"] == top and _finite(f.get("test_accuracy"))]
     sent: dict[int, dict[int, int]] = {}  # round -> slot -> bytes that slot's process had sent at its commit
     when: dict[int, float] = {}
-    val: dict[int, float] = {}
+    val: dict[int, float] = {r: v for r, v in (evaluated or {}).items() if _finite(v)}
     for slot, evs in enumerate(events_by_peer):
         for e in evs:
             if e["event"] != "commit":
@@ -112,33 +137,82 @@ def summary(events_by_peer: list[list[dict]], t0: float) -> dict:
             if _finite(e.get("test_accuracy")):
                 val[r] = float(e["test_accuracy"])
     curve = [{"round": r + 1, "seconds": round(when[r], 3), "bytes_sent_total": sum(sent[r].values()),
-              "val_loss": round(val[r], 5)} for r in sorted(val)]
+              "val_loss": round(val[r], 5)} for r in sorted(val) if r in when]
     loss = min(losses) if losses else (curve[-1]["val_loss"] if curve and curve[-1]["round"] == top else math.nan)
     return {"workload": "lm", "val_loss": round(loss, 5), "val_bits_per_byte": round(bits(loss), 5),
             "val_curve": curve}
 
 
 def utilization(events_paths: list[pathlib.Path]) -> dict:
-    """`compute_utilization` (the minimum over peers) and `compute_utilization_per_peer` from the
-    peers' result files (next to their events files; a peer that left none counts as None):
-    time in the inner steps' forward and backward / the peer's wall time from join to finish;
-    `inner_steps_per_peer`, the inner steps each ran (with local_work = "time" a slow peer runs
-    fewer); `overlapped_steps_per_peer`, those run while a round's all-reduce was in flight
-    (`--overlap`; 0 without)."""
-    per, steps, overlapped = [], [], []
+    """The compute-utilization keys from the peers' result files (next to their events files; a
+    peer that left none counts as None), docs/training.md:
+
+    - `compute_utilization` (the minimum over peers) and `compute_utilization_per_peer`: the
+      training window, seconds in the inner steps of the phases that reached a commit / seconds
+      from the peer's first inner step to the hand-over of its last such phase
+      (shoal.peer.torch_integration.ComputeLedger);
+    - `compute_utilization_lifetime` (minimum) and `compute_utilization_lifetime_per_peer`: all
+      inner-step seconds / the peer's wall time from joining to having left;
+    - `inner_steps_per_peer`, the inner steps each ran (with local_work = "time" a slow peer runs
+      fewer); `overlapped_steps_per_peer`, those run while a round was in flight (`--overlap`; 0
+      without); `seconds_by_part_per_peer`, where each peer's wall time went (shoal.lm_worker)."""
+    per, life, steps, overlapped, parts = [], [], [], [], []
     for path in events_paths:
         try:
             result = json.loads(path.with_suffix(".result.json").read_text())
             per.append(result["compute_utilization"])
+            life.append(result.get("compute_utilization_lifetime"))
             steps.append(int(result["steps"]))
             overlapped.append(int(result.get("overlapped_steps", 0)))
+            parts.append(result.get("seconds_by_part"))
         except (OSError, ValueError, KeyError):
-            per.append(None)
-            steps.append(None)
-            overlapped.append(None)
-    known = [u for u in per if u is not None]
-    return {"compute_utilization": min(known) if known else None, "compute_utilization_per_peer": per,
-            "inner_steps_per_peer": steps, "overlapped_steps_per_peer": overlapped}
+            for column in (per, life, steps, overlapped, parts):
+                column.append(None)
+    return {"compute_utilization": _least(per), "compute_utilization_per_peer": per,
+            "compute_utilization_lifetime": _least(life), "compute_utilization_lifetime_per_peer": life,
+            "inner_steps_per_peer": steps, "overlapped_steps_per_peer": overlapped,
+            "seconds_by_part_per_peer": parts}
+
+
+def _least(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return min(known) if known else None
+
+
+def round_timing(events_by_peer: list[list[dict]]) -> dict:
+    """How long rounds took and how much of that was the all-reduce, from the peers' events
+    (unix-second `t`): for every committed round after the first, `period` = its first commit
+    event - the previous round's first commit event, and `allreduce` = its first commit event -
+    the first "plan" event of its committed attempt (the all-reduce, the vote and the commit; the
+    local phase and the wait for Ready come before the plan). Returns `round_seconds_median`,
+    `allreduce_seconds_median` and `allreduce_share_median` (median over rounds of
+    allreduce / period); None each when fewer than two rounds committed."""
+    commit_t: dict[int, float] = {}
+    attempt: dict[int, int] = {}
+    plans: dict[tuple[int, int], float] = {}
+    for evs in events_by_peer:
+        for e in evs:
+            key = (int(e.get("round", -1)), int(e.get("attempt", 0)))
+            if e["event"] == "commit":
+                commit_t[key[0]] = min(commit_t.get(key[0], math.inf), e["t"])
+                attempt[key[0]] = key[1]
+            elif e["event"] == "plan":
+                plans[key] = min(plans.get(key, math.inf), e["t"])
+    periods, reduces, shares = [], [], []
+    for r in sorted(commit_t):
+        plan = plans.get((r, attempt[r]))
+        if r - 1 not in commit_t or plan is None:
+            continue
+        period, reduce = commit_t[r] - commit_t[r - 1], commit_t[r] - plan
+        if period > 0:
+            periods.append(period)
+            reduces.append(reduce)
+            shares.append(reduce / period)
+    if not periods:
+        return {"round_seconds_median": None, "allreduce_seconds_median": None, "allreduce_share_median": None}
+    return {"round_seconds_median": round(statistics.median(periods), 4),
+            "allreduce_seconds_median": round(statistics.median(reduces), 4),
+            "allreduce_share_median": round(statistics.median(shares), 4)}
 
 
 def _finite(v) -> bool:

@@ -6,15 +6,21 @@ corpus (shoal.peer.lm) with `DiLoCoOptimizer` (shoal.peer.torch_integration): th
 user's script would use. Inner steps per round, algorithm and outer optimizer come from the
 coordinator's run configuration; the model shape, batch size, inner learning rate and seed from
 the flags (the swarm passes the same to every peer and to the baseline). Data shard 0 evaluates
-the validation loss of every committed state (the value the agent records as the evaluation of
-a commit, in the events' `test_accuracy` field); the other peers report NaN there, which saves
-three evaluations per round. `--speed s < 1` emulates a slower machine: after each inner step the
-process sleeps `(1/s - 1)` times the step's own compute time (documented as an emulation: the
-peer's CPU share is not actually reduced).
+the validation loss of every committed state (below); the other peers do not, which saves three
+evaluations per round; the events' `test_accuracy` field is NaN. `--speed s < 1` emulates a
+slower machine: after each inner step the process sleeps `(1/s - 1)` times the step's own
+compute time (documented as an emulation: the peer's CPU share is not actually reduced).
 
-With `--result`, the peer writes {data_shard, rounds, steps, compute_seconds (forward and
-backward of the inner steps, the emulated slowdown excluded), seconds (from joining to the end),
-compute_utilization = compute_seconds / seconds} when it finishes.
+With `--result`, the peer writes when it finishes: {data_shard, rounds, steps, overlapped_steps,
+compute_seconds (all its inner steps, whole: zero_grad, batch, forward, backward and the inner
+optimizer's step; the emulated slowdown excluded), seconds (from joining to having left),
+compute_utilization (the training window: window_compute_seconds / window_seconds, see
+shoal.peer.torch_integration.ComputeLedger), compute_utilization_lifetime (compute_seconds /
+seconds), first_step_at (seconds after the start of the join), seconds_by_part (where the wall
+time went: join, steps, inner_optimizer (part of steps), handover, wait, land, slowdown, leave,
+other; evaluation, in its own thread)}. Data shard 0 evaluates the committed states in a
+low-priority thread (`Evaluator`) and writes them to the evaluations file next to its events
+(`peer-0.val.jsonl`), not into its commit events.
 
 `ddp`: one rank of the synchronous data-parallel baseline (`--baseline ddp`): the same model
 and initial parameters, rank i samples the same data shard with the same generator as peer i,
@@ -31,19 +37,25 @@ Exit codes: 0 done; 1 failed (the traceback is in the process's log).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
+import os
+import pathlib
+import queue
 import sys
+import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from shoal.common.procexit import exit_after_gloo
 from shoal.common.security import Security
 from shoal.peer import lm
-from shoal.peer.torch_integration import DiLoCoOptimizer, FedAvgOptimizer, unflatten_into
+from shoal.peer.torch_integration import DiLoCoOptimizer, FedAvgOptimizer, unflatten_into, utilization
 
 log = logging.getLogger("shoal.lm")
 
@@ -83,6 +95,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tls-dir", default=None)
     p.add_argument("--mtls", action="store_true")
     p.add_argument("--join-token", default="")
+    p.add_argument("--no-shared-memory", dest="shared_memory", action="store_false",
+                   help="no shared-memory lane to peers on this host (a network namespace stands for a host)")
     d = sub.add_parser("ddp")
     _model_args(d)
     d.add_argument("--world", type=int, required=True)
@@ -140,40 +154,124 @@ def run_peer(a: argparse.Namespace) -> dict:
     probe = lm.make_model(shape, a.seed)  # evaluates committed parameters, off the training model
     probe.eval()
 
+    evaluator = Evaluator(probe, windows, _evaluations_path(a.events)) if a.data_shard == 0 else None
+    rounds_of = [lambda: 0]  # the committed rounds of the state being evaluated, once the optimizer exists
+
     def evaluate(params) -> float:
-        if a.data_shard != 0:
-            return math.nan
-        unflatten_into(probe, params)
-        return lm.evaluate_loss(probe, windows)
+        if evaluator is not None:
+            evaluator.submit(rounds_of[0](), params)
+        return math.nan  # the value goes to the evaluations file (Evaluator), not into the commit event
 
     inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     wrapper = DiLoCoOptimizer if a.algorithm == "diloco" else FedAvgOptimizer
     security = Security(tls_dir=a.tls_dir, mtls=a.mtls, insecure=a.insecure)
+    t0 = time.monotonic()
     opt = wrapper(model, inner, coordinator=a.coordinator, inner_steps=None, num_samples=len(data),
                   listen=a.listen, advertise=a.advertise, key_path=a.key, evaluate=evaluate,
                   events_path=a.events, security=security, join_token=a.join_token, data_shard=a.data_shard,
-                  metrics_port=a.metrics_port, metrics_host=a.metrics_host)
+                  metrics_port=a.metrics_port, metrics_host=a.metrics_host, shared_memory=a.shared_memory)
+    joined = time.monotonic()
+    rounds_of[0] = lambda: opt.committed_rounds
     gen = torch.Generator().manual_seed(a.seed * 1000 + 17 + a.data_shard)
     slow = max(0.0, 1.0 / a.speed - 1.0)
-    compute = 0.0
-    t0 = time.monotonic()
+    slept = 0.0
     with opt:
         while not opt.finished:
-            s = time.perf_counter()
+            s = time.monotonic()
+            opt.zero_grad()  # inside the step's clock: part of the inner step
             x, y = lm.sample_batch(data, a.batch_size, shape.context, gen)
             loss = model.loss(x, y)
             loss.backward()
-            spent = time.perf_counter() - s
-            compute += spent
+            spent = time.monotonic() - s
             if slow:
                 time.sleep(slow * spent)  # the --peer-speed emulation (module docstring)
-            opt.step(loss=loss.item(), samples=a.batch_size)
-            opt.zero_grad()
-    wall = time.monotonic() - t0
-    return {"data_shard": a.data_shard, "rounds": opt.rounds, "steps": opt.local_step,
+                slept += slow * spent
+            opt.step(loss=loss.item(), samples=a.batch_size, work_seconds=spent)
+        done = time.monotonic()
+    evaluation = evaluator.close() if evaluator is not None else 0.0  # the last evaluations, after the run
+    end = time.monotonic()
+    return peer_result(a.data_shard, opt, start=t0, joined=joined, done=done, end=end, slept=slept,
+                       evaluation=evaluation)
+
+
+def _evaluations_path(events: str | None) -> pathlib.Path | None:
+    return pathlib.Path(events).with_suffix(".val.jsonl") if events else None
+
+
+class Evaluator:
+    """Evaluates committed states off the round's path: the agent hands each committed state
+    over (`submit`, a copy, never blocks) and one background thread at the lowest CPU priority
+    (nice 19) computes its validation loss and appends {"round": index of the committed round,
+    "val_loss"} to `path` (JSON lines; shoal.lm_job.summary reads them). Evaluation is
+    measurement, not training: run inside the agent's commit handling it held up the evaluating
+    peer's next Ready, and with it every peer's round (docs/training.md). `close()` evaluates
+    what is left, stops the thread and returns the seconds spent evaluating."""
+
+    def __init__(self, probe: "lm.TinyGPT", windows, path: pathlib.Path | None):
+        self.probe, self.windows, self.path = probe, windows, path
+        self.todo: queue.Queue[tuple[int, np.ndarray] | None] = queue.Queue()
+        self.seconds = 0.0
+        self.last = -1
+        self.thread = threading.Thread(target=self._run, name="shoal-lm-eval", daemon=True)
+        self.thread.start()
+
+    def submit(self, rounds: int, params: np.ndarray) -> None:
+        """Queue the committed state of `rounds` rounds (copied); one already queued is skipped
+        (the agent evaluates the final state at the end of the run once more), and so is the
+        initial state (no committed round yet)."""
+        if rounds < 1 or rounds == self.last:
+            return
+        self.last = rounds
+        self.todo.put((rounds, np.array(params, dtype=np.float32, copy=True)))
+
+    def close(self) -> float:
+        self.todo.put(None)
+        self.thread.join()
+        return self.seconds
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):  # lower this thread only (Linux: a thread id is a process id)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        out = open(self.path, "a") if self.path is not None else None
+        try:
+            while (item := self.todo.get()) is not None:
+                rounds, params = item
+                t = time.monotonic()
+                unflatten_into(self.probe, params)
+                val = lm.evaluate_loss(self.probe, self.windows)
+                self.seconds += time.monotonic() - t
+                if out is not None:
+                    out.write(json.dumps({"round": rounds - 1, "val_loss": val}) + "\n")
+                    out.flush()
+        finally:
+            if out is not None:
+                out.close()
+
+
+def peer_result(data_shard: int, opt, *, start: float, joined: float, done: float, end: float, slept: float,
+                evaluation: float) -> dict:
+    """The peer's result (module docstring) from its optimizer's accounting (`opt.times`,
+    `opt.ledger`, counters) and the loop's own clock readings (monotonic seconds): `start` before
+    joining, `joined` when the constructor returned, `done` when the loop saw the run finished,
+    `end` after leaving; `slept` the emulated slowdown, `evaluation` the Evaluator's seconds (its own
+    thread: they overlap the rest)."""
+    times = opt.times
+    window_compute, window = opt.ledger.window()
+    wall = end - start
+    first = opt.ledger.first_start
+    breakdown = {"join": joined - start, **times.as_dict(), "slowdown": slept, "leave": end - done,
+                 "evaluation": evaluation}
+    # What the loop spent outside the wrapper's accounting and the emulation (loss.item(), the loop).
+    breakdown["other"] = wall - (breakdown["join"] + times.steps + times.handover + times.wait + times.land
+                                 + slept + breakdown["leave"])
+    return {"data_shard": data_shard, "rounds": opt.rounds, "steps": opt.local_step,
             "overlapped_steps": opt.overlapped_steps,
-            "compute_seconds": round(compute, 3), "seconds": round(wall, 3),
-            "compute_utilization": round(compute / wall, 4) if wall > 0 else 0.0}
+            "compute_seconds": round(times.steps, 3), "seconds": round(wall, 3),
+            "compute_utilization": utilization(window_compute, window),
+            "compute_utilization_lifetime": utilization(times.steps, wall),
+            "window_compute_seconds": round(window_compute, 3), "window_seconds": round(window, 3),
+            "first_step_at": round(first - start, 3) if first is not None else None,
+            "seconds_by_part": {k: round(v, 3) for k, v in breakdown.items()}}
 
 
 def run_ddp(a: argparse.Namespace) -> None:

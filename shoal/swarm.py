@@ -479,6 +479,7 @@ class Swarm:
         return lm_job.peer_argv(o.lm, coordinator=self.address, key=str(self.workdir / f"peer-{i}.key"), data_shard=i,
                                 num_data_shards=o.peers, events=str(self.workdir / f"peer-{i}.jsonl"),
                                 algorithm=o.algorithm, speed=speed, advertise=advertise, listen=listen,
+                                shared_memory=self.bed is None,
                                 extra=[*self._common_args(f"peer-{i}"), *self.security_args("peer")])
 
     def start_peer(self, i: int) -> None:
@@ -1182,8 +1183,11 @@ def _lm_summary(swarm: Swarm, summary: dict, t0_wall: float, bar) -> bool:
     its keys. The digits keys `test_accuracy` / `baseline_accuracy` do not apply (None). Returns
     False when the baseline failed (its error is in `baseline_error`)."""
     o = swarm.opts
-    summary.update(lm_job.summary([swarm.events(i) for i in range(len(swarm.peers))], t0_wall))
-    summary.update(lm_job.utilization([swarm.workdir / f"peer-{i}.jsonl" for i in range(len(swarm.peers))]))
+    paths = [swarm.workdir / f"peer-{i}.jsonl" for i in range(len(swarm.peers))]
+    summary.update(lm_job.summary([swarm.events(i) for i in range(len(swarm.peers))], t0_wall,
+                                  lm_job.evaluations(paths)))
+    summary.update(lm_job.utilization(paths))
+    summary.update(lm_job.round_timing([swarm.events(i) for i in range(len(swarm.peers))]))
     summary["test_accuracy"] = summary["baseline_accuracy"] = None
     summary["peer_speed"] = list(o.peer_speed)
     summary["local_work"] = dict(o.run_extra).get("local_work", "steps")

@@ -186,3 +186,18 @@ def test_the_baseline_store_is_an_absolute_file_uri(tmp_path, monkeypatch):
     parts = urllib.parse.urlparse(uri)
     assert parts.scheme == "file" and parts.netloc == ""
     assert parts.path == str(tmp_path / "wd" / "baseline-ddp.store")
+
+
+def test_a_peer_in_a_network_namespace_gets_no_shared_memory_lane():
+    """The namespaces stand for hosts: an LM peer there must send its tensors over its (shaped)
+    link, not through /dev/shm (the all-reduce had bypassed the 100 Mbit/s links)."""
+    kw = dict(coordinator="10.0.0.1:7070", key="k", data_shard=0, num_data_shards=2, events="/tmp/e.jsonl",
+              algorithm="diloco", speed=1.0)
+    assert "--no-shared-memory" not in lm_job.peer_argv(TINY, **kw)
+    argv = lm_job.peer_argv(TINY, shared_memory=False, **kw)
+    assert "--no-shared-memory" in argv
+    if HAVE_TORCH:
+        from shoal import lm_worker
+
+        assert lm_worker.parse(argv[3:]).shared_memory is False
+        assert lm_worker.parse(lm_job.peer_argv(TINY, **kw)[3:]).shared_memory is True
