@@ -145,7 +145,8 @@ def summary(events_by_peer: list[list[dict]], t0: float, evaluated: dict[int, fl
 
 def utilization(events_paths: list[pathlib.Path]) -> dict:
     """The compute-utilization keys from the peers' result files (next to their events files; a
-    peer that left none counts as None), docs/training.md:
+    peer that left none counts as None, and so does, for the window figure, one whose process had
+    no phase committed), docs/training.md:
 
     - `compute_utilization` (the minimum over peers) and `compute_utilization_per_peer`: the
       training window, seconds in the inner steps of the phases that reached a commit / seconds

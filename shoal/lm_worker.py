@@ -267,7 +267,8 @@ def peer_result(data_shard: int, opt, *, start: float, joined: float, done: floa
     return {"data_shard": data_shard, "rounds": opt.rounds, "steps": opt.local_step,
             "overlapped_steps": opt.overlapped_steps,
             "compute_seconds": round(times.steps, 3), "seconds": round(wall, 3),
-            "compute_utilization": utilization(window_compute, window),
+            # None: no phase of this process reached a commit (e.g. restarted late in a chaos run).
+            "compute_utilization": utilization(window_compute, window) if window > 0 else None,
             "compute_utilization_lifetime": utilization(times.steps, wall),
             "window_compute_seconds": round(window_compute, 3), "window_seconds": round(window, 3),
             "first_step_at": round(first - start, 3) if first is not None else None,

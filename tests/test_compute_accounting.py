@@ -65,14 +65,15 @@ def _result(path, util, life, steps, parts=None):
 
 
 def test_utilization_keys_take_the_minimum_over_peers_and_none_for_a_missing_result(tmp_path):
-    paths = [tmp_path / f"peer-{i}.jsonl" for i in range(3)]
+    paths = [tmp_path / f"peer-{i}.jsonl" for i in range(4)]
     _result(paths[0], 0.9, 0.8, 20)
     _result(paths[1], 0.95, 0.7, 22)
+    _result(paths[3], None, 0.5, 10)  # a process restarted at the end: no phase of its own committed
     s = lm_job.utilization(paths)
-    assert s["compute_utilization"] == 0.9 and s["compute_utilization_per_peer"] == [0.9, 0.95, None]
-    assert s["compute_utilization_lifetime"] == 0.7
-    assert s["compute_utilization_lifetime_per_peer"] == [0.8, 0.7, None]
-    assert s["inner_steps_per_peer"] == [20, 22, None] and s["overlapped_steps_per_peer"] == [10, 11, None]
+    assert s["compute_utilization"] == 0.9 and s["compute_utilization_per_peer"] == [0.9, 0.95, None, None]
+    assert s["compute_utilization_lifetime"] == 0.5
+    assert s["compute_utilization_lifetime_per_peer"] == [0.8, 0.7, None, 0.5]
+    assert s["inner_steps_per_peer"] == [20, 22, None, 10] and s["overlapped_steps_per_peer"] == [10, 11, None, 5]
     assert s["seconds_by_part_per_peer"][2] is None
     assert lm_job.utilization([tmp_path / "none.jsonl"])["compute_utilization"] is None
 
