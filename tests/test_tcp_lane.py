@@ -24,12 +24,13 @@ from shoal.collective_job import make_input
 from shoal.common.certs import PeerTLS, init_certs
 from shoal.coordinator.ca import CertificateAuthority
 from shoal.common.errors import InvalidArgument
-from shoal.common.identity import public_bytes, sign_metadata
+from shoal.common.identity import peer_id_of, public_bytes, sign_metadata
+from shoal.common.security import Security
 from shoal.common.tensors import digest
 from shoal.common.tickets import issue_ticket, verify_ticket
 from shoal.peer import tcplane
 from shoal.peer.collectives import CollectiveError
-from shoal.peer.dataplane import Inbox, PeerService, SenderGone, Session
+from shoal.peer.dataplane import Inbox, PeerService, SenderGone, Session, Transport, serve_data_plane
 from shoal.v1 import shoal_pb2 as pb
 from swarmlet import Swarmlet
 
@@ -417,6 +418,39 @@ async def test_the_tls_bulk_lane_binds_the_certificate_to_the_signer_of_the_stre
             assert inbox._bytes == 0
         finally:
             bulk.close()
+
+
+async def test_a_tls_data_plane_serves_and_takes_the_bulk_lane_only_over_tls(ca, tmp_path):
+    volunteer = tmp_path / "volunteer"  # a peer's TLS directory: ca.pem only
+    volunteer.mkdir()
+    (volunteer / "ca.pem").write_bytes(ca.ca_pem)
+    security = Security(tls_dir=str(volunteer))
+    key_a, key_b = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    a_id, b_id = peer_id_of(public_bytes(key_a)), peer_id_of(public_bytes(key_b))
+    tls_a, tls_b = _issued(ca, a_id), _issued(ca, b_id)
+    service = PeerService(Inbox(), key=key_a)
+    server, bound = await serve_data_plane(service, "127.0.0.1:0", security, peer_tls=tls_a, tcp_lane=True)
+    t = Transport(security, key_b, shared_memory=False, peer_tls=tls_b, tcp_lane=True)
+    legacy = Transport(security, key_b, shared_memory=False, peer_tls=None, tcp_lane=True)
+    try:
+        assert service.bulk is not None and service.bulk.tls is tls_a and service.tls_identity
+        conn = await t.bulk_lane(bound, a_id)
+        assert conn is not None and conn.tls and t.lanes() == {bound: "tcp-tls"}
+        t.give_back_bulk(bound, conn)
+        # A renewal: the idle connection (older certificate) is not reused, as gRPC channels are not.
+        again = ca.issue(b_id, tls_b.csr())
+        tls_b.install(again.certificate, again.ca)
+        conn2 = await t.bulk_lane(bound, a_id)
+        assert conn2 is not None and conn2 is not conn and conn2.generation == tls_b.generation
+        conn2.close()
+        # TLS without an issued certificate (a legacy shared peer.key): no bulk lane, never plaintext.
+        assert legacy.bulk is None and await legacy.bulk_lane(bound, a_id) is None
+        assert legacy.lanes() == {bound: "socket"}
+    finally:
+        await t.close()
+        await legacy.close()
+        await server.stop(grace=None)
+        service.close()
 
 
 # ------------------------------------------------------------------------------- real processes
