@@ -13,8 +13,8 @@ On loopback the peers share a host, so chunks take the shared-memory lane (`peer
 as ``lane`` "shm") unless ``--no-shared-memory``; ``--also-socket`` times the socket-only data
 plane too, in the same invocation (``socket_lane``). Shaped runs never use shared memory: their
 namespaces stand for separate hosts. Between hosts (and on loopback without shared memory) chunks
-take the bulk TCP lane (`peer.tcplane`, ``lane`` "tcp"), or gRPC streams with ``--no-tcp-lane``
-(``lane`` "socket").
+take the bulk TCP lane (`peer.tcplane`, ``lane`` "tcp"; over mutual TLS with ``--tls``: "tcp-tls"),
+or gRPC streams with ``--no-tcp-lane`` (``lane`` "socket").
 
 Accounting: ``cpu_seconds_median`` is the CPU time (all threads) of all participants in one timed
 round, summed, median over rounds; for gloo (``baseline.cpu_seconds_median``) the ranks' CPU time
