@@ -12,6 +12,8 @@ One sender and one receiver process (uvloop, as the benchmark jobs) move `--mb` 
   thread-ssl a blocking ssl.SSLSocket, each sendall / recv_into in a worker thread
   asyncio-ssl  the event loop's SSL transport (loop.create_connection(ssl=...)): writes copied
              into its buffer, a BufferedProtocol receiver
+  bio-ssl    ssl.SSLObject over memory BIOs: SSL_write into memory, one sock_sendall of the
+             records; sock_recv_into 256 KiB, then SSL_read from memory into the buffer
 
 TLS: mutual TLS 1.3 with certificates issued like the coordinator issues them (PeerTLS), the
 cipher OpenSSL negotiates (printed). Prints one JSON line per variant.
@@ -37,7 +39,7 @@ from shoal.common.certs import PeerTLS, init_certs, load_ca, peer_dns_name
 from shoal.coordinator.ca import CertificateAuthority
 from shoal.peer import tcplane
 
-VARIANTS = ("plain", "loop-ssl", "thread-ssl", "asyncio-ssl")
+VARIANTS = ("plain", "loop-ssl", "thread-ssl", "asyncio-ssl", "bio-ssl")
 
 
 def _tls(tls_dir: str, name: str) -> PeerTLS:
@@ -70,6 +72,23 @@ class _Recv(asyncio.BufferedProtocol):
             self.done.set_result(None)
 
 
+async def _bio_handshake(loop, raw, ctx, server_side, name=None):
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(inc, out, server_side=server_side, server_hostname=name)
+    while True:
+        try:
+            obj.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            if out.pending:
+                await loop.sock_sendall(raw, out.read())
+            data = await loop.sock_recv(raw, 65536)
+            inc.write(data)
+    if out.pending:
+        await loop.sock_sendall(raw, out.read())
+    return obj, inc, out
+
+
 async def receiver(variant: str, port_out, tls_dir: str, total: int, chunk: int) -> dict:
     loop = asyncio.get_running_loop()
     buf = memoryview(np.empty(chunk, np.uint8))
@@ -94,6 +113,19 @@ async def receiver(variant: str, port_out, tls_dir: str, total: int, chunk: int)
         s = await tcplane.tls_wrap(loop, raw, ctx, server_side=True)
         for _ in range(total // chunk):
             await tcplane.recv_into(loop, s, buf)
+    elif variant == "bio-ssl":
+        raw.setblocking(False)
+        s, inc, out = await _bio_handshake(loop, raw, ctx, True)
+        c0 = time.process_time()
+        scratch = memoryview(bytearray(256 << 10))
+        for _ in range(total // chunk):
+            got = 0
+            while got < chunk:
+                try:
+                    got += s.read(chunk - got, buf[got:])
+                except ssl.SSLWantReadError:
+                    k = await loop.sock_recv_into(raw, scratch)
+                    inc.write(scratch[:k])
     else:  # thread-ssl
         s = ctx.wrap_socket(raw, server_side=True)
         pool = ThreadPoolExecutor(1)
