@@ -437,6 +437,8 @@ async def test_a_tls_data_plane_serves_and_takes_the_bulk_lane_only_over_tls(ca,
         conn = await t.bulk_lane(bound, a_id)
         assert conn is not None and conn.tls and t.lanes() == {bound: "tcp-tls"}
         t.give_back_bulk(bound, conn)
+        await asyncio.sleep(0.05)
+        assert conn.alive()  # idle TLS connection: nothing arrives unasked (no session tickets)
         # A renewal: the idle connection (older certificate) is not reused, as gRPC channels are not.
         again = ca.issue(b_id, tls_b.csr())
         tls_b.install(again.certificate, again.ca)
