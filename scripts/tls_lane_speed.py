@@ -1,6 +1,6 @@
 """CPU per byte of the ways the bulk lane (peer/tcplane.py) could carry TLS, on loopback.
 
-    python scripts/tls_lane_speed.py [--mb 512] [--chunk-mb 1] [VARIANT ...]
+    python scripts/tls_lane_speed.py [--mb 512] [--chunk-mb 1] [--repeat K] [VARIANT ...]
 
 One sender and one receiver process (uvloop, as the benchmark jobs) move `--mb` MiB in
 `--chunk-mb` chunks from a numpy buffer into a preallocated one; each reports its own CPU time
@@ -16,7 +16,7 @@ One sender and one receiver process (uvloop, as the benchmark jobs) move `--mb` 
              records; sock_recv_into 256 KiB, then SSL_read from memory into the buffer
 
 TLS: mutual TLS 1.3 with certificates issued like the coordinator issues them (PeerTLS), the
-cipher OpenSSL negotiates (printed). Prints one JSON line per variant.
+cipher OpenSSL negotiates (printed). Prints one JSON line per run, then the medians per variant.
 """
 
 from __future__ import annotations
@@ -190,6 +190,7 @@ def main() -> None:
     ap.add_argument("--role", choices=["send", "recv"])
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--tls-dir")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every variant (interleaved); medians at the end")
     ap.add_argument("variants", nargs="*", default=list(VARIANTS))
     a = ap.parse_args()
     chunk = int(a.chunk_mb * (1 << 20))
@@ -203,23 +204,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         init_certs(d)
         assert load_ca(d) is not None
-        for v in a.variants:
-            common = ["--mb", str(a.mb), "--chunk-mb", str(a.chunk_mb), "--tls-dir", d, v]
-            r = subprocess.Popen([sys.executable, __file__, "--role", "recv", *common], stdout=subprocess.PIPE, text=True)
-            port = int(r.stdout.readline())
-            out = subprocess.run([sys.executable, __file__, "--role", "send", "--port", str(port), *common],
-                                 capture_output=True, text=True, check=True)
-            s = json.loads(out.stdout)
-            rv = json.loads(r.stdout.readline())
-            r.wait(30)
-            gb = total / 1e9
-            print(json.dumps({"variant": v, "cipher": rv.get("cipher", ""), "GB": round(gb, 3),
-                              "seconds": round(s["seconds"], 3), "GBps": round(gb / s["seconds"], 3),
-                              "send_cpu_s": round(s["cpu"], 3), "recv_cpu_s": round(rv["cpu"], 3),
-                              "send_GB_per_cpu_s": round(gb / s["cpu"], 2),
-                              "recv_GB_per_cpu_s": round(gb / rv["cpu"], 2) if rv["cpu"] > 0 else None}),
+        runs: dict[str, list[dict]] = {}
+        for _ in range(a.repeat):  # interleaved, so a change of load hits every variant alike
+            for v in a.variants:
+                common = ["--mb", str(a.mb), "--chunk-mb", str(a.chunk_mb), "--tls-dir", d, v]
+                r = subprocess.Popen([sys.executable, __file__, "--role", "recv", *common], stdout=subprocess.PIPE,
+                                     text=True)
+                port = int(r.stdout.readline())
+                out = subprocess.run([sys.executable, __file__, "--role", "send", "--port", str(port), *common],
+                                     capture_output=True, text=True, check=True)
+                s = json.loads(out.stdout)
+                rv = json.loads(r.stdout.readline())
+                r.wait(30)
+                gb = total / 1e9
+                row = {"variant": v, "cipher": rv.get("cipher", ""), "GB": round(gb, 3),
+                       "seconds": round(s["seconds"], 3), "send_cpu_s": round(s["cpu"], 3),
+                       "recv_cpu_s": round(rv["cpu"], 3), "send_GB_per_cpu_s": round(gb / s["cpu"], 2),
+                       "recv_GB_per_cpu_s": round(gb / max(rv["cpu"], 1e-9), 2)}
+                runs.setdefault(v, []).append(row)
+                print(json.dumps(row), flush=True)
+        for v, rows in runs.items():  # medians over the repeats
+            med = {k: float(np.median([r[k] for r in rows])) for k in ("send_GB_per_cpu_s", "recv_GB_per_cpu_s")}
+            both = float(np.median([(r["send_cpu_s"] + r["recv_cpu_s"]) / r["GB"] for r in rows]))
+            print(json.dumps({"median": v, "repeats": len(rows), **med, "cpu_s_per_GB_both_ends": round(both, 3)}),
                   flush=True)
-
 
 if __name__ == "__main__":
     main()
