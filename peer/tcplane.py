@@ -17,8 +17,10 @@ gRPC). A TLS peer never opens or accepts a plaintext bulk connection: if the han
 stream goes on PushChunks over TLS gRPC. The socket is a non-blocking `ssl.SSLSocket` driven by
 the event loop (`tls_sendall`, `recv_into`): SSL_write encrypts straight from the frame,
 SSL_read decrypts straight into the inbox's array (AES-GCM in OpenSSL, with the GIL released).
-Measured against asyncio's SSL transport and a blocking SSLSocket in a worker thread
-(scripts/tls_lane_speed.py, docs/performance.md): the least CPU per byte of the three.
+Against asyncio's SSL transport, a blocking SSLSocket in a worker thread and an SSLObject over
+memory BIOs (scripts/tls_lane_speed.py, docs/performance.md) its CPU per byte is within the
+noise (~1 CPU-s per GB for both ends, AES-GCM and 16 KiB records dominate); it is the plaintext
+lane's own structure, with no thread hop and no copy into a transport buffer.
 
 Authorisation is PushChunks' (docs/security.md), by the same functions: a stream opens with a
 HELLO frame carrying the signature metadata (`shoal.common.security` fields) over the first
