@@ -112,7 +112,7 @@ class PeerConfig:
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
     shared_memory: bool = True  # the shared-memory lane to peers on this host (peer.shm)
-    tcp_lane: bool = True  # the bulk lane to peers on other hosts, plaintext data plane only (peer.tcplane)
+    tcp_lane: bool = True  # the bulk lane to peers on other hosts (peer.tcplane; mutual TLS when TLS is on)
     outbound_only: bool = False  # take part without being dialled, as behind NAT (docs/nat.md)
     relay: str | None = None  # HOST:PORT of a relay to be reached through (peer.relay_link; docs/nat.md)
     attack: str = ""  # testing only: send forged updates (peer.byzantine); "" = honest

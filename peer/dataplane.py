@@ -385,7 +385,7 @@ class PeerService(pb_grpc.PeerServicer):
         self.session_wait = session_wait
         self.tls_identity = False  # set by serve_data_plane with an issued certificate
         self.peer_id = peer_id_of(public_bytes(key)) if key is not None else ""
-        self.bulk: tcplane.BulkServer | None = None  # the bulk lane's listener (plaintext data plane only)
+        self.bulk: tcplane.BulkServer | None = None  # the bulk lane's listener (TLS when the data plane is)
 
     def _coordinator_key(self) -> bytes:
         if len(self.coordinator_public_key) != 32:
@@ -694,9 +694,10 @@ async def serve_data_plane(service: PeerService, listen: str, security: Security
     started server and its HOST:PORT. Calls are rate limited per host and FetchState/Probe must
     be signed (PushChunks is checked by the handler). With `peer_tls` (TLS and a certificate
     issued at join) the server presents its newest installed certificate, demands the client's
-    and checks that it names the signer. With `tcp_lane` and a plaintext data plane it also
-    listens for the bulk lane (peer.tcplane) on an ephemeral port of the same host, advertised
-    by Probe. Raises OSError when `listen` cannot be bound."""
+    and checks that it names the signer. With `tcp_lane` (plaintext, or TLS with `peer_tls`: the
+    lane is then mutual TLS with the same certificate and checks) it also listens for the bulk
+    lane (peer.tcplane) on an ephemeral port of the same host, advertised by Probe. Raises
+    OSError when `listen` cannot be bound."""
     bound = security.tls_dir is not None and peer_tls is not None
     service.tls_identity = bound
     interceptors = [DecodeErrors(), SignedCalls("/shoal.v1.Peer/", service.verifier, unsigned=(REACH,),
@@ -707,8 +708,8 @@ async def serve_data_plane(service: PeerService, listen: str, security: Security
     if before_start is not None:
         before_start(server)  # e.g. add the health and reflection services
     port = add_port(server, listen, security, "peer", peer_tls if bound else None)
-    if tcp_lane and security.tls_dir is None:  # with TLS, tensor bytes stay on TLS gRPC
-        service.bulk = tcplane.BulkServer(service)
+    if tcp_lane and (security.tls_dir is None or bound):  # a legacy shared peer.key: TLS gRPC only
+        service.bulk = tcplane.BulkServer(service, peer_tls if bound else None)
         await service.bulk.start(listen.rsplit(":", 1)[0].strip("[]"))
     await server.start()
     return server, f"{listen.rsplit(':', 1)[0]}:{port}"
@@ -759,15 +760,15 @@ class Transport:
         self.reply_verifier = RequestVerifier()  # owners' signed first replies on Exchange streams
         if self.shared_memory:
             shm.remove_stale(self.peer_id)  # slabs a killed predecessor with this identity left
-        # The bulk lane (peer.tcplane) between hosts: plaintext data plane and an identity only.
-        self.bulk = tcplane.BulkClient(self._probe_bulk) \
-            if tcp_lane and key is not None and self.security.tls_dir is None else None
+        # The bulk lane (peer.tcplane) between hosts: an identity, and with TLS an issued certificate.
+        self.bulk = tcplane.BulkClient(self._probe_bulk, self.peer_tls) \
+            if tcp_lane and key is not None and (self.security.tls_dir is None or self.peer_tls is not None) else None
 
     async def bulk_lane(self, address: str, peer_id: str = "") -> tcplane.BulkConnection | None:
         """A connection to the bulk lane of the peer at `address` (chosen when the shared-memory
         lane is not), or None: PushChunks then."""
         conn = await self.bulk.connect(address, peer_id) if self.bulk is not None else None
-        self._chosen[address] = "tcp" if conn is not None else "socket"
+        self._chosen[address] = "socket" if conn is None else "tcp-tls" if conn.tls else "tcp"
         return conn
 
     async def _probe_bulk(self, address: str, peer_id: str) -> int:
@@ -826,7 +827,8 @@ class Transport:
         self._chosen[address] = "socket"
 
     def lanes(self) -> dict[str, str]:
-        """The lane chosen per remote address so far: "shm", "tcp" or "socket"."""
+        """The lane chosen per remote address so far: "shm", "tcp", "tcp-tls" (the bulk lane over
+        mutual TLS) or "socket"."""
         return dict(self._chosen)
 
     def shm_peers(self, peers) -> list[str]:

@@ -5,8 +5,22 @@ copies, HTTP/2 framing, a thread hop per message). On this lane a chunk is a 16-
 the chunk's protobuf header (`pb.Chunk` without `data`: ~60 bytes) and its raw bytes, written with
 one `sock_sendall` and read with `sock_recv_into` straight into the array the inbox will hold.
 gRPC stays the control lane and the fallback: a sender uses this lane only when the receiver
-advertises its port (`ProbeResponse.bulk_port`) and the connection opens; otherwise, or with TLS
-on (the listener is not started then), its stream goes on PushChunks.
+advertises its port (`ProbeResponse.bulk_port`) and the connection opens; otherwise its stream goes
+on PushChunks.
+
+TLS. When the data plane is TLS with a certificate issued at join (`shoal.common.certs.PeerTLS`),
+every connection of this lane is mutual TLS 1.3 with that same certificate: the sender checks
+that the receiver's certificate is issued for the peer id the plan names (`<id>.peer.shoal` and
+`shoal://peer/<id>`), whatever its address; the receiver demands a client certificate from the
+peer CA and `_admit` checks that it names the stream's signer (`tls_sender_check`, as on TLS
+gRPC). A TLS peer never opens or accepts a plaintext bulk connection: if the handshake fails the
+stream goes on PushChunks over TLS gRPC. The socket is a non-blocking `ssl.SSLSocket` driven by
+the event loop (`tls_sendall`, `recv_into`): SSL_write encrypts straight from the frame,
+SSL_read decrypts straight into the inbox's array (AES-GCM in OpenSSL, with the GIL released).
+Against asyncio's SSL transport, a blocking SSLSocket in a worker thread and an SSLObject over
+memory BIOs (scripts/tls_lane_speed.py, docs/performance.md) its CPU per byte is within the
+noise (~1 CPU-s per GB for both ends, AES-GCM and 16 KiB records dominate); it is the plaintext
+lane's own structure, with no thread hop and no copy into a transport buffer.
 
 Authorisation is PushChunks' (docs/security.md), by the same functions: a stream opens with a
 HELLO frame carrying the signature metadata (`shoal.common.security` fields) over the first
@@ -37,12 +51,15 @@ import contextlib
 import json
 import logging
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
 
 import numpy as np
+from cryptography import x509
 
+from shoal.common.certs import PeerTLS, certificate_peer_id, peer_dns_name, peer_uri
 from shoal.common.errors import InvalidArgument, ShoalError
 from shoal.v1 import shoal_pb2 as pb
 
@@ -136,8 +153,96 @@ def parse_chunk_header(meta: bytes) -> pb.Chunk:
 # ------------------------------------------------------------------------------- socket I/O
 
 
+async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, write: bool) -> None:
+    """Wait until `sock` is writable (`write`) or readable. One waiter per direction and socket:
+    the lane reads on one task and writes on another, never two of either (a TLS 1.3 write that
+    asks to read, or a read that asks to write, does not happen between our two ends: no
+    renegotiation, no key update is requested)."""
+    fut = loop.create_future()
+    fd = sock.fileno()
+
+    def wake() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    (loop.add_writer if write else loop.add_reader)(fd, wake)
+    try:
+        await fut
+    finally:
+        (loop.remove_writer if write else loop.remove_reader)(fd)
+
+
+async def _tls_retry(loop, sock: ssl.SSLSocket, op: Callable[[], int]) -> int:
+    """Run a non-blocking TLS operation on `sock` until OpenSSL stops asking for the socket."""
+    while True:
+        try:
+            return op()
+        except ssl.SSLWantReadError:
+            await _ready(loop, sock, write=False)
+        except ssl.SSLWantWriteError:
+            await _ready(loop, sock, write=True)
+
+
+async def tls_wrap(loop, sock: socket.socket, ctx: ssl.SSLContext, *, server_side: bool = False,
+                   server_hostname: str | None = None) -> ssl.SSLSocket:
+    """The TLS handshake on the connected non-blocking `sock` (which it takes over), driven by
+    the event loop. Raises ssl.SSLError (a certificate refused, a protocol error), OSError."""
+    tls = ctx.wrap_socket(sock, server_side=server_side, server_hostname=server_hostname,
+                          do_handshake_on_connect=False)
+    try:
+        await _tls_retry(loop, tls, lambda: tls.do_handshake() or 0)
+    except BaseException:
+        tls.close()
+        raise
+    return tls
+
+
+async def tls_sendall(loop, sock: ssl.SSLSocket, data) -> None:
+    """Write all of `data` on a non-blocking TLS socket: SSL_write encrypts straight from the
+    caller's buffer (no copy into a transport buffer), retried with the same buffer while the
+    socket is full."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        k = await _tls_retry(loop, sock, lambda: sock.send(view))
+        view = view[k:]
+
+
+async def _tls_recv_into(loop, sock: ssl.SSLSocket, view: memoryview) -> None:
+    """`recv_into` on TLS: SSL_read decrypts straight into `view`, one record (16 KiB) per call,
+    so the loop stays tight (no await) while records are buffered."""
+    got, n = 0, view.nbytes
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except ssl.SSLWantReadError:
+            await _ready(loop, sock, write=False)
+            continue
+        except ssl.SSLWantWriteError:
+            await _ready(loop, sock, write=True)
+            continue
+        if k == 0:
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+
+
+async def _recv_some(loop, sock: socket.socket, view: memoryview) -> int:
+    if isinstance(sock, ssl.SSLSocket):
+        return await _tls_retry(loop, sock, lambda: sock.recv_into(view))
+    return await loop.sock_recv_into(sock, view)
+
+
+async def sendall(loop, sock: socket.socket, data) -> None:
+    """Write all of `data` on `sock`, plaintext or TLS (`tls_sendall`)."""
+    if isinstance(sock, ssl.SSLSocket):
+        await tls_sendall(loop, sock, data)
+    else:
+        await loop.sock_sendall(sock, data)
+
+
 async def recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock`. Raises ConnectionError when the peer closes first."""
+    """Fill `view` from `sock` (plaintext or TLS). Raises ConnectionError when the peer closes first."""
+    if isinstance(sock, ssl.SSLSocket):
+        return await _tls_recv_into(loop, sock, view)
     got, n = 0, view.nbytes
     while got < n:
         k = await loop.sock_recv_into(sock, view[got:])
@@ -171,32 +276,60 @@ def _nonblocking(sock: socket.socket) -> socket.socket:
     return sock
 
 
+def tls_peer_of(sock: ssl.SSLSocket) -> str:
+    """The peer id the certificate presented on `sock` names ("" for none)."""
+    der = sock.getpeercert(binary_form=True)
+    return certificate_peer_id(x509.load_der_x509_certificate(der)) if der else ""
+
+
 # ------------------------------------------------------------------------------- sender
 
 
 class BulkConnection:
-    """The sender's end of one connection; one stream at a time (`send_stream`)."""
+    """The sender's end of one connection; one stream at a time (`send_stream`). `generation`:
+    the certificate generation a TLS connection was opened with (0: plaintext)."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, generation: int = 0):
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         self.broken = False
         self.idle_since = time.monotonic()
+        self.generation = generation
+
+    @property
+    def tls(self) -> bool:
+        return isinstance(self.sock, ssl.SSLSocket)
 
     @classmethod
-    async def open(cls, host: str, port: int) -> BulkConnection:
-        """Connect within CONNECT_SECONDS. Raises OSError/TimeoutError when it cannot."""
+    async def open(cls, host: str, port: int, tls: PeerTLS | None = None, peer_id: str = "") -> BulkConnection:
+        """Connect within CONNECT_SECONDS; with `tls` (an issued certificate) over mutual TLS,
+        the receiver's certificate checked for `peer_id` (`<peer_id>.peer.shoal` and its URI),
+        whatever `host` is, exactly as `open_peer_channel` checks a gRPC server.
+
+        Raises OSError/TimeoutError when it cannot connect, ssl.SSLError (an OSError) when the
+        handshake fails or the certificate names another peer, RuntimeError (no certificate)."""
         loop = asyncio.get_running_loop()
+        ctx = generation = None
+        if tls is not None:
+            if not peer_id:
+                raise ValueError("bulk lane: a TLS connection needs the peer id the plan names")
+            generation = tls.generation
+            ctx = tls.ssl_context(server=False)
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
         sock = _nonblocking(socket.socket(family, socket.SOCK_STREAM))
         try:
             async with asyncio.timeout(CONNECT_SECONDS):
                 await loop.sock_connect(sock, addr)
+                if ctx is not None:
+                    sock = await tls_wrap(loop, sock, ctx, server_hostname=peer_dns_name(peer_id))
+                    if tls_peer_of(sock) != peer_id:  # the DNS name matched; the URI must name it too
+                        raise ssl.SSLError(f"bulk lane: {host}:{port} presented a certificate for "
+                                           f"{tls_peer_of(sock)[:8]!r}, not {peer_id[:8]}")
         except BaseException:
             sock.close()
             raise
-        return cls(sock)
+        return cls(sock, generation or 0)
 
     async def _reply(self) -> int:
         try:
@@ -242,17 +375,17 @@ class BulkConnection:
             while (item := await self._next(frames, reply)) is not None:
                 header, frame = item
                 if reply is None:
-                    await self.loop.sock_sendall(self.sock, hello_frame(hello(header)))
+                    await sendall(self.loop, self.sock, hello_frame(hello(header)))
                     reply = asyncio.ensure_future(self._reply())
                 if reply.done():
                     break  # refused or broken mid-stream: the reason is in the reply
-                await self.loop.sock_sendall(self.sock, frame)
+                await sendall(self.loop, self.sock, frame)
             if reply is None:
                 return 0
             if reply.done():  # answered before the END: a refusal, a break, or a receiver out of step
                 n = reply.result()  # raises the refusal or the break
                 raise ConnectionError(f"frame: {n} chunks acknowledged before the stream ended")
-            await self.loop.sock_sendall(self.sock, encode_frame(END))
+            await sendall(self.loop, self.sock, encode_frame(END))
             return await reply
         except BaseException:
             self.broken = True
@@ -268,8 +401,10 @@ class BulkConnection:
     def alive(self) -> bool:
         """Whether an idle connection is still open: nothing to read (the receiver sends nothing
         between streams), no end of file, no error."""
+        if self.tls and self.sock.pending():
+            return False
         try:
-            self.sock.recv(1, socket.MSG_PEEK)  # end of file, or bytes nobody asked for
+            socket.socket.recv(self.sock, 1, socket.MSG_PEEK)  # the raw stream (TLS: no session tickets come)
             return False
         except BlockingIOError:
             return True
@@ -284,8 +419,9 @@ class BulkClient:
     """A sender's bulk lane: the receiver's bulk port per address (asked once with `Probe`,
     cached) and idle connections per address, reused stream after stream."""
 
-    def __init__(self, probe: Callable[[str, str], object]):
+    def __init__(self, probe: Callable[[str, str], object], tls: PeerTLS | None = None):
         self._probe = probe  # async (address, peer_id) -> bulk port, 0 when none
+        self.tls = tls  # mutual TLS with the certificate issued at join; None: plaintext
         self._ports: dict[str, asyncio.Task[int]] = {}
         self._idle: dict[str, list[BulkConnection]] = {}
         self._down: dict[str, float] = {}  # address -> monotonic time until which it is not tried
@@ -295,11 +431,12 @@ class BulkClient:
         none or the connection fails (the caller uses PushChunks; a failure is logged and the
         port asked again next time)."""
         pool = self._idle.get(address, [])
+        generation = self.tls.generation if self.tls is not None else 0
         while pool:
             conn = pool.pop()
-            if time.monotonic() - conn.idle_since < REUSE_SECONDS and conn.alive():
+            if time.monotonic() - conn.idle_since < REUSE_SECONDS and conn.generation == generation and conn.alive():
                 return conn
-            conn.close()  # idle too long, or the receiver closed it (a restart)
+            conn.close()  # idle too long, the receiver closed it (a restart), or opened before a renewal
         if self._down.get(address, 0.0) > time.monotonic():
             return None
         task = self._ports.get(address)
@@ -315,10 +452,12 @@ class BulkClient:
         if not port:
             return None
         try:
-            return await BulkConnection.open(address.rsplit(":", 1)[0].strip("[]"), port)
-        except (OSError, TimeoutError) as exc:  # refused, unreachable (NAT): PushChunks for a while
-            log.warning("bulk lane to %s unavailable (%s: %s); using PushChunks for %.0f s", address,
-                        type(exc).__name__, exc, DOWN_SECONDS)
+            return await BulkConnection.open(address.rsplit(":", 1)[0].strip("[]"), port, self.tls, peer_id)
+        except (OSError, TimeoutError, RuntimeError, ValueError) as exc:
+            # Refused, unreachable (NAT), a TLS handshake or certificate refused: PushChunks (on TLS
+            # gRPC when TLS is on: never plaintext) for a while.
+            log.warning("bulk lane to %s unavailable (%s: %s); using PushChunks%s for %.0f s", address,
+                        type(exc).__name__, exc, " (TLS gRPC)" if self.tls is not None else "", DOWN_SECONDS)
             self._ports.pop(address, None)
             self._down[address] = time.monotonic() + DOWN_SECONDS
             return None
@@ -351,13 +490,21 @@ class BulkClient:
 
 
 class _Metadata:
-    """What `PeerService._admit` reads of a gRPC context: the signature metadata."""
+    """What `PeerService._admit` reads of a gRPC context: the signature metadata, and on a TLS
+    connection the peer id its client certificate names (as gRPC's auth context shows it to
+    `shoal.common.security.tls_sender_check`: the URI `shoal://peer/<id>`)."""
 
-    def __init__(self, pairs: tuple[tuple[str, str], ...]):
+    def __init__(self, pairs: tuple[tuple[str, str], ...], tls_peer: str | None = None):
         self.pairs = pairs
+        self.tls_peer = tls_peer  # None: plaintext connection; "": a certificate naming no peer
 
     def invocation_metadata(self):
         return self.pairs
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        if self.tls_peer is None:
+            return {}
+        return {"x509_pem_cert": [b"(bulk lane)"], "peer_uri": [peer_uri(self.tls_peer).encode()] if self.tls_peer else []}
 
 
 class _Frames:
@@ -399,10 +546,14 @@ def max_payload(session) -> int:
 
 class BulkServer:
     """The receiver's bulk lane: accepts connections on a TCP port and runs each stream through
-    `service` (`PeerService._admit` then `_receive`, see the module docstring)."""
+    `service` (`PeerService._admit` then `_receive`, see the module docstring). With `tls` (the
+    certificate issued at join) every connection is mutual TLS: a client without a certificate
+    from the peer CA fails the handshake, and the one it presents must name the stream's signer
+    (`_admit`'s `tls_sender_check`, as on TLS gRPC)."""
 
-    def __init__(self, service):
+    def __init__(self, service, tls: PeerTLS | None = None):
         self.service = service
+        self.tls = tls
         self.port = 0
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -445,7 +596,16 @@ class BulkServer:
         """Streams on one connection, one after another, until the sender closes it or one fails."""
         loop = asyncio.get_running_loop()
         wait = IDLE_SECONDS  # senders connect ahead of rounds (Transport.probe_lanes)
+        tls_peer: str | None = None
         try:
+            if self.tls is not None:  # the newest certificate at each handshake, as the gRPC server
+                try:
+                    async with asyncio.timeout(HELLO_SECONDS):
+                        sock = await tls_wrap(loop, sock, self.tls.ssl_context(server=True), server_side=True)
+                except (OSError, TimeoutError, RuntimeError) as exc:
+                    log.warning("bulk lane: TLS handshake refused (%s: %s)", type(exc).__name__, exc)
+                    return
+                tls_peer = tls_peer_of(sock)
             while True:
                 try:
                     async with asyncio.timeout(wait):
@@ -453,20 +613,20 @@ class BulkServer:
                 except (ConnectionError, TimeoutError):
                     return  # closed (or idle) between streams: nothing was in flight
                 try:
-                    n = await self._stream(loop, sock, kind, meta, payload_len)
+                    n = await self._stream(loop, sock, kind, meta, payload_len, tls_peer)
                 except ShoalError as exc:
                     await self._refuse(loop, sock, exc)
                     return
-                await loop.sock_sendall(sock, encode_frame(ACK, json.dumps({"chunks": n}).encode()))
+                await sendall(loop, sock, encode_frame(ACK, json.dumps({"chunks": n}).encode()))
         except (OSError, ConnectionError, TimeoutError, InvalidArgument):
             return  # a broken stream already failed its sender's waits (PeerService._receive)
         finally:
             sock.close()
 
-    async def _stream(self, loop, sock, kind: int, meta: bytes, payload_len: int) -> int:
+    async def _stream(self, loop, sock, kind: int, meta: bytes, payload_len: int, tls_peer: str | None) -> int:
         if kind != HELLO or payload_len:
             raise InvalidArgument("frame: a stream opens with a HELLO")
-        ctx = _Metadata(parse_hello(meta))
+        ctx = _Metadata(parse_hello(meta), tls_peer)
         async with asyncio.timeout(HELLO_SECONDS):
             kind, meta, payload_len = await read_frame_head(loop, sock)
         if kind != CHUNK:
@@ -481,12 +641,13 @@ class BulkServer:
         """Tell the sender why (ERROR), then drop what it still sends until it closes (so the
         ERROR is read, not lost to a reset)."""
         with contextlib.suppress(OSError, ConnectionError, TimeoutError):
-            await loop.sock_sendall(sock, encode_frame(ERROR, json.dumps(
+            await sendall(loop, sock, encode_frame(ERROR, json.dumps(
                 {"code": exc.code.name, "message": str(exc)[:2000]}).encode()))
-            sock.shutdown(socket.SHUT_WR)
+            if not isinstance(sock, ssl.SSLSocket):  # (TLS: shutdown would drop the session; the sender closes)
+                sock.shutdown(socket.SHUT_WR)
             scratch = memoryview(bytearray(1 << 16))
             async with asyncio.timeout(HELLO_SECONDS):
-                while await loop.sock_recv_into(sock, scratch):
+                while await _recv_some(loop, sock, scratch):
                     pass
 
     def close(self) -> None:

@@ -13,8 +13,8 @@ On loopback the peers share a host, so chunks take the shared-memory lane (`peer
 as ``lane`` "shm") unless ``--no-shared-memory``; ``--also-socket`` times the socket-only data
 plane too, in the same invocation (``socket_lane``). Shaped runs never use shared memory: their
 namespaces stand for separate hosts. Between hosts (and on loopback without shared memory) chunks
-take the bulk TCP lane (`peer.tcplane`, ``lane`` "tcp"), or gRPC streams with ``--no-tcp-lane``
-(``lane`` "socket").
+take the bulk TCP lane (`peer.tcplane`, ``lane`` "tcp"; over mutual TLS with ``--tls``: "tcp-tls"),
+or gRPC streams with ``--no-tcp-lane`` (``lane`` "socket").
 
 Accounting: ``cpu_seconds_median`` is the CPU time (all threads) of all participants in one timed
 round, summed, median over rounds; for gloo (``baseline.cpu_seconds_median``) the ranks' CPU time
@@ -424,8 +424,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--no-tcp-lane", action="store_true",
                    help="between hosts (shaped links): chunks on gRPC streams, not the bulk TCP lane")
     b.add_argument("--tls", action="store_true",
-                   help="Shoal's control and data planes with TLS (gloo stays plaintext); tensor bytes then "
-                        "go on mutual-TLS gRPC, not the bulk lane")
+                   help="Shoal's control and data planes with TLS (gloo stays plaintext); between hosts tensor "
+                        "bytes then go on the bulk lane over mutual TLS (lane tcp-tls)")
     b.add_argument("--also-socket", action="store_true",
                    help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")

@@ -418,8 +418,8 @@ class PeerSection:
                                         "probe proves they can read it) instead of the socket",
                                   flag="--no-shared-memory", negate=True)
     tcp_lane: bool = setting(True, "move tensor chunks to peers on other hosts on a raw TCP connection (the bulk "
-                                   "lane, authorised like PushChunks) instead of gRPC; plaintext data plane only: "
-                                   "with TLS chunks stay on gRPC", flag="--no-tcp-lane", negate=True)
+                                   "lane, authorised like PushChunks; mutual TLS with the certificate issued at join when "
+                                   "TLS is on) instead of gRPC", flag="--no-tcp-lane", negate=True)
     outbound_only: bool = setting(False, "take part without being dialled, as behind NAT: never a shard owner nor a "
                                          "state donor; contributions go out and results come back on streams this "
                                          "peer opens (a peer the coordinator cannot dial back is so by itself; "

@@ -71,11 +71,11 @@ def check_accounting(rep: dict, peers: int) -> None:
 
 @pytest.mark.timeout(150)
 def test_tls_run_and_runs_without_shared_memory_report_their_lane():
-    # Between processes without shared memory: the bulk lane in plaintext, gRPC with TLS.
+    # Between processes without shared memory: the bulk lane, over mutual TLS with --tls.
     rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--no-shared-memory")
     assert rep["lane"] == "tcp" and rep["tls"] is False
     rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--no-shared-memory", "--tls")
-    assert rep["lane"] == "socket" and rep["tls"] is True
+    assert rep["lane"] == "tcp-tls" and rep["tls"] is True
     check(rep, 2, 300_000)
 
 

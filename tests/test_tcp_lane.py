@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+import ssl
 import struct
 import sys
 
@@ -20,13 +21,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from procs import read_json
 from shoal.collective_job import make_input
+from shoal.common.certs import PeerTLS, init_certs
+from shoal.coordinator.ca import CertificateAuthority
 from shoal.common.errors import InvalidArgument
-from shoal.common.identity import sign_metadata
+from shoal.common.identity import peer_id_of, public_bytes, sign_metadata
+from shoal.common.security import Security
 from shoal.common.tensors import digest
 from shoal.common.tickets import issue_ticket, verify_ticket
 from shoal.peer import tcplane
 from shoal.peer.collectives import CollectiveError
-from shoal.peer.dataplane import SenderGone, Session
+from shoal.peer.dataplane import Inbox, PeerService, SenderGone, Session, Transport, serve_data_plane
 from shoal.v1 import shoal_pb2 as pb
 from swarmlet import Swarmlet
 
@@ -330,14 +334,135 @@ async def test_an_advertised_port_that_refuses_falls_back_to_push_chunks():
     assert len({r.values.tobytes() for r in out}) == 1
 
 
+# ------------------------------------------------------------------------------- TLS (sockets)
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory) -> CertificateAuthority:
+    return CertificateAuthority.from_dir(init_certs(tmp_path_factory.mktemp("tls")).dir, lifetime_s=3600)
+
+
+def _issued(ca: CertificateAuthority, peer_id: str) -> PeerTLS:
+    tls = PeerTLS(peer_id)
+    issued = ca.issue(peer_id, tls.csr())
+    tls.install(issued.certificate, issued.ca)
+    return tls
+
+
+async def _tls_receiver(peers: Swarmlet, tls: PeerTLS) -> tuple[Inbox, tcplane.BulkServer]:
+    """Peer 0's bulk listener over mutual TLS with `tls`, its service checking client
+    certificates against signers (as `serve_data_plane` sets it up with an issued certificate)."""
+    inbox = Inbox()
+    service = PeerService(inbox, coordinator_public_key=public_bytes(peers.coordinator_key), shared_memory=False,
+                          key=peers.keys[0])
+    service.tls_identity = True
+    bulk = tcplane.BulkServer(service, tls)
+    await bulk.start("127.0.0.1")
+    inbox.start(_session(peers))
+    return inbox, bulk
+
+
+async def _send_tls(port: int, tls: PeerTLS | None, to: str, key, chunks) -> int:
+    conn = await tcplane.BulkConnection.open("127.0.0.1", port, tls, to)
+    items = iter(chunks)
+
+    async def frames():
+        item = next(items, None)
+        return None if item is None else (item[0], tcplane.chunk_frame(*item))
+
+    try:
+        return await conn.send_stream(frames, lambda h: sign_metadata(key, tcplane.BULK_METHOD, h))
+    finally:
+        conn.close()
+
+
+async def test_the_tls_bulk_lane_binds_the_certificate_to_the_signer_of_the_stream(ca, tmp_path, caplog):
+    # Peers 0 (receiver) and 1 are participants; 2 is a member with a valid certificate from the
+    # same CA but no part in the round. Every connection below is a real TLS 1.3 handshake.
+    async with Swarmlet(3, [False] * 3) as peers:
+        tls = [_issued(ca, pid) for pid in peers.ids]
+        receiver, third, third_key = peers.ids[0], peers.ids[2], peers.keys[2]
+        peers.ids = peers.ids[:2]  # the round's participants: the ticket and the session name 0 and 1
+        inbox, bulk = await _tls_receiver(peers, tls[0])
+        me, key, t = peers.ids[1], peers.keys[1], _ticket(peers)
+        vals = np.arange(4, dtype=np.float32)
+        try:
+            assert await _send_tls(bulk.port, tls[1], receiver, key, [(_header(me, ticket=t), vals)]) == 1
+            assert np.array_equal(await inbox.get((0, 0, pb.REDUCE_SCATTER, 0, 0, 0, me), 1.0), vals)
+            # Peer 2's own certificate carrying peer 1's signed stream and ticket (a stolen
+            # identity key, or a HELLO copied off another connection): refused by the certificate.
+            with pytest.raises(tcplane.BulkRefused, match="certificate is for peer") as refused:
+                await _send_tls(bulk.port, tls[2], receiver, key, [(_header(me, ticket=t, offset=4), vals)])
+            assert refused.value.code == "UNAUTHENTICATED"
+            # Peer 2 signing as itself with the round's ticket: not a participant.
+            with pytest.raises(tcplane.BulkRefused) as refused:
+                await _send_tls(bulk.port, tls[2], receiver, third_key, [(_header(third, ticket=t, offset=4), vals)])
+            assert refused.value.code == "PERMISSION_DENIED"
+            # A certificate for peer 1 from another CA (its holder trusts both CAs, so it takes the
+            # receiver's): the receiver refuses the handshake and says why; the sender's first
+            # read fails (TLS 1.3: the client's certificate is judged after its handshake ended).
+            other = PeerTLS(me)
+            issued = CertificateAuthority.from_dir(init_certs(tmp_path / "other").dir, lifetime_s=3600).issue(me, other.csr())
+            other.install(issued.certificate, issued.ca + ca.issue(me, other.csr()).ca)
+            caplog.clear()
+            with pytest.raises(ssl.SSLError, match="(?i)alert|EOF"):
+                await _send_tls(bulk.port, other, receiver, key, [(_header(me, ticket=t, offset=4), vals)])
+            assert any("TLS handshake refused" in r.getMessage() and "certificate verify failed" in r.getMessage()
+                       for r in caplog.records), caplog.text
+            # A plaintext sender on a TLS listener: never read as a stream.
+            with pytest.raises((ConnectionError, OSError)):
+                await _send_tls(bulk.port, None, receiver, key, [(_header(me, ticket=t, offset=4), vals)])
+            # The receiver is verified by the peer id the plan names: dialled as peer 2, refused.
+            with pytest.raises(ssl.SSLCertVerificationError, match="(?i)hostname"):
+                await tcplane.BulkConnection.open("127.0.0.1", bulk.port, tls[1], third)
+            assert inbox._bytes == 0
+        finally:
+            bulk.close()
+
+
+async def test_a_tls_data_plane_serves_and_takes_the_bulk_lane_only_over_tls(ca, tmp_path):
+    volunteer = tmp_path / "volunteer"  # a peer's TLS directory: ca.pem only
+    volunteer.mkdir()
+    (volunteer / "ca.pem").write_bytes(ca.ca_pem)
+    security = Security(tls_dir=str(volunteer))
+    key_a, key_b = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    a_id, b_id = peer_id_of(public_bytes(key_a)), peer_id_of(public_bytes(key_b))
+    tls_a, tls_b = _issued(ca, a_id), _issued(ca, b_id)
+    service = PeerService(Inbox(), key=key_a)
+    server, bound = await serve_data_plane(service, "127.0.0.1:0", security, peer_tls=tls_a, tcp_lane=True)
+    t = Transport(security, key_b, shared_memory=False, peer_tls=tls_b, tcp_lane=True)
+    legacy = Transport(security, key_b, shared_memory=False, peer_tls=None, tcp_lane=True)
+    try:
+        assert service.bulk is not None and service.bulk.tls is tls_a and service.tls_identity
+        conn = await t.bulk_lane(bound, a_id)
+        assert conn is not None and conn.tls and t.lanes() == {bound: "tcp-tls"}
+        t.give_back_bulk(bound, conn)
+        await asyncio.sleep(0.05)
+        assert conn.alive()  # idle TLS connection: nothing arrives unasked (no session tickets)
+        # A renewal: the idle connection (older certificate) is not reused, as gRPC channels are not.
+        again = ca.issue(b_id, tls_b.csr())
+        tls_b.install(again.certificate, again.ca)
+        conn2 = await t.bulk_lane(bound, a_id)
+        assert conn2 is not None and conn2 is not conn and conn2.generation == tls_b.generation
+        conn2.close()
+        # TLS without an issued certificate (a legacy shared peer.key): no bulk lane, never plaintext.
+        assert legacy.bulk is None and await legacy.bulk_lane(bound, a_id) is None
+        assert legacy.lanes() == {bound: "socket"}
+    finally:
+        await t.close()
+        await legacy.close()
+        await server.stop(grace=None)
+        service.close()
+
+
 # ------------------------------------------------------------------------------- real processes
 
 
-def _jobs(procs, p: int, size: int, *flags: str, tag: str) -> list[dict]:
+def _jobs(procs, p: int, size: int, *flags: str, tag: str, coordinator_flags: tuple[str, ...] = ()) -> list[dict]:
     """One run of p collective jobs on loopback without shared memory. The same key files every
     run: the same peer ids, so the same participant order, so the same order of every sum."""
     coord, addr = procs.coordinator("--rounds", "2", "--min-peers", str(p), "--initial-peers", str(p),
-                                    "--algorithm-collective", "butterfly", name=f"coordinator-{tag}",
+                                    "--algorithm-collective", "butterfly", *coordinator_flags, name=f"coordinator-{tag}",
                                     state=f"coordinator-{tag}.db")
     jobs = []
     for r in range(p):
@@ -362,6 +487,25 @@ def test_processes_over_the_bulk_lane_commit_the_same_bytes_as_over_grpc(procs):
     bulk = _jobs(procs, p, size, tag="tcp")
     grpc_lane = _jobs(procs, p, size, "--no-tcp-lane", tag="grpc")
     assert all(rd["lanes"] == ["tcp"] for rep in bulk for rd in rep["rounds"]), [rep["rounds"] for rep in bulk]
+    assert all(rd["lanes"] == ["socket"] for rep in grpc_lane for rd in rep["rounds"])
+    assert len({rep["result"].tobytes() for rep in bulk + grpc_lane}) == 1
+    expected = sum(make_input(0, r, 1, size, "float32").astype(np.float64) for r in range(p))
+    np.testing.assert_allclose(bulk[0]["result"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.integration
+def test_tls_processes_take_the_bulk_lane_over_tls_and_commit_the_same_bytes_as_tls_grpc(procs):
+    # Real processes, real TLS: certificates issued at join, as `shoal bench --tls` runs them.
+    p, size = 3, 700_001
+    tls = init_certs(procs.workdir / "tls").dir
+    peer_dir = procs.workdir / "tls-peer"
+    peer_dir.mkdir()
+    (peer_dir / "ca.pem").write_bytes((tls / "ca.pem").read_bytes())
+    coordinator_flags = ("--tls-dir", str(tls))
+    bulk = _jobs(procs, p, size, "--tls-dir", str(peer_dir), tag="tls-tcp", coordinator_flags=coordinator_flags)
+    grpc_lane = _jobs(procs, p, size, "--tls-dir", str(peer_dir), "--no-tcp-lane", tag="tls-grpc",
+                      coordinator_flags=coordinator_flags)
+    assert all(rd["lanes"] == ["tcp-tls"] for rep in bulk for rd in rep["rounds"]), [rep["rounds"] for rep in bulk]
     assert all(rd["lanes"] == ["socket"] for rep in grpc_lane for rd in rep["rounds"])
     assert len({rep["result"].tobytes() for rep in bulk + grpc_lane}) == 1
     expected = sum(make_input(0, r, 1, size, "float32").astype(np.float64) for r in range(p))

@@ -35,6 +35,7 @@ import ipaddress
 import logging
 import os
 import pathlib
+import ssl
 import threading
 from collections.abc import Sequence
 from typing import Literal
@@ -331,6 +332,7 @@ class PeerTLS:
         self.generation = 0  # bumped by every install
         self._config = grpc.ssl_server_certificate_configuration([(self._key_pem, self._cert_pem)], self._ca_pem)
         self._fetched = -1
+        self._ssl: dict[bool, tuple[int, ssl.SSLContext]] = {}  # server side? -> (generation, context)
 
     @property
     def issued(self) -> bool:
@@ -389,6 +391,44 @@ class PeerTLS:
                 raise RuntimeError("data plane: no certificate issued yet (join first)")
             return grpc.ssl_channel_credentials(root_certificates=self._ca_pem, private_key=self._key_pem,
                                                 certificate_chain=self._cert_pem)
+
+
+    def ssl_context(self, *, server: bool) -> ssl.SSLContext:
+        """An `ssl` context for the bulk lane (peer.tcplane) with the current certificate: mutual
+        TLS 1.3 trusting the peer CA only. The server side demands a client certificate; the
+        client side checks the server's name, which the caller sets to `peer_dns_name(id)` of
+        the peer the plan names (`server_hostname`). The same trust as `server_credentials` /
+        `channel_credentials`; one context per certificate generation, cached.
+
+        The key is handed to OpenSSL through an anonymous in-memory file (`memfd`), never a path
+        on disk (`ssl` loads certificate chains from paths only).
+
+        Raises:
+            RuntimeError: no certificate was installed yet.
+            OSError: no memfd on this platform (callers then keep tensor bytes on TLS gRPC).
+        """
+        with self._lock:
+            if not self.issued:
+                raise RuntimeError("data plane: no certificate issued yet (join first)")
+            cached = self._ssl.get(server)
+            if cached is not None and cached[0] == self.generation:
+                return cached[1]
+            generation, key_pem, cert_pem, ca_pem = self.generation, self._key_pem, self._cert_pem, self._ca_pem
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cadata=ca_pem.decode())
+        if server:
+            ctx.num_tickets = 0  # no resumption; and nothing arrives unasked between streams (tcplane `alive`)
+        fd = os.memfd_create("shoal-peer-tls", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, key_pem + cert_pem)
+            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._ssl[server] = (generation, ctx)
+        return ctx
 
 
 def _issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
