@@ -53,10 +53,10 @@ from shoal.common.tensors import digest, dtype_code
 from shoal.peer import faults, tcplane
 from shoal.peer.audit import AuditVerdict, OwnerAudit
 from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
-from shoal.peer.dataplane import Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
+from shoal.peer.dataplane import SHARED_POOL, Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
-from shoal.peer.shm import SegmentWriter
+from shoal.peer.shm import SegmentWriter, release
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
@@ -146,8 +146,10 @@ class _Stream:
         self.relay = plan.relay_of(plan.position(peer_id)) if plan.relays else ""
         self.bulk: tcplane.BulkConnection | None = None
 
-    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None) -> None:
-        """Queue (chunk without data, its bytes), or None to close the stream."""
+    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None, placed=None) -> None:
+        """Queue (chunk without data, its bytes), or None to close the stream. `placed` (optional):
+        a callable returning (segment name, offset) of the same bytes already written into a
+        shared-memory segment (`_SharedChunks`), used instead of copying them again on that lane."""
         if item is None:
             await self.queue.put(None)
             return
@@ -171,7 +173,7 @@ class _Stream:
             if self.writer is None:
                 raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id])
             try:
-                msg.shm_name, msg.shm_offset = self.writer.put(body)
+                msg.shm_name, msg.shm_offset = placed() if placed is not None else self.writer.put(body)
             except OSError as exc:  # e.g. /dev/shm full: this and every later chunk inline
                 self.transport.lane_failed(self.address, exc)
                 self.lane = "socket"
@@ -358,7 +360,8 @@ class _Reply:
         self._first_put = asyncio.Event()  # a chunk or the closing None was put
         self._closed = asyncio.Event()  # the closing None was put
 
-    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None) -> None:
+    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None, placed=None) -> None:
+        """As `_Stream.put`; `placed` is ignored (replies are inline)."""
         self._first_put.set()
         if self.lane.done.done() and not self.lane.done.result():
             raise CollectiveError(f"exchange with {self.peer_id[:8]} broke", [self.peer_id])
@@ -508,6 +511,52 @@ class _Contribution:
         return _decoded(self.payload(span), self.me)
 
 
+class _SharedChunks:
+    """A shard owner's reduced chunks for its co-located receivers (the shared-memory lane),
+    written once into one writer's slabs that all of them read: one copy per chunk instead of one
+    per receiver, and 1/p of the tensor in slabs instead of (p-1)/p. The writer comes from the
+    transport's shared pool (`take_writer(SHARED_POOL)`, its pages already touched) at the first
+    chunk placed, and goes back by `finish(True)` only once every stream of the attempt completed
+    (each receiver took every chunk, and reads them before its next vote: peer.shm); after a
+    failure it is closed, never rewritten."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.writer: SegmentWriter | None = None
+        self._placed: dict[tuple[int, int], tuple[str, int]] = {}
+
+    def placement(self, key: tuple[int, int], body: bytes | np.ndarray):
+        """A callable placing `body` (chunk `key` = (shard, offset)) once; (segment, offset)."""
+        def place() -> tuple[str, int]:
+            if key not in self._placed:
+                if self.writer is None:
+                    self.writer = self.transport.take_writer(SHARED_POOL)
+                self._placed[key] = self.writer.put(body)
+            return self._placed[key]
+        return place
+
+    def finish(self, ok: bool) -> None:
+        if self.writer is not None:
+            if ok:
+                self.transport.give_back_writer(SHARED_POOL, self.writer)
+            else:
+                self.writer.close()
+            self.writer = None
+
+
+def _into(dst: np.ndarray, src: np.ndarray) -> None:
+    """`dst[:] = src`, skipped when `src` already is `dst` (a sum computed in place)."""
+    if src.__array_interface__["data"][0] != dst.__array_interface__["data"][0] or src.shape != dst.shape:
+        dst[...] = src
+
+
+def _release(rows: Sequence[np.ndarray]) -> None:
+    """Received chunks the collective consumed: their shared-memory pages leave this process's
+    resident set (peer.shm.release; a no-op for chunks in this process's own memory)."""
+    for r in rows:
+        release(r)
+
+
 @dataclass(frozen=True)
 class _Outcome:
     """What one participant's collective produced: the result, its digest, bytes sent (on the
@@ -544,7 +593,9 @@ class _Butterfly:
         self.streams = {j: self._stream(j, transport, inbox, links) for j in range(part.size) if j != part.me}
         self.buf = np.empty_like(x)  # every element is written: own shards by publish, the others by gather
         self.own = _Contribution(x, codec, plan.audit_owners, me)
-        self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype)
+        # The plain sum of an owned chunk is computed straight into its slice of the result.
+        self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype, out=self.buf)
+        self.shared = _SharedChunks(transport)
         self.audit = OwnerAudit(part, reducer, x.dtype, codec.name) if part.audited else None
         self.handoff = _Handoff()  # audited shards: the owners' distance matrices, the expected values
         self.mismatches: list[CollectiveError] = []
@@ -562,10 +613,15 @@ class _Butterfly:
         return _Stream(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, links)
 
     async def run(self) -> _Outcome:
-        async with asyncio.TaskGroup() as tg:
-            for st in self.streams.values():
-                tg.create_task(st.run())
-            tg.create_task(self._work())
+        ok = False
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for st in self.streams.values():
+                    tg.create_task(st.run())
+                tg.create_task(self._work())
+            ok = True
+        finally:
+            self.shared.finish(ok)
         if self.mismatches:
             raise self.mismatches[0]
         flagged = tuple(sorted(self.part.peer_id(j) for j in self.owned.rejected))
@@ -591,13 +647,17 @@ class _Butterfly:
                 for t in targets:
                     await self.streams[t].put(self.wire.message(RS, 0, k, span.offset, payload))
 
-    async def _collect(self, acc: OwnerAccumulator, span: ChunkSpan) -> None:
-        """Every participant's row of chunk `span` into `acc`, awaited in plan order."""
+    async def _collect(self, acc: OwnerAccumulator, span: ChunkSpan) -> list[np.ndarray]:
+        """Every participant's row of chunk `span` into `acc`, awaited in plan order; returns the
+        received rows (to `_release` once `acc` no longer needs them)."""
+        got = []
         for j in range(self.part.size):
             if j == self.part.me:
                 acc.add(span, j, self.own.row(span))
             else:
-                acc.add(span, j, await self.wire.values(RS, 0, span, self.part.peer_id(j)))
+                got.append(await self.wire.values(RS, 0, span, self.part.peer_id(j)))
+                acc.add(span, j, got[-1])
+        return got
 
     async def _reduce_owned(self) -> None:
         """Reduce and publish every chunk of the shards this peer owns, each as soon as its rows
@@ -607,11 +667,13 @@ class _Butterfly:
         spans = [span for k in self.part.owned for span in self.part.chunks(k)]
         if not self.with_distances:
             for span in spans:
-                await self._collect(self.owned, span)
-                await self._publish(span, self.owned.reduce(span))
+                got = await self._collect(self.owned, span)
+                red = self.owned.reduce(span)
+                _release(got)
+                await self._publish(span, red)
             return
         for span in spans:
-            await self._collect(self.owned, span)
+            _release(await self._collect(self.owned, span))  # the reducer holds its own (p, m) copy
         total = await self._exchange_distances({k: self.owned.partial_distances(k) for k in self.part.owned})
         for span in spans:
             await self._publish(span, self.owned.reduce(span, total))
@@ -620,9 +682,13 @@ class _Butterfly:
         """Encode an owned chunk's aggregate once, keep its decoding, send it to everyone."""
         if self.tamper is not None:
             red = self.tamper(red)
-        payload, self.buf[span.lo:span.hi] = self.codec.final(red.astype(self.dtype, copy=False))
+        payload, final = self.codec.final(red.astype(self.dtype, copy=False))
+        _into(self.buf[span.lo:span.hi], final)  # the plain sum is already there
+        place = None
         for st in self.streams.values():
-            await st.put(self.wire.message(AG, 0, span.shard, span.offset, payload))
+            item = self.wire.message(AG, 0, span.shard, span.offset, payload)
+            place = place or self.shared.placement((span.shard, span.offset), item[1])
+            await st.put(item, place)
 
     async def _exchange_distances(self, mine: dict[int, np.ndarray]) -> np.ndarray:
         """Send this owner's partial matrices to the other owners; sum every shard's in shard
@@ -653,15 +719,15 @@ class _Butterfly:
         for k in self.part.audited:
             total = await self._audit_distances(k) if self.with_distances else None
             for span in self.part.chunks(k):
-                if not self.with_distances:
-                    await self._collect(self.audit.rows, span)
+                got = await self._collect(self.audit.rows, span) if not self.with_distances else []
                 self.handoff.put(("expected", k, span.offset), self.audit.expected(span, total))
+                _release(got)
 
     async def _audit_distances(self, k: int) -> np.ndarray:
         """Collect shard k's rows, check its owner's distance matrix; the summed matrix."""
         assert self.audit is not None
         for span in self.part.chunks(k):
-            await self._collect(self.audit.rows, span)
+            _release(await self._collect(self.audit.rows, span))  # the reducer's own (p, m) copy holds them
         self._note(self.audit.check_distances(k, await self.handoff.get(("distances", k))))
         return await self.handoff.get("total")
 
@@ -671,7 +737,9 @@ class _Butterfly:
             sender = self.part.peer_id(self.part.owner[k])
             for span in self.part.chunks(k):
                 final = self.buf[span.lo:span.hi]
-                final[:] = await self.wire.values(AG, 0, span, sender)
+                values = await self.wire.values(AG, 0, span, sender)
+                final[:] = values
+                release(values)
                 # A robust owner never publishes a non-finite value; checked in this peer's memory.
                 if self.reducer is not None and not np.isfinite(final).all():
                     raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
@@ -726,7 +794,9 @@ class _Ring:
         """Add the predecessor's partial sum of `span` to this peer's; pass it on, or, at the last
         step, encode the now final chunk once and start the all-gather with it."""
         partial = self.buf[span.lo:span.hi]
-        partial += await self.wire.values(RS, step, span, self.prev)
+        values = await self.wire.values(RS, step, span, self.prev)
+        partial += values
+        release(values)
         # An honest peer never forwards a non-finite partial sum, so the first peer that sees one
         # blames its predecessor: the peer that introduced it. Checked on the sum in this peer's
         # memory (a received view may still change: peer.shm). A peer whose own input is
@@ -745,6 +815,7 @@ class _Ring:
         payload, values = await self.wire.received(AG, step, span, self.prev)
         final = self.buf[span.lo:span.hi]
         final[:] = values
+        release(values)
         if not np.isfinite(final).all():  # checked in this peer's memory, as in the reduce-scatter
             raise CollectiveError(f"chunk from {self.prev[:8]} holds non-finite values", [self.prev])
         if step < self.part.size - 2:

@@ -82,6 +82,7 @@ MAX_SHM_SENDERS = 64  # senders whose shared-memory segments stay mapped (least 
 EXCHANGE = "/shoal.v1.Peer/Exchange"  # an outbound-only participant signs its first chunk for this
 EXCHANGE_REPLY = "/shoal.v1.Peer/Exchange#reply"  # and the owner its first reply for this
 REPLY_QUEUE_CHUNKS = 16  # an owner's replies waiting for the outbound-only participant's stream
+SHARED_POOL = ""  # Transport.take_writer: the writers whose slabs every co-located receiver reads
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
 # What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
@@ -841,8 +842,9 @@ class Transport:
         return w
 
     def give_back_writer(self, address: str, writer: shm.SegmentWriter) -> None:
-        """Return a writer whose stream completed (the receiver copied every chunk out)."""
-        if address in self._lanes:
+        """Return a writer whose stream completed (the receiver copied every chunk out); for
+        `SHARED_POOL`, one whose every receiver did (a shard owner's reduced chunks)."""
+        if address in self._lanes or (address == SHARED_POOL and self.shared_memory):
             self._writers.setdefault(address, []).append(writer)
         else:
             writer.close()

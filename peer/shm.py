@@ -37,6 +37,8 @@ import re
 import secrets
 import stat
 
+import numpy as np
+
 from shoal.common.errors import InvalidArgument, require
 
 SHM_DIR = "/dev/shm"
@@ -205,6 +207,33 @@ def _close(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:
         pass
+
+
+def release(values) -> bool:
+    """Drop this process's mapping of the whole pages under `values`, a received chunk read
+    through a `SegmentReader` (a read-only view of another peer's segment), once the collective
+    consumed it; True when it did. The bytes stay in the segment, which is the sender's memory
+    (counted in the sender's resident size, where it belongs): only this process's page-table
+    entries go (madvise MADV_DONTNEED on a shared read-only file mapping never discards data; a
+    later read, the next round's, maps the same pages again). Without it a receiver keeps every
+    page it ever read of every sender's slabs resident in its own RSS as well: the slab memory
+    counted twice, in both processes. Anything else (an array of this process's own memory, an
+    encoded chunk) is left alone: False."""
+    base = values.base if isinstance(values, np.ndarray) else None
+    if not isinstance(base, memoryview) or not base.readonly or not isinstance(base.obj, mmap.mmap):
+        return False
+    start = values.__array_interface__["data"][0]
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, (start + values.nbytes) // page * page  # whole pages inside
+    if hi <= lo:
+        return False
+    mm = base.obj
+    at = np.frombuffer(mm, dtype=np.uint8, count=1).__array_interface__["data"][0]  # the mapping's address
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, lo - at, hi - lo)
+    except (OSError, ValueError):  # e.g. an unmapped segment: nothing to drop
+        return False
+    return True
 
 
 def make_probe(peer_id: str) -> tuple[str, bytes, SegmentWriter]:

@@ -218,3 +218,56 @@ def test_a_full_dev_shm_falls_back_to_the_socket_instead_of_crashing(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "LANES ['socket', 'socket']" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "shared-memory lane to" in out.stderr and "No space left" in out.stderr, out.stderr[-2000:]
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_release_drops_only_the_readers_pages_and_keeps_the_bytes():
+    w = shm.SegmentWriter(ALICE)
+    r = shm.SegmentReader(ALICE)
+    try:
+        data = np.arange(4 << 20, dtype=np.float32)  # 16 MiB, written by the sender (its memory)
+        name, off = w.put(data)
+        view = np.frombuffer(r.read(name, off, data.nbytes), np.float32)
+        assert int(view[::1024].sum()) == int(data[::1024].sum())  # the reader's pages mapped now
+        before = _rss()
+        assert shm.release(view)
+        assert before - _rss() > data.nbytes // 2  # the reader's share of the slab left its RSS
+        assert view.tobytes() == data.tobytes()  # and the bytes are the sender's, unchanged
+        own = data.copy()
+        assert not shm.release(own) and not shm.release(data[:10]) and own.tobytes() == data.tobytes()
+        del view
+    finally:
+        r.close()
+        w.close()
+
+
+async def test_an_owner_writes_each_reduced_chunk_once_for_all_its_receivers(monkeypatch):
+    p, n = 4, 1_000_003
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    places: dict[tuple[str, int, int], set] = {}  # (owner, shard, offset) -> where its bytes were
+    check = Session.check_chunk
+
+    def recording(self, c, shm_reader=None, body=None):
+        if c.phase == pb.ALL_GATHER:
+            places.setdefault((c.sender, c.shard, c.offset), set()).add((c.shm_name, c.shm_offset))
+        return check(self, c, shm_reader, body)
+
+    monkeypatch.setattr(Session, "check_chunk", recording)
+    async with Swarmlet(p, [True] * p) as peers:
+        for attempt in range(2):  # the second attempt reuses the shared writers of the first
+            places.clear()
+            results = await peers.run(xs, attempt=attempt, algorithm="butterfly", chunk_bytes=64 << 10)
+            assert len({r.values.tobytes() for r in results}) == 1
+            assert all(r.digest == digest(r.values) for r in results)
+            np.testing.assert_allclose(results[0].values, np.sum(np.stack(xs).astype(np.float64), axis=0),
+                                       rtol=1e-5, atol=1e-4)
+            # every reduced chunk went to the three other peers from one place of one segment
+            assert len(places) > p and all(len(v) == 1 and next(iter(v))[0] for v in places.values())
+    async with Swarmlet(p, [False] * p) as peers:  # the socket lane: the same bits
+        plain = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
+    assert plain[0].values.tobytes() == results[0].values.tobytes()
