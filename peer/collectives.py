@@ -63,6 +63,9 @@ log = logging.getLogger("shoal.peer.collectives")
 
 RS, AG, DIST = pb.REDUCE_SCATTER, pb.ALL_GATHER, pb.DISTANCES
 SEND_QUEUE_CHUNKS = 16
+# Shared-memory chunks whose consumption the receiver signals (`_Laps`): per lap; a stream's
+# slabs then hold at most two laps, whatever the tensor size.
+LAP_CHUNKS = 4
 
 __all__ = ["CollectiveError", "CollectiveResult", "OwnerReducer", "all_reduce"]
 
@@ -121,6 +124,39 @@ class _Codec:
         return final_encoding(values, self.name)
 
 
+class _Laps:
+    """A stream's shared-memory chunks whose consumption the collective can await (`credit(key)`
+    returns once the receiver consumed chunk `key`), written in two alternating laps of
+    `LAP_CHUNKS` chunks, each lap in its own writer (from `take()`): a lap's slabs are rewritten
+    (rewound) only once every chunk written there in its previous turn was consumed, so the slabs
+    hold at most 2 x LAP_CHUNKS chunks however large the tensor, and a receiver never reads a
+    rewritten chunk. `credit` raises what the collective raises for a receiver that never
+    consumes (CollectiveError at the chunk deadline)."""
+
+    def __init__(self, take, credit):
+        self.take, self.credit = take, credit
+        self.writers: list[SegmentWriter] = []
+        self.keys: tuple[list, list] = ([], [])  # per lap: the chunks written in its current turn
+        self.lap = 0
+        self.closed = False  # the stream ended: its writers went back or were closed
+
+    async def put(self, key: Hashable, body) -> tuple[str, int]:
+        """Write `body` (chunk `key`) into the current lap; (segment name, offset)."""
+        if len(self.keys[self.lap]) == LAP_CHUNKS:
+            self.lap ^= 1
+            for k in self.keys[self.lap]:  # the other lap's last turn: consumed before it is rewritten
+                await self.credit(k)
+            self.keys[self.lap].clear()
+            if self.lap < len(self.writers):
+                self.writers[self.lap].rewind()
+        if self.closed:
+            raise CollectiveError("stream closed while a chunk waited for room")
+        if self.lap == len(self.writers):
+            self.writers.append(self.take())
+        self.keys[self.lap].append(key)
+        return self.writers[self.lap].put(body)
+
+
 class _Stream:
     """One outgoing PushChunks stream, fed through a bounded queue by the collective.
 
@@ -142,9 +178,17 @@ class _Stream:
         self.lane: str | None = None  # "shm", "tcp" or "socket", chosen at the first chunk
         self._choosing = asyncio.Lock()
         self.writer: SegmentWriter | None = None
+        self.laps: _Laps | None = None  # reduce-scatter chunks on the shared-memory lane, when `bound`
         # Through a relay (docs/nat.md): every chunk signed end to end, never shared memory.
         self.relay = plan.relay_of(plan.position(peer_id)) if plan.relays else ""
         self.bulk: tcplane.BulkConnection | None = None
+
+    def bound(self, credit) -> None:
+        """Write this stream's reduce-scatter chunks on the shared-memory lane in `_Laps` whose
+        `credit((shard, offset))` returns once the receiver consumed that chunk (the caller
+        guarantees that every such chunk's consumption can be awaited without this stream's
+        sender waiting on anything else)."""
+        self.laps = _Laps(lambda: self.transport.take_writer(self.address), credit)
 
     async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None, placed=None) -> None:
         """Queue (chunk without data, its bytes), or None to close the stream. `placed` (optional):
@@ -173,7 +217,12 @@ class _Stream:
             if self.writer is None:
                 raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id])
             try:
-                msg.shm_name, msg.shm_offset = placed() if placed is not None else self.writer.put(body)
+                if placed is not None:
+                    msg.shm_name, msg.shm_offset = placed()
+                elif self.laps is not None and msg.phase == RS:
+                    msg.shm_name, msg.shm_offset = await self.laps.put((msg.shard, msg.offset), body)
+                else:
+                    msg.shm_name, msg.shm_offset = self.writer.put(body)
             except OSError as exc:  # e.g. /dev/shm full: this and every later chunk inline
                 self.transport.lane_failed(self.address, exc)
                 self.lane = "socket"
@@ -225,8 +274,9 @@ class _Stream:
                     self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0,
                                             busy_bytes=busy_bytes, busy_seconds=busy_s)
             if self.writer is not None:
-                self.transport.give_back_writer(self.address, self.writer)
-                self.writer = None
+                for w in [self.writer, *self._lap_writers()]:
+                    self.transport.give_back_writer(self.address, w)
+                self.writer, self.laps = None, None
         except grpc.aio.AioRpcError as exc:
             await self.transport.forget(self.address)
             if self.relay and RELAY_ALTERED in (exc.details() or ""):
@@ -245,8 +295,15 @@ class _Stream:
             raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id]) from None
         finally:
             if self.writer is not None:  # a failed stream: its slabs are never written again
-                self.writer.close()
-                self.writer = None
+                for w in [self.writer, *self._lap_writers()]:
+                    w.close()
+                self.writer, self.laps = None, None
+
+    def _lap_writers(self) -> list[SegmentWriter]:
+        if self.laps is None:
+            return []
+        self.laps.closed = True
+        return self.laps.writers
 
     async def _run_bulk(self, item: tuple[pb.Chunk, memoryview]) -> None:
         """Write the queued frames on the bulk connection; fails like a PushChunks stream:
@@ -417,12 +474,20 @@ class _Wire:
         return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=self.me, phase=phase, step=step, shard=shard,
                         offset=off, dtype=dtype_code(values.dtype), shape=[values.size]), np.ascontiguousarray(values)
 
-    async def payload(self, phase: int, step: int, shard: int, off: int, sender: str) -> Payload:
+    async def arrived(self, phase: int, step: int, shard: int, off: int, sender: str) -> None:
+        """Return once the chunk `sender` sends this peer at (phase, step, shard, offset) arrived
+        (taken or not); fails as `payload` does."""
+        await self.payload(phase, step, shard, off, sender, take=False)
+
+    async def payload(self, phase: int, step: int, shard: int, off: int, sender: str,
+                      take: bool = True) -> Payload:
         """The chunk `sender` sends this peer at (phase, step, shard, offset), as it arrived."""
         plan = self.plan
         try:
-            return await self.inbox.get((plan.round, plan.attempt, phase, step, shard, off, sender),
-                                        plan.chunk_timeout_seconds)
+            key = (plan.round, plan.attempt, phase, step, shard, off, sender)
+            if not take:
+                return await self.inbox.arrived(key, plan.chunk_timeout_seconds)
+            return await self.inbox.get(key, plan.chunk_timeout_seconds)
         except TimeoutError:
             where = f"(phase {phase}, step {step}, shard {shard}, offset {off})"
             relay = plan.relay_of(plan.position(self.me))
@@ -591,6 +656,7 @@ class _Butterfly:
         self.reducer, self.codec, self.tamper = reducer, codec, tamper
         self.with_distances = reducer is not None and reducer.needs_distances
         self.streams = {j: self._stream(j, transport, inbox, links) for j in range(part.size) if j != part.me}
+        self.bounded = self._bound(transport)
         self.buf = np.empty_like(x)  # every element is written: own shards by publish, the others by gather
         self.own = _Contribution(x, codec, plan.audit_owners, me)
         # The plain sum of an owned chunk is computed straight into its slice of the result.
@@ -611,6 +677,23 @@ class _Butterfly:
             owners = tuple(self.part.peer_id(o) for o in plan.owners())
             return _Exchange(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, inbox, owners, links)
         return _Stream(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, links)
+
+    def _bound(self, transport: Transport) -> bool:
+        """Bound the reduce-scatter slabs (`_Laps`) when every stream is on the shared-memory lane
+        (chosen in an earlier round) and every chunk sent to an owner is consumed before the
+        owner publishes that chunk's aggregate to this peer: the plain sum or a reducer without
+        distances (which reduces chunk by chunk), no audit (an auditor publishes nothing),
+        nobody outbound-only. The credit of a chunk is then the arrival of its aggregate."""
+        plan, part = self.plan, self.part
+        lanes = transport.lanes()
+        if (self.with_distances or plan.audit_owners or plan.outbound_only or any(plan.relays)
+                or any(type(st) is not _Stream or lanes.get(st.address) != "shm" for st in self.streams.values())):
+            return False
+        for j, st in self.streams.items():
+            if j in plan.shard_owner:
+                owner = part.peer_id(j)
+                st.bound(lambda key, owner=owner: self.wire.arrived(AG, 0, key[0], key[1], owner))
+        return True
 
     async def run(self) -> _Outcome:
         ok = False
@@ -639,8 +722,21 @@ class _Butterfly:
             await st.put(None)
 
     async def _scatter(self) -> None:
-        """Send this peer's part of every shard to the shard's owner (and auditor)."""
+        """Send this peer's part of every shard to the shard's owner (and auditor): in the
+        scatter order, or, with bounded slabs, one task per owner (a send that waits for its
+        owner's credit must not hold back the chunks every other owner needs to give credit)."""
+        if not self.bounded:
+            await self._scatter_shards(self.part.scatter_order())
+            return
+        by_owner: dict[tuple[int, ...], list[int]] = {}
         for k in self.part.scatter_order():
+            by_owner.setdefault(self.part.recipients(k), []).append(k)
+        async with asyncio.TaskGroup() as tg:
+            for shards in by_owner.values():
+                tg.create_task(self._scatter_shards(shards))
+
+    async def _scatter_shards(self, shards: Sequence[int]) -> None:
+        for k in shards:
             targets = self.part.recipients(k)
             for span in self.part.chunks(k) if targets else ():
                 payload = self.own.payload(span)

@@ -234,6 +234,7 @@ class Inbox:
         self._broken: dict[tuple[int, int, str], str] = {}
         self._lanes: dict[tuple[int, int, str], ReplyLane] = {}  # per outbound-only participant (ReplyLane)
         self._streams: dict[tuple[int, int, str], int] = {}  # open streams per (round, attempt, sender)
+        self._taken: set[ChunkKey] = set()  # chunks the collective took (`arrived` answers them)
 
     def streaming(self, round_: int, attempt: int, sender: str) -> bool:
         """Whether a stream of `sender`'s chunks for this attempt is open here right now."""
@@ -268,6 +269,7 @@ class Inbox:
         self.floor = (session.round, session.attempt)
         for k in [k for k in self._futures if (k[0], k[1]) < self.floor]:
             self._drop(k)
+        self._taken = {k for k in self._taken if (k[0], k[1]) >= self.floor}
         self._broken = {k: v for k, v in self._broken.items() if (k[0], k[1]) >= self.floor}
         self._lanes = {k: v for k, v in self._lanes.items() if (k[0], k[1]) >= self.floor}
         self._wake()
@@ -300,6 +302,7 @@ class Inbox:
     def finish(self, round_: int, attempt: int) -> None:
         for k in [k for k in self._futures if (k[0], k[1]) == (round_, attempt)]:
             self._drop(k)
+        self._taken = {k for k in self._taken if (k[0], k[1]) != (round_, attempt)}
         if self.session is not None and (self.session.round, self.session.attempt) == (round_, attempt):
             self.session = None
             self.floor = (round_, attempt + 1)
@@ -346,8 +349,23 @@ class Inbox:
         async with asyncio.timeout(timeout):
             values = await asyncio.shield(f)
         self._futures.pop(key, None)
+        self._taken.add(key)
         self._bytes -= payload_nbytes(values)
         return values
+
+    async def arrived(self, key: ChunkKey, timeout: float) -> None:
+        """Return once the chunk `key` arrived (taken by `get` or still held); raises as `get`
+        (TimeoutError, SenderGone) and takes nothing."""
+        if key in self._taken:
+            return
+        f = self._futures.get(key)
+        if f is None:
+            f = self._futures[key] = asyncio.get_running_loop().create_future()
+        broken = self._broken.get((key[0], key[1], key[6]))
+        if broken is not None and not f.done():
+            raise SenderGone(broken)
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(f)
 
 
 class StateSource:

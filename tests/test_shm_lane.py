@@ -271,3 +271,62 @@ async def test_an_owner_writes_each_reduced_chunk_once_for_all_its_receivers(mon
     async with Swarmlet(p, [False] * p) as peers:  # the socket lane: the same bits
         plain = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
     assert plain[0].values.tobytes() == results[0].values.tobytes()
+
+
+async def test_laps_rewrite_a_slab_region_only_after_its_chunk_was_consumed():
+    from shoal.peer.collectives import LAP_CHUNKS, _Laps
+
+    consumed: set[int] = set()
+    credited: list[int] = []
+    holder: dict[tuple[str, int], int] = {}  # slab region -> the chunk it holds now
+
+    async def credit(key):
+        credited.append(key)
+        consumed.add(key)
+
+    writers = []
+
+    def take():
+        writers.append(shm.SegmentWriter(ALICE))
+        return writers[-1]
+
+    laps = _Laps(take, credit)
+    try:
+        chunk = np.zeros(1000, dtype=np.float32)
+        for i in range(5 * LAP_CHUNKS + 1):
+            place = await laps.put(i, chunk + i)
+            old = holder.get(place)
+            assert old is None or old in consumed, f"chunk {i} overwrote chunk {old} before it was consumed"
+            holder[place] = i
+            # chunk i waits only for chunks two laps back, never for one still in flight
+            assert all(k <= i - LAP_CHUNKS - 1 for k in credited)
+        assert len(writers) == 2 and len(holder) == 2 * LAP_CHUNKS  # memory: two laps, reused
+        assert credited == list(range(4 * LAP_CHUNKS))
+    finally:
+        for w in writers:
+            w.close()
+
+
+async def test_bounded_reduce_scatter_slabs_give_the_same_bits(monkeypatch):
+    from shoal.peer.collectives import LAP_CHUNKS
+
+    p, n = 3, 1_200_007  # shards of ~400k elements: 25 chunks of 64 KiB per owner
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    places: dict[tuple[str, int], set] = {}  # (sender, owner) -> slab places of its reduce-scatter chunks
+    check = Session.check_chunk
+
+    def recording(self, c, shm_reader=None, body=None):
+        if c.phase == pb.REDUCE_SCATTER:
+            places.setdefault((c.sender, c.shard), set()).add((c.shm_name, c.shm_offset))
+        return check(self, c, shm_reader, body)
+
+    monkeypatch.setattr(Session, "check_chunk", recording)
+    async with Swarmlet(p, [True] * p) as peers:
+        first = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
+        assert max(len(v) for v in places.values()) > 2 * LAP_CHUNKS  # the first attempt chose its lanes
+        for attempt in (1, 2):  # lanes known: bounded
+            places.clear()
+            results = await peers.run(xs, attempt=attempt, algorithm="butterfly", chunk_bytes=64 << 10)
+            assert all(r.values.tobytes() == first[0].values.tobytes() for r in results)
+            assert places and all(len(v) <= 2 * LAP_CHUNKS for v in places.values())
