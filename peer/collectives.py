@@ -56,7 +56,7 @@ from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, enc
 from shoal.peer.dataplane import SHARED_POOL, Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
-from shoal.peer.shm import SegmentWriter, release
+from shoal.peer.shm import MAX_SEGMENT_BYTES, SegmentWriter, release
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
@@ -609,6 +609,41 @@ class _SharedChunks:
             self.writer = None
 
 
+class _Result:
+    """One attempt's result buffer `values` `(n,)` of x's dtype: in a shared-memory segment of
+    this peer (`Transport.take_result`, reused once the array on it is gone) when the transport
+    already reaches a participant through shared memory, so that chunks sent from it (an owner's
+    aggregates, the ring's partial sums and relayed final chunks) need neither a slab nor a copy:
+    `placement` says where they are. Else (no co-located participant, lanes not chosen yet,
+    /dev/shm full, a tensor larger than a receiver maps) this process's memory. Receivers read it
+    until they voted, and the segment is rewritten only once the array is gone, so in a later
+    collective (as slabs are: peer.shm)."""
+
+    def __init__(self, x: np.ndarray, plan: Plan, transport: Transport, copy: bool):
+        self.name = ""
+        lanes = transport.lanes()
+        if (transport.shared_memory and 0 < x.nbytes <= MAX_SEGMENT_BYTES
+                and any(lanes.get(a) == "shm" for a in plan.addresses)):
+            try:
+                self.name, self.values = transport.take_result(x.size, x.dtype)
+            except OSError as exc:  # /dev/shm full: this process's memory, the chunks through slabs
+                log.info("result buffer in this process's memory: %s", exc)
+        if not self.name:
+            self.values = np.empty_like(x)
+        if copy:
+            self.values[...] = x
+
+    def placement(self, span: ChunkSpan, payload):
+        """A callable giving (segment, byte offset) of `payload` when it is this buffer's own
+        slice of `span` (so the shared-memory lane can point at it); None otherwise."""
+        if not self.name or not isinstance(payload, np.ndarray) or payload.size != span.size:
+            return None
+        lo = span.lo * self.values.itemsize
+        if payload.__array_interface__["data"][0] != self.values.__array_interface__["data"][0] + lo:
+            return None
+        return lambda: (self.name, lo)
+
+
 def _into(dst: np.ndarray, src: np.ndarray) -> None:
     """`dst[:] = src`, skipped when `src` already is `dst` (a sum computed in place)."""
     if src.__array_interface__["data"][0] != dst.__array_interface__["data"][0] or src.shape != dst.shape:
@@ -657,7 +692,9 @@ class _Butterfly:
         self.with_distances = reducer is not None and reducer.needs_distances
         self.streams = {j: self._stream(j, transport, inbox, links) for j in range(part.size) if j != part.me}
         self.bounded = self._bound(transport)
-        self.buf = np.empty_like(x)  # every element is written: own shards by publish, the others by gather
+        # Every element is written: own shards by the sums (or publish), the others by gather.
+        self.result = _Result(x, plan, transport, copy=False)
+        self.buf = self.result.values
         self.own = _Contribution(x, codec, plan.audit_owners, me)
         # The plain sum of an owned chunk is computed straight into its slice of the result.
         self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype, out=self.buf)
@@ -783,7 +820,8 @@ class _Butterfly:
         place = None
         for st in self.streams.values():
             item = self.wire.message(AG, 0, span.shard, span.offset, payload)
-            place = place or self.shared.placement((span.shard, span.offset), item[1])
+            place = (place or self.result.placement(span, item[1])
+                     or self.shared.placement((span.shard, span.offset), item[1]))
             await st.put(item, place)
 
     async def _exchange_distances(self, mine: dict[int, np.ndarray]) -> np.ndarray:
@@ -857,7 +895,8 @@ class _Ring:
                  links=None):
         self.part = part = ShardPartition(plan, me, x.itemsize)
         self.x, self.codec, self.wire = x, codec, _Wire(plan, me, inbox)
-        self.buf = x.copy()
+        self.result = _Result(x, plan, transport, copy=True)
+        self.buf = self.result.values
         self.prev = part.peer_id((part.me - 1) % part.size)
         nxt = (part.me + 1) % part.size
         self.out = _Stream(transport, plan.addresses[nxt], part.peer_id(nxt), plan, plan.deadline_seconds, links)
@@ -884,7 +923,12 @@ class _Ring:
     async def _send(self, phase: int, step: int, span: ChunkSpan, payload: Payload | None = None) -> None:
         if payload is None:  # reduce-scatter: this peer's partial sum, compressed per hop
             payload = self.codec.own(("rs", span.lo, span.hi), self.buf[span.lo:span.hi])
-        await self.out.put(self.wire.message(phase, step, span.shard, span.offset, payload))
+        # From the result buffer itself when it is shared (peer.shm): the successor reads this
+        # peer's partial sum or final chunk there; neither changes before the successor took it
+        # (a partial is overwritten only by its final value, which exists only after every
+        # later hop, the successor's first, consumed it).
+        await self.out.put(self.wire.message(phase, step, span.shard, span.offset, payload),
+                           self.result.placement(span, payload))
 
     async def _add(self, step: int, span: ChunkSpan) -> None:
         """Add the predecessor's partial sum of `span` to this peer's; pass it on, or, at the last
@@ -902,7 +946,8 @@ class _Ring:
         if step < self.part.size - 2:
             await self._send(RS, step + 1, span)
         else:
-            payload, self.buf[span.lo:span.hi] = self.codec.final(partial)
+            payload, final = self.codec.final(partial)
+            _into(partial, final)
             await self._send(AG, 0, span, payload)
 
     async def _relay(self, step: int, span: ChunkSpan) -> None:
@@ -975,6 +1020,7 @@ async def _attempt(x: np.ndarray, plan: Plan, me: str, transport: Transport, inb
     """Run the plan's collective within its deadline; the CollectiveErrors of its tasks become one."""
     try:
         async with asyncio.timeout(plan.deadline_seconds):
+            await _choose_lanes(plan, me, transport)
             if plan.collective == "butterfly":
                 return await _Butterfly(x, plan, me, transport, inbox, reducer, codec, links, tamper).run()
             if reducer is not None:
@@ -986,6 +1032,21 @@ async def _attempt(x: np.ndarray, plan: Plan, me: str, transport: Transport, inb
         if any(isinstance(e, CollectiveError) for e in _flatten(group)):
             raise _first(group) from None
         raise
+
+
+async def _choose_lanes(plan: Plan, me: str, transport: Transport) -> None:
+    """Probe the shared-memory lane to every participant this peer's collective dials directly
+    (the butterfly: all; the ring: its successor), now (cached: after the first attempt a
+    lookup), so that the result buffer and the slab bounds know the lanes from the first attempt
+    on, not only once a first stream chose them. A failed probe leaves the choice to the stream,
+    as before."""
+    pos = plan.position(me)
+    if not transport.shared_memory or not plan.dialable(pos):
+        return
+    targets = range(plan.size) if plan.collective == "butterfly" else [(pos + 1) % plan.size]
+    peers = [(plan.participants[i], plan.addresses[i]) for i in targets
+             if i != pos and plan.dialable(i) and not plan.relay_of(i)]
+    await asyncio.gather(*(transport.shm_lane(a, pid) for pid, a in peers), return_exceptions=True)
 
 
 def _first(group: BaseExceptionGroup) -> CollectiveError:

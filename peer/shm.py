@@ -73,6 +73,18 @@ def _create(peer_id: str, size: int) -> tuple[str, mmap.mmap]:
         os.close(fd)
 
 
+def create_segment(peer_id: str, nbytes: int) -> tuple[str, mmap.mmap]:
+    """A new segment of this peer of `nbytes` bytes that co-located receivers read by name, mapped
+    read-write (e.g. a collective's result buffer: chunks sent from it need no slab and no copy).
+    Its pages are reserved now: OSError when /dev/shm is full. The caller unlinks it (`unlink`)."""
+    return _create(peer_id, nbytes)
+
+
+def unlink(name: str) -> None:
+    """Remove segment `name` from /dev/shm (mappings stay valid); a missing one is no error."""
+    _unlink(name)
+
+
 def _unlink(name: str) -> None:
     try:
         os.unlink(os.path.join(SHM_DIR, name))
@@ -121,6 +133,7 @@ class SegmentWriter:
         self._slabs: list[tuple[str, mmap.mmap]] = []
         self._slab = 0  # index of the slab being filled
         self._used = 0  # bytes used in it
+        self._reach = 0  # slabs written since the last `trim` (the others are idle)
 
     def rewind(self) -> None:
         """Start over at the first slab (the receiver has read everything written so far)."""
@@ -136,6 +149,7 @@ class SegmentWriter:
             grown = min(self.slab_bytes, self.first_slab_bytes << len(self._slabs))
             self._slabs.append(_create(self.peer_id, max(grown, n)))
         name, mm = self._slabs[self._slab]
+        self._reach = max(self._reach, self._slab + 1)
         off = self._used
         mm[off:off + n] = view
         self._used += n
@@ -146,6 +160,18 @@ class SegmentWriter:
             _unlink(name)
             mm.close()
         self._slabs.clear()
+        self.rewind()
+
+    def trim(self) -> None:
+        """Unlink and unmap the slabs not written since the last trim (a writer going back to its
+        pool keeps what its last use needed, not what one unusual stream once did: a round whose
+        lanes were not known yet, a larger tensor). A receiver's mapping of a trimmed slab stays
+        valid until it drops it (`SegmentReader` prunes unlinked ones)."""
+        for name, mm in self._slabs[self._reach:]:
+            _unlink(name)
+            mm.close()
+        del self._slabs[self._reach:]
+        self._reach = 0
         self.rewind()
 
 
@@ -162,7 +188,7 @@ class SegmentReader:
     streams, at most `max_maps`, least recently used dropped first.
     """
 
-    def __init__(self, sender: str, max_maps: int = 4):
+    def __init__(self, sender: str, max_maps: int = 16):
         self.sender = sender
         self.max_maps = max_maps
         self._maps: dict[str, mmap.mmap] = {}
@@ -190,10 +216,19 @@ class SegmentReader:
 
     def read(self, name: str, offset: int, n: int) -> memoryview:
         """A read-only view of `n` bytes at `offset` of segment `name` (mapped on first use)."""
-        mm = self._maps.pop(name, None) or self._open(name)
+        mm = self._maps.pop(name, None)
+        if mm is None:
+            self._prune()
+            mm = self._open(name)
         self._maps[name] = mm  # most recently used last
         require(offset + n <= len(mm), "shm_offset", f"{offset} + {n} bytes past the segment's {len(mm)}")
         return memoryview(mm)[offset:offset + n]
+
+    def _prune(self) -> None:
+        """Drop the mappings of segments the sender unlinked (last attempts' result buffers): a
+        mapping would keep their memory alive after the sender let it go."""
+        for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            _close(self._maps.pop(name))
 
     def close(self) -> None:
         for mm in self._maps.values():
