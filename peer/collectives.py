@@ -177,7 +177,8 @@ class _Stream:
         self.solo = False  # the sender's only stream (ring): its goodput while queued is the link's
         self.lane: str | None = None  # "shm", "tcp" or "socket", chosen at the first chunk
         self._choosing = asyncio.Lock()
-        self.writer: SegmentWriter | None = None
+        self.shm_open = False  # on the shared-memory lane, until the stream ended
+        self.writer: SegmentWriter | None = None  # taken at its first chunk: bounded streams may need none
         self.laps: _Laps | None = None  # reduce-scatter chunks on the shared-memory lane, when `bound`
         # Through a relay (docs/nat.md): every chunk signed end to end, never shared memory.
         self.relay = plan.relay_of(plan.position(peer_id)) if plan.relays else ""
@@ -201,7 +202,7 @@ class _Stream:
         async with self._choosing:  # scatter and publish may both open the stream (butterfly)
             if self.lane is None:
                 shared = not self.relay and await self.transport.shm_lane(self.address, self.peer_id)
-                self.writer = self.transport.take_writer(self.address) if shared else None
+                self.shm_open = shared
                 # A relayed participant is reached through its relay's gRPC splice only (the relay
                 # forwards one port, and every chunk must carry its end-to-end signature).
                 direct = not shared and not self.relay
@@ -214,7 +215,7 @@ class _Stream:
             await self.queue.put((msg, tcplane.chunk_frame(msg, body)))
             return
         if self.lane == "shm":
-            if self.writer is None:
+            if not self.shm_open:
                 raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id])
             try:
                 if placed is not None:
@@ -222,6 +223,8 @@ class _Stream:
                 elif self.laps is not None and msg.phase == RS:
                     msg.shm_name, msg.shm_offset = await self.laps.put((msg.shard, msg.offset), body)
                 else:
+                    if self.writer is None:
+                        self.writer = self.transport.take_writer(self.address)
                     msg.shm_name, msg.shm_offset = self.writer.put(body)
             except OSError as exc:  # e.g. /dev/shm full: this and every later chunk inline
                 self.transport.lane_failed(self.address, exc)
@@ -273,10 +276,8 @@ class _Stream:
                 if self.links is not None and self.lane != "shm":  # shared memory says nothing of links
                     self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0,
                                             busy_bytes=busy_bytes, busy_seconds=busy_s)
-            if self.writer is not None:
-                for w in [self.writer, *self._lap_writers()]:
-                    self.transport.give_back_writer(self.address, w)
-                self.writer, self.laps = None, None
+            for w in self._writers():
+                self.transport.give_back_writer(self.address, w)
         except grpc.aio.AioRpcError as exc:
             await self.transport.forget(self.address)
             if self.relay and RELAY_ALTERED in (exc.details() or ""):
@@ -294,16 +295,17 @@ class _Stream:
                                       relay=self.relay) from None
             raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id]) from None
         finally:
-            if self.writer is not None:  # a failed stream: its slabs are never written again
-                for w in [self.writer, *self._lap_writers()]:
-                    w.close()
-                self.writer, self.laps = None, None
+            for w in self._writers():  # a failed stream: its slabs are never written again
+                w.close()
 
-    def _lap_writers(self) -> list[SegmentWriter]:
-        if self.laps is None:
-            return []
-        self.laps.closed = True
-        return self.laps.writers
+    def _writers(self) -> list[SegmentWriter]:
+        """End the shared-memory side of the stream: its writers, to give back or close."""
+        out = [self.writer] if self.writer is not None else []
+        if self.laps is not None:
+            self.laps.closed = True
+            out += self.laps.writers
+        self.shm_open, self.writer, self.laps = False, None, None
+        return out
 
     async def _run_bulk(self, item: tuple[pb.Chunk, memoryview]) -> None:
         """Write the queued frames on the bulk connection; fails like a PushChunks stream:
