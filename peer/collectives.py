@@ -162,7 +162,9 @@ class _Stream:
 
     `put` fixes a chunk's bytes at once (so later writes to the caller's buffer never reach the
     wire): inline in `data`, or, on the shared-memory lane (a co-located receiver, see peer.shm
-    and `Transport.shm_lane`), copied once into a segment of a writer reused across streams, or,
+    and `Transport.shm_lane`), pointed at where they already are in a shared segment (`placed`:
+    the result buffer, `_Result`, or an owner's shared slabs), else copied once into a segment of
+    a writer reused across streams (reduce-scatter chunks of a bounded butterfly in `_Laps`), or,
     on the bulk lane (a receiver on another host, peer.tcplane, `Transport.bulk_lane`), copied
     once into the frame written on a raw TCP connection. With neither, the stream is PushChunks.
     """

@@ -25,6 +25,13 @@ with SIGKILL leaves its slabs in /dev/shm; `remove_stale` deletes them when a pr
 same identity starts again, and launchers (`shoal swarm`, `shoal bench`, the tests) call
 `remove_stale_of_keys` for the peers they killed.
 
+Fewer copies and bounded memory (docs/performance.md, "Shared-memory lane: fewer copies"): a
+collective's result buffer can itself be a segment of its sender (`create_segment`, pooled by
+`peer.dataplane.Transport.take_result`), so chunks sent from it need no slab at all; a writer
+going back to its pool keeps only the slabs its last use wrote (`SegmentWriter.trim`); and a
+receiver drops its mapping of a chunk's pages once consumed (`release`), so shared pages are
+counted in the sender's resident size only.
+
 Raises (receiver side) `InvalidArgument` naming the field (`shm_name`, `shm_offset`) for a name,
 size or range that does not fit; the caller turns it into INVALID_ARGUMENT.
 """
