@@ -53,16 +53,19 @@ from shoal.common.tensors import digest, dtype_code
 from shoal.peer import faults, tcplane
 from shoal.peer.audit import AuditVerdict, OwnerAudit
 from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
-from shoal.peer.dataplane import Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
+from shoal.peer.dataplane import SHARED_POOL, Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
-from shoal.peer.shm import SegmentWriter
+from shoal.peer.shm import MAX_SEGMENT_BYTES, SegmentWriter, release
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
 
 RS, AG, DIST = pb.REDUCE_SCATTER, pb.ALL_GATHER, pb.DISTANCES
 SEND_QUEUE_CHUNKS = 16
+# Shared-memory chunks whose consumption the receiver signals (`_Laps`): per lap; a stream's
+# slabs then hold at most two laps, whatever the tensor size.
+LAP_CHUNKS = 4
 
 __all__ = ["CollectiveError", "CollectiveResult", "OwnerReducer", "all_reduce"]
 
@@ -121,12 +124,47 @@ class _Codec:
         return final_encoding(values, self.name)
 
 
+class _Laps:
+    """A stream's shared-memory chunks whose consumption the collective can await (`credit(key)`
+    returns once the receiver consumed chunk `key`), written in two alternating laps of
+    `LAP_CHUNKS` chunks, each lap in its own writer (from `take()`): a lap's slabs are rewritten
+    (rewound) only once every chunk written there in its previous turn was consumed, so the slabs
+    hold at most 2 x LAP_CHUNKS chunks however large the tensor, and a receiver never reads a
+    rewritten chunk. `credit` raises what the collective raises for a receiver that never
+    consumes (CollectiveError at the chunk deadline)."""
+
+    def __init__(self, take, credit):
+        self.take, self.credit = take, credit
+        self.writers: list[SegmentWriter] = []
+        self.keys: tuple[list, list] = ([], [])  # per lap: the chunks written in its current turn
+        self.lap = 0
+        self.closed = False  # the stream ended: its writers went back or were closed
+
+    async def put(self, key: Hashable, body) -> tuple[str, int]:
+        """Write `body` (chunk `key`) into the current lap; (segment name, offset)."""
+        if len(self.keys[self.lap]) == LAP_CHUNKS:
+            self.lap ^= 1
+            for k in self.keys[self.lap]:  # the other lap's last turn: consumed before it is rewritten
+                await self.credit(k)
+            self.keys[self.lap].clear()
+            if self.lap < len(self.writers):
+                self.writers[self.lap].rewind()
+        if self.closed:
+            raise CollectiveError("stream closed while a chunk waited for room")
+        if self.lap == len(self.writers):
+            self.writers.append(self.take())
+        self.keys[self.lap].append(key)
+        return self.writers[self.lap].put(body)
+
+
 class _Stream:
     """One outgoing PushChunks stream, fed through a bounded queue by the collective.
 
     `put` fixes a chunk's bytes at once (so later writes to the caller's buffer never reach the
     wire): inline in `data`, or, on the shared-memory lane (a co-located receiver, see peer.shm
-    and `Transport.shm_lane`), copied once into a segment of a writer reused across streams, or,
+    and `Transport.shm_lane`), pointed at where they already are in a shared segment (`placed`:
+    the result buffer, `_Result`, or an owner's shared slabs), else copied once into a segment of
+    a writer reused across streams (reduce-scatter chunks of a bounded butterfly in `_Laps`), or,
     on the bulk lane (a receiver on another host, peer.tcplane, `Transport.bulk_lane`), copied
     once into the frame written on a raw TCP connection. With neither, the stream is PushChunks.
     """
@@ -141,13 +179,24 @@ class _Stream:
         self.solo = False  # the sender's only stream (ring): its goodput while queued is the link's
         self.lane: str | None = None  # "shm", "tcp" or "socket", chosen at the first chunk
         self._choosing = asyncio.Lock()
-        self.writer: SegmentWriter | None = None
+        self.shm_open = False  # on the shared-memory lane, until the stream ended
+        self.writer: SegmentWriter | None = None  # taken at its first chunk: bounded streams may need none
+        self.laps: _Laps | None = None  # reduce-scatter chunks on the shared-memory lane, when `bound`
         # Through a relay (docs/nat.md): every chunk signed end to end, never shared memory.
         self.relay = plan.relay_of(plan.position(peer_id)) if plan.relays else ""
         self.bulk: tcplane.BulkConnection | None = None
 
-    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None) -> None:
-        """Queue (chunk without data, its bytes), or None to close the stream."""
+    def bound(self, credit) -> None:
+        """Write this stream's reduce-scatter chunks on the shared-memory lane in `_Laps` whose
+        `credit((shard, offset))` returns once the receiver consumed that chunk (the caller
+        guarantees that every such chunk's consumption can be awaited without this stream's
+        sender waiting on anything else)."""
+        self.laps = _Laps(lambda: self.transport.take_writer(self.address), credit)
+
+    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None, placed=None) -> None:
+        """Queue (chunk without data, its bytes), or None to close the stream. `placed` (optional):
+        a callable returning (segment name, offset) of the same bytes already written into a
+        shared-memory segment (`_SharedChunks`), used instead of copying them again on that lane."""
         if item is None:
             await self.queue.put(None)
             return
@@ -155,7 +204,7 @@ class _Stream:
         async with self._choosing:  # scatter and publish may both open the stream (butterfly)
             if self.lane is None:
                 shared = not self.relay and await self.transport.shm_lane(self.address, self.peer_id)
-                self.writer = self.transport.take_writer(self.address) if shared else None
+                self.shm_open = shared
                 # A relayed participant is reached through its relay's gRPC splice only (the relay
                 # forwards one port, and every chunk must carry its end-to-end signature).
                 direct = not shared and not self.relay
@@ -168,10 +217,17 @@ class _Stream:
             await self.queue.put((msg, tcplane.chunk_frame(msg, body)))
             return
         if self.lane == "shm":
-            if self.writer is None:
+            if not self.shm_open:
                 raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id])
             try:
-                msg.shm_name, msg.shm_offset = self.writer.put(body)
+                if placed is not None:
+                    msg.shm_name, msg.shm_offset = placed()
+                elif self.laps is not None and msg.phase == RS:
+                    msg.shm_name, msg.shm_offset = await self.laps.put((msg.shard, msg.offset), body)
+                else:
+                    if self.writer is None:
+                        self.writer = self.transport.take_writer(self.address)
+                    msg.shm_name, msg.shm_offset = self.writer.put(body)
             except OSError as exc:  # e.g. /dev/shm full: this and every later chunk inline
                 self.transport.lane_failed(self.address, exc)
                 self.lane = "socket"
@@ -222,9 +278,8 @@ class _Stream:
                 if self.links is not None and self.lane != "shm":  # shared memory says nothing of links
                     self.links.observe_send(self.peer_id, self.bytes_sent, time.perf_counter() - t0,
                                             busy_bytes=busy_bytes, busy_seconds=busy_s)
-            if self.writer is not None:
-                self.transport.give_back_writer(self.address, self.writer)
-                self.writer = None
+            for w in self._writers():
+                self.transport.give_back_writer(self.address, w)
         except grpc.aio.AioRpcError as exc:
             await self.transport.forget(self.address)
             if self.relay and RELAY_ALTERED in (exc.details() or ""):
@@ -242,9 +297,17 @@ class _Stream:
                                       relay=self.relay) from None
             raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id]) from None
         finally:
-            if self.writer is not None:  # a failed stream: its slabs are never written again
-                self.writer.close()
-                self.writer = None
+            for w in self._writers():  # a failed stream: its slabs are never written again
+                w.close()
+
+    def _writers(self) -> list[SegmentWriter]:
+        """End the shared-memory side of the stream: its writers, to give back or close."""
+        out = [self.writer] if self.writer is not None else []
+        if self.laps is not None:
+            self.laps.closed = True
+            out += self.laps.writers
+        self.shm_open, self.writer, self.laps = False, None, None
+        return out
 
     async def _run_bulk(self, item: tuple[pb.Chunk, memoryview]) -> None:
         """Write the queued frames on the bulk connection; fails like a PushChunks stream:
@@ -358,7 +421,8 @@ class _Reply:
         self._first_put = asyncio.Event()  # a chunk or the closing None was put
         self._closed = asyncio.Event()  # the closing None was put
 
-    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None) -> None:
+    async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None, placed=None) -> None:
+        """As `_Stream.put`; `placed` is ignored (replies are inline)."""
         self._first_put.set()
         if self.lane.done.done() and not self.lane.done.result():
             raise CollectiveError(f"exchange with {self.peer_id[:8]} broke", [self.peer_id])
@@ -414,12 +478,20 @@ class _Wire:
         return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=self.me, phase=phase, step=step, shard=shard,
                         offset=off, dtype=dtype_code(values.dtype), shape=[values.size]), np.ascontiguousarray(values)
 
-    async def payload(self, phase: int, step: int, shard: int, off: int, sender: str) -> Payload:
+    async def arrived(self, phase: int, step: int, shard: int, off: int, sender: str) -> None:
+        """Return once the chunk `sender` sends this peer at (phase, step, shard, offset) arrived
+        (taken or not); fails as `payload` does."""
+        await self.payload(phase, step, shard, off, sender, take=False)
+
+    async def payload(self, phase: int, step: int, shard: int, off: int, sender: str,
+                      take: bool = True) -> Payload:
         """The chunk `sender` sends this peer at (phase, step, shard, offset), as it arrived."""
         plan = self.plan
         try:
-            return await self.inbox.get((plan.round, plan.attempt, phase, step, shard, off, sender),
-                                        plan.chunk_timeout_seconds)
+            key = (plan.round, plan.attempt, phase, step, shard, off, sender)
+            if not take:
+                return await self.inbox.arrived(key, plan.chunk_timeout_seconds)
+            return await self.inbox.get(key, plan.chunk_timeout_seconds)
         except TimeoutError:
             where = f"(phase {phase}, step {step}, shard {shard}, offset {off})"
             relay = plan.relay_of(plan.position(self.me))
@@ -508,6 +580,87 @@ class _Contribution:
         return _decoded(self.payload(span), self.me)
 
 
+class _SharedChunks:
+    """A shard owner's reduced chunks for its co-located receivers (the shared-memory lane),
+    written once into one writer's slabs that all of them read: one copy per chunk instead of one
+    per receiver, and 1/p of the tensor in slabs instead of (p-1)/p. The writer comes from the
+    transport's shared pool (`take_writer(SHARED_POOL)`, its pages already touched) at the first
+    chunk placed, and goes back by `finish(True)` only once every stream of the attempt completed
+    (each receiver took every chunk, and reads them before its next vote: peer.shm); after a
+    failure it is closed, never rewritten."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+        self.writer: SegmentWriter | None = None
+        self._placed: dict[tuple[int, int], tuple[str, int]] = {}
+
+    def placement(self, key: tuple[int, int], body: bytes | np.ndarray):
+        """A callable placing `body` (chunk `key` = (shard, offset)) once; (segment, offset)."""
+        def place() -> tuple[str, int]:
+            if key not in self._placed:
+                if self.writer is None:
+                    self.writer = self.transport.take_writer(SHARED_POOL)
+                self._placed[key] = self.writer.put(body)
+            return self._placed[key]
+        return place
+
+    def finish(self, ok: bool) -> None:
+        if self.writer is not None:
+            if ok:
+                self.transport.give_back_writer(SHARED_POOL, self.writer)
+            else:
+                self.writer.close()
+            self.writer = None
+
+
+class _Result:
+    """One attempt's result buffer `values` `(n,)` of x's dtype: in a shared-memory segment of
+    this peer (`Transport.take_result`, reused once the array on it is gone) when the transport
+    already reaches a participant through shared memory, so that chunks sent from it (an owner's
+    aggregates, the ring's partial sums and relayed final chunks) need neither a slab nor a copy:
+    `placement` says where they are. Else (no co-located participant, lanes not chosen yet,
+    /dev/shm full, a tensor larger than a receiver maps) this process's memory. Receivers read it
+    until they voted, and the segment is rewritten only once the array is gone, so in a later
+    collective (as slabs are: peer.shm)."""
+
+    def __init__(self, x: np.ndarray, plan: Plan, transport: Transport, copy: bool):
+        self.name = ""
+        lanes = transport.lanes()
+        if (transport.shared_memory and 0 < x.nbytes <= MAX_SEGMENT_BYTES
+                and any(lanes.get(a) == "shm" for a in plan.addresses)):
+            try:
+                self.name, self.values = transport.take_result(x.size, x.dtype)
+            except OSError as exc:  # /dev/shm full: this process's memory, the chunks through slabs
+                log.info("result buffer in this process's memory: %s", exc)
+        if not self.name:
+            self.values = np.empty_like(x)
+        if copy:
+            self.values[...] = x
+
+    def placement(self, span: ChunkSpan, payload):
+        """A callable giving (segment, byte offset) of `payload` when it is this buffer's own
+        slice of `span` (so the shared-memory lane can point at it); None otherwise."""
+        if not self.name or not isinstance(payload, np.ndarray) or payload.size != span.size:
+            return None
+        lo = span.lo * self.values.itemsize
+        if payload.__array_interface__["data"][0] != self.values.__array_interface__["data"][0] + lo:
+            return None
+        return lambda: (self.name, lo)
+
+
+def _into(dst: np.ndarray, src: np.ndarray) -> None:
+    """`dst[:] = src`, skipped when `src` already is `dst` (a sum computed in place)."""
+    if src.__array_interface__["data"][0] != dst.__array_interface__["data"][0] or src.shape != dst.shape:
+        dst[...] = src
+
+
+def _release(rows: Sequence[np.ndarray]) -> None:
+    """Received chunks the collective consumed: their shared-memory pages leave this process's
+    resident set (peer.shm.release; a no-op for chunks in this process's own memory)."""
+    for r in rows:
+        release(r)
+
+
 @dataclass(frozen=True)
 class _Outcome:
     """What one participant's collective produced: the result, its digest, bytes sent (on the
@@ -542,9 +695,14 @@ class _Butterfly:
         self.reducer, self.codec, self.tamper = reducer, codec, tamper
         self.with_distances = reducer is not None and reducer.needs_distances
         self.streams = {j: self._stream(j, transport, inbox, links) for j in range(part.size) if j != part.me}
-        self.buf = np.empty_like(x)  # every element is written: own shards by publish, the others by gather
+        self.bounded = self._bound(transport)
+        # Every element is written: own shards by the sums (or publish), the others by gather.
+        self.result = _Result(x, plan, transport, copy=False)
+        self.buf = self.result.values
         self.own = _Contribution(x, codec, plan.audit_owners, me)
-        self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype)
+        # The plain sum of an owned chunk is computed straight into its slice of the result.
+        self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype, out=self.buf)
+        self.shared = _SharedChunks(transport)
         self.audit = OwnerAudit(part, reducer, x.dtype, codec.name) if part.audited else None
         self.handoff = _Handoff()  # audited shards: the owners' distance matrices, the expected values
         self.mismatches: list[CollectiveError] = []
@@ -561,11 +719,33 @@ class _Butterfly:
             return _Exchange(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, inbox, owners, links)
         return _Stream(transport, plan.addresses[j], peer, plan, plan.deadline_seconds, links)
 
+    def _bound(self, transport: Transport) -> bool:
+        """Bound the reduce-scatter slabs (`_Laps`) when every stream is on the shared-memory lane
+        (chosen in an earlier round) and every chunk sent to an owner is consumed before the
+        owner publishes that chunk's aggregate to this peer: the plain sum or a reducer without
+        distances (which reduces chunk by chunk), no audit (an auditor publishes nothing),
+        nobody outbound-only. The credit of a chunk is then the arrival of its aggregate."""
+        plan, part = self.plan, self.part
+        lanes = transport.lanes()
+        if (self.with_distances or plan.audit_owners or plan.outbound_only or any(plan.relays)
+                or any(type(st) is not _Stream or lanes.get(st.address) != "shm" for st in self.streams.values())):
+            return False
+        for j, st in self.streams.items():
+            if j in plan.shard_owner:
+                owner = part.peer_id(j)
+                st.bound(lambda key, owner=owner: self.wire.arrived(AG, 0, key[0], key[1], owner))
+        return True
+
     async def run(self) -> _Outcome:
-        async with asyncio.TaskGroup() as tg:
-            for st in self.streams.values():
-                tg.create_task(st.run())
-            tg.create_task(self._work())
+        ok = False
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for st in self.streams.values():
+                    tg.create_task(st.run())
+                tg.create_task(self._work())
+            ok = True
+        finally:
+            self.shared.finish(ok)
         if self.mismatches:
             raise self.mismatches[0]
         flagged = tuple(sorted(self.part.peer_id(j) for j in self.owned.rejected))
@@ -583,21 +763,38 @@ class _Butterfly:
             await st.put(None)
 
     async def _scatter(self) -> None:
-        """Send this peer's part of every shard to the shard's owner (and auditor)."""
+        """Send this peer's part of every shard to the shard's owner (and auditor): in the
+        scatter order, or, with bounded slabs, one task per owner (a send that waits for its
+        owner's credit must not hold back the chunks every other owner needs to give credit)."""
+        if not self.bounded:
+            await self._scatter_shards(self.part.scatter_order())
+            return
+        by_owner: dict[tuple[int, ...], list[int]] = {}
         for k in self.part.scatter_order():
+            by_owner.setdefault(self.part.recipients(k), []).append(k)
+        async with asyncio.TaskGroup() as tg:
+            for shards in by_owner.values():
+                tg.create_task(self._scatter_shards(shards))
+
+    async def _scatter_shards(self, shards: Sequence[int]) -> None:
+        for k in shards:
             targets = self.part.recipients(k)
             for span in self.part.chunks(k) if targets else ():
                 payload = self.own.payload(span)
                 for t in targets:
                     await self.streams[t].put(self.wire.message(RS, 0, k, span.offset, payload))
 
-    async def _collect(self, acc: OwnerAccumulator, span: ChunkSpan) -> None:
-        """Every participant's row of chunk `span` into `acc`, awaited in plan order."""
+    async def _collect(self, acc: OwnerAccumulator, span: ChunkSpan) -> list[np.ndarray]:
+        """Every participant's row of chunk `span` into `acc`, awaited in plan order; returns the
+        received rows (to `_release` once `acc` no longer needs them)."""
+        got = []
         for j in range(self.part.size):
             if j == self.part.me:
                 acc.add(span, j, self.own.row(span))
             else:
-                acc.add(span, j, await self.wire.values(RS, 0, span, self.part.peer_id(j)))
+                got.append(await self.wire.values(RS, 0, span, self.part.peer_id(j)))
+                acc.add(span, j, got[-1])
+        return got
 
     async def _reduce_owned(self) -> None:
         """Reduce and publish every chunk of the shards this peer owns, each as soon as its rows
@@ -607,11 +804,13 @@ class _Butterfly:
         spans = [span for k in self.part.owned for span in self.part.chunks(k)]
         if not self.with_distances:
             for span in spans:
-                await self._collect(self.owned, span)
-                await self._publish(span, self.owned.reduce(span))
+                got = await self._collect(self.owned, span)
+                red = self.owned.reduce(span)
+                _release(got)
+                await self._publish(span, red)
             return
         for span in spans:
-            await self._collect(self.owned, span)
+            _release(await self._collect(self.owned, span))  # the reducer holds its own (p, m) copy
         total = await self._exchange_distances({k: self.owned.partial_distances(k) for k in self.part.owned})
         for span in spans:
             await self._publish(span, self.owned.reduce(span, total))
@@ -620,9 +819,14 @@ class _Butterfly:
         """Encode an owned chunk's aggregate once, keep its decoding, send it to everyone."""
         if self.tamper is not None:
             red = self.tamper(red)
-        payload, self.buf[span.lo:span.hi] = self.codec.final(red.astype(self.dtype, copy=False))
+        payload, final = self.codec.final(red.astype(self.dtype, copy=False))
+        _into(self.buf[span.lo:span.hi], final)  # the plain sum is already there
+        place = None
         for st in self.streams.values():
-            await st.put(self.wire.message(AG, 0, span.shard, span.offset, payload))
+            item = self.wire.message(AG, 0, span.shard, span.offset, payload)
+            place = (place or self.result.placement(span, item[1])
+                     or self.shared.placement((span.shard, span.offset), item[1]))
+            await st.put(item, place)
 
     async def _exchange_distances(self, mine: dict[int, np.ndarray]) -> np.ndarray:
         """Send this owner's partial matrices to the other owners; sum every shard's in shard
@@ -653,15 +857,15 @@ class _Butterfly:
         for k in self.part.audited:
             total = await self._audit_distances(k) if self.with_distances else None
             for span in self.part.chunks(k):
-                if not self.with_distances:
-                    await self._collect(self.audit.rows, span)
+                got = await self._collect(self.audit.rows, span) if not self.with_distances else []
                 self.handoff.put(("expected", k, span.offset), self.audit.expected(span, total))
+                _release(got)
 
     async def _audit_distances(self, k: int) -> np.ndarray:
         """Collect shard k's rows, check its owner's distance matrix; the summed matrix."""
         assert self.audit is not None
         for span in self.part.chunks(k):
-            await self._collect(self.audit.rows, span)
+            _release(await self._collect(self.audit.rows, span))  # the reducer's own (p, m) copy holds them
         self._note(self.audit.check_distances(k, await self.handoff.get(("distances", k))))
         return await self.handoff.get("total")
 
@@ -671,7 +875,9 @@ class _Butterfly:
             sender = self.part.peer_id(self.part.owner[k])
             for span in self.part.chunks(k):
                 final = self.buf[span.lo:span.hi]
-                final[:] = await self.wire.values(AG, 0, span, sender)
+                values = await self.wire.values(AG, 0, span, sender)
+                final[:] = values
+                release(values)
                 # A robust owner never publishes a non-finite value; checked in this peer's memory.
                 if self.reducer is not None and not np.isfinite(final).all():
                     raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
@@ -693,7 +899,8 @@ class _Ring:
                  links=None):
         self.part = part = ShardPartition(plan, me, x.itemsize)
         self.x, self.codec, self.wire = x, codec, _Wire(plan, me, inbox)
-        self.buf = x.copy()
+        self.result = _Result(x, plan, transport, copy=True)
+        self.buf = self.result.values
         self.prev = part.peer_id((part.me - 1) % part.size)
         nxt = (part.me + 1) % part.size
         self.out = _Stream(transport, plan.addresses[nxt], part.peer_id(nxt), plan, plan.deadline_seconds, links)
@@ -720,13 +927,20 @@ class _Ring:
     async def _send(self, phase: int, step: int, span: ChunkSpan, payload: Payload | None = None) -> None:
         if payload is None:  # reduce-scatter: this peer's partial sum, compressed per hop
             payload = self.codec.own(("rs", span.lo, span.hi), self.buf[span.lo:span.hi])
-        await self.out.put(self.wire.message(phase, step, span.shard, span.offset, payload))
+        # From the result buffer itself when it is shared (peer.shm): the successor reads this
+        # peer's partial sum or final chunk there; neither changes before the successor took it
+        # (a partial is overwritten only by its final value, which exists only after every
+        # later hop, the successor's first, consumed it).
+        await self.out.put(self.wire.message(phase, step, span.shard, span.offset, payload),
+                           self.result.placement(span, payload))
 
     async def _add(self, step: int, span: ChunkSpan) -> None:
         """Add the predecessor's partial sum of `span` to this peer's; pass it on, or, at the last
         step, encode the now final chunk once and start the all-gather with it."""
         partial = self.buf[span.lo:span.hi]
-        partial += await self.wire.values(RS, step, span, self.prev)
+        values = await self.wire.values(RS, step, span, self.prev)
+        partial += values
+        release(values)
         # An honest peer never forwards a non-finite partial sum, so the first peer that sees one
         # blames its predecessor: the peer that introduced it. Checked on the sum in this peer's
         # memory (a received view may still change: peer.shm). A peer whose own input is
@@ -736,7 +950,8 @@ class _Ring:
         if step < self.part.size - 2:
             await self._send(RS, step + 1, span)
         else:
-            payload, self.buf[span.lo:span.hi] = self.codec.final(partial)
+            payload, final = self.codec.final(partial)
+            _into(partial, final)
             await self._send(AG, 0, span, payload)
 
     async def _relay(self, step: int, span: ChunkSpan) -> None:
@@ -745,6 +960,7 @@ class _Ring:
         payload, values = await self.wire.received(AG, step, span, self.prev)
         final = self.buf[span.lo:span.hi]
         final[:] = values
+        release(values)
         if not np.isfinite(final).all():  # checked in this peer's memory, as in the reduce-scatter
             raise CollectiveError(f"chunk from {self.prev[:8]} holds non-finite values", [self.prev])
         if step < self.part.size - 2:
@@ -808,6 +1024,7 @@ async def _attempt(x: np.ndarray, plan: Plan, me: str, transport: Transport, inb
     """Run the plan's collective within its deadline; the CollectiveErrors of its tasks become one."""
     try:
         async with asyncio.timeout(plan.deadline_seconds):
+            await _choose_lanes(plan, me, transport)
             if plan.collective == "butterfly":
                 return await _Butterfly(x, plan, me, transport, inbox, reducer, codec, links, tamper).run()
             if reducer is not None:
@@ -819,6 +1036,21 @@ async def _attempt(x: np.ndarray, plan: Plan, me: str, transport: Transport, inb
         if any(isinstance(e, CollectiveError) for e in _flatten(group)):
             raise _first(group) from None
         raise
+
+
+async def _choose_lanes(plan: Plan, me: str, transport: Transport) -> None:
+    """Probe the shared-memory lane to every participant this peer's collective dials directly
+    (the butterfly: all; the ring: its successor), now (cached: after the first attempt a
+    lookup), so that the result buffer and the slab bounds know the lanes from the first attempt
+    on, not only once a first stream chose them. A failed probe leaves the choice to the stream,
+    as before."""
+    pos = plan.position(me)
+    if not transport.shared_memory or not plan.dialable(pos):
+        return
+    targets = range(plan.size) if plan.collective == "butterfly" else [(pos + 1) % plan.size]
+    peers = [(plan.participants[i], plan.addresses[i]) for i in targets
+             if i != pos and plan.dialable(i) and not plan.relay_of(i)]
+    await asyncio.gather(*(transport.shm_lane(a, pid) for pid, a in peers), return_exceptions=True)
 
 
 def _first(group: BaseExceptionGroup) -> CollectiveError:

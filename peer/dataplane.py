@@ -46,6 +46,7 @@ import asyncio
 import hmac
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -82,6 +83,8 @@ MAX_SHM_SENDERS = 64  # senders whose shared-memory segments stay mapped (least 
 EXCHANGE = "/shoal.v1.Peer/Exchange"  # an outbound-only participant signs its first chunk for this
 EXCHANGE_REPLY = "/shoal.v1.Peer/Exchange#reply"  # and the owner its first reply for this
 REPLY_QUEUE_CHUNKS = 16  # an owner's replies waiting for the outbound-only participant's stream
+SHARED_POOL = ""  # Transport.take_writer: the writers whose slabs every co-located receiver reads
+IDLE_RESULT_SEGMENTS = 2  # result segments kept for reuse once their arrays are gone (Transport.take_result)
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
 # What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
@@ -233,6 +236,7 @@ class Inbox:
         self._broken: dict[tuple[int, int, str], str] = {}
         self._lanes: dict[tuple[int, int, str], ReplyLane] = {}  # per outbound-only participant (ReplyLane)
         self._streams: dict[tuple[int, int, str], int] = {}  # open streams per (round, attempt, sender)
+        self._taken: set[ChunkKey] = set()  # chunks the collective took (`arrived` answers them)
 
     def streaming(self, round_: int, attempt: int, sender: str) -> bool:
         """Whether a stream of `sender`'s chunks for this attempt is open here right now."""
@@ -267,6 +271,7 @@ class Inbox:
         self.floor = (session.round, session.attempt)
         for k in [k for k in self._futures if (k[0], k[1]) < self.floor]:
             self._drop(k)
+        self._taken = {k for k in self._taken if (k[0], k[1]) >= self.floor}
         self._broken = {k: v for k, v in self._broken.items() if (k[0], k[1]) >= self.floor}
         self._lanes = {k: v for k, v in self._lanes.items() if (k[0], k[1]) >= self.floor}
         self._wake()
@@ -299,6 +304,7 @@ class Inbox:
     def finish(self, round_: int, attempt: int) -> None:
         for k in [k for k in self._futures if (k[0], k[1]) == (round_, attempt)]:
             self._drop(k)
+        self._taken = {k for k in self._taken if (k[0], k[1]) != (round_, attempt)}
         if self.session is not None and (self.session.round, self.session.attempt) == (round_, attempt):
             self.session = None
             self.floor = (round_, attempt + 1)
@@ -345,8 +351,23 @@ class Inbox:
         async with asyncio.timeout(timeout):
             values = await asyncio.shield(f)
         self._futures.pop(key, None)
+        self._taken.add(key)
         self._bytes -= payload_nbytes(values)
         return values
+
+    async def arrived(self, key: ChunkKey, timeout: float) -> None:
+        """Return once the chunk `key` arrived (taken by `get` or still held); raises as `get`
+        (TimeoutError, SenderGone) and takes nothing."""
+        if key in self._taken:
+            return
+        f = self._futures.get(key)
+        if f is None:
+            f = self._futures[key] = asyncio.get_running_loop().create_future()
+        broken = self._broken.get((key[0], key[1], key[6]))
+        if broken is not None and not f.done():
+            raise SenderGone(broken)
+        async with asyncio.timeout(timeout):
+            await asyncio.shield(f)
 
 
 class StateSource:
@@ -754,6 +775,7 @@ class Transport:
         self._lanes: dict[str, asyncio.Task[bool]] = {}  # probe result per address
         self._chosen: dict[str, str] = {}  # lane chosen per address
         self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
+        self._results: list[list] = []  # result segments: [name, mmap, weak reference to the array on it]
         self.bytes_sent = 0
         self.relayed_bytes_sent = 0  # chunk bytes sent to relayed participants (sign_relayed)
         self.created = time.monotonic()
@@ -843,11 +865,45 @@ class Transport:
         return w
 
     def give_back_writer(self, address: str, writer: shm.SegmentWriter) -> None:
-        """Return a writer whose stream completed (the receiver copied every chunk out)."""
-        if address in self._lanes:
+        """Return a writer whose stream completed (the receiver copied every chunk out); for
+        `SHARED_POOL`, one whose every receiver did (a shard owner's reduced chunks)."""
+        if address in self._lanes or (address == SHARED_POOL and self.shared_memory):
+            writer.trim()
             self._writers.setdefault(address, []).append(writer)
         else:
             writer.close()
+
+    def take_result(self, n: int, dtype) -> tuple[str, np.ndarray]:
+        """A writable `(n,)` array of `dtype` in a shared-memory segment of this peer (co-located
+        receivers read chunks of it by name: a collective's result buffer) and the segment's name.
+        A segment is reused once no array on it is alive any more (the last one and every view of
+        it gone: a committed state that was replaced, a failed attempt's buffer), because a fresh
+        tmpfs page costs a fault and a zeroing (~60 ms per 64 MB here, where anonymous memory with
+        transparent huge pages costs ~7 ms), and rewriting touched pages is cheap; at most
+        IDLE_RESULT_SEGMENTS idle ones are kept, the others unlinked. Raises OSError when
+        /dev/shm is full (the caller uses its own memory then)."""
+        dtype = np.dtype(dtype)
+        nbytes = max(1, n * dtype.itemsize)
+        idle = [e for e in self._results if e[2]() is None]
+        for e in idle:
+            if len(e[1]) == nbytes:
+                arr = np.frombuffer(e[1], dtype=dtype, count=n)
+                e[2] = weakref.ref(arr)
+                return e[0], arr
+        for e in idle[IDLE_RESULT_SEGMENTS - 1:]:  # room for the new one among the idle
+            self._drop_result(e)
+        name, mm = shm.create_segment(self.peer_id, nbytes)
+        arr = np.frombuffer(mm, dtype=dtype, count=n)
+        self._results.append([name, mm, weakref.ref(arr)])
+        return name, arr
+
+    def _drop_result(self, entry: list) -> None:
+        self._results.remove(entry)
+        shm.unlink(entry[0])
+        try:
+            entry[1].close()
+        except BufferError:  # an array on it is still alive: unmapped when it goes
+            pass
 
     async def _probe_lane(self, address: str, peer_id: str) -> bool:
         name, nonce, seg = shm.make_probe(self.peer_id)
@@ -914,6 +970,8 @@ class Transport:
             for w in pool:
                 w.close()
         self._writers.clear()
+        for e in list(self._results):
+            self._drop_result(e)
         for ch in [*self._channels.values(), *self._retired]:
             await ch.close(grace=None)
         self._channels.clear()

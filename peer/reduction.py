@@ -155,8 +155,9 @@ def distance_matrix(values: np.ndarray, p: int) -> np.ndarray:
 class _ChunkRows:
     """The rows of one chunk received so far (see `OwnerAccumulator`)."""
 
-    def __init__(self, p: int, m: int, dtype: np.dtype, keep: bool):
+    def __init__(self, p: int, m: int, dtype: np.dtype, keep: bool, out: np.ndarray | None = None):
         self.rows = np.empty((p, m), dtype=dtype) if keep else None  # (p, m): for a reducer
+        self.out = out  # sum: where the running sum goes (a slice of the caller's result), or None
         self.total: np.ndarray | None = None  # the running plan-order sum: without a reducer
         self.pending: dict[int, np.ndarray] = {}  # sum: rows that arrived before their turn
         self.folded = 0  # sum: rows 0..folded-1 are in `total`
@@ -170,11 +171,26 @@ class _ChunkRows:
         self.pending[j] = row
         while self.folded in self.pending:
             v = self.pending.pop(self.folded)
-            if self.total is None:
-                self.total = v.astype(dtype, copy=True)
+            if self.folded == 0:
+                self.total = v  # not copied yet: the next row's addition writes the sum (one pass, not two)
+            elif self.folded == 1 and self.out is not None:
+                self.total = np.add(self.total, v, out=self.out)
+            elif self.folded == 1:
+                self.total = np.add(self.total, v, dtype=dtype)
             else:
                 self.total += v
             self.folded += 1
+
+    def result(self, dtype: np.dtype) -> np.ndarray:
+        """The complete sum: in `out` when given, else an array of this chunk's own."""
+        assert self.total is not None
+        if self.folded > 1:
+            return self.total
+        # One participant: its row, copied (it may be a received view or the caller's input).
+        if self.out is None:
+            return self.total.astype(dtype, copy=True)
+        np.copyto(self.out, self.total)
+        return self.out
 
 
 class OwnerAccumulator:
@@ -189,20 +205,28 @@ class OwnerAccumulator:
 
     Rows may be added in any order. Without a reducer a chunk costs no `(p, m)` copy: rows are
     summed in plan order (row 0 + row 1 + ...) as soon as they are next in line, so the same rows
-    always give the same bits; a row that arrives early is held as given (a received view must
-    then stay unchanged until its turn). With a reducer each chunk's rows are copied into one
+    always give the same bits; a row is held as given until it is added (a row that arrives
+    early, and row 0 until row 1 is in: a received view must stay unchanged until then). With a reducer each chunk's rows are copied into one
     `(p, m)` array; for a reducer that `needs_distances`, they are kept until `reduce`.
     `reduce` releases a chunk. `rejected`: positions the reducer rejected (any chunk).
+
+    `out` (optional, the plain sum only): the caller's `(n,)` result buffer of `dtype`; each
+    chunk's sum is then computed straight into `out[span.lo:span.hi]` (row 0 + row 1 written
+    there by one addition, the later rows added in place), so a reduced chunk costs no array of
+    its own and no copy into the result, and `reduce` returns that slice of `out`. The bits are
+    those of the sum without `out` (same additions, same order).
     """
 
     def __init__(self, partition: ShardPartition, shards: Iterable[int], reducer: OwnerReducer | None,
-                 dtype: np.dtype):
+                 dtype: np.dtype, out: np.ndarray | None = None):
         self.partition = partition
+        self.out = out if reducer is None else None
         self.shards = frozenset(shards)
         self.reducer = reducer
         self.dtype = np.dtype(dtype)
         self.rejected: set[int] = set()
         self._chunks: dict[tuple[int, int], _ChunkRows] = {}
+        self._reduced: set[tuple[int, int]] = set()  # a reduced chunk takes no row again (nor writes `out`)
 
     def _rows(self, span: ChunkSpan) -> _ChunkRows:
         key = (span.shard, span.offset)
@@ -210,14 +234,18 @@ class OwnerAccumulator:
         if c is None:
             if span.shard not in self.shards:
                 raise ValueError(f"shard {span.shard} is not collected here")
-            c = self._chunks[key] = _ChunkRows(self.partition.size, span.size, self.dtype, self.reducer is not None)
+            if key in self._reduced:
+                raise ValueError(f"shard {span.shard} offset {span.offset} was reduced already")
+            out = self.out[span.lo:span.hi] if self.out is not None else None
+            c = self._chunks[key] = _ChunkRows(self.partition.size, span.size, self.dtype, self.reducer is not None, out)
         return c
 
     def add(self, span: ChunkSpan, position: int, row: np.ndarray) -> None:
         """Participant `position`'s row `(span.size,)` of chunk `span`.
 
-        Raises ValueError for a row of the wrong size, a position out of range, or a second row
-        from the same position (the caller checks what it receives before adding it).
+        Raises ValueError for a row of the wrong size, a position out of range, a second row
+        from the same position, or a row of a chunk already reduced (the caller checks what it
+        receives before adding it).
         """
         if row.shape != (span.size,):
             raise ValueError(f"row of shape {row.shape} for a chunk of {span.size} elements")
@@ -254,9 +282,9 @@ class OwnerAccumulator:
         if not self.complete(span):
             raise ValueError(f"shard {span.shard} offset {span.offset}: not every row is in")
         c = self._chunks.pop((span.shard, span.offset))
+        self._reduced.add((span.shard, span.offset))
         if self.reducer is None:
-            assert c.total is not None
-            return c.total
+            return c.result(self.dtype)
         values, rejected = self.reducer.reduce(c.rows, span.lo, span.hi, distances)
         self.rejected.update(rejected)
         return values

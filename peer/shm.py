@@ -25,6 +25,13 @@ with SIGKILL leaves its slabs in /dev/shm; `remove_stale` deletes them when a pr
 same identity starts again, and launchers (`shoal swarm`, `shoal bench`, the tests) call
 `remove_stale_of_keys` for the peers they killed.
 
+Fewer copies and bounded memory (docs/performance.md, "Shared-memory lane: fewer copies"): a
+collective's result buffer can itself be a segment of its sender (`create_segment`, pooled by
+`peer.dataplane.Transport.take_result`), so chunks sent from it need no slab at all; a writer
+going back to its pool keeps only the slabs its last use wrote (`SegmentWriter.trim`); and a
+receiver drops its mapping of a chunk's pages once consumed (`release`), so shared pages are
+counted in the sender's resident size only.
+
 Raises (receiver side) `InvalidArgument` naming the field (`shm_name`, `shm_offset`) for a name,
 size or range that does not fit; the caller turns it into INVALID_ARGUMENT.
 """
@@ -36,6 +43,8 @@ import os
 import re
 import secrets
 import stat
+
+import numpy as np
 
 from shoal.common.errors import InvalidArgument, require
 
@@ -69,6 +78,18 @@ def _create(peer_id: str, size: int) -> tuple[str, mmap.mmap]:
         raise
     finally:
         os.close(fd)
+
+
+def create_segment(peer_id: str, nbytes: int) -> tuple[str, mmap.mmap]:
+    """A new segment of this peer of `nbytes` bytes that co-located receivers read by name, mapped
+    read-write (e.g. a collective's result buffer: chunks sent from it need no slab and no copy).
+    Its pages are reserved now: OSError when /dev/shm is full. The caller unlinks it (`unlink`)."""
+    return _create(peer_id, nbytes)
+
+
+def unlink(name: str) -> None:
+    """Remove segment `name` from /dev/shm (mappings stay valid); a missing one is no error."""
+    _unlink(name)
 
 
 def _unlink(name: str) -> None:
@@ -119,6 +140,7 @@ class SegmentWriter:
         self._slabs: list[tuple[str, mmap.mmap]] = []
         self._slab = 0  # index of the slab being filled
         self._used = 0  # bytes used in it
+        self._reach = 0  # slabs written since the last `trim` (the others are idle)
 
     def rewind(self) -> None:
         """Start over at the first slab (the receiver has read everything written so far)."""
@@ -134,6 +156,7 @@ class SegmentWriter:
             grown = min(self.slab_bytes, self.first_slab_bytes << len(self._slabs))
             self._slabs.append(_create(self.peer_id, max(grown, n)))
         name, mm = self._slabs[self._slab]
+        self._reach = max(self._reach, self._slab + 1)
         off = self._used
         mm[off:off + n] = view
         self._used += n
@@ -144,6 +167,18 @@ class SegmentWriter:
             _unlink(name)
             mm.close()
         self._slabs.clear()
+        self.rewind()
+
+    def trim(self) -> None:
+        """Unlink and unmap the slabs not written since the last trim (a writer going back to its
+        pool keeps what its last use needed, not what one unusual stream once did: a round whose
+        lanes were not known yet, a larger tensor). A receiver's mapping of a trimmed slab stays
+        valid until it drops it (`SegmentReader` prunes unlinked ones)."""
+        for name, mm in self._slabs[self._reach:]:
+            _unlink(name)
+            mm.close()
+        del self._slabs[self._reach:]
+        self._reach = 0
         self.rewind()
 
 
@@ -160,7 +195,7 @@ class SegmentReader:
     streams, at most `max_maps`, least recently used dropped first.
     """
 
-    def __init__(self, sender: str, max_maps: int = 4):
+    def __init__(self, sender: str, max_maps: int = 16):
         self.sender = sender
         self.max_maps = max_maps
         self._maps: dict[str, mmap.mmap] = {}
@@ -188,10 +223,19 @@ class SegmentReader:
 
     def read(self, name: str, offset: int, n: int) -> memoryview:
         """A read-only view of `n` bytes at `offset` of segment `name` (mapped on first use)."""
-        mm = self._maps.pop(name, None) or self._open(name)
+        mm = self._maps.pop(name, None)
+        if mm is None:
+            self._prune()
+            mm = self._open(name)
         self._maps[name] = mm  # most recently used last
         require(offset + n <= len(mm), "shm_offset", f"{offset} + {n} bytes past the segment's {len(mm)}")
         return memoryview(mm)[offset:offset + n]
+
+    def _prune(self) -> None:
+        """Drop the mappings of segments the sender unlinked (last attempts' result buffers): a
+        mapping would keep their memory alive after the sender let it go."""
+        for name in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            _close(self._maps.pop(name))
 
     def close(self) -> None:
         for mm in self._maps.values():
@@ -205,6 +249,33 @@ def _close(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:
         pass
+
+
+def release(values) -> bool:
+    """Drop this process's mapping of the whole pages under `values`, a received chunk read
+    through a `SegmentReader` (a read-only view of another peer's segment), once the collective
+    consumed it; True when it did. The bytes stay in the segment, which is the sender's memory
+    (counted in the sender's resident size, where it belongs): only this process's page-table
+    entries go (madvise MADV_DONTNEED on a shared read-only file mapping never discards data; a
+    later read, the next round's, maps the same pages again). Without it a receiver keeps every
+    page it ever read of every sender's slabs resident in its own RSS as well: the slab memory
+    counted twice, in both processes. Anything else (an array of this process's own memory, an
+    encoded chunk) is left alone: False."""
+    base = values.base if isinstance(values, np.ndarray) else None
+    if not isinstance(base, memoryview) or not base.readonly or not isinstance(base.obj, mmap.mmap):
+        return False
+    start = values.__array_interface__["data"][0]
+    page = mmap.PAGESIZE
+    lo, hi = -(-start // page) * page, (start + values.nbytes) // page * page  # whole pages inside
+    if hi <= lo:
+        return False
+    mm = base.obj
+    at = np.frombuffer(mm, dtype=np.uint8, count=1).__array_interface__["data"][0]  # the mapping's address
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, lo - at, hi - lo)
+    except (OSError, ValueError):  # e.g. an unmapped segment: nothing to drop
+        return False
+    return True
 
 
 def make_probe(peer_id: str) -> tuple[str, bytes, SegmentWriter]:

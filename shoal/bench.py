@@ -218,18 +218,35 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
 
 def _memory(reports: Sequence[dict], size_bytes: int) -> dict:
     """Peak resident memory per process (VmHWM): the largest (`peak_rss_bytes_max`); per process
-    (peak - its resident size once its input existed, before its first collective) / tensor
-    size, the largest (`peak_rss_ratio`: what the collective and the rounds add to a process that
-    holds its input) and each (`peak_rss_ratios`); and the same from the process's start, before
-    any tensor (`peak_rss_ratio_from_start`: the input, its copies and the result included)."""
+    what the collective and the rounds add to a process that holds its input and its committed
+    state, over the tensor size, the largest (`peak_rss_ratio`) and each (`peak_rss_ratios`):
+    per memory window of the job (a plan until the next, `memory_windows`) its peak minus the
+    resident size once the first input existed (before the first collective) minus the committed
+    state it held when the plan came (a training peer holds its model anyway; the benchmark's
+    committed state is the last result), the largest window; the result buffer, the slabs,
+    buffers and the next input are all in it. Reports without windows (gloo) take their
+    lifetime peak. `peak_rss_ratio_first_plan`: lifetime peak minus the resident size at the
+    first plan (the committed state counted too); `peak_rss_ratio_from_start`: minus the size
+    at the process's start, before any tensor (its input and the cached draw included)."""
     peaks = [rep.get("peak_rss_bytes", 0) for rep in reports]
 
     def ratios(key: str) -> list[float]:
         return [(rep.get("peak_rss_bytes", 0) - rep.get(key, 0)) / size_bytes for rep in reports]
 
-    held = ratios("rss_before_collective_bytes")
-    return {"peak_rss_bytes_max": max(peaks, default=0), "peak_rss_ratio": max(held, default=0.0),
-            "peak_rss_ratios": held, "peak_rss_ratio_from_start": max(ratios("rss_baseline_bytes"), default=0.0)}
+    def held(rep: dict) -> float:
+        wins, base = rep.get("memory_windows"), rep.get("rss_before_collective_bytes", 0)
+        if not wins:
+            return (rep.get("peak_rss_bytes", 0) - base) / size_bytes
+        # A window whose peak could not be reset is the lifetime peak: nothing is subtracted then.
+        floor = 0 if not all(w.get("peak_reset") for w in wins) else None
+        return max((w["peak_rss_bytes"] - base - (w["held_state_bytes"] if floor is None else floor)) / size_bytes
+                   for w in wins)
+
+    ratios_held = [held(rep) for rep in reports]
+    return {"peak_rss_bytes_max": max(peaks, default=0), "peak_rss_ratio": max(ratios_held, default=0.0),
+            "peak_rss_ratios": ratios_held,
+            "peak_rss_ratio_first_plan": max(ratios("rss_before_collective_bytes"), default=0.0),
+            "peak_rss_ratio_from_start": max(ratios("rss_baseline_bytes"), default=0.0)}
 
 
 def _security_args(opts: BenchOptions, wd: pathlib.Path, coord_host: str, role: str) -> list[str]:

@@ -12,7 +12,10 @@ bytes_sent, algorithm, participants, predicted_seconds, cpu_seconds, shard_fract
 chunk_bytes, aggregator, flagged), and `committed`, `last_digest`, `links`, `peer_id`,
 `wall_seconds`, `rss_baseline_bytes` (resident bytes at start, before any tensor),
 `rss_before_collective_bytes` (resident bytes when the first plan came: the first input made, no
-collective run yet) and `peak_rss_bytes` (the process's peak resident bytes, VmHWM). The result of the last round is saved as PATH.npy next to the JSON report.
+collective run yet), `peak_rss_bytes` (the process's peak resident bytes, VmHWM) and
+`memory_windows` (per plan until the next one: `round`, `attempt`, `rss_at_plan_bytes`,
+`held_state_bytes` (the committed state the job held when the plan came), `peak_rss_bytes` (the
+peak within the window when `peak_reset`, else the lifetime peak so far)). The result of the last round is saved as PATH.npy next to the JSON report.
 
     python -m shoal.collective_job --coordinator HOST:PORT --rank I --size N --out PATH \
         (--insecure | --tls-dir DIR) [--join-token T]
@@ -64,6 +67,38 @@ def make_input(seed: int, rank: int, round_: int, size: int, dtype: str) -> np.n
     return (_base_input(seed, rank, size) + np.float32(0.01 * round_)).astype(dtype, copy=False)
 
 
+class JobInputs:
+    """The job's inputs, `make_input`'s values written round after round into one `(size,)`
+    buffer of `dtype` (the same bits: the sum in float32, rounded once to `dtype`), so that the
+    job holds one input, not the last round's and the next one's side by side (64 MB each in the
+    benchmark). Safe because the agent asks for round r+1's input only once round r is over
+    (committed, synced or left): no collective still reads the buffer then, and every lane
+    copied what it sent (peer.collectives)."""
+
+    def __init__(self, seed: int, rank: int, size: int, dtype: str):
+        self.seed, self.rank, self.size, self.dtype = seed, rank, size, np.dtype(dtype)
+        self.buf: np.ndarray | None = None
+
+    def __call__(self, round_: int) -> np.ndarray:
+        if self.buf is None:
+            self.buf = np.empty(self.size, dtype=self.dtype)
+        np.add(_base_input(self.seed, self.rank, self.size), np.float32(0.01 * round_), out=self.buf,
+               casting="unsafe")
+        return self.buf
+
+
+def reset_peak() -> bool:
+    """Reset this process's peak resident size (VmHWM) to its current resident size (Linux >= 4.0:
+    /proc/self/clear_refs "5"), so that the next `memory_bytes()[1]` is the peak since now;
+    False where it cannot (the peak then stays the process's lifetime peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def memory_bytes() -> tuple[int, int]:
     """(resident, peak resident) bytes of this process (VmRSS, VmHWM of /proc/self/status; 0, 0
     where there is none)."""
@@ -96,10 +131,26 @@ class JobReport(RoundListener):
         self.workload: ArrayWorkload | None = None
         self.report: dict = {"rank": rank, "rounds": [], "size": size, "dtype": dtype, "results": {}}
         self.rss_before_collective: int | None = None  # at the first plan: the first input exists
+        self.windows: list[dict] = []  # per plan, until the next one (`memory_window`)
+        self._window: dict | None = None
+        self.peak_before_plans = 0  # peak resident bytes before the first plan
 
     def on_plan(self, plan: Plan) -> None:
+        rss, peak = memory_bytes()
         if self.rss_before_collective is None:
-            self.rss_before_collective = memory_bytes()[0]
+            self.rss_before_collective, self.peak_before_plans = rss, peak
+        self.close_window(peak)
+        held = self.workload.state.params.nbytes if self.workload is not None else 0
+        self._window = {"round": plan.round, "attempt": plan.attempt, "rss_at_plan_bytes": rss,
+                        "held_state_bytes": held, "peak_reset": reset_peak()}
+
+    def close_window(self, peak: int | None = None) -> None:
+        """End the open memory window: its peak resident bytes `peak` (VmHWM read now when None:
+        since its plan when `peak_reset`, else the process's lifetime peak)."""
+        if self._window is not None:
+            self._window["peak_rss_bytes"] = memory_bytes()[1] if peak is None else peak
+            self.windows.append(self._window)
+            self._window = None
 
     def on_collective(self, rec: CollectiveRecord) -> None:
         p = rec.plan
@@ -133,7 +184,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     listener = JobReport(rank, size, dtype, contribution, keep_results)
 
     def workload(cfg: RunConfig) -> ArrayWorkload:
-        listener.workload = ArrayWorkload(cfg, lambda r: make_input(seed, rank, r, size, dtype), size, dtype)
+        listener.workload = ArrayWorkload(cfg, JobInputs(seed, rank, size, dtype), size, dtype)
         return listener.workload
 
     config = PeerConfig(coordinator=coordinator, listen=listen, key_path=key_path,
@@ -144,8 +195,12 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     async with asyncio.timeout(timeout):
         await agent.run()
     report, st = listener.report, listener.workload.state
+    listener.close_window()
     report["peer_id"] = agent.peer_id
-    report["rss_baseline_bytes"], report["peak_rss_bytes"] = rss_baseline, memory_bytes()[1]
+    report["memory_windows"] = listener.windows
+    report["rss_baseline_bytes"] = rss_baseline
+    report["peak_rss_bytes"] = max([memory_bytes()[1], listener.peak_before_plans,
+                                    *(w["peak_rss_bytes"] for w in listener.windows)])
     report["rss_before_collective_bytes"] = listener.rss_before_collective or rss_baseline
     report["committed"] = st.rounds
     if st.rounds:

@@ -147,3 +147,37 @@ def test_received_distance_matrices_are_checked():
         with pytest.raises(ValueError):
             distance_matrix(bad, 4)
     assert np.isinf(distance_matrix(np.full(16, np.inf), 4)).all()  # +inf marks a non-finite row
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_sum_into_the_callers_buffer_has_the_same_bits_and_reduces_each_chunk_once(dtype):
+    part, x = _partition(), _rows().astype(dtype)
+    for order in [(0, 1, 2, 3), (3, 1, 0, 2), (2, 3, 1, 0)]:
+        out = np.full(N, np.nan, dtype=dtype)
+        acc = OwnerAccumulator(part, part.owned, None, dtype, out=out)
+        plain = OwnerAccumulator(part, part.owned, None, dtype)
+        for span in part.chunks(0):
+            for j in order:
+                acc.add(span, j, x[j, span.lo:span.hi])
+                plain.add(span, j, x[j, span.lo:span.hi])
+            got = acc.reduce(span)
+            assert np.shares_memory(got, out) and got.tobytes() == out[span.lo:span.hi].tobytes()
+            assert got.tobytes() == plain.reduce(span).tobytes() == _plan_order_sum(x[:, span.lo:span.hi]).tobytes()
+            with pytest.raises(ValueError, match="not every row"):
+                acc.reduce(span)  # released: a chunk is reduced once
+            before = out.copy()
+            with pytest.raises(ValueError, match="reduced already"):
+                acc.add(span, order[0], x[order[0], span.lo:span.hi])  # a late row never rewrites the result
+            assert out.tobytes() == before.tobytes()
+        assert np.isnan(out[part.chunks(1)[0].lo:].astype(np.float32)).all()  # shard 1 (not owned) untouched
+
+
+def test_a_reducer_ignores_the_callers_buffer():
+    part, x = _partition(), _rows()
+    out = np.zeros(N, dtype=np.float32)
+    acc = OwnerAccumulator(part, part.owned, OwnerReduction(ReductionSpec("mean"), np.ones(P), N), np.float32, out=out)
+    span = part.chunks(0)[0]
+    for j in range(P):
+        acc.add(span, j, x[j, span.lo:span.hi])
+    got = acc.reduce(span)
+    assert not np.shares_memory(got, out) and not out.any()

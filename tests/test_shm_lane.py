@@ -218,3 +218,167 @@ def test_a_full_dev_shm_falls_back_to_the_socket_instead_of_crashing(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "LANES ['socket', 'socket']" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "shared-memory lane to" in out.stderr and "No space left" in out.stderr, out.stderr[-2000:]
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_release_drops_only_the_readers_pages_and_keeps_the_bytes():
+    w = shm.SegmentWriter(ALICE)
+    r = shm.SegmentReader(ALICE)
+    try:
+        data = np.arange(4 << 20, dtype=np.float32)  # 16 MiB, written by the sender (its memory)
+        name, off = w.put(data)
+        view = np.frombuffer(r.read(name, off, data.nbytes), np.float32)
+        assert int(view[::1024].sum()) == int(data[::1024].sum())  # the reader's pages mapped now
+        before = _rss()
+        assert shm.release(view)
+        assert before - _rss() > data.nbytes // 2  # the reader's share of the slab left its RSS
+        assert view.tobytes() == data.tobytes()  # and the bytes are the sender's, unchanged
+        own = data.copy()
+        assert not shm.release(own) and not shm.release(data[:10]) and own.tobytes() == data.tobytes()
+        del view
+    finally:
+        r.close()
+        w.close()
+
+
+async def test_an_owner_writes_each_reduced_chunk_once_for_all_its_receivers(monkeypatch):
+    p, n = 4, 1_000_003
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    places: dict[tuple[str, int, int], set] = {}  # (owner, shard, offset) -> where its bytes were
+    check = Session.check_chunk
+
+    def recording(self, c, shm_reader=None, body=None):
+        if c.phase == pb.ALL_GATHER:
+            places.setdefault((c.sender, c.shard, c.offset), set()).add((c.shm_name, c.shm_offset))
+        return check(self, c, shm_reader, body)
+
+    monkeypatch.setattr(Session, "check_chunk", recording)
+    async with Swarmlet(p, [True] * p) as peers:
+        for attempt in range(2):  # the second attempt reuses the shared writers of the first
+            places.clear()
+            results = await peers.run(xs, attempt=attempt, algorithm="butterfly", chunk_bytes=64 << 10)
+            assert len({r.values.tobytes() for r in results}) == 1
+            assert all(r.digest == digest(r.values) for r in results)
+            np.testing.assert_allclose(results[0].values, np.sum(np.stack(xs).astype(np.float64), axis=0),
+                                       rtol=1e-5, atol=1e-4)
+            # every reduced chunk went to the three other peers from one place of one segment
+            assert len(places) > p and all(len(v) == 1 and next(iter(v))[0] for v in places.values())
+    async with Swarmlet(p, [False] * p) as peers:  # the socket lane: the same bits
+        plain = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
+    assert plain[0].values.tobytes() == results[0].values.tobytes()
+
+
+async def test_laps_rewrite_a_slab_region_only_after_its_chunk_was_consumed():
+    from shoal.peer.collectives import LAP_CHUNKS, _Laps
+
+    consumed: set[int] = set()
+    credited: list[int] = []
+    holder: dict[tuple[str, int], int] = {}  # slab region -> the chunk it holds now
+
+    async def credit(key):
+        credited.append(key)
+        consumed.add(key)
+
+    writers = []
+
+    def take():
+        writers.append(shm.SegmentWriter(ALICE))
+        return writers[-1]
+
+    laps = _Laps(take, credit)
+    try:
+        chunk = np.zeros(1000, dtype=np.float32)
+        for i in range(5 * LAP_CHUNKS + 1):
+            place = await laps.put(i, chunk + i)
+            old = holder.get(place)
+            assert old is None or old in consumed, f"chunk {i} overwrote chunk {old} before it was consumed"
+            holder[place] = i
+            # chunk i waits only for chunks two laps back, never for one still in flight
+            assert all(k <= i - LAP_CHUNKS - 1 for k in credited)
+        assert len(writers) == 2 and len(holder) == 2 * LAP_CHUNKS  # memory: two laps, reused
+        assert credited == list(range(4 * LAP_CHUNKS))
+    finally:
+        for w in writers:
+            w.close()
+
+
+async def test_bounded_reduce_scatter_slabs_give_the_same_bits(monkeypatch):
+    from shoal.peer.collectives import LAP_CHUNKS
+
+    p, n = 3, 1_200_007  # shards of ~400k elements: 25 chunks of 64 KiB per owner
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
+    places: dict[tuple[str, int], set] = {}  # (sender, owner) -> slab places of its reduce-scatter chunks
+    sent: dict[tuple[str, int], int] = {}
+    check = Session.check_chunk
+
+    def recording(self, c, shm_reader=None, body=None):
+        if c.phase == pb.REDUCE_SCATTER:
+            places.setdefault((c.sender, c.shard), set()).add((c.shm_name, c.shm_offset))
+            sent[(c.sender, c.shard)] = sent.get((c.sender, c.shard), 0) + 1
+        return check(self, c, shm_reader, body)
+
+    monkeypatch.setattr(Session, "check_chunk", recording)
+    async with Swarmlet(p, [True] * p) as socket_free:
+        results = []
+        for attempt in range(3):  # lanes probed before the first attempt: bounded from the start
+            places.clear()
+            sent.clear()
+            results.append(await socket_free.run(xs, attempt=attempt, algorithm="butterfly", chunk_bytes=64 << 10))
+            assert min(sent.values()) > 2 * LAP_CHUNKS
+            assert places and all(len(v) <= 2 * LAP_CHUNKS for v in places.values())
+    async with Swarmlet(p, [False] * p) as peers:  # the socket lane: the same bits
+        plain = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
+    assert all(r.values.tobytes() == plain[0].values.tobytes() for rs in results for r in rs)
+
+
+async def test_result_segments_are_reused_only_once_their_arrays_are_gone():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shoal.peer.dataplane import IDLE_RESULT_SEGMENTS, Transport
+
+    t = Transport(key=Ed25519PrivateKey.generate(), shared_memory=True)
+    try:
+        a_name, a = t.take_result(1000, np.float32)
+        a[:] = 1
+        view = a[10:20]  # a committed state may be held through a view
+        del a
+        b_name, b = t.take_result(1000, np.float32)
+        assert b_name != a_name  # a's segment is still in use through the view
+        del view
+        c_name, c = t.take_result(1000, np.float32)
+        assert c_name == a_name and c.flags.writeable  # a's memory is free now: reused
+        del b, c
+        names = {t.take_result(1000, np.float32)[0] for _ in range(3)}
+        assert len(names) == 1  # each array dropped at once: one segment serves all
+        held = [t.take_result(10, np.float32) for _ in range(4)]  # another size: new segments
+        del held
+        t.take_result(20, np.float32)
+        idle = [e for e in t._results if e[2]() is None]
+        assert len(idle) <= IDLE_RESULT_SEGMENTS  # the others were unlinked
+        assert len(_mine(t.peer_id)) == len(t._results)
+    finally:
+        await t.close()
+    assert not _mine(t.peer_id)
+
+
+def test_trim_keeps_the_slabs_of_the_last_use_only():
+    w = shm.SegmentWriter(ALICE, slab_bytes=4096, first_slab_bytes=4096)
+    try:
+        for _ in range(3):
+            w.put(np.zeros(1000, dtype=np.float32))  # one slab each
+        assert len(_mine(ALICE)) == 3
+        w.trim()  # all three were written since the writer was taken
+        assert len(_mine(ALICE)) == 3
+        w.put(np.zeros(1000, dtype=np.float32))
+        w.trim()  # the last use needed one slab: the two others go
+        assert len(_mine(ALICE)) == 1
+        w.trim()  # unused since: nothing kept
+        assert len(_mine(ALICE)) == 0
+    finally:
+        w.close()
