@@ -200,6 +200,8 @@ class _Stats:
     heartbeats: Histogram = dataclasses.field(default_factory=Histogram)
     loop_lag: Histogram = dataclasses.field(default_factory=Histogram)  # this process's own scheduling delay
     heartbeat_errors: int = 0
+    # second -> [heartbeats sent, of them slower than the bar, this process's loop lag (max, ms)]
+    beats_at: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     ready_at: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> last in-sync Ready sent
     plan_at: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> last plan received
@@ -219,6 +221,7 @@ class _Stats:
     def to_json(self) -> dict:
         return {"join_first": self.join_first if self.joins else None, "join_last": self.join_last,
                 "joins": self.joins, "heartbeats": self.heartbeats.bins, "loop_lag": self.loop_lag.bins, "heartbeat_errors": self.heartbeat_errors,
+                "beats_at": self.beats_at,
                 "errors": self.errors, "ready_at": self.ready_at, "plan_at": self.plan_at, "votes": self.votes,
                 "syncs": self.syncs, "finished": self.finished}
 
@@ -296,10 +299,15 @@ class SimulatedMember:
         while not self.done.is_set():
             req = pb.HeartbeatRequest(peer_id=self.peer_id)
             t0 = time.perf_counter()
+            sent = int(time.time())
             try:
                 resp = await self._call("Heartbeat", req, timeout=10.0)
                 if self.stats.steady:
-                    self.stats.heartbeats.add(time.perf_counter() - t0)
+                    took = time.perf_counter() - t0
+                    self.stats.heartbeats.add(took)
+                    at = self.stats.beats_at.setdefault(sent, [0, 0, 0])
+                    at[0] += 1
+                    at[1] += took > BOUNDS["heartbeat_p99_seconds"]
                 # A peer's safety net for a lost event (its stream opened after a commit was sent):
                 # two heartbeats in a row saying the run is past this member's round, unless its
                 # Ready waits in the cohort pool.
@@ -421,7 +429,10 @@ async def run_members(address: str, first: int, count: int, *, seed: int, per_co
             t0 = time.perf_counter()
             await asyncio.sleep(0.01)
             if stats.steady:
-                stats.loop_lag.add(max(1e-6, time.perf_counter() - t0 - 0.01))
+                late = max(1e-6, time.perf_counter() - t0 - 0.01)
+                stats.loop_lag.add(late)
+                at = stats.beats_at.setdefault(int(time.time()), [0, 0, 0])
+                at[2] = max(at[2], round(1e3 * late))
 
     try:
         async with asyncio.TaskGroup() as tg:
@@ -442,17 +453,26 @@ async def run_members(address: str, first: int, count: int, *, seed: int, per_co
 
 
 def _proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (bytes), utime + stime (seconds x CLK_TCK) of `pid`."""
+    """VmRSS, VmHWM and VmRSS's parts RssAnon, RssFile, RssShmem (bytes), utime + stime
+    (seconds x CLK_TCK) of `pid`."""
     out: dict[str, int] = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                 out[key] = int(rest.split()[0]) * 1024
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     out["cpu_ticks"] = int(fields[11]) + int(fields[12])
     return out
+
+
+def _size(path: pathlib.Path) -> int:
+    """`path`'s size in bytes, 0 when it does not exist."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _children_cpu() -> float:
@@ -503,6 +523,7 @@ def _coordinator_argv(opts: CoordinatorBenchOptions, wd: pathlib.Path) -> list[s
             # Every member runs on 127.0.0.1: the per-host limits are for the internet, not this.
             "--rate-limit", "1000000", "--join-rate", "1000000", "--join-burst", str(max(50, n)),
             "--reach-timeout", "0",  # simulated members serve no data plane to dial back
+            "--trace-dir", str(wd),  # loop.csv: the coordinator's side of each second (coordinator.loopwatch)
             "--log-level", "warning"]
 
 
@@ -550,6 +571,7 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
                 "--train-seconds", str(opts.train_seconds), "--out", str(out)])))
             first += count
         samples: list[tuple[int, int]] = []  # (rounds committed, RSS)
+        parts: list[str] = []  # rss.csv's other columns: what the resident size is made of, the state file's size
         last_round = -1
         while any(p.poll() is None for _, _, p in workers):
             for name, _, p in workers:
@@ -564,6 +586,8 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
                 last_round = last.round if last is not None else -1
             st = _proc_status(coord.pid)
             samples.append((last_round + 1, st["VmRSS"]))
+            parts.append(f"{time.time():.1f},{st.get('RssAnon', 0)},{st.get('RssFile', 0)},{st.get('RssShmem', 0)},"
+                         f"{_size(wd / 'coordinator.db')},{_size(wd / 'coordinator.db-wal')}")
             time.sleep(0.5)
         end = _proc_status(coord.pid)
         end["members_cpu"] = _children_cpu()  # the member processes, reaped by poll(); not the coordinator
@@ -574,9 +598,26 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 coord.wait(timeout=60)
         # The coordinator's resident memory over the rounds, for a look beyond the one slope.
-        (wd / "rss.csv").write_text("rounds,rss_bytes\n" + "".join(f"{r},{v}\n" for r, v in samples))
+        (wd / "rss.csv").write_text("rounds,rss_bytes,t,anon_bytes,file_bytes,shmem_bytes,state_bytes,wal_bytes\n"
+                                    + "".join(f"{r},{v},{x}\n" for (r, v), x in zip(samples, parts)))
         stats = [json.loads(out.read_text()) for _, out, _ in workers]
+        # The members' side of each second, to put next to the coordinator's loop.csv.
+        # Per member process: heartbeats sent / slow / loop lag (max ms), "/"-separated.
+        (wd / "heartbeats.csv").write_text("t,sent,slow,slow_by_process,lag_max_ms_by_process\n" + "".join(
+            f"{t},{n},{slow},{by},{lags}\n" for t, (n, slow, by, lags) in sorted(_beats_at(stats).items())))
     return _report(opts, stats, samples, base, end, t_start, t_end)
+
+
+def _beats_at(stats: list[dict]) -> dict[int, tuple[int, int, str, str]]:
+    """Second -> (heartbeats sent, of them slower than the bar, the slow ones per member process
+    and each process's loop lag (max ms), "/"-separated)."""
+    seconds = sorted({int(t) for s in stats for t in s.get("beats_at", {})})
+    out: dict[int, tuple[int, int, str, str]] = {}
+    for t in seconds:
+        per = [s.get("beats_at", {}).get(str(t), [0, 0, 0]) for s in stats]
+        out[t] = (sum(p[0] for p in per), sum(p[1] for p in per), "/".join(str(p[1]) for p in per),
+                  "/".join(str(p[2]) for p in per))
+    return out
 
 
 def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tuple[int, int]], base: dict,
