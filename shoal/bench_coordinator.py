@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -62,6 +63,7 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.common.identity import public_bytes, sign_metadata
+from shoal.coordinator.heap import HeapPolicy
 from shoal.coordinator.store import SQLiteStore
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -200,7 +202,8 @@ class _Stats:
     heartbeats: Histogram = dataclasses.field(default_factory=Histogram)
     loop_lag: Histogram = dataclasses.field(default_factory=Histogram)  # this process's own scheduling delay
     heartbeat_errors: int = 0
-    # second -> [heartbeats sent, of them slower than the bar, this process's loop lag (max, ms)]
+    # second -> [heartbeats sent, of them slower than the bar, this process's loop lag and
+    # garbage-collector pause (max, ms)]
     beats_at: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     ready_at: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> last in-sync Ready sent
@@ -305,7 +308,7 @@ class SimulatedMember:
                 if self.stats.steady:
                     took = time.perf_counter() - t0
                     self.stats.heartbeats.add(took)
-                    at = self.stats.beats_at.setdefault(sent, [0, 0, 0])
+                    at = self.stats.beats_at.setdefault(sent, [0, 0, 0, 0])
                     at[0] += 1
                     at[1] += took > BOUNDS["heartbeat_p99_seconds"]
                 # A peer's safety net for a lost event (its stream opened after a commit was sent):
@@ -431,19 +434,37 @@ async def run_members(address: str, first: int, count: int, *, seed: int, per_co
             if stats.steady:
                 late = max(1e-6, time.perf_counter() - t0 - 0.01)
                 stats.loop_lag.add(late)
-                at = stats.beats_at.setdefault(int(time.time()), [0, 0, 0])
+                at = stats.beats_at.setdefault(int(time.time()), [0, 0, 0, 0])
                 at[2] = max(at[2], round(1e3 * late))
 
+    gc_started = [0.0]
+
+    def collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        elif stats.steady:
+            at = stats.beats_at.setdefault(int(time.time()), [0, 0, 0, 0])
+            at[3] = max(at[3], round(1e3 * (time.perf_counter() - gc_started[0])))
+
+    gc.callbacks.append(collection)
+    # The coordinator's garbage-collector policy here too: 2,500 members a process are millions
+    # of long-lived objects, and a full collection of them stopped a member process for up to
+    # 0.9 s at 10,000 members, every heartbeat of its members then late (docs/performance.md,
+    # "Coordinator scale"): the benchmark would measure its own clients.
+    heap = HeapPolicy(size=lambda: stats.joins, trim=None)
     try:
         async with asyncio.TaskGroup() as tg:
             lag_task = tg.create_task(lag())
+            heap_task = tg.create_task(heap.run())
             for k, m in enumerate(members):
                 tg.create_task(m.run())
                 if join_rate > 0:
                     await asyncio.sleep(1.0 / join_rate)
             await asyncio.gather(*(m.done.wait() for m in members))
             lag_task.cancel()
+            heap_task.cancel()
     finally:
+        gc.callbacks.remove(collection)
         for ch in channels:
             await ch.close()
         pathlib.Path(out).write_text(json.dumps(stats.to_json()))
@@ -602,21 +623,22 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
                                     + "".join(f"{r},{v},{x}\n" for (r, v), x in zip(samples, parts)))
         stats = [json.loads(out.read_text()) for _, out, _ in workers]
         # The members' side of each second, to put next to the coordinator's loop.csv.
-        # Per member process: heartbeats sent / slow / loop lag (max ms), "/"-separated.
-        (wd / "heartbeats.csv").write_text("t,sent,slow,slow_by_process,lag_max_ms_by_process\n" + "".join(
-            f"{t},{n},{slow},{by},{lags}\n" for t, (n, slow, by, lags) in sorted(_beats_at(stats).items())))
+        # Per member process: heartbeats slow / loop lag and GC pause (max ms), "/"-separated.
+        (wd / "heartbeats.csv").write_text("t,sent,slow,slow_by_process,lag_max_ms_by_process,gc_max_ms_by_process\n"
+                                           + "".join(f"{t},{n},{slow},{by},{lags},{gcs}\n" for t, (n, slow, by, lags, gcs)
+                                                     in sorted(_beats_at(stats).items())))
     return _report(opts, stats, samples, base, end, t_start, t_end)
 
 
-def _beats_at(stats: list[dict]) -> dict[int, tuple[int, int, str, str]]:
-    """Second -> (heartbeats sent, of them slower than the bar, the slow ones per member process
-    and each process's loop lag (max ms), "/"-separated)."""
+def _beats_at(stats: list[dict]) -> dict[int, tuple[int, int, str, str, str]]:
+    """Second -> (heartbeats sent, of them slower than the bar, then per member process and
+    "/"-separated: the slow ones, its loop lag (max ms), its garbage-collector pause (max ms))."""
     seconds = sorted({int(t) for s in stats for t in s.get("beats_at", {})})
-    out: dict[int, tuple[int, int, str, str]] = {}
+    out: dict[int, tuple[int, int, str, str, str]] = {}
     for t in seconds:
-        per = [s.get("beats_at", {}).get(str(t), [0, 0, 0]) for s in stats]
+        per = [s.get("beats_at", {}).get(str(t), [0, 0, 0, 0]) for s in stats]
         out[t] = (sum(p[0] for p in per), sum(p[1] for p in per), "/".join(str(p[1]) for p in per),
-                  "/".join(str(p[2]) for p in per))
+                  "/".join(str(p[2]) for p in per), "/".join(str(p[3]) for p in per))
     return out
 
 

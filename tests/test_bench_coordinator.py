@@ -60,9 +60,9 @@ def test_the_coordinator_runs_under_cprofile_only_when_asked(tmp_path):
 
 
 def test_the_members_seconds_are_summed_and_kept_per_process():
-    a = {"beats_at": {"10": [5, 1, 3], "11": [4, 0, 2]}}
-    b = {"beats_at": {"11": [6, 2, 40]}}
-    assert _beats_at([a, b]) == {10: (5, 1, "1/0", "3/0"), 11: (10, 2, "0/2", "2/40")}
+    a = {"beats_at": {"10": [5, 1, 3, 0], "11": [4, 0, 2, 1]}}
+    b = {"beats_at": {"11": [6, 2, 40, 35]}}
+    assert _beats_at([a, b]) == {10: (5, 1, "1/0", "3/0", "0/0"), 11: (10, 2, "0/2", "2/40", "1/35")}
     assert _beats_at([{}]) == {}  # a process that measured nothing
 
 
@@ -91,7 +91,7 @@ def test_a_small_run_reports_every_figure(tmp_path):
     assert loop[0].split(",") == list(COLUMNS) and len(loop) > 2
     assert sum(int(l.split(",")[COLUMNS.index("heartbeats")]) for l in loop[1:]) > 0
     beats = (tmp_path / "heartbeats.csv").read_text().splitlines()
-    assert beats[0] == "t,sent,slow,slow_by_process,lag_max_ms_by_process" and len(beats) > 1
+    assert beats[0] == "t,sent,slow,slow_by_process,lag_max_ms_by_process,gc_max_ms_by_process" and len(beats) > 1
     assert all(len(l.split(",")[3].split("/")) == 2 for l in beats[1:])  # two member processes
     rss = (tmp_path / "rss.csv").read_text().splitlines()
     assert rss[0].startswith("rounds,rss_bytes,t,anon_bytes") and int(rss[-1].split(",")[3]) > 0
