@@ -67,7 +67,7 @@ from shoal.coordinator.rounds import (
     WaitReason,
 )
 from shoal.coordinator.admission import Admission, AllowList, load_secret
-from shoal.coordinator.heap import HeapPolicy
+from shoal.coordinator.heap import HeapPolicy, limit_arenas
 from shoal.coordinator.loopwatch import CallTimer, LoopWatch
 from shoal.coordinator.membership import Membership, Memberships
 from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget, is_etcd
@@ -835,6 +835,7 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
         LostLeadership: see above.
     """
     stop = stop or asyncio.Event()
+    limit_arenas()  # before gRPC's threads (the server's, etcd's client) start allocating: coordinator.heap
     key = load_or_create_key(_key_path(config))
     clock = RunClock()
     if not is_etcd(config.state_path):

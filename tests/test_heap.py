@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import weakref
 
-from shoal.coordinator.heap import HeapPolicy
+import platform
+
+from shoal.coordinator.heap import HeapPolicy, limit_arenas
 
 
 class _Node:
@@ -63,3 +65,8 @@ def test_without_a_size_only_the_period_makes_a_step_due():
     policy = HeapPolicy(freeze_seconds=10.0, full_seconds=3600, trim=None)
     assert not policy.due(policy._last_step + 9.0)
     assert policy.due(policy._last_step + 10.0)
+
+
+def test_the_arena_cap_is_set_where_malloc_is_glibc():
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert limit_arenas(8) is glibc  # a cap above the arenas this test process uses: it keeps its behaviour
