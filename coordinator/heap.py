@@ -119,12 +119,14 @@ class HeapPolicy:
         else:
             gc.collect(2)  # the permanent generation is not scanned: only the heap since the last freeze
         gc.freeze()
+        t1 = time.monotonic()
         if self.trim is not None:
             self.trim(0)
         took = time.monotonic() - t0
         if took > SLOW_STEP_SECONDS:
             # Every call waits meanwhile: worth an operator's look (docs/performance.md).
-            log.warning("heap policy: collection, freeze and trim stopped the coordinator for %.0f ms", 1e3 * took)
+            log.warning("heap policy: collection, freeze and trim stopped the coordinator for %.0f ms (trim: %.0f ms)",
+                        1e3 * took, 1e3 * (time.monotonic() - t1))
 
     async def run(self) -> None:
         """Step once now (the heap of the start-up: imports, the state loaded), then whenever `due`."""

@@ -83,6 +83,8 @@ class CoordinatorBenchOptions:
     ready_timeout: the coordinator's ready deadline (the rounds wait at most this long for the
     last members' Ready). processes: member processes. members_per_connection: members that
     share one gRPC connection (1 = one TCP connection per member, as volunteers have).
+    members_nice: the member processes' niceness (negative: ahead of other load, so that a shared
+    machine's load delays the simulated members less; their delays are part of every latency).
     coordinator_profile: run the coordinator under cProfile and write its profile (pstats) to
     this path (the coordinator is then stopped with SIGTERM, not killed; its CPU figures include
     the profiler's overhead, ~1.5-2x)."""
@@ -96,6 +98,7 @@ class CoordinatorBenchOptions:
     members_per_connection: int = 1
     train_seconds: float = 1.0
     coordinator_nice: int = 0
+    members_nice: int = 0
     coordinator_profile: str | None = None
     timeout: float = 3600.0
     workdir: str | None = None
@@ -589,7 +592,7 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
                 sys.executable, "-m", "shoal.bench_coordinator", "members", "--coordinator", address,
                 "--first", str(first), "--count", str(count), "--seed", str(opts.seed),
                 "--per-connection", str(opts.members_per_connection), "--join-rate", str(max(50.0, 2000.0 / k)),
-                "--train-seconds", str(opts.train_seconds), "--out", str(out)])))
+                "--train-seconds", str(opts.train_seconds), "--out", str(out)], nice=opts.members_nice)))
             first += count
         samples: list[tuple[int, int]] = []  # (rounds committed, RSS)
         parts: list[str] = []  # rss.csv's other columns: what the resident size is made of, the state file's size
@@ -673,6 +676,7 @@ def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tupl
         "heartbeat_interval_seconds": opts.lease_seconds / 4,
         "train_seconds": opts.train_seconds,
         "coordinator_nice": opts.coordinator_nice,
+        "members_nice": opts.members_nice,
         "joins_per_second": round(sum(s["joins"] for s in stats) / max(1e-9, join_last - join_first), 1),
         "heartbeats_measured": beats.count,
         "heartbeat_p50_seconds": round(beats.quantile(0.5), 5),
@@ -721,6 +725,10 @@ def add_parser(bsub) -> None:
     b.add_argument("--coordinator-nice", type=int, default=d.coordinator_nice,
                    help="scheduling niceness of the coordinator process (negative: ahead of the members and of "
                         "other load on a shared machine, as on a host of its own; needs root)")
+    b.add_argument("--members-nice", type=int, default=d.members_nice,
+                   help="scheduling niceness of the member processes (negative: the simulated members ahead of "
+                        "other load on a shared machine, so that their own delays do not read as the "
+                        "coordinator's; needs root)")
     b.add_argument("--coordinator-profile", metavar="PATH",
                    help="run the coordinator under cProfile and write its profile (pstats) to PATH; "
                         "read it with `python -m pstats PATH`")
@@ -735,6 +743,7 @@ def options_from_args(a: argparse.Namespace) -> CoordinatorBenchOptions:
                                    processes=a.processes, lease_seconds=a.lease_seconds,
                                    ready_timeout=a.ready_timeout, members_per_connection=a.members_per_connection,
                                    train_seconds=a.train_seconds, coordinator_nice=a.coordinator_nice,
+                                   members_nice=a.members_nice,
                                    coordinator_profile=a.coordinator_profile, timeout=a.timeout, workdir=a.workdir, seed=a.seed)
 
 
