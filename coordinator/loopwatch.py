@@ -4,12 +4,9 @@ A member measures a heartbeat from its call to the answer; the coordinator's par
 into three, and this module records each of them once a second, so that a slow heartbeat can be
 put next to what the coordinator was doing at that second:
 
-- **waiting in gRPC core** before the coordinator's event loop takes the call: the caller's
-  timeout (sent as a relative `grpc-timeout`, a deadline from the moment the caller started
-  the call) minus what is left of it when the first interceptor runs. The timeout itself is
-  not sent to the handler: the longest deadline seen for the method stands for it (the
-  callers' timeout, less the quickest call's wait: a fraction of a millisecond), so the
-  figure holds when the callers of a method use one timeout (one peer version, the bench);
+- **waiting in gRPC core** before the coordinator's event loop takes the call: the call's
+  deadline (the member's timeout, sent as a relative `grpc-timeout` and turned into a deadline
+  when gRPC core reads the headers) minus what is left of it when the first interceptor runs;
 - **in the handler**: interceptors (signature check, rate limit, membership), the engine, the
   answer, measured by `CallTimer` (the outermost interceptor);
 - **the event loop's lag**: a 10 ms ticker's delay (a stall of the loop: a collection, a commit,
@@ -106,9 +103,8 @@ class SecondStats:
 
 def wait_in_core(timeout: float | None, left: float | None, since_intercept: float) -> float:
     """Seconds a call waited in gRPC core before its first interceptor ran: the caller's
-    `timeout` (or the longest deadline seen, see the module docstring) minus the deadline
-    `left` when read, `since_intercept` seconds after that interceptor started; 0.0 when either
-    is unknown."""
+    `timeout` minus the deadline `left` when read, `since_intercept` seconds after that
+    interceptor started; 0.0 when either is unknown."""
     if timeout is None or left is None:
         return 0.0
     return max(0.0, timeout - left - since_intercept)
@@ -186,13 +182,15 @@ class LoopWatch:
 
 class CallTimer(grpc.aio.ServerInterceptor):
     """The outermost interceptor: each unary call's core wait and handler time into `watch`
-    (`heartbeat`: the method whose figures get their own columns). A call without a deadline
+    (`heartbeat`: the method whose figures get their own columns). `timeouts`: the timeout
+    (seconds) callers set per method, which the core wait is computed from (the bench's members
+    and shoal.peer use 10 s for heartbeats); a method not in it, or a call without a deadline,
     counts a wait of 0. Streams are counted, not timed."""
 
-    def __init__(self, watch: LoopWatch, heartbeat: str):
+    def __init__(self, watch: LoopWatch, heartbeat: str, timeouts: dict[str, float]):
         self.watch = watch
         self.heartbeat = heartbeat
-        self.longest: dict[str, float] = {}  # method -> the longest deadline seen (seconds): its callers' timeout
+        self.timeouts = timeouts
 
     async def intercept_service(self, continuation, handler_call_details):
         t0 = time.perf_counter()
@@ -206,18 +204,16 @@ class CallTimer(grpc.aio.ServerInterceptor):
         beat = handler_call_details.method == self.heartbeat
         watch = self.watch
 
-        method = handler_call_details.method
+        sent = self.timeouts.get(handler_call_details.method)
 
         async def unary_unary(request, context):
             watch.in_flight += 1
             left, t1 = context.time_remaining(), time.perf_counter()
-            if left is not None:
-                self.longest[method] = max(self.longest.get(method, 0.0), left + (t1 - t0))
             try:
                 return await inner(request, context)
             finally:
                 watch.in_flight -= 1
-                wait = wait_in_core(self.longest.get(method), left, t1 - t0)
+                wait = wait_in_core(sent, left, t1 - t0)
                 watch.now.call(beat, wait, time.perf_counter() - t0, watch.in_flight + 1)
 
         return handler._replace(unary_unary=unary_unary)

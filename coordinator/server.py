@@ -98,6 +98,7 @@ SERVICE_PREFIX = "/shoal.v1.Coordinator/"
 JOIN = SERVICE_PREFIX + "Join"
 GET_STATUS = SERVICE_PREFIX + "GetStatus"
 HEARTBEAT = SERVICE_PREFIX + "Heartbeat"
+HEARTBEAT_TIMEOUT_SECONDS = 10.0  # what members set (shoal.peer's rpc_timeout, the bench): --trace-dir's core wait
 # Unsigned: the operator view (read-only; protect it with mTLS or a firewall).
 UNSIGNED_METHODS = frozenset({GET_STATUS})
 # A member's calls after its Join: refused once it is revoked or fenced (MemberCalls).
@@ -900,7 +901,7 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
     ]
     watch = LoopWatch(config.trace_dir) if config.trace_dir else None
     if watch is not None:
-        interceptors.insert(0, CallTimer(watch, HEARTBEAT))
+        interceptors.insert(0, CallTimer(watch, HEARTBEAT, {HEARTBEAT: HEARTBEAT_TIMEOUT_SECONDS}))
     server = grpc.aio.server(options=grpc_options(), interceptors=interceptors,
                              maximum_concurrent_rpcs=COORDINATOR_MAX_CONCURRENT_RPCS)
     pb_grpc.add_CoordinatorServicer_to_server(service, server)
