@@ -72,6 +72,8 @@ def limit_arenas(arenas: int = ARENAS) -> bool:
         return bool(ctypes.CDLL(name).mallopt(M_ARENA_MAX, arenas))
     except (OSError, AttributeError):
         return False
+
+
 SLOW_STEP_SECONDS = 0.1  # a step longer than this is logged (the heartbeat bar is 100 ms)
 
 

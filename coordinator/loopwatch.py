@@ -4,9 +4,15 @@ A member measures a heartbeat from its call to the answer; the coordinator's par
 into three, and this module records each of them once a second, so that a slow heartbeat can be
 put next to what the coordinator was doing at that second:
 
-- **waiting in gRPC core** before the coordinator's event loop takes the call: the call's
-  deadline (the member's timeout, sent as a relative `grpc-timeout` and turned into a deadline
-  when gRPC core reads the headers) minus what is left of it when the first interceptor runs;
+- **waiting in gRPC core** before the coordinator's event loop takes the call: the caller's
+  timeout (which the handler does not see: `CallTimer` is given it, 10 s for heartbeats, what
+  the benchmark's members set; shoal peers set `rpc_timeout`, 5 s by default, and then the
+  column reads 5 s high) minus what is left of the deadline when the first interceptor runs.
+  The caller sends its timeout as a relative `grpc-timeout`, which gRPC core turns into a
+  deadline when it reads the headers; HPACK sends a timeout up to 3 % shorter than one sent
+  before on the connection as that earlier one, so the caller's own delay before sending
+  (up to ~0.3 s of 10 s) hides in it: the column is the wait in the coordinator's gRPC core
+  and accept path, plus only what the caller's delay exceeds that by;
 - **in the handler**: interceptors (signature check, rate limit, membership), the engine, the
   answer, measured by `CallTimer` (the outermost interceptor);
 - **the event loop's lag**: a 10 ms ticker's delay (a stall of the loop: a collection, a commit,

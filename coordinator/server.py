@@ -98,7 +98,7 @@ SERVICE_PREFIX = "/shoal.v1.Coordinator/"
 JOIN = SERVICE_PREFIX + "Join"
 GET_STATUS = SERVICE_PREFIX + "GetStatus"
 HEARTBEAT = SERVICE_PREFIX + "Heartbeat"
-HEARTBEAT_TIMEOUT_SECONDS = 10.0  # what members set (shoal.peer's rpc_timeout, the bench): --trace-dir's core wait
+HEARTBEAT_TIMEOUT_SECONDS = 10.0  # the benchmark's members' heartbeat timeout: --trace-dir's core wait (loopwatch)
 # Unsigned: the operator view (read-only; protect it with mTLS or a firewall).
 UNSIGNED_METHODS = frozenset({GET_STATUS})
 # A member's calls after its Join: refused once it is revoked or fenced (MemberCalls).
