@@ -189,9 +189,9 @@ class LoopWatch:
 class CallTimer(grpc.aio.ServerInterceptor):
     """The outermost interceptor: each unary call's core wait and handler time into `watch`
     (`heartbeat`: the method whose figures get their own columns). `timeouts`: the timeout
-    (seconds) callers set per method, which the core wait is computed from (the bench's members
-    and shoal.peer use 10 s for heartbeats); a method not in it, or a call without a deadline,
-    counts a wait of 0. Streams are counted, not timed."""
+    (seconds) callers set per method, which the core wait is computed from (see the module
+    docstring); a method not in it, or a call without a deadline, counts a wait of 0. Streams
+    are counted, not timed."""
 
     def __init__(self, watch: LoopWatch, heartbeat: str, timeouts: dict[str, float]):
         self.watch = watch
