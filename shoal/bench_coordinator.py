@@ -369,7 +369,11 @@ class SimulatedMember:
         await self._ready(self.state_round)
         while True:
             try:
-                ev = await asyncio.wait_for(self.events.get(), ROUND_SILENCE)
+                # Held in the pool: nothing to say until an event (or a heartbeat's nudge) comes. No
+                # timer then: the round-0 commit reaches every member at once, and 10,000 timers
+                # re-armed together fired together every 15 s, a burst of every member process on
+                # the coordinator's cores (heartbeat tails 15 s apart: docs/performance.md).
+                ev = await asyncio.wait_for(self.events.get(), None if self.pooled else ROUND_SILENCE)
             except TimeoutError:
                 if self.pooled:
                     continue  # held in the pool: nothing to say
