@@ -63,8 +63,8 @@ def limit_arenas(arenas: int = ARENAS) -> bool:
     Every thread that allocates gets an arena of its own up to the cap, and each keeps its own
     free pages and its own fragmentation: gRPC core's threads, which allocate and free every
     call's and message's buffers in varying sizes, made the coordinator's resident size creep by
-    ~5 KB per round at 1,000 members; with 2 arenas ~1.3 KB, with the same latency
-    (docs/performance.md, "Coordinator scale")."""
+    ~5 KB per round at 1,000 members; with 2 arenas 1.3-3.1 KB (~2.5 typical), with the same
+    latency (docs/performance.md, "Coordinator scale")."""
     name = ctypes.util.find_library("c")
     if name is None:
         return False
