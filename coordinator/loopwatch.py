@@ -13,10 +13,13 @@ put next to what the coordinator was doing at that second:
   before on the connection as that earlier one, so the caller's own delay before sending
   (up to ~0.3 s of 10 s) hides in it: the column is the wait in the coordinator's gRPC core
   and accept path, plus only what the caller's delay exceeds that by;
-- **in the handler**: interceptors (signature check, rate limit, membership), the engine, the
-  answer, measured by `CallTimer` (the outermost interceptor);
+- **in the handler**: from the outermost interceptor (`CallTimer`) to the answer: gRPC handing
+  over the request message, the interceptors (signature check, rate limit, membership), the
+  engine;
 - **the event loop's lag**: a 10 ms ticker's delay (a stall of the loop: a collection, a commit,
-  a cohort draw, a long callback) and the garbage collector's pauses (`gc.callbacks`).
+  a cohort draw, a long callback) and the garbage collector's pauses (`gc.callbacks`);
+- **the threads** (from /proc): the event loop's thread's CPU and its voluntary and involuntary
+  context switches, and the CPU of the process's other threads (gRPC core's).
 
 `SecondStats` is the pure accumulator (one CSV row per second); `LoopWatch` feeds it and writes
 `loop.csv`. The cost is one `perf_counter()` pair per call and a 10 ms ticker.
