@@ -67,7 +67,8 @@ from shoal.coordinator.rounds import (
     WaitReason,
 )
 from shoal.coordinator.admission import Admission, AllowList, load_secret
-from shoal.coordinator.heap import HeapPolicy
+from shoal.coordinator.heap import HeapPolicy, limit_arenas
+from shoal.coordinator.loopwatch import CallTimer, LoopWatch
 from shoal.coordinator.membership import Membership, Memberships
 from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget, is_etcd
 from shoal.coordinator.leadership import Leadership
@@ -96,6 +97,8 @@ TICK_SECONDS = 0.05
 SERVICE_PREFIX = "/shoal.v1.Coordinator/"
 JOIN = SERVICE_PREFIX + "Join"
 GET_STATUS = SERVICE_PREFIX + "GetStatus"
+HEARTBEAT = SERVICE_PREFIX + "Heartbeat"
+HEARTBEAT_TIMEOUT_SECONDS = 10.0  # the benchmark's members' heartbeat timeout: --trace-dir's core wait (loopwatch)
 # Unsigned: the operator view (read-only; protect it with mTLS or a firewall).
 UNSIGNED_METHODS = frozenset({GET_STATUS})
 # A member's calls after its Join: refused once it is revoked or fenced (MemberCalls).
@@ -141,6 +144,7 @@ class CoordinatorConfig:
     reach_timeout: float = 2.0  # dial-back of a joiner's data address (shoal.common.reach); 0 = not checked
     cert_lifetime: float = DEFAULT_LIFETIME_S  # issued data-plane certificates, seconds (coordinator.ca)
     member_retention: float = MEMBER_RETENTION_SECONDS  # an admitted key unused this long needs admission again
+    trace_dir: str | None = None  # write loop.csv (coordinator.loopwatch) here; None: no trace
 
 
 # The actions that write to the store.
@@ -831,6 +835,7 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
         LostLeadership: see above.
     """
     stop = stop or asyncio.Event()
+    limit_arenas()  # before gRPC's threads (the server's, etcd's client) start allocating: coordinator.heap
     key = load_or_create_key(_key_path(config))
     clock = RunClock()
     if not is_etcd(config.state_path):
@@ -894,6 +899,9 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
                     limits={JOIN: RateLimiter(config.join_rate, config.join_burst)}),
         MemberCalls(service),
     ]
+    watch = LoopWatch(config.trace_dir) if config.trace_dir else None
+    if watch is not None:
+        interceptors.insert(0, CallTimer(watch, HEARTBEAT, {HEARTBEAT: HEARTBEAT_TIMEOUT_SECONDS}))
     server = grpc.aio.server(options=grpc_options(), interceptors=interceptors,
                              maximum_concurrent_rpcs=COORDINATOR_MAX_CONCURRENT_RPCS)
     pb_grpc.add_CoordinatorServicer_to_server(service, server)
@@ -916,7 +924,8 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
     try:
         async with asyncio.TaskGroup() as tg:
             ticker = tg.create_task(service.ticker())
-            heap = tg.create_task(HeapPolicy().run())
+            heap = tg.create_task(HeapPolicy(size=lambda: len(engine.members)).run())
+            watching = tg.create_task(watch.run()) if watch is not None else None
             over = tg.create_task(service.until_run_over(config.finish_linger))
             stopped = tg.create_task(stop.wait())
             waits = {over, stopped}
@@ -926,8 +935,9 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
                 waits.add(deposing)
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             deposed = deposing is not None and deposing in done and not stopped.done()
-            for task in (ticker, heap, *waits):
-                task.cancel()
+            for task in (ticker, heap, watching, *waits):
+                if task is not None:
+                    task.cancel()
     finally:
         await health.shutdown()
         await server.stop(grace=0.0 if deposed else 1.0)

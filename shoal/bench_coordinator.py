@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -62,6 +63,7 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.common.identity import public_bytes, sign_metadata
+from shoal.coordinator.heap import HeapPolicy
 from shoal.coordinator.store import SQLiteStore
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
@@ -81,6 +83,8 @@ class CoordinatorBenchOptions:
     ready_timeout: the coordinator's ready deadline (the rounds wait at most this long for the
     last members' Ready). processes: member processes. members_per_connection: members that
     share one gRPC connection (1 = one TCP connection per member, as volunteers have).
+    members_nice: the member processes' niceness (negative: ahead of other load, so that a shared
+    machine's load delays the simulated members less; their delays are part of every latency).
     coordinator_profile: run the coordinator under cProfile and write its profile (pstats) to
     this path (the coordinator is then stopped with SIGTERM, not killed; its CPU figures include
     the profiler's overhead, ~1.5-2x)."""
@@ -94,6 +98,7 @@ class CoordinatorBenchOptions:
     members_per_connection: int = 1
     train_seconds: float = 1.0
     coordinator_nice: int = 0
+    members_nice: int = 0
     coordinator_profile: str | None = None
     timeout: float = 3600.0
     workdir: str | None = None
@@ -200,6 +205,9 @@ class _Stats:
     heartbeats: Histogram = dataclasses.field(default_factory=Histogram)
     loop_lag: Histogram = dataclasses.field(default_factory=Histogram)  # this process's own scheduling delay
     heartbeat_errors: int = 0
+    # second -> [heartbeats sent, of them slower than the bar, this process's loop lag and
+    # garbage-collector pause (max, ms)]
+    beats_at: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     ready_at: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> last in-sync Ready sent
     plan_at: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> last plan received
@@ -219,6 +227,7 @@ class _Stats:
     def to_json(self) -> dict:
         return {"join_first": self.join_first if self.joins else None, "join_last": self.join_last,
                 "joins": self.joins, "heartbeats": self.heartbeats.bins, "loop_lag": self.loop_lag.bins, "heartbeat_errors": self.heartbeat_errors,
+                "beats_at": self.beats_at,
                 "errors": self.errors, "ready_at": self.ready_at, "plan_at": self.plan_at, "votes": self.votes,
                 "syncs": self.syncs, "finished": self.finished}
 
@@ -296,10 +305,15 @@ class SimulatedMember:
         while not self.done.is_set():
             req = pb.HeartbeatRequest(peer_id=self.peer_id)
             t0 = time.perf_counter()
+            sent = int(time.time())
             try:
                 resp = await self._call("Heartbeat", req, timeout=10.0)
                 if self.stats.steady:
-                    self.stats.heartbeats.add(time.perf_counter() - t0)
+                    took = time.perf_counter() - t0
+                    self.stats.heartbeats.add(took)
+                    at = self.stats.beats_at.setdefault(sent, [0, 0, 0, 0])
+                    at[0] += 1
+                    at[1] += took > BOUNDS["heartbeat_p99_seconds"]
                 # A peer's safety net for a lost event (its stream opened after a commit was sent):
                 # two heartbeats in a row saying the run is past this member's round, unless its
                 # Ready waits in the cohort pool.
@@ -355,7 +369,11 @@ class SimulatedMember:
         await self._ready(self.state_round)
         while True:
             try:
-                ev = await asyncio.wait_for(self.events.get(), ROUND_SILENCE)
+                # Held in the pool: nothing to say until an event (or a heartbeat's nudge) comes. No
+                # timer then: the round-0 commit reaches every member at once, and 10,000 timers
+                # re-armed together fired together every 15 s, a burst of every member process on
+                # the coordinator's cores (heartbeat tails 15 s apart: docs/performance.md).
+                ev = await asyncio.wait_for(self.events.get(), None if self.pooled else ROUND_SILENCE)
             except TimeoutError:
                 if self.pooled:
                     continue  # held in the pool: nothing to say
@@ -421,18 +439,39 @@ async def run_members(address: str, first: int, count: int, *, seed: int, per_co
             t0 = time.perf_counter()
             await asyncio.sleep(0.01)
             if stats.steady:
-                stats.loop_lag.add(max(1e-6, time.perf_counter() - t0 - 0.01))
+                late = max(1e-6, time.perf_counter() - t0 - 0.01)
+                stats.loop_lag.add(late)
+                at = stats.beats_at.setdefault(int(time.time()), [0, 0, 0, 0])
+                at[2] = max(at[2], round(1e3 * late))
 
+    gc_started = [0.0]
+
+    def collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        elif stats.steady:
+            at = stats.beats_at.setdefault(int(time.time()), [0, 0, 0, 0])
+            at[3] = max(at[3], round(1e3 * (time.perf_counter() - gc_started[0])))
+
+    gc.callbacks.append(collection)
+    # The coordinator's garbage-collector policy here too: 2,500 members a process are millions
+    # of long-lived objects, and a full collection of them stopped a member process for up to
+    # 0.9 s at 10,000 members, every heartbeat of its members then late (docs/performance.md,
+    # "Coordinator scale"): the benchmark would measure its own clients.
+    heap = HeapPolicy(size=lambda: stats.joins, trim=None)
     try:
         async with asyncio.TaskGroup() as tg:
             lag_task = tg.create_task(lag())
+            heap_task = tg.create_task(heap.run())
             for k, m in enumerate(members):
                 tg.create_task(m.run())
                 if join_rate > 0:
                     await asyncio.sleep(1.0 / join_rate)
             await asyncio.gather(*(m.done.wait() for m in members))
             lag_task.cancel()
+            heap_task.cancel()
     finally:
+        gc.callbacks.remove(collection)
         for ch in channels:
             await ch.close()
         pathlib.Path(out).write_text(json.dumps(stats.to_json()))
@@ -442,17 +481,26 @@ async def run_members(address: str, first: int, count: int, *, seed: int, per_co
 
 
 def _proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (bytes), utime + stime (seconds x CLK_TCK) of `pid`."""
+    """VmRSS, VmHWM and VmRSS's parts RssAnon, RssFile, RssShmem (bytes), utime + stime
+    (seconds x CLK_TCK) of `pid`."""
     out: dict[str, int] = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                 out[key] = int(rest.split()[0]) * 1024
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     out["cpu_ticks"] = int(fields[11]) + int(fields[12])
     return out
+
+
+def _size(path: pathlib.Path) -> int:
+    """`path`'s size in bytes, 0 when it does not exist."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _children_cpu() -> float:
@@ -503,6 +551,7 @@ def _coordinator_argv(opts: CoordinatorBenchOptions, wd: pathlib.Path) -> list[s
             # Every member runs on 127.0.0.1: the per-host limits are for the internet, not this.
             "--rate-limit", "1000000", "--join-rate", "1000000", "--join-burst", str(max(50, n)),
             "--reach-timeout", "0",  # simulated members serve no data plane to dial back
+            "--trace-dir", str(wd),  # loop.csv: the coordinator's side of each second (coordinator.loopwatch)
             "--log-level", "warning"]
 
 
@@ -547,9 +596,10 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
                 sys.executable, "-m", "shoal.bench_coordinator", "members", "--coordinator", address,
                 "--first", str(first), "--count", str(count), "--seed", str(opts.seed),
                 "--per-connection", str(opts.members_per_connection), "--join-rate", str(max(50.0, 2000.0 / k)),
-                "--train-seconds", str(opts.train_seconds), "--out", str(out)])))
+                "--train-seconds", str(opts.train_seconds), "--out", str(out)], nice=opts.members_nice)))
             first += count
         samples: list[tuple[int, int]] = []  # (rounds committed, RSS)
+        parts: list[str] = []  # rss.csv's other columns: what the resident size is made of, the state file's size
         last_round = -1
         while any(p.poll() is None for _, _, p in workers):
             for name, _, p in workers:
@@ -564,6 +614,8 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
                 last_round = last.round if last is not None else -1
             st = _proc_status(coord.pid)
             samples.append((last_round + 1, st["VmRSS"]))
+            parts.append(f"{time.time():.1f},{st.get('RssAnon', 0)},{st.get('RssFile', 0)},{st.get('RssShmem', 0)},"
+                         f"{_size(wd / 'coordinator.db')},{_size(wd / 'coordinator.db-wal')}")
             time.sleep(0.5)
         end = _proc_status(coord.pid)
         end["members_cpu"] = _children_cpu()  # the member processes, reaped by poll(); not the coordinator
@@ -574,9 +626,27 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 coord.wait(timeout=60)
         # The coordinator's resident memory over the rounds, for a look beyond the one slope.
-        (wd / "rss.csv").write_text("rounds,rss_bytes\n" + "".join(f"{r},{v}\n" for r, v in samples))
+        (wd / "rss.csv").write_text("rounds,rss_bytes,t,anon_bytes,file_bytes,shmem_bytes,state_bytes,wal_bytes\n"
+                                    + "".join(f"{r},{v},{x}\n" for (r, v), x in zip(samples, parts)))
         stats = [json.loads(out.read_text()) for _, out, _ in workers]
+        # The members' side of each second, to put next to the coordinator's loop.csv.
+        # Per member process: heartbeats slow / loop lag and GC pause (max ms), "/"-separated.
+        (wd / "heartbeats.csv").write_text("t,sent,slow,slow_by_process,lag_max_ms_by_process,gc_max_ms_by_process\n"
+                                           + "".join(f"{t},{n},{slow},{by},{lags},{gcs}\n" for t, (n, slow, by, lags, gcs)
+                                                     in sorted(_beats_at(stats).items())))
     return _report(opts, stats, samples, base, end, t_start, t_end)
+
+
+def _beats_at(stats: list[dict]) -> dict[int, tuple[int, int, str, str, str]]:
+    """Second -> (heartbeats sent, of them slower than the bar, then per member process and
+    "/"-separated: the slow ones, its loop lag (max ms), its garbage-collector pause (max ms))."""
+    seconds = sorted({int(t) for s in stats for t in s.get("beats_at", {})})
+    out: dict[int, tuple[int, int, str, str, str]] = {}
+    for t in seconds:
+        per = [s.get("beats_at", {}).get(str(t), [0, 0, 0, 0]) for s in stats]
+        out[t] = (sum(p[0] for p in per), sum(p[1] for p in per), "/".join(str(p[1]) for p in per),
+                  "/".join(str(p[2]) for p in per), "/".join(str(p[3]) for p in per))
+    return out
 
 
 def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tuple[int, int]], base: dict,
@@ -610,6 +680,7 @@ def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tupl
         "heartbeat_interval_seconds": opts.lease_seconds / 4,
         "train_seconds": opts.train_seconds,
         "coordinator_nice": opts.coordinator_nice,
+        "members_nice": opts.members_nice,
         "joins_per_second": round(sum(s["joins"] for s in stats) / max(1e-9, join_last - join_first), 1),
         "heartbeats_measured": beats.count,
         "heartbeat_p50_seconds": round(beats.quantile(0.5), 5),
@@ -658,6 +729,10 @@ def add_parser(bsub) -> None:
     b.add_argument("--coordinator-nice", type=int, default=d.coordinator_nice,
                    help="scheduling niceness of the coordinator process (negative: ahead of the members and of "
                         "other load on a shared machine, as on a host of its own; needs root)")
+    b.add_argument("--members-nice", type=int, default=d.members_nice,
+                   help="scheduling niceness of the member processes (negative: the simulated members ahead of "
+                        "other load on a shared machine, so that their own delays do not read as the "
+                        "coordinator's; needs root)")
     b.add_argument("--coordinator-profile", metavar="PATH",
                    help="run the coordinator under cProfile and write its profile (pstats) to PATH; "
                         "read it with `python -m pstats PATH`")
@@ -672,6 +747,7 @@ def options_from_args(a: argparse.Namespace) -> CoordinatorBenchOptions:
                                    processes=a.processes, lease_seconds=a.lease_seconds,
                                    ready_timeout=a.ready_timeout, members_per_connection=a.members_per_connection,
                                    train_seconds=a.train_seconds, coordinator_nice=a.coordinator_nice,
+                                   members_nice=a.members_nice,
                                    coordinator_profile=a.coordinator_profile, timeout=a.timeout, workdir=a.workdir, seed=a.seed)
 
 

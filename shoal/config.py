@@ -175,6 +175,9 @@ class CoordinatorSection:
     member_retention: float = setting(7 * 86400.0, "seconds an admitted key (a member) stays admitted unused: it "
                                                    "rejoins without a join token until revoked (`shoal member "
                                                    "revoke`) or unused this long")
+    trace_dir: str | None = setting(None, "write loop.csv here: per second, the event loop's lag, garbage-collector "
+                                          "pauses, and each call's wait in gRPC core and time in its handler "
+                                          "(docs/performance.md, \"Coordinator scale\")")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""

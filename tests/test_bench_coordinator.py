@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from shoal.bench_coordinator import (CoordinatorBenchOptions, Histogram, _coordinator_argv, growth_per_round,
-                                     growth_stderr)
+from shoal.bench_coordinator import (CoordinatorBenchOptions, Histogram, _beats_at, _coordinator_argv,
+                                     growth_per_round, growth_stderr)
+from shoal.coordinator.loopwatch import COLUMNS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEYS = ("members", "joins_per_second", "heartbeat_p50_seconds", "heartbeat_p99_seconds",
@@ -58,6 +59,13 @@ def test_the_coordinator_runs_under_cprofile_only_when_asked(tmp_path):
     assert profiled[5:] == plain[1:]
 
 
+def test_the_members_seconds_are_summed_and_kept_per_process():
+    a = {"beats_at": {"10": [5, 1, 3, 0], "11": [4, 0, 2, 1]}}
+    b = {"beats_at": {"11": [6, 2, 40, 35]}}
+    assert _beats_at([a, b]) == {10: (5, 1, "1/0", "3/0", "0/0"), 11: (10, 2, "0/2", "2/40", "1/35")}
+    assert _beats_at([{}]) == {}  # a process that measured nothing
+
+
 @pytest.mark.integration
 def test_a_small_run_reports_every_figure(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "coordinator", "--members", "40",
@@ -78,3 +86,12 @@ def test_a_small_run_reports_every_figure(tmp_path):
     assert rep["within_bounds"] == (rep["heartbeat_p99_seconds"] < 0.1 and rep["rss_bytes"] < 1 << 30
                                     and rep["rss_growth_bytes_per_round"] < 100)
     assert not [e for e in rep["errors"] if "UNAUTHENTICATED" in e or "INVALID" in e]
+    # The traces next to the report: the coordinator's seconds, the members' seconds, its memory.
+    loop = (tmp_path / "loop.csv").read_text().splitlines()
+    assert loop[0].split(",") == list(COLUMNS) and len(loop) > 2
+    assert sum(int(l.split(",")[COLUMNS.index("heartbeats")]) for l in loop[1:]) > 0
+    beats = (tmp_path / "heartbeats.csv").read_text().splitlines()
+    assert beats[0] == "t,sent,slow,slow_by_process,lag_max_ms_by_process,gc_max_ms_by_process" and len(beats) > 1
+    assert all(len(l.split(",")[3].split("/")) == 2 for l in beats[1:])  # two member processes
+    rss = (tmp_path / "rss.csv").read_text().splitlines()
+    assert rss[0].startswith("rounds,rss_bytes,t,anon_bytes") and int(rss[-1].split(",")[3]) > 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import weakref
 
-from shoal.coordinator.heap import HeapPolicy
+import platform
+
+from shoal.coordinator.heap import HeapPolicy, limit_arenas
 
 
 class _Node:
@@ -37,3 +39,34 @@ def test_each_step_trims_the_c_heap_after_the_freeze():
     finally:
         gc.unfreeze()
     assert calls == [0]
+
+
+def test_a_step_is_due_after_the_period_or_as_soon_as_the_heap_grew_by_a_step():
+    size = [0]
+    policy = HeapPolicy(freeze_seconds=10.0, full_seconds=3600, trim=None, size=lambda: size[0], grow_step=200)
+    start = policy._last_step
+    assert not policy.due(start + 1.0)
+    size[0] = 199  # members joined, fewer than a step
+    assert not policy.due(start + 1.0)
+    size[0] = 200
+    assert policy.due(start + 1.0)
+    try:
+        policy.step()  # the step notes the size it ran at
+    finally:
+        gc.unfreeze()
+    assert not policy.due(policy._last_step + 1.0)
+    size[0] = 0  # members left: the heap shrinks, garbage to collect
+    assert policy.due(policy._last_step + 1.0)
+    size[0] = 200
+    assert policy.due(policy._last_step + 10.0)  # the period alone
+
+
+def test_without_a_size_only_the_period_makes_a_step_due():
+    policy = HeapPolicy(freeze_seconds=10.0, full_seconds=3600, trim=None)
+    assert not policy.due(policy._last_step + 9.0)
+    assert policy.due(policy._last_step + 10.0)
+
+
+def test_the_arena_cap_is_set_where_malloc_is_glibc():
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert limit_arenas(8) is glibc  # a cap above the arenas this test process uses: it keeps its behaviour

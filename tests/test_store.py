@@ -11,7 +11,8 @@ import pytest
 
 from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
 from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget
-from shoal.coordinator.store import APPLICATION_ID, SCHEMA_VERSION, MemoryStore, SQLiteStore, StateFileError
+from shoal.coordinator.store import (APPLICATION_ID, PAGE_CACHE_KIB, SCHEMA_VERSION, MemoryStore, SQLiteStore,
+                                    StateFileError)
 
 from etcdserver import etcd_server  # noqa: F401 - the fixture
 
@@ -273,3 +274,11 @@ def test_a_schema_1_state_file_opens_and_gains_the_memberships_table(tmp_path):
     db = sqlite3.connect(path)
     assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
     db.close()
+
+
+def test_a_writing_store_keeps_a_small_page_cache_a_reader_the_default(tmp_path):
+    path = str(tmp_path / "c.db")
+    with SQLiteStore(path) as store:
+        assert store._db.execute("PRAGMA cache_size").fetchone()[0] == -PAGE_CACHE_KIB
+        with SQLiteStore.reader(path) as reader:
+            assert reader._db.execute("PRAGMA cache_size").fetchone()[0] == -2000  # SQLite's default

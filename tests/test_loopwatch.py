@@ -1,0 +1,36 @@
+"""The coordinator's per-second trace (coordinator.loopwatch): its pure parts."""
+
+from __future__ import annotations
+
+from shoal.coordinator.loopwatch import COLUMNS, SLOW_SECONDS, SecondStats, wait_in_core
+
+
+def test_a_calls_wait_in_core_is_its_timeout_less_what_was_left_when_the_handler_ran():
+    assert wait_in_core(10.0, 9.75, 0.05) == 0.2  # 0.05 s of it passed inside the interceptors
+    assert wait_in_core(None, 9.75, 0.0) == 0.0  # the method's timeout is not known
+    assert wait_in_core(10.0, None, 0.0) == 0.0  # the caller set no deadline
+    assert wait_in_core(10.0, 10.0, 0.01) == 0.0  # never negative (clock granularity)
+
+
+def test_a_second_keeps_maxima_means_and_counts_of_what_it_saw():
+    s = SecondStats(t=100)
+    for lag in (0.001, 0.003, 0.002):
+        s.tick(lag)
+    s.collection(0.004)
+    s.collection(0.001)
+    s.call(True, wait=0.02, handler=0.001, in_flight=1)
+    s.call(True, wait=SLOW_SECONDS, handler=0.001, in_flight=2)  # slower than the bar inside the coordinator
+    s.call(False, wait=0.5, handler=0.3, in_flight=1)  # not a heartbeat: only the all-call columns
+    row = dict(zip(COLUMNS, s.row().strip().split(",")))
+    assert row["t"] == "100" and row["ticks"] == "3"
+    assert row["lag_max_ms"] == "3.0" and row["lag_mean_ms"] == "2.0"
+    assert row["gc_count"] == "2" and row["gc_ms"] == "5.0" and row["gc_max_ms"] == "4.0"
+    assert row["calls"] == "3" and row["heartbeats"] == "2" and row["hb_slow"] == "1"
+    assert row["hb_wait_max_ms"] == "100.0" and row["hb_wait_mean_ms"] == "60.0"
+    assert row["call_wait_max_ms"] == "500.0" and row["call_handler_max_ms"] == "300.0"
+    assert row["in_flight_max"] == "2"
+
+
+def test_an_empty_second_prints_zeros_not_a_division_error():
+    row = dict(zip(COLUMNS, SecondStats(t=7).row().strip().split(",")))
+    assert row["lag_mean_ms"] == "0.0" and row["hb_wait_mean_ms"] == "0.0" and row["calls"] == "0"
