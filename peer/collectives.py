@@ -56,6 +56,7 @@ from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, enc
 from shoal.peer.dataplane import Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
+from shoal.peer.result_digest import ResultDigest
 from shoal.peer.shm import SegmentWriter
 from shoal.v1 import shoal_pb2 as pb
 
@@ -543,6 +544,8 @@ class _Butterfly:
         self.with_distances = reducer is not None and reducer.needs_distances
         self.streams = {j: self._stream(j, transport, inbox, links) for j in range(part.size) if j != part.me}
         self.buf = np.empty_like(x)  # every element is written: own shards by publish, the others by gather
+        self.hashed = ResultDigest(self.buf)  # the vote digest, fed as chunks become final
+        self.digest = b""  # set once the last chunk is hashed
         self.own = _Contribution(x, codec, plan.audit_owners, me)
         self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype)
         self.audit = OwnerAudit(part, reducer, x.dtype, codec.name) if part.audited else None
@@ -569,7 +572,7 @@ class _Butterfly:
         if self.mismatches:
             raise self.mismatches[0]
         flagged = tuple(sorted(self.part.peer_id(j) for j in self.owned.rejected))
-        return _Outcome(self.buf, digest(self.buf), sum(s.bytes_sent for s in self.streams.values()),
+        return _Outcome(self.buf, self.digest, sum(s.bytes_sent for s in self.streams.values()),
                         self.part.receives().total_bytes, flagged)
 
     async def _work(self) -> None:
@@ -581,6 +584,7 @@ class _Butterfly:
                 tg.create_task(self._audit())
         for st in self.streams.values():
             await st.put(None)
+        self.digest = await self.hashed.finish()  # while the streams drain
 
     async def _scatter(self) -> None:
         """Send this peer's part of every shard to the shard's owner (and auditor)."""
@@ -621,6 +625,7 @@ class _Butterfly:
         if self.tamper is not None:
             red = self.tamper(red)
         payload, self.buf[span.lo:span.hi] = self.codec.final(red.astype(self.dtype, copy=False))
+        self.hashed.filled(span.lo, span.hi)
         for st in self.streams.values():
             await st.put(self.wire.message(AG, 0, span.shard, span.offset, payload))
 
@@ -672,6 +677,7 @@ class _Butterfly:
             for span in self.part.chunks(k):
                 final = self.buf[span.lo:span.hi]
                 final[:] = await self.wire.values(AG, 0, span, sender)
+                self.hashed.filled(span.lo, span.hi)
                 # A robust owner never publishes a non-finite value; checked in this peer's memory.
                 if self.reducer is not None and not np.isfinite(final).all():
                     raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
@@ -694,6 +700,8 @@ class _Ring:
         self.part = part = ShardPartition(plan, me, x.itemsize)
         self.x, self.codec, self.wire = x, codec, _Wire(plan, me, inbox)
         self.buf = x.copy()
+        self.hashed = ResultDigest(self.buf)  # the vote digest, fed as chunks become final
+        self.digest = b""  # set once the last chunk is hashed
         self.prev = part.peer_id((part.me - 1) % part.size)
         nxt = (part.me + 1) % part.size
         self.out = _Stream(transport, plan.addresses[nxt], part.peer_id(nxt), plan, plan.deadline_seconds, links)
@@ -703,7 +711,7 @@ class _Ring:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.out.run())
             tg.create_task(self._schedule())
-        return _Outcome(self.buf, digest(self.buf), self.out.bytes_sent, self.out.bytes_sent)
+        return _Outcome(self.buf, self.digest, self.out.bytes_sent, self.out.bytes_sent)
 
     async def _schedule(self) -> None:
         part = self.part
@@ -716,6 +724,7 @@ class _Ring:
             for span in part.chunks(part.ring_gathered(s)):
                 await self._relay(s, span)
         await self.out.put(None)
+        self.digest = await self.hashed.finish()  # while the stream drains
 
     async def _send(self, phase: int, step: int, span: ChunkSpan, payload: Payload | None = None) -> None:
         if payload is None:  # reduce-scatter: this peer's partial sum, compressed per hop
@@ -737,6 +746,7 @@ class _Ring:
             await self._send(RS, step + 1, span)
         else:
             payload, self.buf[span.lo:span.hi] = self.codec.final(partial)
+            self.hashed.filled(span.lo, span.hi)
             await self._send(AG, 0, span, payload)
 
     async def _relay(self, step: int, span: ChunkSpan) -> None:
@@ -745,6 +755,7 @@ class _Ring:
         payload, values = await self.wire.received(AG, step, span, self.prev)
         final = self.buf[span.lo:span.hi]
         final[:] = values
+        self.hashed.filled(span.lo, span.hi)
         if not np.isfinite(final).all():  # checked in this peer's memory, as in the reduce-scatter
             raise CollectiveError(f"chunk from {self.prev[:8]} holds non-finite values", [self.prev])
         if step < self.part.size - 2:
