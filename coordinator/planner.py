@@ -699,8 +699,8 @@ def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
     `policy.chunk_bytes`. Otherwise the links, denoised (`_denoised`), go to `plan_collective`:
     "ring"/"butterfly" keep the collective and plan its order and shards; "auto" takes the
     butterfly with LP shards when it is predicted `min_gain` faster than the ring ordered for the
-    bottleneck, else that ring (or, when every link is at `link_cap`, the butterfly with equal
-    shards); peers below the floor are demoted to non-owners. Uneven butterfly shards are used
+    bottleneck, else that ring (or, when every link is at `link_cap` and every participant on one
+    host, the butterfly with equal shards); peers below the floor are demoted to non-owners. Uneven butterfly shards are used
     only when predicted `min_gain` faster than equal ones on the same links. A planned layout's
     chunk is what the slowest link carries in CHUNK_SECONDS (at least MIN_CHUNK_BYTES, at most
     `policy.chunk_bytes`).
@@ -720,7 +720,8 @@ def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
     up, down = [l.up_bytes_per_s for l in model], [l.down_bytes_per_s for l in model]
     n_bytes = float(num_elements) * itemsize
     try:
-        plan = _model_choice(model, num_elements, itemsize, collective, policy, static.shard_bounds)
+        plan = _model_choice(model, num_elements, itemsize, collective, policy, static.shard_bounds,
+                             one_host=_one_host(links))
         if plan is None:  # the butterfly, and uneven shards are not worth it: equal ones
             return dataclasses.replace(
                 static, collective="butterfly", bound_seconds=allreduce_lower_bound(up, down, n_bytes),
@@ -733,8 +734,9 @@ def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
 
 
 def _model_choice(links: list[LinkSpec], num_elements: int, itemsize: int, collective: str, policy: PlanPolicy,
-                  equal_bounds: tuple[int, ...]) -> Plan | None:
-    """`plan_layout`'s choice on denoised links: the plan, or None for the equal-shard butterfly."""
+                  equal_bounds: tuple[int, ...], *, one_host: bool = False) -> Plan | None:
+    """`plan_layout`'s choice on denoised links: the plan, or None for the equal-shard butterfly.
+    `one_host`: every participant reaches every other through shared memory."""
     n_bytes = float(num_elements) * itemsize
     plan: Plan | None = plan_collective(links, num_elements, itemsize,
                                         collective="ring" if collective == "ring" else "butterfly")
@@ -747,12 +749,14 @@ def _model_choice(links: list[LinkSpec], num_elements: int, itemsize: int, colle
     if collective == "auto":
         # On (nearly) even links the ring moves the same bytes with one flow per direction per
         # peer, which shaped links carry better than the butterfly's p-1 concurrent flows
-        # (measured in docs/performance.md). Where every link is at the cap, the data plane's CPU
-        # is the limit and the butterfly's parallel streams win.
+        # (measured in docs/performance.md), also at 1-10 Gbit/s between hosts on the bulk lane
+        # (the links' measured rates, above the cap there, cannot tell 1 from 10 Gbit/s). On one
+        # host (shared memory) every link is at the cap, the copies' CPU is the limit and the
+        # butterfly's parallel slabs win.
         all_fast = all(l.up_bytes_per_s >= policy.link_cap and l.down_bytes_per_s >= policy.link_cap for l in links)
         ring = plan_collective(links, num_elements, itemsize, collective="ring")
         best = plan.predicted_seconds if plan is not None else equal
-        if not all_fast and ring.predicted_seconds * (1 - policy.min_gain) <= best:
+        if not (all_fast and one_host) and ring.predicted_seconds * (1 - policy.min_gain) <= best:
             plan = ring
     return plan
 
