@@ -82,6 +82,7 @@ from shoal.common.plan import COLLECTIVES, Plan
 
 __all__ = [
     "CHUNK_SECONDS",
+    "CPU_BOUND_LINK_BYTES_PER_S",
     "ITEMSIZE",
     "MIN_CHUNK_BYTES",
     "LinkSpec",
@@ -605,6 +606,12 @@ ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 1, 5: 8, 6: 1}
 # chunk per hop, so big chunks on a slow link leave the other links idle at the start and end.
 CHUNK_SECONDS = 0.15
 MIN_CHUNK_BYTES = 64 * 1024
+# Between hosts, links whose slowest measured rate reaches this (bytes/s, 2 Gbit/s) leave the
+# peers' CPU, not the wire, as the limit: there the butterfly's parallel streams are kept over
+# the ring, whose every hop's processing delay is on the critical path (docs/performance.md:
+# at 10 Gbit/s on the bulk lane). Measured 1 Gbit/s links read 40-150 MB/s at their slowest,
+# 10 Gbit/s ones 300 MB/s and more.
+CPU_BOUND_LINK_BYTES_PER_S = 250e6
 # What a participant that never reported its links is assumed to reach (4 Mbit/s, a slow home
 # link): deadlines derive from this until it is measured, so a slow first round is not cut short.
 ASSUMED_LINK_BYTES_PER_S = 0.5e6
@@ -699,8 +706,8 @@ def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
     `policy.chunk_bytes`. Otherwise the links, denoised (`_denoised`), go to `plan_collective`:
     "ring"/"butterfly" keep the collective and plan its order and shards; "auto" takes the
     butterfly with LP shards when it is predicted `min_gain` faster than the ring ordered for the
-    bottleneck, else that ring (or, when every link is at `link_cap`, the butterfly with equal
-    shards); peers below the floor are demoted to non-owners. Uneven butterfly shards are used
+    bottleneck, else that ring (or, when every link is at `link_cap` and the CPU is the limit,
+    `_cpu_bound`, the butterfly with equal shards); peers below the floor are demoted to non-owners. Uneven butterfly shards are used
     only when predicted `min_gain` faster than equal ones on the same links. A planned layout's
     chunk is what the slowest link carries in CHUNK_SECONDS (at least MIN_CHUNK_BYTES, at most
     `policy.chunk_bytes`).
@@ -720,7 +727,8 @@ def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
     up, down = [l.up_bytes_per_s for l in model], [l.down_bytes_per_s for l in model]
     n_bytes = float(num_elements) * itemsize
     try:
-        plan = _model_choice(model, num_elements, itemsize, collective, policy, static.shard_bounds)
+        plan = _model_choice(model, num_elements, itemsize, collective, policy, static.shard_bounds,
+                             cpu_bound=_cpu_bound(links))
         if plan is None:  # the butterfly, and uneven shards are not worth it: equal ones
             return dataclasses.replace(
                 static, collective="butterfly", bound_seconds=allreduce_lower_bound(up, down, n_bytes),
@@ -733,8 +741,9 @@ def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
 
 
 def _model_choice(links: list[LinkSpec], num_elements: int, itemsize: int, collective: str, policy: PlanPolicy,
-                  equal_bounds: tuple[int, ...]) -> Plan | None:
-    """`plan_layout`'s choice on denoised links: the plan, or None for the equal-shard butterfly."""
+                  equal_bounds: tuple[int, ...], *, cpu_bound: bool = False) -> Plan | None:
+    """`plan_layout`'s choice on denoised links: the plan, or None for the equal-shard butterfly.
+    `cpu_bound`: the data plane's CPU, not the links, limits the collective (`_cpu_bound`)."""
     n_bytes = float(num_elements) * itemsize
     plan: Plan | None = plan_collective(links, num_elements, itemsize,
                                         collective="ring" if collective == "ring" else "butterfly")
@@ -747,12 +756,13 @@ def _model_choice(links: list[LinkSpec], num_elements: int, itemsize: int, colle
     if collective == "auto":
         # On (nearly) even links the ring moves the same bytes with one flow per direction per
         # peer, which shaped links carry better than the butterfly's p-1 concurrent flows
-        # (measured in docs/performance.md). Where every link is at the cap, the data plane's CPU
-        # is the limit and the butterfly's parallel streams win.
+        # (measured in docs/performance.md), also at 1 Gbit/s between hosts on the bulk lane,
+        # where the capped rates look "fast". Where the CPU is the limit (one host, or links of
+        # CPU_BOUND_LINK_BYTES_PER_S and more) the butterfly's parallel streams win.
         all_fast = all(l.up_bytes_per_s >= policy.link_cap and l.down_bytes_per_s >= policy.link_cap for l in links)
         ring = plan_collective(links, num_elements, itemsize, collective="ring")
         best = plan.predicted_seconds if plan is not None else equal
-        if not all_fast and ring.predicted_seconds * (1 - policy.min_gain) <= best:
+        if not (all_fast and cpu_bound) and ring.predicted_seconds * (1 - policy.min_gain) <= best:
             plan = ring
     return plan
 
@@ -919,6 +929,13 @@ def attempt_deadline(policy: PlanPolicy, expected_seconds: float, chunk_seconds:
     times `scale` as in `chunk_deadline`."""
     t = max(policy.collective_timeout, policy.chunk_safety * max(0.0, expected_seconds) + chunk_seconds)
     return min(MAX_DEADLINE_SCALE, max(1.0, scale)) * t
+
+
+def _cpu_bound(links: Sequence[LinkSpec]) -> bool:
+    """Whether the data plane's CPU rather than the links limits a collective among `links` (as
+    reported): all on one host, or the slowest measured rate at least CPU_BOUND_LINK_BYTES_PER_S."""
+    rates = [min(l.up_bytes_per_s, l.down_bytes_per_s) for l in links if l.up_bytes_per_s > 0 and l.down_bytes_per_s > 0]
+    return _one_host(links) or (bool(rates) and min(rates) >= CPU_BOUND_LINK_BYTES_PER_S)
 
 
 def _one_host(links: Sequence[LinkSpec]) -> bool:

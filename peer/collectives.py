@@ -56,6 +56,7 @@ from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, enc
 from shoal.peer.dataplane import SHARED_POOL, Inbox, Payload, ReplyLane, SenderGone, Transport, take_replies
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
+from shoal.peer.result_digest import ResultDigest
 from shoal.peer.shm import MAX_SEGMENT_BYTES, SegmentWriter, release
 from shoal.v1 import shoal_pb2 as pb
 
@@ -699,6 +700,8 @@ class _Butterfly:
         # Every element is written: own shards by the sums (or publish), the others by gather.
         self.result = _Result(x, plan, transport, copy=False)
         self.buf = self.result.values
+        self.hashed = ResultDigest(self.buf)  # the vote digest, fed as chunks become final
+        self.digest = b""  # set once the last chunk is hashed
         self.own = _Contribution(x, codec, plan.audit_owners, me)
         # The plain sum of an owned chunk is computed straight into its slice of the result.
         self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype, out=self.buf)
@@ -749,7 +752,7 @@ class _Butterfly:
         if self.mismatches:
             raise self.mismatches[0]
         flagged = tuple(sorted(self.part.peer_id(j) for j in self.owned.rejected))
-        return _Outcome(self.buf, digest(self.buf), sum(s.bytes_sent for s in self.streams.values()),
+        return _Outcome(self.buf, self.digest, sum(s.bytes_sent for s in self.streams.values()),
                         self.part.receives().total_bytes, flagged)
 
     async def _work(self) -> None:
@@ -761,6 +764,7 @@ class _Butterfly:
                 tg.create_task(self._audit())
         for st in self.streams.values():
             await st.put(None)
+        self.digest = await self.hashed.finish()  # while the streams drain
 
     async def _scatter(self) -> None:
         """Send this peer's part of every shard to the shard's owner (and auditor): in the
@@ -821,6 +825,7 @@ class _Butterfly:
             red = self.tamper(red)
         payload, final = self.codec.final(red.astype(self.dtype, copy=False))
         _into(self.buf[span.lo:span.hi], final)  # the plain sum is already there
+        self.hashed.filled(span.lo, span.hi)
         place = None
         for st in self.streams.values():
             item = self.wire.message(AG, 0, span.shard, span.offset, payload)
@@ -878,6 +883,7 @@ class _Butterfly:
                 values = await self.wire.values(AG, 0, span, sender)
                 final[:] = values
                 release(values)
+                self.hashed.filled(span.lo, span.hi)
                 # A robust owner never publishes a non-finite value; checked in this peer's memory.
                 if self.reducer is not None and not np.isfinite(final).all():
                     raise CollectiveError(f"chunk from {sender[:8]} holds non-finite values", [sender])
@@ -901,6 +907,8 @@ class _Ring:
         self.x, self.codec, self.wire = x, codec, _Wire(plan, me, inbox)
         self.result = _Result(x, plan, transport, copy=True)
         self.buf = self.result.values
+        self.hashed = ResultDigest(self.buf)  # the vote digest, fed as chunks become final
+        self.digest = b""  # set once the last chunk is hashed
         self.prev = part.peer_id((part.me - 1) % part.size)
         nxt = (part.me + 1) % part.size
         self.out = _Stream(transport, plan.addresses[nxt], part.peer_id(nxt), plan, plan.deadline_seconds, links)
@@ -910,7 +918,7 @@ class _Ring:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.out.run())
             tg.create_task(self._schedule())
-        return _Outcome(self.buf, digest(self.buf), self.out.bytes_sent, self.out.bytes_sent)
+        return _Outcome(self.buf, self.digest, self.out.bytes_sent, self.out.bytes_sent)
 
     async def _schedule(self) -> None:
         part = self.part
@@ -923,6 +931,7 @@ class _Ring:
             for span in part.chunks(part.ring_gathered(s)):
                 await self._relay(s, span)
         await self.out.put(None)
+        self.digest = await self.hashed.finish()  # while the stream drains
 
     async def _send(self, phase: int, step: int, span: ChunkSpan, payload: Payload | None = None) -> None:
         if payload is None:  # reduce-scatter: this peer's partial sum, compressed per hop
@@ -952,6 +961,7 @@ class _Ring:
         else:
             payload, final = self.codec.final(partial)
             _into(partial, final)
+            self.hashed.filled(span.lo, span.hi)
             await self._send(AG, 0, span, payload)
 
     async def _relay(self, step: int, span: ChunkSpan) -> None:
@@ -961,6 +971,7 @@ class _Ring:
         final = self.buf[span.lo:span.hi]
         final[:] = values
         release(values)
+        self.hashed.filled(span.lo, span.hi)
         if not np.isfinite(final).all():  # checked in this peer's memory, as in the reduce-scatter
             raise CollectiveError(f"chunk from {self.prev[:8]} holds non-finite values", [self.prev])
         if step < self.part.size - 2:

@@ -251,7 +251,9 @@ class EventMailbox:
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective attempt that produced a result. bytes_received: data-plane bytes received
-    meanwhile; cpu_seconds: this process's CPU time (all threads); lanes: data lanes used so far."""
+    meanwhile; cpu_seconds: this process's CPU time (all threads); lanes: data lanes used so far;
+    started_at / ended_at: wall-clock time (time.time(), comparable between processes of one
+    host) this peer entered the collective (its plan in hand) and held the result and its digest."""
 
     plan: Plan
     seconds: float
@@ -260,6 +262,8 @@ class CollectiveRecord:
     cpu_seconds: float
     flagged: tuple[str, ...]
     lanes: tuple[str, ...]
+    started_at: float = 0.0
+    ended_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -614,9 +618,11 @@ class RoundClient:
             reducer = prepared.reducer
             if reducer is not None and faults.armed("reduce"):
                 reducer = _FaultyReducer(reducer, plan.round)
+            started_at = time.time()
             res = await all_reduce(prepared.values, ev.plan, me=self.me, transport=self.transport,
                                    inbox=self.inbox, reducer=reducer, feedback=self.feedback, links=self.links,
                                    tamper=self.tamper)
+            ended_at = time.time()
             self.contribution.check(res.values)
             st = self.workload.tentative(res.values)
             rs.tentative[plan.attempt] = Tentative(st, res.feedback)
@@ -637,7 +643,8 @@ class RoundClient:
         lanes = tuple(sorted(set(self.transport.lanes().values())))
         self._tell("on_collective", CollectiveRecord(plan, res.seconds, res.bytes_sent,
                                                      self.traffic.bytes_received - received,
-                                                     time.process_time() - cpu0, res.flagged, lanes))
+                                                     time.process_time() - cpu0, res.flagged, lanes,
+                                                     started_at, ended_at))
         return pb.VoteRequest(peer_id=self.me, round=plan.round, attempt=plan.attempt, train_loss=rs.loss, ok=True,
                               result_digest=res.digest, state_digest=st.digest(), bytes_sent=res.bytes_sent,
                               collective_seconds=res.seconds, flagged=res.flagged), 0.0

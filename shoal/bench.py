@@ -23,10 +23,17 @@ participant process; ``peak_rss_ratio`` the largest (peak - resident size once t
 before the first collective) / tensor size, ``peak_rss_ratio_from_start`` the same from the
 process's start (before any tensor); the gloo ranks report the same fields.
 
-The time of one round is the slowest participant's collective time (plan received → result
-ready); the time of one gloo all-reduce is the slowest rank's ``all_reduce`` call after a barrier.
-The report gives the median over the timed rounds, the algorithm bandwidth ``size/time``, the bus
-bandwidth ``algbw·2(p-1)/p`` (the nccl-tests convention), the lower bound of
+The time of one round (``seconds_median``, ``efficiency``: the round figure) is the slowest
+participant's collective time, each from its own plan's arrival to its result and the result's
+vote digest: it includes the spread of the plan's arrival between peers (a peer that got its plan
+first waits for the others' chunks) and the digest, neither of which gloo's timer holds. The time
+of one gloo all-reduce is the slowest rank's ``all_reduce`` call after a barrier. The collective
+figure (``collective_seconds_median``, ``collective_efficiency``) is gloo's definition applied to
+Shoal: from the moment the last participant had its plan (every peer could start: gloo's barrier)
+to the moment the last one held the result and its digest (wall clocks of one host);
+``plan_skew_seconds_median`` is the plan's arrival spread (first to last peer). The report gives
+the median over the timed rounds, the algorithm bandwidth ``size/time``, the bus bandwidth
+``algbw·2(p-1)/p`` (the nccl-tests convention), the lower bound of
 `coordinator.planner.allreduce_lower_bound` for the shaped links (0 on loopback: no shaped links
 to bound it) and the efficiency ``bound/measured``.
 
@@ -206,6 +213,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     result = {"algorithm": last[0]["algorithm"], **_summary(times, n * 4, p, bound)}
     predicted = [rd.get("predicted_seconds", 0.0) for rd in last]
     result["predicted_seconds"] = max(predicted) if predicted else 0.0
+    result.update(_collective_figure(rounds, timed, bound))
     result["shard_fractions"] = last[0].get("shard_fractions")
     # CPU seconds (all threads) the participants spent per timed round, summed over them.
     result["cpu_seconds_median"] = statistics.median(sum(rd.get("cpu_seconds", 0.0) for rd in rounds[r]) for r in timed)
@@ -214,6 +222,20 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     result["lane"] = "+".join(sorted({lane for r in timed for rd in rounds[r] for lane in rd.get("lanes", ())}))
     result.update(_memory(reports, n * 4))
     return result
+
+
+def _collective_figure(rounds: dict[int, list[dict]], timed: Sequence[int], bound: float) -> dict:
+    """Last plan arrival → last result, per timed round (module docstring); empty when a job did
+    not report wall-clock times."""
+    spans = [[(rd.get("started_at", 0.0), rd.get("ended_at", 0.0)) for rd in rounds[r]] for r in timed]
+    if not spans or any(not s or not e for sp in spans for s, e in sp):
+        return {}
+    coll = [max(e for _, e in sp) - max(s for s, _ in sp) for sp in spans]
+    med = statistics.median(coll)
+    return {"collective_seconds_all": coll, "collective_seconds_median": med,
+            "collective_efficiency": bound / med if bound > 0 and med > 0 else 0.0,
+            "plan_skew_seconds_median": statistics.median(max(s for s, _ in sp) - min(s for s, _ in sp)
+                                                          for sp in spans)}
 
 
 def _memory(reports: Sequence[dict], size_bytes: int) -> dict:

@@ -159,7 +159,8 @@ class JobReport(RoundListener):
             "algorithm": p.collective, "participants": p.size, "flagged": list(rec.flagged),
             "predicted_seconds": p.predicted_seconds, "cpu_seconds": rec.cpu_seconds,
             "shard_fractions": shard_fractions(p), "lanes": list(rec.lanes), "chunk_bytes": p.chunk_bytes,
-            "aggregator": self.contribution.aggregator(p.round)})
+            "aggregator": self.contribution.aggregator(p.round),
+            "started_at": rec.started_at, "ended_at": rec.ended_at})
 
     def on_outcome(self, outcome: RoundOutcome) -> None:
         if outcome.kind is Outcome.COMMITTED and self.keep_results and self.workload is not None:

@@ -39,6 +39,9 @@ def check(rep: dict, peers: int, size_bytes: int) -> None:
     assert rep["algbw_GBps"] == pytest.approx(size_bytes / rep["seconds_median"] / 1e9)
     assert rep["busbw_GBps"] == pytest.approx(rep["algbw_GBps"] * 2 * (p - 1) / p)
     assert rep["efficiency"] == pytest.approx(rep["bound_seconds"] / rep["seconds_median"])
+    if "collective_seconds_median" in rep:  # Shoal: the collective figure, within the round figure
+        assert 0 < rep["collective_seconds_median"] <= max(rep["seconds_all"]) + 0.05
+        assert rep["plan_skew_seconds_median"] >= 0
 
 
 @pytest.mark.timeout(150)
@@ -52,6 +55,7 @@ def test_loopback_report_fields_and_baseline():
     assert rep["bound_seconds"] == 0.0  # loopback: the links are not known
     assert len(rep["seconds_all"]) == 2
     assert rep["lane"] == "shm" and rep["tls"] is False
+    assert len(rep["collective_seconds_all"]) == 2
     check_accounting(rep, 3)
     if HAVE_TORCH:
         assert rep["baseline"]["algorithm"] == "gloo"
@@ -95,6 +99,7 @@ def test_shaped_run_reports_the_bound():
         flags += ["--baseline", "gloo"]
     rep = bench(*flags, timeout=180)
     check(rep, 2, 500_000)
+    assert rep["collective_efficiency"] == pytest.approx(rep["bound_seconds"] / rep["collective_seconds_median"])
     # The floor for these links: the slower upload must carry the whole 0.5 MB.
     assert rep["bound_seconds"] == pytest.approx(500_000 / (20e6 / 8))
     assert rep["network"] == "shaped" and rep["up_mbit"] == [40, 20]
@@ -106,3 +111,18 @@ def test_shaped_run_reports_the_bound():
     assert 0 < rep["efficiency"] <= 500_000 / (500_000 - burst) * 1.02
     if HAVE_TORCH:
         check(rep["baseline"], 2, 500_000)
+
+
+def test_collective_figure_runs_from_the_last_plan_to_the_last_result():
+    from shoal.bench import _collective_figure
+
+    rounds = {1: [{"started_at": 100.0, "ended_at": 101.0}, {"started_at": 100.2, "ended_at": 101.1}],
+              2: [{"started_at": 200.0, "ended_at": 200.9}, {"started_at": 200.1, "ended_at": 200.8}],
+              3: [{"started_at": 300.0, "ended_at": 301.0}, {"started_at": 300.0, "ended_at": 300.7}]}
+    fig = _collective_figure(rounds, [1, 2, 3], bound=0.45)
+    assert fig["collective_seconds_all"] == pytest.approx([0.9, 0.8, 1.0])
+    assert fig["collective_seconds_median"] == pytest.approx(0.9)
+    assert fig["collective_efficiency"] == pytest.approx(0.5)
+    assert fig["plan_skew_seconds_median"] == pytest.approx(0.1)
+    # A job without wall-clock times (an older collective_job): no figure rather than a wrong one.
+    assert _collective_figure({1: [{"started_at": 1.0, "ended_at": 2.0}, {}]}, [1], 1.0) == {}

@@ -1,0 +1,67 @@
+"""ResultDigest: the vote digest hashed while the result is written equals the whole-tensor digest."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from shoal.common.tensors import digest
+from shoal.peer.result_digest import ResultDigest
+
+
+def _ranges(n: int, step: int) -> list[tuple[int, int]]:
+    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("order", ["in_order", "reversed", "shuffled", "shards_interleaved"])
+def test_incremental_digest_equals_whole_tensor_digest(dtype, order):
+    rng = np.random.default_rng(7)
+    buf = rng.standard_normal(10_007).astype(dtype)
+    spans = _ranges(buf.size, 333)
+    if order == "reversed":
+        spans.reverse()
+    elif order == "shuffled":
+        spans = [spans[i] for i in rng.permutation(len(spans))]
+    elif order == "shards_interleaved":  # four owners' chunks arriving round-robin, as in the butterfly
+        quarters = [spans[i::4] for i in range(4)]
+        spans = [s for group in zip(*quarters) for s in group] + [s for q in quarters for s in q[len(quarters[-1]):]]
+    rd = ResultDigest(buf)
+    for lo, hi in spans:
+        rd.filled(lo, hi)
+    assert rd.missing() == 0
+    assert asyncio.run(rd.finish()) == digest(buf)
+
+
+def test_digest_sees_values_written_before_each_range_is_filled():
+    buf = np.zeros(1000, dtype=np.float32)
+    rd = ResultDigest(buf)
+    for lo, hi in reversed(_ranges(1000, 100)):
+        buf[lo:hi] = np.arange(lo, hi)
+        rd.filled(lo, hi)
+    assert asyncio.run(rd.finish()) == digest(np.arange(1000, dtype=np.float32))
+
+
+def test_missing_elements_and_double_fills_are_refused():
+    buf = np.ones(100, dtype=np.float32)
+    rd = ResultDigest(buf)
+    rd.filled(0, 50)
+    rd.filled(60, 100)
+    assert rd.missing() == 10
+    with pytest.raises(ValueError, match="never filled"):
+        asyncio.run(rd.finish())
+    with pytest.raises(ValueError, match="twice"):
+        rd.filled(10, 20)
+    with pytest.raises(ValueError, match="twice"):
+        rd.filled(60, 70)
+    with pytest.raises(ValueError, match="twice"):
+        rd.filled(55, 65)  # overlaps [60, 100)
+    with pytest.raises(ValueError, match="outside"):
+        rd.filled(90, 101)
+    rd.filled(50, 60)
+    assert asyncio.run(rd.finish()) == digest(buf)
+
+
+def test_non_contiguous_buffer_is_refused():
+    with pytest.raises(ValueError):
+        ResultDigest(np.ones((4, 4), dtype=np.float32)[:, 0])
