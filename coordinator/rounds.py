@@ -1189,6 +1189,17 @@ class RoundEngine:
                              self.policy, untrusted=self.untrusted, deadline_scale=self.growth.scale,
                              outbound_only=self._outbound_in(participants))
         if isinstance(planned, NoPlan):
+            if self.excluded & self.ready.keys():
+                # What the round lacks may be the peers its aborts excluded (e.g. its only reachable
+                # owners); they come back only in the next round, which this one would then never
+                # reach. Let them back in; the attempt limit still bounds the round.
+                log.warning("round %d: %s without the peers its aborts excluded %s: taking them back",
+                            self.committed_rounds, planned.reason, sorted(p[:8] for p in self.excluded))
+                self.excluded = set()
+                self._refresh_all()
+                self._hold(now + self.config.retry_backoff, Waiting(
+                    WaitReason.BACKOFF, f"{planned.reason}: the excluded peers are taken back", participants))
+                return []
             # E.g. two peers, one of them lying in an owner audit: nobody can tell which.
             if not self._no_trusted_logged:
                 log.warning("%s %s: waiting for another peer", planned.reason, [p[:8] for p in participants])

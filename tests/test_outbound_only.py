@@ -285,3 +285,35 @@ async def test_an_owners_replies_are_checked_before_they_reach_the_inbox():
         await take(reply(), more=[reply(phase=pb.REDUCE_SCATTER, offset=4)])
     with pytest.raises(InvalidArgument):  # another sender on the owner's stream
         await take(reply(sender=me))
+
+
+def test_a_round_whose_excluded_peers_were_its_only_reachable_owners_takes_them_back():
+    """Seen in the compose test (a container restarted with a new address, dial-backs failed under
+    load): two members outbound-only, the two reachable ones excluded by the round's aborts. The
+    round could then never be planned, and its excluded peers would come back only in the next
+    round: it waited for ever. Now it lets them back in (its attempt limit still bounds it)."""
+    e = RoundEngine(EngineConfig(min_peers=2, initial_peers=4, ready_timeout=5.0, retry_backoff=0.0,
+                                 max_attempts=5))
+    for p in "abcd":
+        e.join(p, b"k" + p.encode(), f"10.0.0.{ord(p)}:7000", 10, 0.0, reachable=p in "ab", connected=True)
+    info = ReadyInfo(1000, pb.FLOAT32, 10, b"", 0, 1.0)
+    acts = [a for p in "abcd" for a in e.ready_(p, 0, info, 1.0)]
+    (plan,) = [a.plan for a in acts if isinstance(a, SendPlan)]
+    assert {plan.participants[o] for o in plan.owners()} == {"a", "b"}
+    # Owner b fails; then, on the retry, owner a: both reachable owners are excluded.
+    abort = _all_vote(e, plan, "b", 1.5)
+    assert abort.record.excluded == ("b",) and abort.record.will_retry
+    retry = [a.plan for a in e.tick(2.0) if isinstance(a, SendPlan)]
+    assert retry and "b" not in retry[0].participants
+    abort = _all_vote(e, retry[0], "a", 2.5)
+    assert abort.record.excluded == ("a",) and abort.record.will_retry
+    plans = [a.plan for t in (3.0, 4.0, 5.0, 10.0) for a in e.tick(t) if isinstance(a, SendPlan)]
+    assert plans, "the round is planned again with the excluded owners back"
+    assert {"a", "b"} <= set(plans[0].participants)
+
+
+def _all_vote(e: RoundEngine, plan: Plan, culprit: str, now: float) -> SendAbort:
+    """`culprit` votes failed naming nobody (it blames itself); the abort that follows."""
+    acts = e.vote(culprit, 0, plan.attempt, False, b"", b"", now, error="reduction raised")
+    (abort,) = [a for a in acts if isinstance(a, SendAbort)]
+    return abort
