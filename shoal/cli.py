@@ -24,6 +24,7 @@ import pathlib
 import signal
 import socket
 import sys
+import typing
 
 from shoal import config as config_mod
 from shoal.common.errors import InvalidArgument
@@ -707,8 +708,17 @@ def _subparsers(parser: argparse.ArgumentParser):
                 yield from _subparsers(sub)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with a usage error on one line: `PROG: error: MESSAGE (see PROG --help)`,
+    exit 2. argparse prints the whole usage first (38 lines for `shoal swarm`), which buries the one
+    line that names the flag. Subcommands' parsers are of this class too (add_subparsers)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shoal", description="Shoal: fault-tolerant decentralized training over the public internet.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"shoal {_version()}")

@@ -261,3 +261,20 @@ def test_round_gauge_moves_on_commit():
     m = CoordinatorMetrics()
     m.on_commit(0.1, rounds_committed=3)
     assert m.registry.get_sample_value("shoal_coordinator_round") == 3
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["swarm", "--local-work", "sometimes"], ["--local-work", "invalid choice: 'sometimes'"]),
+    (["swarm", "--workload", "text"], ["--workload", "invalid choice: 'text'"]),
+    (["swarm", "--overlap=1"], ["--overlap", "ignored explicit argument '1'"]),
+    (["swarm", "--peers", "four"], ["--peers", "'four'"]),
+    (["certs", "nothing"], ["invalid choice: 'nothing'"]),
+])
+def test_a_flag_parsing_error_is_one_line_naming_the_flag(argv, names, capsys):
+    """argparse's own errors (a bad choice, a value that is not a number): one line, exit 2, not
+    the whole usage first (a new user's report: 38 lines for `shoal swarm --local-work sometimes`)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    line = one_line_error(capsys.readouterr().err)
+    assert all(n in line for n in names) and "--help" in line
