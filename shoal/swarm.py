@@ -1057,6 +1057,10 @@ def run_swarm(opts: SwarmOptions) -> dict:
                 log.error("%s", exc)
                 return {"ok": False, "error": str(exc).splitlines()[0]}
             opts = dataclasses.replace(opts, lm=lm_settings)
+            # Shared by the swarm and the baseline, the warm-up counts in neither (steps, bytes,
+            # seconds): the swarm's clocks and its --timeout start after it, as the baseline's do.
+            warm["warm_start_seconds"] = round(time.monotonic() - t0, 1)
+            t0, t0_wall = time.monotonic(), time.time()
         swarm = Swarm(opts, wd)
         if opts.scenario is not None and opts.scenario.needs_netns:
             swarm.bed = stack.enter_context(_netbed(opts))  # closed after the processes stop (LIFO)

@@ -134,7 +134,12 @@ def test_short_lm_swarm_with_ddp_baseline(tmp_path):
     assert 0 < s["compute_utilization"] == min(s["compute_utilization_per_peer"]) <= 1
     assert s["baseline_steps"] == 40 and s["baseline_val_loss"] < math.log(256)
     # The warm start: both start from it (the baseline's step-0 evaluation is the warm model's).
-    assert s["warm_start_steps"] == 5
+    assert s["warm_start_steps"] == 5 and s["warm_start_seconds"] > 0
+    # ... counted in neither run's seconds: the swarm's clock starts once the warm model is written.
+    warm_written = (tmp_path / "wd" / "warm-start.pt").stat().st_mtime
+    first_commit = min(e["t"] for i in range(2) for e in map(json.loads, (tmp_path / "wd" / f"peer-{i}.jsonl")
+                       .read_text().splitlines()) if e.get("event") == "commit" and int(e["round"]) == 0)
+    assert curve[0]["seconds"] <= first_commit - warm_written + 0.5
     assert s["baseline_curve"][0]["step"] == 0
     assert s["baseline_curve"][0]["val_loss"] == pytest.approx(s["warm_start_val_loss"], abs=1e-4)
     # local_work = "steps": every peer runs H steps per local phase (4 rounds, and the phase after
