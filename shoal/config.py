@@ -285,8 +285,8 @@ class RunSection:
                              choices=("diloco", "fedavg"))
     seed: int = setting(0, "seed of the data split, the initial parameters and the inner batches")
     inner_steps: int = setting(50, "local optimizer steps per round (H)")
-    batch_size: int = setting(32, "inner minibatch size")
-    lr: float = setting(3e-3, "inner Adam learning rate")
+    batch_size: int = setting(32, "inner minibatch size (workload lm: 16 unless set)")
+    lr: float = setting(3e-3, "inner Adam learning rate (workload lm: AdamW 2e-3 unless set)")
     hidden: int = setting(64, "hidden units of the default MLP")
     outer: str = setting("", "outer optimizer (empty = by algorithm: diloco -> nesterov, fedavg -> sgd lr 1)")
     non_iid: bool = setting(False, "label-skewed data split across peers")
@@ -505,7 +505,8 @@ class SwarmSection:
                                  "reachable (every peer nat or outbound-only, at least one nat); the summary gains "
                                  "relayed_bytes; not with workload lm")
     peer_speed: str = setting("", "with workload lm: comma-separated compute speed per peer, e.g. 1,1,1,0.33 (a peer "
-                                  "at s sleeps (1/s - 1) x its step time after each inner step: an emulation)")
+                                  "at s sleeps (1/s - 1) x its step time after each inner step: an emulation; peers beyond the "
+                                  "list run at 1)")
     warm_start_steps: int = setting(0, "with workload lm: before the swarm, train the model for this many "
                                        "synchronous steps (peers x batch windows each) and start every peer and the "
                                        "baseline from it, as DiLoCo starts from a pretrained model (0 = from the seed)")
