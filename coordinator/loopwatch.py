@@ -186,6 +186,7 @@ class LoopWatch:
                 self._roll()
         finally:
             gc.callbacks.remove(self._gc)
+            self._out.write(self.now.row())  # the last, partial second (a run's end is worth seeing)
             self._out.close()
 
 

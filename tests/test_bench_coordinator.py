@@ -69,7 +69,7 @@ def test_the_members_seconds_are_summed_and_kept_per_process():
 @pytest.mark.integration
 def test_a_small_run_reports_every_figure(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "coordinator", "--members", "40",
-                           "--rounds", "6", "--cohort-size", "4", "--processes", "2", "--train-seconds", "0.05",
+                           "--rounds", "6", "--cohort-size", "4", "--processes", "2", "--train-seconds", "0.5",
                            "--lease-seconds", "4", "--workdir", str(tmp_path), "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
