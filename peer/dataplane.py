@@ -342,14 +342,7 @@ class Inbox:
 
     async def get(self, key: ChunkKey, timeout: float) -> Payload:
         """Wait up to `timeout` seconds for a chunk. Raises TimeoutError."""
-        f = self._futures.get(key)
-        if f is None:
-            f = self._futures[key] = asyncio.get_running_loop().create_future()
-        broken = self._broken.get((key[0], key[1], key[6]))
-        if broken is not None and not f.done():
-            raise SenderGone(broken)
-        async with asyncio.timeout(timeout):
-            values = await asyncio.shield(f)
+        values = await self._wait(key, timeout)
         self._futures.pop(key, None)
         self._taken.add(key)
         self._bytes -= payload_nbytes(values)
@@ -360,6 +353,11 @@ class Inbox:
         (TimeoutError, SenderGone) and takes nothing."""
         if key in self._taken:
             return
+        await self._wait(key, timeout)
+
+    async def _wait(self, key: ChunkKey, timeout: float) -> Payload:
+        """The chunk `key` once it arrived, left where it is. Raises SenderGone when its sender's
+        stream broke before it came, TimeoutError after `timeout` seconds."""
         f = self._futures.get(key)
         if f is None:
             f = self._futures[key] = asyncio.get_running_loop().create_future()
@@ -367,7 +365,7 @@ class Inbox:
         if broken is not None and not f.done():
             raise SenderGone(broken)
         async with asyncio.timeout(timeout):
-            await asyncio.shield(f)
+            return await asyncio.shield(f)
 
 
 class StateSource:
