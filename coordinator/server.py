@@ -544,11 +544,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     async def _recheck_reach(self, peer_id: str) -> None:
         """Dial back a member whose reachability is unknown (restored from the store: a restarted
         or newly leading coordinator does not keep it) before its stream counts as connected, so
-        a NATed member is not made a shard owner until it joins again (bounded by reach_timeout)."""
+        a NATed member is not made a shard owner until it joins again (bounded by twice
+        reach_timeout). A dial-back that timed out is made once more: after a coordinator restart
+        every member reconnects at once, and a member too busy to answer in time was marked
+        unreachable until it joined again (seen in the compose test under load)."""
         m = self.engine.members.get(peer_id)
         if self.reach is None or m is None or m.reachable is not None or m.outbound_only:
             return
         reach = await self.reach(m.address, m.public_key)
+        if not reach.reachable and reach.timed_out:
+            reach = await self.reach(m.address, m.public_key)
         self.engine.set_reachable(peer_id, reach.reachable)
         if not reach.reachable:
             log.warning("peer %s (restored member) cannot be reached at its data address: %s; it takes part "

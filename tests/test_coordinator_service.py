@@ -122,3 +122,31 @@ async def test_a_restored_member_is_dialled_back_when_its_stream_reconnects():
     # Known already: not dialled again on the next reconnect.
     await _reconnect(svc, "a")
     assert len(dialled) == 3
+
+
+async def test_a_restored_member_too_busy_to_answer_once_is_dialled_again():
+    # After a coordinator restart every member reconnects at once; one that does not answer the
+    # dial-back in time once (busy, not NATed) was marked unreachable until it joined again
+    # (seen in the compose test under load). A timed-out dial-back is made once more; a
+    # refusal, or a second timeout, still makes the member outbound-only.
+    now = [0.0]
+    svc = service(now)
+    answers = {"10.0.0.0:1": [Reachability(False, "no answer within 2 s", timed_out=True), Reachability(True)],
+               "10.0.0.1:1": [Reachability(False, "refused")],
+               "10.0.0.2:1": [Reachability(False, "no answer within 2 s", timed_out=True)] * 2}
+    dialled = []
+
+    async def reach(address, key):
+        dialled.append(address)
+        return answers[address].pop(0)
+
+    svc.reach = reach
+    for i, p in enumerate("abc"):
+        svc.engine.join(p, KEYS[p], f"10.0.0.{i}:1", 1, 0.0)  # as restored: reachability unknown
+    for p in "abc":
+        await _reconnect(svc, p)
+    assert dialled == ["10.0.0.0:1", "10.0.0.0:1", "10.0.0.1:1", "10.0.0.2:1", "10.0.0.2:1"]
+    m = svc.engine.members
+    assert m["a"].reachable is True and not m["a"].outbound_only
+    assert m["b"].reachable is False and m["b"].outbound_only
+    assert m["c"].reachable is False and m["c"].outbound_only

@@ -45,10 +45,13 @@ def answer(key: Ed25519PrivateKey, nonce: bytes) -> pb.ReachResponse:
 @dataclass(frozen=True)
 class Reachability:
     """The outcome of one dial-back. reachable: the address answered with the expected key's
-    signature. reason: why not, one sentence (empty when reachable)."""
+    signature. reason: why not, one sentence (empty when reachable). timed_out: nothing
+    answered within the timeout (a NATed address, or a peer too busy to answer in time), as
+    opposed to a refusal or a wrong answer."""
 
     reachable: bool
     reason: str = ""
+    timed_out: bool = False
 
 
 def verify(public_key: bytes, nonce: bytes, resp: pb.ReachResponse) -> Reachability:
@@ -75,7 +78,7 @@ async def dial_back(address: str, public_key: bytes, security: Security, timeout
     except grpc.aio.AioRpcError as exc:
         code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return Reachability(False, f"no answer from {address} within {timeout:g} s")
+            return Reachability(False, f"no answer from {address} within {timeout:g} s", timed_out=True)
         if code == grpc.StatusCode.UNAVAILABLE and not any(w in details.lower() for w in _TLS_WORDS):
             return Reachability(False, f"{address} cannot be dialled ({details.splitlines()[0] if details else code.name})")
         # Something answered there (an older peer without Reach, a TLS handshake this
@@ -96,7 +99,7 @@ async def _connects(address: str, timeout: float) -> Reachability:
         async with asyncio.timeout(timeout):
             _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
     except TimeoutError:
-        return Reachability(False, f"no answer from {address} within {timeout:g} s")
+        return Reachability(False, f"no answer from {address} within {timeout:g} s", timed_out=True)
     except (OSError, ValueError) as exc:
         return Reachability(False, f"{address} cannot be dialled ({exc.strerror or exc})"
                             if isinstance(exc, OSError) else f"{address} is not HOST:PORT")
