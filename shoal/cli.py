@@ -716,6 +716,19 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, except that a value given to a switch (`--overlap yes`: a flag that takes
+        none) is an error naming the switch. argparse leaves the value over as an unrecognized
+        argument, which the top parser reports as `shoal: error: unrecognized arguments: yes`,
+        naming neither the flag nor the subcommand."""
+        args = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(args, namespace)
+        for before, token in zip(args, args[1:]):
+            action = self._option_string_actions.get(before)
+            if token in extras and action is not None and action.nargs == 0:
+                self.error(f"argument {before}: takes no value (got {token!r}); give the flag alone")
+        return namespace, extras
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(

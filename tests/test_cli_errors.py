@@ -267,6 +267,8 @@ def test_round_gauge_moves_on_commit():
     (["swarm", "--local-work", "sometimes"], ["--local-work", "invalid choice: 'sometimes'"]),
     (["swarm", "--workload", "text"], ["--workload", "invalid choice: 'text'"]),
     (["swarm", "--overlap=1"], ["--overlap", "ignored explicit argument '1'"]),
+    (["swarm", "--overlap", "yes"], ["shoal swarm: ", "--overlap", "takes no value (got 'yes')"]),
+    (["swarm", "--peers", "3", "--overlap", "yes", "--rounds", "2"], ["--overlap", "'yes'"]),
     (["swarm", "--peers", "four"], ["--peers", "'four'"]),
     (["certs", "nothing"], ["invalid choice: 'nothing'"]),
 ])
