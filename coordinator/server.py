@@ -10,9 +10,10 @@ gives every member a grace period (`RoundEngine.resumed`). Round tickets and syn
 wall time, which the peers check.
 
 Reachability: Join dials the peer's advertised data address back (`shoal.common.reach`, nonce
-challenge, `reach_timeout`) before the engine admits it; a peer that does not answer (or that
-joins with `outbound_only`, which is not dialled) takes part outbound-only (owns no shard, is no
-donor; docs/nat.md); an unreachable one is told why in its JoinResponse.
+challenge, `reach_timeout`; a dial-back that timed out is made once more) before the engine
+admits it; a peer that does not answer (or that joins with `outbound_only`, which is not
+dialled) takes part outbound-only (owns no shard, is no donor; docs/nat.md); an unreachable one
+is told why in its JoinResponse.
 
 Durability: a commit is written to the store (SQLite WAL, synchronous=FULL) before any peer is
 told about it, so a committed round is never lost by a coordinator crash.
@@ -390,7 +391,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._close_watch(peer_id, f"peer {peer_id}: another process with this key took over the identity; "
                                            f"this one is fenced")
             # A peer that says it is outbound-only is not dialled: nobody will dial it anyway.
-            reach = await self.reach(request.data_address, request.public_key) \
+            reach = await self._dial_back(request.data_address, request.public_key) \
                 if self.reach is not None and not request.outbound_only else None
             if reach is not None and not reach.reachable:
                 log.warning("peer %s cannot be reached at its data address: %s; it takes part outbound-only",
@@ -541,19 +542,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             _give(resp, self._issue(request.peer_id, request.tls_csr))
             return resp
 
+    async def _dial_back(self, address: str, public_key: bytes) -> Reachability:
+        """Whether `public_key`'s peer answers at `address` (`self.reach`, which must be set): a
+        dial-back that timed out is made once more before the answer counts, so this takes up to
+        twice reach_timeout. An unreachable member stays outbound-only until it joins again, and a
+        peer too busy to answer in time once is not NATed: after a coordinator restart every member
+        reconnects (and is dialled back) at once, and under load one such member stayed
+        outbound-only (seen in the compose test). A refusal or a wrong answer is final at once."""
+        assert self.reach is not None
+        reach = await self.reach(address, public_key)
+        if not reach.reachable and reach.timed_out:
+            reach = await self.reach(address, public_key)
+        return reach
+
     async def _recheck_reach(self, peer_id: str) -> None:
         """Dial back a member whose reachability is unknown (restored from the store: a restarted
         or newly leading coordinator does not keep it) before its stream counts as connected, so
-        a NATed member is not made a shard owner until it joins again (bounded by twice
-        reach_timeout). A dial-back that timed out is made once more: after a coordinator restart
-        every member reconnects at once, and a member too busy to answer in time was marked
-        unreachable until it joined again (seen in the compose test under load)."""
+        a NATed member is not made a shard owner until it joins again (`_dial_back`)."""
         m = self.engine.members.get(peer_id)
         if self.reach is None or m is None or m.reachable is not None or m.outbound_only:
             return
-        reach = await self.reach(m.address, m.public_key)
-        if not reach.reachable and reach.timed_out:
-            reach = await self.reach(m.address, m.public_key)
+        reach = await self._dial_back(m.address, m.public_key)
         self.engine.set_reachable(peer_id, reach.reachable)
         if not reach.reachable:
             log.warning("peer %s (restored member) cannot be reached at its data address: %s; it takes part "

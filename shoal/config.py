@@ -170,8 +170,8 @@ class CoordinatorSection:
     history_window: int = setting(100, "committed rounds and aborted attempts kept in memory (the state file keeps "
                                        "all of them; `shoal status --recent N` reads older ones from it)")
     reach_timeout: float = setting(2.0, "dial a joiner's advertised data address back within this many seconds "
-                                        "(nonce challenge); a peer that does not answer takes part in no round "
-                                        "(0 = do not check)")
+                                        "(nonce challenge; once more after a timeout); a peer that does not answer "
+                                        "takes part outbound-only (0 = do not check)")
     member_retention: float = setting(7 * 86400.0, "seconds an admitted key (a member) stays admitted unused: it "
                                                    "rejoins without a join token until revoked (`shoal member "
                                                    "revoke`) or unused this long")

@@ -150,3 +150,29 @@ async def test_a_restored_member_too_busy_to_answer_once_is_dialled_again():
     assert m["a"].reachable is True and not m["a"].outbound_only
     assert m["b"].reachable is False and m["b"].outbound_only
     assert m["c"].reachable is False and m["c"].outbound_only
+
+
+async def test_a_joiner_too_busy_to_answer_the_dial_back_once_is_dialled_again():
+    # The join path retries as the restored-member path does (CoordinatorService._dial_back): a
+    # single timed-out dial-back at join made the member outbound-only until it joined again. A
+    # refusal is final at once; a second timeout makes the joiner outbound-only, told why.
+    now = [0.0]
+    svc = service(now)
+    keys = {p: Ed25519PrivateKey.generate() for p in "abc"}
+    timeout = Reachability(False, "no answer within 2 s", timed_out=True)
+    answers = {"10.0.1.0:1": [timeout, Reachability(True)], "10.0.1.1:1": [Reachability(False, "refused")],
+               "10.0.1.2:1": [timeout, timeout]}
+    dialled = []
+
+    async def reach(address, key):
+        dialled.append(address)
+        return answers[address].pop(0)
+
+    svc.reach = reach
+    resps = {p: await svc.Join(pb.JoinRequest(public_key=public_bytes(keys[p]), data_address=f"10.0.1.{i}:1"), None)
+             for i, p in enumerate("abc")}
+    assert dialled == ["10.0.1.0:1", "10.0.1.0:1", "10.0.1.1:1", "10.0.1.2:1", "10.0.1.2:1"]
+    m = {p: svc.engine.members[resps[p].peer_id] for p in "abc"}
+    assert m["a"].reachable is True and not m["a"].outbound_only and resps["a"].unreachable == ""
+    assert m["b"].reachable is False and m["b"].outbound_only and resps["b"].unreachable == "refused"
+    assert m["c"].reachable is False and m["c"].outbound_only and "no answer" in resps["c"].unreachable
