@@ -417,7 +417,9 @@ class BulkConnection:
 
 class BulkClient:
     """A sender's bulk lane: the receiver's bulk port per address (asked once with `Probe`,
-    cached) and idle connections per address, reused stream after stream."""
+    cached; asked again when a connection to the cached port fails, since a peer restarted at the
+    same address listens on a new one) and idle connections per address, reused stream after
+    stream."""
 
     def __init__(self, probe: Callable[[str, str], object], tls: PeerTLS | None = None):
         self._probe = probe  # async (address, peer_id) -> bulk port, 0 when none
@@ -439,28 +441,40 @@ class BulkClient:
             conn.close()  # idle too long, the receiver closed it (a restart), or opened before a renewal
         if self._down.get(address, 0.0) > time.monotonic():
             return None
+        cached = address in self._ports
+        port = await self._port(address, peer_id)
+        while port:
+            try:
+                return await BulkConnection.open(address.rsplit(":", 1)[0].strip("[]"), port, self.tls, peer_id)
+            except (OSError, TimeoutError, RuntimeError, ValueError) as exc:
+                self._ports.pop(address, None)
+                if cached and isinstance(exc, ConnectionRefusedError):
+                    # The host answered, the port is closed: a peer restarted at this address
+                    # listens on a new one. Ask it, once (a silent host is not asked: NAT, gone).
+                    cached, stale = False, port
+                    if (port := await self._port(address, peer_id)) != stale:
+                        continue
+                # Refused, unreachable (NAT), a TLS handshake or certificate refused: PushChunks (on
+                # TLS gRPC when TLS is on: never plaintext) for a while.
+                log.warning("bulk lane to %s unavailable (%s: %s); using PushChunks%s for %.0f s", address,
+                            type(exc).__name__, exc, " (TLS gRPC)" if self.tls is not None else "", DOWN_SECONDS)
+                self._down[address] = time.monotonic() + DOWN_SECONDS
+                return None
+        return None
+
+    async def _port(self, address: str, peer_id: str) -> int:
+        """The bulk port the peer at `address` advertises (asked once, then cached), 0 when it has
+        none or the Probe failed (not cached: PushChunks this time, and that stream says why)."""
         task = self._ports.get(address)
         if task is None:
             task = self._ports[address] = asyncio.ensure_future(self._probe(address, peer_id))
         try:
-            port = await asyncio.shield(task)
-        except Exception as exc:  # the Probe failed: PushChunks this time (that stream will say why)
+            return await asyncio.shield(task)
+        except Exception as exc:
             log.info("bulk lane to %s: probe failed (%s)", address, type(exc).__name__)
             if self._ports.get(address) is task:
                 del self._ports[address]
-            return None
-        if not port:
-            return None
-        try:
-            return await BulkConnection.open(address.rsplit(":", 1)[0].strip("[]"), port, self.tls, peer_id)
-        except (OSError, TimeoutError, RuntimeError, ValueError) as exc:
-            # Refused, unreachable (NAT), a TLS handshake or certificate refused: PushChunks (on TLS
-            # gRPC when TLS is on: never plaintext) for a while.
-            log.warning("bulk lane to %s unavailable (%s: %s); using PushChunks%s for %.0f s", address,
-                        type(exc).__name__, exc, " (TLS gRPC)" if self.tls is not None else "", DOWN_SECONDS)
-            self._ports.pop(address, None)
-            self._down[address] = time.monotonic() + DOWN_SECONDS
-            return None
+            return 0
 
     def has_idle(self, address: str) -> bool:
         return bool(self._idle.get(address))

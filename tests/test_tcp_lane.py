@@ -334,6 +334,30 @@ async def test_an_advertised_port_that_refuses_falls_back_to_push_chunks():
     assert len({r.values.tobytes() for r in out}) == 1
 
 
+async def test_a_receiver_restarted_on_a_new_bulk_port_is_sent_to_there_not_over_push_chunks():
+    # The sender caches each address's bulk port. A peer that restarts at the same address
+    # listens on a new ephemeral port: the cached port is refused, and the sender must ask the
+    # new one at once rather than fall back to PushChunks for DOWN_SECONDS (300 s).
+    p, n = 3, 100_003
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        first = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=16 << 10)
+        t, to_2 = peers.transports[0], peers.addresses[2]
+        assert t.lanes()[to_2] == "tcp"
+        service = peers.services[2]
+        old_port = service.bulk.port
+        service.bulk.close()  # the restart: the old port refuses, a new listener takes another one
+        service.bulk = tcplane.BulkServer(service)
+        await service.bulk.start("127.0.0.1")
+        assert service.bulk.port != old_port
+        await asyncio.sleep(0.1)  # the receiver's end of the idle connections is closed
+        again = await peers.run(xs, attempt=1, algorithm="butterfly", chunk_bytes=16 << 10)
+        assert t.lanes()[to_2] == "tcp" and peers.transports[1].lanes()[to_2] == "tcp"
+        assert not t.bulk._down  # nothing was marked down: the new port answered
+    assert first[0].values.tobytes() == again[0].values.tobytes()
+    assert len({r.values.tobytes() for r in again}) == 1
+
+
 # ------------------------------------------------------------------------------- TLS (sockets)
 
 
