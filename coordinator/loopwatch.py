@@ -128,6 +128,7 @@ class LoopWatch:
         self.in_flight = 0
         self._gc_t0 = 0.0
         self._out: TextIO | None = None
+        self._last_threads = (0.0, 0.0, 0, 0)  # `_threads()` at the last row written
 
     def _threads(self) -> tuple[float, float, int, int]:
         """(CPU seconds of the loop's thread, of the others, the loop thread's involuntary and
@@ -158,13 +159,18 @@ class LoopWatch:
     def _roll(self) -> None:
         t = int(time.time())
         if t != self.now.t and self._out is not None:
-            threads = self._threads()
-            last, self._last_threads = self._last_threads, threads
-            self.now.loop_cpu, self.now.threads_cpu = threads[0] - last[0], threads[1] - last[1]
-            self.now.loop_preempted, self.now.loop_waits = threads[2] - last[2], threads[3] - last[3]
-            self._out.write(self.now.row())
-            self._out.flush()
+            self._write_row()
             self.now = SecondStats(t)
+
+    def _write_row(self) -> None:
+        """Write `now` with the threads' CPU and context switches since the last row."""
+        assert self._out is not None
+        threads = self._threads()
+        last, self._last_threads = self._last_threads, threads
+        self.now.loop_cpu, self.now.threads_cpu = threads[0] - last[0], threads[1] - last[1]
+        self.now.loop_preempted, self.now.loop_waits = threads[2] - last[2], threads[3] - last[3]
+        self._out.write(self.now.row())
+        self._out.flush()
 
     def _gc(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -186,7 +192,7 @@ class LoopWatch:
                 self._roll()
         finally:
             gc.callbacks.remove(self._gc)
-            self._out.write(self.now.row())  # the last, partial second (a run's end is worth seeing)
+            self._write_row()  # the last, partial second (a run's end is worth seeing)
             self._out.close()
 
 

@@ -1,8 +1,13 @@
-"""The coordinator's per-second trace (coordinator.loopwatch): its pure parts."""
+"""The coordinator's per-second trace (coordinator.loopwatch): its pure parts, and loop.csv as\nLoopWatch writes it."""
 
 from __future__ import annotations
 
-from shoal.coordinator.loopwatch import COLUMNS, SLOW_SECONDS, SecondStats, wait_in_core
+import asyncio
+import time
+import types
+
+from shoal.coordinator import loopwatch
+from shoal.coordinator.loopwatch import COLUMNS, SLOW_SECONDS, LoopWatch, SecondStats, wait_in_core
 
 
 def test_a_calls_wait_in_core_is_its_timeout_less_what_was_left_when_the_handler_ran():
@@ -34,3 +39,19 @@ def test_a_second_keeps_maxima_means_and_counts_of_what_it_saw():
 def test_an_empty_second_prints_zeros_not_a_division_error():
     row = dict(zip(COLUMNS, SecondStats(t=7).row().strip().split(",")))
     assert row["lag_mean_ms"] == "0.0" and row["hb_wait_mean_ms"] == "0.0" and row["calls"] == "0"
+
+
+async def test_the_last_partial_second_carries_the_threads_columns_too(tmp_path, monkeypatch):
+    # loop.csv's last row (the second the trace stopped in) was written without the threads'
+    # figures: its loop_waits read 0 although the loop slept on every tick. The wall clock is
+    # held at one second, so that row is the only one.
+    monkeypatch.setattr(loopwatch, "time", types.SimpleNamespace(perf_counter=time.perf_counter, time=lambda: 100.0))
+    watch = LoopWatch(str(tmp_path))
+    task = asyncio.ensure_future(watch.run())
+    await asyncio.sleep(0.1)  # ~10 ticks, each a sleep of the loop's thread in epoll
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    lines = (tmp_path / "loop.csv").read_text().splitlines()
+    assert lines[0] == ",".join(COLUMNS) and len(lines) == 2
+    last = dict(zip(COLUMNS, lines[1].split(",")))
+    assert last["t"] == "100" and int(last["ticks"]) >= 1 and int(last["loop_waits"]) > 0, last
