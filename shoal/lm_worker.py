@@ -155,11 +155,11 @@ def run_peer(a: argparse.Namespace) -> dict:
     probe.eval()
 
     evaluator = Evaluator(probe, windows, _evaluations_path(a.events)) if a.data_shard == 0 else None
-    rounds_of = [lambda: 0]  # the committed rounds of the state being evaluated, once the optimizer exists
+    opt = None  # the optimizer, once built: it says which committed state `evaluate` is given
 
     def evaluate(params) -> float:
         if evaluator is not None:
-            evaluator.submit(rounds_of[0](), params)
+            evaluator.submit(opt.committed_rounds if opt is not None else 0, params)
         return math.nan  # the value goes to the evaluations file (Evaluator), not into the commit event
 
     inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
@@ -171,7 +171,6 @@ def run_peer(a: argparse.Namespace) -> dict:
                   events_path=a.events, security=security, join_token=a.join_token, data_shard=a.data_shard,
                   metrics_port=a.metrics_port, metrics_host=a.metrics_host, shared_memory=a.shared_memory)
     joined = time.monotonic()
-    rounds_of[0] = lambda: opt.committed_rounds
     gen = torch.Generator().manual_seed(a.seed * 1000 + 17 + a.data_shard)
     slow = max(0.0, 1.0 / a.speed - 1.0)
     slept = 0.0
@@ -205,13 +204,18 @@ class Evaluator:
     "val_loss"} to `path` (JSON lines; shoal.lm_job.summary reads them). Evaluation is
     measurement, not training: run inside the agent's commit handling it held up the evaluating
     peer's next Ready, and with it every peer's round (docs/training.md). `close()` evaluates
-    what is left, stops the thread and returns the seconds spent evaluating."""
+    what is left, stops the thread and returns the seconds spent evaluating.
+
+    Failure: an evaluation that raises (e.g. the file cannot be written) stops the thread; later
+    states are not queued, and `close()` raises RuntimeError from that error (the peer's result
+    would lack its validation curve)."""
 
     def __init__(self, probe: "lm.TinyGPT", windows, path: pathlib.Path | None):
         self.probe, self.windows, self.path = probe, windows, path
         self.todo: queue.Queue[tuple[int, np.ndarray] | None] = queue.Queue()
         self.seconds = 0.0
         self.last = -1
+        self.error: BaseException | None = None  # what stopped the thread
         self.thread = threading.Thread(target=self._run, name="shoal-lm-eval", daemon=True)
         self.thread.start()
 
@@ -219,17 +223,29 @@ class Evaluator:
         """Queue the committed state of `rounds` rounds (copied); one already queued is skipped
         (the agent evaluates the final state at the end of the run once more), and so is the
         initial state (no committed round yet)."""
-        if rounds < 1 or rounds == self.last:
+        if rounds < 1 or rounds == self.last or self.error is not None:
             return
         self.last = rounds
         self.todo.put((rounds, np.array(params, dtype=np.float32, copy=True)))
 
     def close(self) -> float:
+        """Evaluate what is queued, stop the thread; the seconds spent evaluating. Raises
+        RuntimeError when an evaluation failed (class docstring)."""
         self.todo.put(None)
         self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"evaluating committed states failed: {self.error!r}") from self.error
         return self.seconds
 
     def _run(self) -> None:
+        try:
+            self._evaluate_queued()
+        except BaseException as exc:  # read by close(): no error of this thread goes unseen
+            self.error = exc
+            log.error("evaluating committed states failed (%s: %s); no further state is evaluated",
+                      type(exc).__name__, exc)
+
+    def _evaluate_queued(self) -> None:
         with contextlib.suppress(OSError):  # lower this thread only (Linux: a thread id is a process id)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         out = open(self.path, "a") if self.path is not None else None

@@ -131,3 +131,22 @@ def test_evaluator_writes_one_line_per_committed_state_in_order(tmp_path):
     assert [r["round"] for r in rows] == [0, 1]
     assert rows[1]["val_loss"] == pytest.approx(math.log(256), abs=1e-3)  # zero parameters: uniform
     assert rows[0]["val_loss"] != rows[1]["val_loss"]
+
+
+def test_an_evaluation_that_fails_is_raised_by_close_not_lost_in_its_thread(tmp_path):
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    from shoal.lm_worker import Evaluator
+    from shoal.peer import lm
+    from shoal.peer.torch_integration import flatten
+
+    shape = lm.LMShape(d_model=16, layers=1, heads=2, context=8)
+    probe = lm.make_model(shape, 0)
+    params = flatten(probe)
+    ev = Evaluator(probe, windows=None, path=tmp_path / "peer-0.val.jsonl")  # windows=None: evaluate_loss fails
+    ev.submit(1, params)
+    ev.thread.join(timeout=60)  # the failure stops the thread
+    assert ev.error is not None
+    ev.submit(2, params)  # not queued behind a thread that is gone
+    assert ev.todo.empty()
+    with pytest.raises(RuntimeError, match="evaluating committed states failed"):
+        ev.close()
