@@ -195,6 +195,11 @@ def _digest(label: str, r: int) -> bytes:
     return hashlib.blake2b(f"{label}:{r}".encode(), digest_size=32).digest()
 
 
+# The columns of one second in `_Stats.beats_at`: heartbeats sent, of them slower than the bar,
+# the member process's loop lag and garbage-collector pause (max, ms).
+_SECOND = SENT, SLOW, LAG_MS, GC_MS = range(4)
+
+
 @dataclasses.dataclass
 class _Stats:
     """What one member process measured."""
@@ -206,7 +211,7 @@ class _Stats:
     loop_lag: Histogram = dataclasses.field(default_factory=Histogram)  # this process's own scheduling delay
     heartbeat_errors: int = 0
     # second -> [heartbeats sent, of them slower than the bar, this process's loop lag and
-    # garbage-collector pause (max, ms)]
+    # garbage-collector pause (max, ms)]: indexed by SENT, SLOW, LAG_MS, GC_MS (`second`)
     beats_at: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
     ready_at: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> last in-sync Ready sent
@@ -230,6 +235,10 @@ class _Stats:
                 "beats_at": self.beats_at,
                 "errors": self.errors, "ready_at": self.ready_at, "plan_at": self.plan_at, "votes": self.votes,
                 "syncs": self.syncs, "finished": self.finished}
+
+    def second(self, t: int) -> list[int]:
+        """`beats_at`'s row of unix second `t` (made at first use)."""
+        return self.beats_at.setdefault(t, [0] * len(_SECOND))
 
 
 class SimulatedMember:
@@ -311,9 +320,9 @@ class SimulatedMember:
                 if self.stats.steady:
                     took = time.perf_counter() - t0
                     self.stats.heartbeats.add(took)
-                    at = self.stats.beats_at.setdefault(sent, [0, 0, 0, 0])
-                    at[0] += 1
-                    at[1] += took > BOUNDS["heartbeat_p99_seconds"]
+                    at = self.stats.second(sent)
+                    at[SENT] += 1
+                    at[SLOW] += took > BOUNDS["heartbeat_p99_seconds"]
                 # A peer's safety net for a lost event (its stream opened after a commit was sent):
                 # two heartbeats in a row saying the run is past this member's round, unless its
                 # Ready waits in the cohort pool.
@@ -441,8 +450,8 @@ async def run_members(address: str, first: int, count: int, *, seed: int, per_co
             if stats.steady:
                 late = max(1e-6, time.perf_counter() - t0 - 0.01)
                 stats.loop_lag.add(late)
-                at = stats.beats_at.setdefault(int(time.time()), [0, 0, 0, 0])
-                at[2] = max(at[2], round(1e3 * late))
+                at = stats.second(int(time.time()))
+                at[LAG_MS] = max(at[LAG_MS], round(1e3 * late))
 
     gc_started = [0.0]
 
@@ -450,8 +459,8 @@ async def run_members(address: str, first: int, count: int, *, seed: int, per_co
         if phase == "start":
             gc_started[0] = time.perf_counter()
         elif stats.steady:
-            at = stats.beats_at.setdefault(int(time.time()), [0, 0, 0, 0])
-            at[3] = max(at[3], round(1e3 * (time.perf_counter() - gc_started[0])))
+            at = stats.second(int(time.time()))
+            at[GC_MS] = max(at[GC_MS], round(1e3 * (time.perf_counter() - gc_started[0])))
 
     gc.callbacks.append(collection)
     # The coordinator's garbage-collector policy here too: 2,500 members a process are millions
@@ -643,9 +652,9 @@ def _beats_at(stats: list[dict]) -> dict[int, tuple[int, int, str, str, str]]:
     seconds = sorted({int(t) for s in stats for t in s.get("beats_at", {})})
     out: dict[int, tuple[int, int, str, str, str]] = {}
     for t in seconds:
-        per = [s.get("beats_at", {}).get(str(t), [0, 0, 0, 0]) for s in stats]
-        out[t] = (sum(p[0] for p in per), sum(p[1] for p in per), "/".join(str(p[1]) for p in per),
-                  "/".join(str(p[2]) for p in per), "/".join(str(p[3]) for p in per))
+        per = [s.get("beats_at", {}).get(str(t), [0] * len(_SECOND)) for s in stats]
+        out[t] = (sum(p[SENT] for p in per), sum(p[SLOW] for p in per), "/".join(str(p[SLOW]) for p in per),
+                  "/".join(str(p[LAG_MS]) for p in per), "/".join(str(p[GC_MS]) for p in per))
     return out
 
 
