@@ -70,6 +70,20 @@ class _Registration:
     splices: set[asyncio.StreamWriter] = field(default_factory=set)
 
 
+@dataclass
+class _GrpcFraming:
+    """Where one HTTP/2 stream's gRPC message framing stands (`_H2Frames`)."""
+
+    messages: int = 0  # messages begun
+    prefix_left: int = 5  # bytes of the current 5-byte prefix still to read (0: in a message)
+    message_left: int = 0  # bytes of the current message still to read
+    prefix: int = 0  # the prefix read so far, as a big-endian integer
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.prefix_left == 5 and self.message_left == 0
+
+
 class _H2Frames:
     """Follows the HTTP/2 frames of one plaintext client-to-server byte stream (preface, then
     9-byte headers) and the gRPC messages (5-byte prefix, then the message) in each HTTP/2
@@ -85,12 +99,10 @@ class _H2Frames:
         self.preface = 24  # "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
         self.header = b""
         self.length = self.pos = 0  # the current frame's payload length, and how much of it passed
-        self.stream: list[int] | None = None  # the current DATA frame's stream: `streams` entry
+        self.stream: _GrpcFraming | None = None  # the current DATA frame's stream: `streams` entry
         self.whole = False  # the current DATA frame starts at a message boundary and is large
         self.target = -1  # payload offset of the byte to flip (-1: none)
-        # HTTP/2 stream id -> [messages begun, prefix bytes still to read, message bytes still to
-        # read, the prefix so far as an int]: where each call's gRPC message framing stands.
-        self.streams: dict[int, list[int]] = {}
+        self.streams: dict[int, _GrpcFraming] = {}  # HTTP/2 stream id -> its gRPC message framing
         self.broken: set[int] = set()  # streams whose framing this parser cannot follow (padding)
 
     def flip(self, data: bytes, hooks: "_Hooks") -> bytes:
@@ -128,8 +140,8 @@ class _H2Frames:
             self.broken.add(sid)
             self.streams.pop(sid, None)
             return
-        self.stream = self.streams.setdefault(sid, [0, 5, 0, 0])
-        self.whole = self.stream[1] == 5 and self.stream[2] == 0 and self.length >= FLIP_MIN_FRAME
+        self.stream = self.streams.setdefault(sid, _GrpcFraming())
+        self.whole = self.stream.at_boundary and self.length >= FLIP_MIN_FRAME
 
     def _messages(self, buf: bytearray, i: int, step: int, hooks: "_Hooks") -> None:
         """Advance the current stream's message framing over `buf[i:i + step]`."""
@@ -137,28 +149,28 @@ class _H2Frames:
         assert st is not None
         end = i + step
         while i < end:
-            if st[1]:  # in a prefix
-                take = min(st[1], end - i)
+            if st.prefix_left:
+                take = min(st.prefix_left, end - i)
                 for b in buf[i:i + take]:
-                    st[3] = (st[3] << 8) | b
-                st[1] -= take
+                    st.prefix = (st.prefix << 8) | b
+                st.prefix_left -= take
                 i += take
-                if st[1] == 0:
-                    st[0] += 1
-                    st[2] = st[3] & 0xFFFFFFFF  # the length; the top byte was the compressed flag
-                    compressed = st[3] >> 32
+                if st.prefix_left == 0:
+                    st.messages += 1
+                    st.message_left = st.prefix & 0xFFFFFFFF  # the length; the top byte was the compressed flag
+                    compressed = st.prefix >> 32
                     if self.whole and self.pos + (i - (end - step)) == 5 and compressed == 0 \
-                            and st[2] == self.length - 5 and st[0] > 1 and hooks.large_frame():
+                            and st.message_left == self.length - 5 and st.messages > 1 and hooks.large_frame():
                         self.target = 2 if hooks.prefix else self.length // 2
-                    st[3] = 0
-                    if st[2] == 0:
-                        st[1] = 5
+                    st.prefix = 0
+                    if st.message_left == 0:
+                        st.prefix_left = 5
             else:
-                take = min(st[2], end - i)
-                st[2] -= take
+                take = min(st.message_left, end - i)
+                st.message_left -= take
                 i += take
-                if st[2] == 0:
-                    st[1] = 5
+                if st.message_left == 0:
+                    st.prefix_left = 5
 
 
 class _Hooks:
