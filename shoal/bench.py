@@ -259,10 +259,9 @@ def _memory(reports: Sequence[dict], size_bytes: int) -> dict:
         wins, base = rep.get("memory_windows"), rep.get("rss_before_collective_bytes", 0)
         if not wins:
             return (rep.get("peak_rss_bytes", 0) - base) / size_bytes
-        # A window whose peak could not be reset is the lifetime peak: nothing is subtracted then.
-        floor = 0 if not all(w.get("peak_reset") for w in wins) else None
-        return max((w["peak_rss_bytes"] - base - (w["held_state_bytes"] if floor is None else floor)) / size_bytes
-                   for w in wins)
+        # A window whose peak could not be reset is the lifetime peak: no held state is subtracted then.
+        reset = all(w.get("peak_reset") for w in wins)
+        return max((w["peak_rss_bytes"] - base - (w["held_state_bytes"] if reset else 0)) / size_bytes for w in wins)
 
     ratios_held = [held(rep) for rep in reports]
     return {"peak_rss_bytes_max": max(peaks, default=0), "peak_rss_ratio": max(ratios_held, default=0.0),
