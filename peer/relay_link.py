@@ -20,9 +20,9 @@ connection drop and the round's usual failure handling applies).
 from __future__ import annotations
 
 import asyncio
-import math
 import contextlib
 import logging
+import math
 import time
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -104,6 +104,7 @@ class RelayLink:
         self.relay, self.key, self.local = relay, key, local_target(local)
         self.address = ""
         self.token = ""
+        self.capacity = 0.0  # the relay's declared capacity, bytes/s each way (0: not declared), from registering
         self.tunnels = 0  # tunnels opened so far
         self.bytes_in = self.bytes_out = 0  # through the tunnels: into / out of this peer
         self._task: asyncio.Task | None = None

@@ -392,7 +392,6 @@ class PeerTLS:
             return grpc.ssl_channel_credentials(root_certificates=self._ca_pem, private_key=self._key_pem,
                                                 certificate_chain=self._cert_pem)
 
-
     def ssl_context(self, *, server: bool) -> ssl.SSLContext:
         """An `ssl` context for the bulk lane (peer.tcplane) with the current certificate: mutual
         TLS 1.3 trusting the peer CA only. The server side demands a client certificate; the
