@@ -9,7 +9,7 @@ byte for byte, into the peer's own data-plane listener: a reverse tunnel. The gR
 tickets, signatures and TLS (end to end: the relay only sees TLS records) are unchanged.
 
 Failure semantics: `start` raises `RelayRefused` (the relay said no, e.g. a bad signature) or
-OSError (no relay there) after trying for `timeout` seconds. Afterwards a broken control
+`RelayUnreachable` (an OSError: no relay there) after trying for `timeout` seconds. Afterwards a broken control
 connection (the relay restarted, the NAT mapping changed) is dialled again with backoff, for
 ever, until `close`; the relay keeps the same relayed address for the same peer id while it runs
 (a relay that restarted hands out a new one, logged as a warning: the peer must rejoin to
@@ -27,7 +27,7 @@ import time
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.common.relaying import MAGIC, MAX_LINE, PING_SECONDS, RelayRefused, register_line
+from shoal.common.relaying import MAGIC, MAX_LINE, PING_SECONDS, RelayRefused, RelayUnreachable, register_line
 
 log = logging.getLogger("shoal.peer.relay")
 
@@ -112,7 +112,7 @@ class RelayLink:
 
     async def start(self, timeout: float = 30.0) -> str:
         """Register (retrying connection errors up to `timeout` s) and serve OPEN requests in
-        the background; returns the relayed address. Raises RelayRefused or OSError."""
+        the background; returns the relayed address. Raises RelayRefused or RelayUnreachable."""
         deadline = time.monotonic() + timeout
         delay = 0.2
         told = False
@@ -122,7 +122,7 @@ class RelayLink:
                 break
             except (OSError, ConnectionError) as exc:
                 if time.monotonic() + delay > deadline:
-                    raise OSError(f"relay {self.relay} unreachable for {timeout:.0f}s: {exc}") from exc
+                    raise RelayUnreachable(f"relay {self.relay} unreachable for {timeout:.0f}s: {exc}") from exc
                 if not told:  # once, at once: the operator sees why nothing happens
                     log.warning("relay %s: cannot register (%s); retrying for up to %.0fs (is `shoal relay` "
                                 "running there, and is its port open?)", self.relay, exc, timeout)

@@ -450,7 +450,7 @@ def _hold_peer_key(p) -> str:
 def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     from shoal.peer.agent import PeerConfig, run_peer
 
-    from shoal.common.relaying import RelayRefused
+    from shoal.common.relaying import RelayRefused, RelayUnreachable
     from shoal.peer.diagnosis import CoordinatorUnreachable, diagnose
 
     p = cfg.peer
@@ -499,9 +499,8 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
         if refused is not None:
             log.error("peer: %s (key file %s)", refused, key_path)
             return EXIT_USAGE
-        if isinstance(exc, OSError):
-            # "relay HOST:PORT unreachable ...": the relay named; else a local address problem
-            log.error("peer: %s" if str(exc).startswith("relay ") else "peer: address unavailable: %s", exc)
+        if isinstance(exc, OSError):  # the relay (its message names it), else a local address problem
+            log.error("peer: %s" if isinstance(exc, RelayUnreachable) else "peer: address unavailable: %s", exc)
             return EXIT_UNAVAILABLE
         failure = _bind_failure(exc, "--listen", p.listen)
         if failure is not None:

@@ -47,6 +47,11 @@ class RelayRefused(Exception):
     """The relay refused a registration (`ERR <reason>`), or spoke no relay protocol."""
 
 
+class RelayUnreachable(OSError):
+    """No relay answered at the address for the whole registration timeout (the message names
+    the relay and the last connection error)."""
+
+
 def register_message(public_key: bytes, ts_ns: int, nonce: bytes) -> bytes:
     """The bytes a peer signs to register: domain, raw public key (32), unix ns, nonce."""
     return SIG_DOMAIN + public_key + struct.pack(">Q", ts_ns) + nonce
