@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from shoal.bench import _memory
-from shoal.collective_job import JobInputs, make_input
+from shoal.collective_job import JobInputs, _base_input, make_input
 
 MB = 1_000_000
 
@@ -19,7 +19,9 @@ def test_job_inputs_are_make_inputs_bits_in_one_buffer(dtype):
     for r in (0, 1, 5, 2):
         x = inputs(r)
         assert x is first and x.dtype == np.dtype(dtype)  # one buffer, rewritten
-        assert x.tobytes() == make_input(3, 1, r, 10_001, dtype).tobytes()
+        # The draw plus the round's offset, summed in float32 and rounded once to `dtype`.
+        expected = (_base_input(3, 1, 10_001) + np.float32(0.01 * r)).astype(dtype)
+        assert x.tobytes() == expected.tobytes() == make_input(3, 1, r, 10_001, dtype).tobytes()
 
 
 def _job(windows, first_plan=1000 * MB, lifetime=None):
