@@ -125,9 +125,10 @@ def _model(a: argparse.Namespace) -> "lm.TinyGPT":
 
 
 def run_warm(a: argparse.Namespace) -> dict:
-    """`--warm-start-steps`: `--steps` synchronous steps of the seed's model on the whole training
-    corpus, `--world` x `--batch-size` windows a step (what one step of the ddp baseline computes),
-    AdamW at `--lr`; writes the parameters to `--out`; returns {steps, val_loss}."""
+    """`warm` (what `shoal swarm --warm-start-steps` runs, shoal.lm_job.warm_start): `--steps`
+    synchronous steps of the seed's model on the whole training corpus, `--world` x
+    `--batch-size` windows a step (what one step of the ddp baseline computes), AdamW at `--lr`;
+    writes the parameters to `--out`; returns {steps, val_loss (nats per byte)}."""
     shape = _shape(a)
     corpus = lm.load_corpus()
     model = lm.make_model(shape, a.seed)
