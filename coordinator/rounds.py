@@ -1189,23 +1189,7 @@ class RoundEngine:
                              self.policy, untrusted=self.untrusted, deadline_scale=self.growth.scale,
                              outbound_only=self._outbound_in(participants))
         if isinstance(planned, NoPlan):
-            if self.excluded & self.ready.keys():
-                # What the round lacks may be the peers its aborts excluded (e.g. its only reachable
-                # owners); they come back only in the next round, which this one would then never
-                # reach. Let them back in; the attempt limit still bounds the round.
-                log.warning("round %d: %s without the peers its aborts excluded %s: taking them back",
-                            self.committed_rounds, planned.reason, sorted(p[:8] for p in self.excluded))
-                self.excluded = set()
-                self._refresh_all()
-                self._hold(now + self.config.retry_backoff, Waiting(
-                    WaitReason.BACKOFF, f"{planned.reason}: the excluded peers are taken back", participants))
-                return []
-            # E.g. two peers, one of them lying in an owner audit: nobody can tell which.
-            if not self._no_trusted_logged:
-                log.warning("%s %s: waiting for another peer", planned.reason, [p[:8] for p in participants])
-                self._no_trusted_logged = True
-            self._hold(now + self.config.ready_timeout, Waiting(WaitReason.NO_TRUSTED_OWNER, planned.reason,
-                                                                participants))
+            self._unplannable(now, planned, participants)
             return []
         self._no_trusted_logged = False
         if self.config.audit_owners and not planned.audit_owners:
@@ -1236,6 +1220,27 @@ class RoundEngine:
         self.running = _Running(plan, now)
         actions.append(SendPlan(plan))
         return actions
+
+    def _unplannable(self, now: float, planned: NoPlan, participants: tuple[str, ...]) -> None:
+        """`_open` could not plan a round of `participants`: hold the next opening, with the peers
+        this round's aborts excluded taken back when there are any, else until another peer."""
+        if self.excluded & self.ready.keys():
+            # What the round lacks may be the peers its aborts excluded (e.g. its only reachable
+            # owners); they come back only in the next round, which this one would then never
+            # reach. Let them back in; the attempt limit still bounds the round.
+            log.warning("round %d: %s without the peers its aborts excluded %s: taking them back",
+                        self.committed_rounds, planned.reason, sorted(p[:8] for p in self.excluded))
+            self.excluded = set()
+            self._refresh_all()
+            self._hold(now + self.config.retry_backoff, Waiting(
+                WaitReason.BACKOFF, f"{planned.reason}: the excluded peers are taken back", participants))
+            return
+        # E.g. two peers, one of them lying in an owner audit: nobody can tell which.
+        if not self._no_trusted_logged:
+            log.warning("%s %s: waiting for another peer", planned.reason, [p[:8] for p in participants])
+            self._no_trusted_logged = True
+        self._hold(now + self.config.ready_timeout, Waiting(WaitReason.NO_TRUSTED_OWNER, planned.reason,
+                                                            participants))
 
     def _hold(self, until: float, why: Waiting) -> None:
         """No round opens before `until` (engine time), for the reason `why`."""
