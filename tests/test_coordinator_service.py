@@ -124,6 +124,22 @@ async def test_a_restored_member_is_dialled_back_when_its_stream_reconnects():
     assert len(dialled) == 3
 
 
+TIMED_OUT = Reachability(False, "no answer within 2 s", timed_out=True)
+
+
+def _scripted_reach(svc: CoordinatorService, answers: dict[str, list[Reachability]]) -> list[str]:
+    """Make `svc`'s dial-back answer each address with its next scripted outcome; returns the
+    list the dialled addresses are appended to, in order."""
+    dialled: list[str] = []
+
+    async def reach(address, key):
+        dialled.append(address)
+        return answers[address].pop(0)
+
+    svc.reach = reach
+    return dialled
+
+
 async def test_a_restored_member_too_busy_to_answer_once_is_dialled_again():
     # After a coordinator restart every member reconnects at once; one that does not answer the
     # dial-back in time once (busy, not NATed) was marked unreachable until it joined again
@@ -131,16 +147,9 @@ async def test_a_restored_member_too_busy_to_answer_once_is_dialled_again():
     # refusal, or a second timeout, still makes the member outbound-only.
     now = [0.0]
     svc = service(now)
-    answers = {"10.0.0.0:1": [Reachability(False, "no answer within 2 s", timed_out=True), Reachability(True)],
-               "10.0.0.1:1": [Reachability(False, "refused")],
-               "10.0.0.2:1": [Reachability(False, "no answer within 2 s", timed_out=True)] * 2}
-    dialled = []
-
-    async def reach(address, key):
-        dialled.append(address)
-        return answers[address].pop(0)
-
-    svc.reach = reach
+    dialled = _scripted_reach(svc, {"10.0.0.0:1": [TIMED_OUT, Reachability(True)],
+                                    "10.0.0.1:1": [Reachability(False, "refused")],
+                                    "10.0.0.2:1": [TIMED_OUT, TIMED_OUT]})
     for i, p in enumerate("abc"):
         svc.engine.join(p, KEYS[p], f"10.0.0.{i}:1", 1, 0.0)  # as restored: reachability unknown
     for p in "abc":
@@ -159,16 +168,9 @@ async def test_a_joiner_too_busy_to_answer_the_dial_back_once_is_dialled_again()
     now = [0.0]
     svc = service(now)
     keys = {p: Ed25519PrivateKey.generate() for p in "abc"}
-    timeout = Reachability(False, "no answer within 2 s", timed_out=True)
-    answers = {"10.0.1.0:1": [timeout, Reachability(True)], "10.0.1.1:1": [Reachability(False, "refused")],
-               "10.0.1.2:1": [timeout, timeout]}
-    dialled = []
-
-    async def reach(address, key):
-        dialled.append(address)
-        return answers[address].pop(0)
-
-    svc.reach = reach
+    dialled = _scripted_reach(svc, {"10.0.1.0:1": [TIMED_OUT, Reachability(True)],
+                                    "10.0.1.1:1": [Reachability(False, "refused")],
+                                    "10.0.1.2:1": [TIMED_OUT, TIMED_OUT]})
     resps = {p: await svc.Join(pb.JoinRequest(public_key=public_bytes(keys[p]), data_address=f"10.0.1.{i}:1"), None)
              for i, p in enumerate("abc")}
     assert dialled == ["10.0.1.0:1", "10.0.1.0:1", "10.0.1.1:1", "10.0.1.2:1", "10.0.1.2:1"]
