@@ -96,6 +96,18 @@ def read_json(path: pathlib.Path) -> dict:
     return json.loads(path.read_text())
 
 
+def finish(proc: subprocess.Popen, timeout: float) -> str:
+    """`proc`'s output once it exited within `timeout` seconds; killed (and reaped) otherwise, or
+    when waiting fails, and the error raised."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    return out
+
+
 def scenario_swarm(tmp_path: pathlib.Path, scenario: pathlib.Path, *args: str) -> tuple[dict, pathlib.Path]:
     """Run `shoal swarm --scenario scenario *args` in a subprocess (killed on a timeout or a
     failure), assert it exited 0 and left no network namespace behind; returns (summary, workdir)."""
@@ -104,12 +116,7 @@ def scenario_swarm(tmp_path: pathlib.Path, scenario: pathlib.Path, *args: str) -
         [sys.executable, "-m", "shoal.cli", "swarm", "--scenario", str(scenario), "--summary", str(summary),
          "--workdir", str(wd), "--no-progress", "--timeout", "400", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=540)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+    out = finish(proc, 540)
     assert proc.returncode == 0, out[-3000:]
     leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     assert f"shls-{proc.pid}-" not in leftovers

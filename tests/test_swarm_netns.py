@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from procs import finish
+
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.netns,
@@ -50,16 +52,6 @@ def _swarm(tmp_path, scenario: str, *args: str) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
-    return out
-
-
 def _bound(rate_mbit: float, bytes_: float) -> float:
     return bytes_ * 8 / (rate_mbit * 1e6)
 
@@ -72,7 +64,7 @@ def test_shaped_run_follows_its_links_and_reports_the_tables(tmp_path):
     summary has per_peer / rounds / wrongful_exclusions, and the namespaces are gone after."""
     peer = "[[peer]]\nup_mbit = 4\ndown_mbit = 4\n"
     proc = _swarm(tmp_path, peer * 3, "--peers", "3", "--rounds", "4")
-    out = _finish(proc, 840)
+    out = finish(proc, 840)
     assert proc.returncode == 0, out[-3000:]
     assert _namespaces_of(proc.pid) == [] and _links_of(proc.pid) == []
     s = json.loads((tmp_path / "s.json").read_text())
@@ -101,7 +93,7 @@ def test_a_shape_event_slows_one_peer_mid_run(tmp_path):
     scenario = ("[[peer]]\n[[peer]]\n[[peer]]\nup_mbit = 16\ndown_mbit = 16\n"
                 "[[event]]\nat = 10.0\naction = \"shape\"\npeer = 2\nup_mbit = 4\ndown_mbit = 4\n")
     proc = _swarm(tmp_path, scenario, "--peers", "3", "--rounds", "14")
-    out = _finish(proc, 840)
+    out = finish(proc, 840)
     assert proc.returncode == 0, out[-3000:]
     assert _namespaces_of(proc.pid) == []
     s = json.loads((tmp_path / "s.json").read_text())
