@@ -292,6 +292,8 @@ class SimulatedMember:
             try:
                 async for ev in self.stub.WatchRounds(req, metadata=sign_metadata(self.key, SERVICE + "WatchRounds",
                                                                                   req)):
+                    if ev.WhichOneof("event") is None:
+                        continue  # an empty event (the coordinator's, after each burst): nothing to do
                     self.events.put_nowait(ev)
                     if ev.HasField("finished"):
                         return
