@@ -116,13 +116,15 @@ COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second
 # Request nonces remembered for the signature window (30 s): above the calls of 10,000 members in
 # that window (heartbeats every lease/4, Readys), ~200 bytes each; past it, RESOURCE_EXHAUSTED.
 NONCE_MEMORY = 1_000_000
-# An event with nothing set: what a round-event stream sends when it opens and after each event
-# once nothing else is queued. gRPC keeps a copy of a server stream's last message (~its size +
-# 0.3 KB) until the next one, so a member's stream held nothing until its first cohort draw and a
-# commit's worth (~1.5 KB) after it: the resident size grew with every member drawn for the first
-# time, for ~N/K ln N rounds (docs/performance.md, "One coordinator, many members", step 15).
-# Ending every burst of events with this one (0 bytes on the wire) makes what a stream holds the
-# same from its start, drawn or not. Receivers skip it (peer.rounds.event_of).
+# An event with nothing set: what a round-event stream sends when it opens and after each burst of
+# events. gRPC's asyncio server keeps the last message a stream's handler yielded (its
+# `async for response_message in ...` loop) until the next one, and so did the handler's own
+# variable: a commit event, one object shared by the round's cohort (~1-2 KB of protobuf in C,
+# unseen by tracemalloc), lived as long as any of its participants had no newer event, i.e. until
+# the last of them was drawn again (hundreds of rounds with N/K in the tens): the resident size
+# grew with the rounds until that many commits were held (docs/performance.md, "One coordinator,
+# many members", step 15). Ending every burst with this one (0 bytes on the wire) lets each event
+# go once sent. Receivers skip it (peer.rounds.event_of).
 EMPTY_EVENT = pb.RoundEvent()
 # The one place where the engine's refusals become gRPC status codes.
 _ERROR_KINDS = {ErrorKind.NOT_FOUND: NotFound, ErrorKind.INVALID: InvalidArgument,
@@ -581,7 +583,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             run = self.engine.running
             if run is not None and request.peer_id in run.plan.participants:
                 yield pb.RoundEvent(plan=self._wire_plan(run.plan))
-            yield EMPTY_EVENT  # the stream's per-message state now, at its start (EMPTY_EVENT)
+            # gRPC sets up ~0.5 KB for a stream's first message: now, at its start, not at the
+            # member's first cohort draw (scripts/grpc_stream_retention.py).
+            yield EMPTY_EVENT
             while True:
                 ev = await q.get()
                 if isinstance(ev, str):
@@ -589,8 +593,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield ev
                 if ev.HasField("finished"):
                     return
+                ev = None  # not kept while waiting (EMPTY_EVENT)
                 if q.empty():
-                    yield EMPTY_EVENT  # gRPC's copy of `ev` goes (EMPTY_EVENT)
+                    yield EMPTY_EVENT  # nor by gRPC's server loop (EMPTY_EVENT)
         finally:
             if self.watchers.get(request.peer_id) is q:
                 del self.watchers[request.peer_id]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -169,13 +170,17 @@ async def test_a_round_event_stream_starts_and_ends_each_burst_with_an_empty_eve
             assert first == EMPTY_EVENT and first.WhichOneof("event") is None and first.ByteSize() == 0
             commit = pb.RoundEvent(commit=pb.Commit(round=3, participants=["a", "b"]))
             abort = pb.RoundEvent(abort=pb.Abort(round=4, reason="x"))
+            refs = sys.getrefcount(commit), sys.getrefcount(abort)
             svc._send("a", commit)
             svc._send("a", abort)  # a burst: one empty event after both, not after each
             got = [await anext(stream) for _ in range(3)]
             assert got == [commit, abort, EMPTY_EVENT]
+            del got
             wait = asyncio.ensure_future(anext(stream))
             await asyncio.sleep(0.01)
             assert not wait.done()  # nothing more until the next event
+            # ... and, waiting, the stream holds no sent event (a commit is shared by its cohort).
+            assert (sys.getrefcount(commit), sys.getrefcount(abort)) == refs
             svc._send("a", commit)
             assert await wait == commit and await anext(stream) == EMPTY_EVENT
     finally:
