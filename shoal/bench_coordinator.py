@@ -176,7 +176,7 @@ def all_drawn_round(participants: Iterable[tuple[int, Iterable[str]]], members: 
     """The first round after which every one of `members` members has taken part in a round,
     from (round, participants) of the committed rounds; None when some member never did.
 
-    With cohorts of K among N members that takes ~N/K ln N rounds (a coupon collector: ~430 at
+    With cohorts of K among N members that takes ~N/K ln N rounds (a coupon collector: ~470 at
     1,000 members and K = 16); until then, each round draws members for the first time, and
     what a member costs the coordinator after its first round (its connection's buffers for
     larger messages) is still being set up (docs/performance.md, step 15)."""
