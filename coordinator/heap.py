@@ -22,7 +22,8 @@ After each freeze it also hands the C heap's free pages back to the system (glib
 `malloc_trim`, ~15 ms for a 300 MB fragmented heap): gRPC's threads and protobuf allocate and
 free through malloc, whose arenas keep freed pages resident. Measured at 1,000 members: ~2 MB
 less resident throughout a run; it does not stop the creep of ~4-5 KB per round seen over the
-first ten minutes (docs/performance.md, "Coordinator scale").
+first ten minutes (docs/performance.md, "Coordinator scale"), which was sent round events kept
+alive and the allocators' warm-up while members take part for the first time (step 15 there).
 """
 
 from __future__ import annotations
