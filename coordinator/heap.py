@@ -22,7 +22,8 @@ After each freeze it also hands the C heap's free pages back to the system (glib
 `malloc_trim`, ~15 ms for a 300 MB fragmented heap): gRPC's threads and protobuf allocate and
 free through malloc, whose arenas keep freed pages resident. Measured at 1,000 members: ~2 MB
 less resident throughout a run; it does not stop the creep of ~4-5 KB per round seen over the
-first ten minutes (docs/performance.md, "Coordinator scale").
+first ten minutes (docs/performance.md, "Coordinator scale"), which was sent round events kept
+alive and the allocators' warm-up while members take part for the first time (step 15 there).
 """
 
 from __future__ import annotations
@@ -72,6 +73,44 @@ def limit_arenas(arenas: int = ARENAS) -> bool:
         return bool(ctypes.CDLL(name).mallopt(M_ARENA_MAX, arenas))
     except (OSError, AttributeError):
         return False
+
+
+class _MallInfo2(ctypes.Structure):
+    # glibc's struct mallinfo2 (glibc >= 2.33), every field a size_t
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        f = ctypes.CDLL(name).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    f.restype = _MallInfo2
+    f.argtypes = []
+    return f
+
+
+MALLINFO2 = _mallinfo2()
+
+
+def malloc_stats() -> dict[str, int] | None:
+    """The C heap as glibc's malloc sees it (bytes, every arena together): `in_use` (allocated
+    from the arenas' heaps, `uordblks`), `free` (free chunks the arenas keep, `fordblks`: what
+    fragmentation or not-yet-reused memory holds resident or mapped), `mmapped` (large blocks
+    mapped one by one, `hblkhd`, in use). None where there is no `mallinfo2` (not glibc >= 2.33).
+
+    It walks each arena's free lists under the arena's lock: ~0.1-1 ms for a heap of a few
+    hundred MB; call it every few seconds, not per call. Tells retention (in_use grows) from
+    fragmentation (free grows, in_use flat) in the resident size's growth
+    (docs/performance.md, "One coordinator, many members", step 15)."""
+    if MALLINFO2 is None:
+        return None
+    mi = MALLINFO2()
+    return {"in_use": mi.uordblks, "free": mi.fordblks, "mmapped": mi.hblkhd}
 
 
 SLOW_STEP_SECONDS = 0.1  # a step longer than this is logged (the heartbeat bar is 100 ms)

@@ -34,15 +34,21 @@ import os
 import pathlib
 import threading
 import time
+import sys
 from typing import TextIO
 
 import grpc
+
+from shoal.coordinator.heap import malloc_stats
 
 TICK_SECONDS = 0.01
 COLUMNS = ("t", "ticks", "lag_max_ms", "lag_mean_ms", "gc_count", "gc_ms", "gc_max_ms", "calls", "streams",
            "heartbeats", "hb_wait_max_ms", "hb_wait_mean_ms", "hb_handler_max_ms", "hb_handler_mean_ms",
            "hb_slow", "call_wait_max_ms", "call_handler_max_ms", "in_flight_max", "loop_cpu_ms", "threads_cpu_ms",
            "loop_preempted", "loop_waits")
+MEMORY_COLUMNS = ("t", "py_blocks", "malloc_in_use_bytes", "malloc_free_bytes", "malloc_mmapped_bytes",
+                  "rss_anon_bytes")
+MEMORY_EVERY_SECONDS = 5.0  # memory.csv's period (glibc's mallinfo2 walks the free lists)
 SLOW_SECONDS = 0.1  # a heartbeat slower than this inside the coordinator counts in hb_slow (the bar)
 
 
@@ -119,11 +125,38 @@ def wait_in_core(timeout: float | None, left: float | None, since_intercept: flo
     return max(0.0, timeout - left - since_intercept)
 
 
+def rss_anon() -> int:
+    """This process's anonymous resident memory (bytes, /proc/self/status RssAnon; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def memory_row(t: float) -> str:
+    """One row of memory.csv (MEMORY_COLUMNS): Python's allocated blocks (`sys.getallocatedblocks`,
+    every object and buffer from Python's allocators), the C heap's bytes in use, free (kept by
+    the arenas) and mapped (`heap.malloc_stats`; empty where unknown), the anonymous resident
+    size. What grows tells where a growth of the resident size is: Python objects, C allocations
+    (gRPC core, protobuf, SQLite, OpenSSL), or free memory the allocator keeps."""
+    m = malloc_stats()
+    c = (str(m["in_use"]), str(m["free"]), str(m["mmapped"])) if m is not None else ("", "", "")
+    return ",".join((f"{t:.1f}", str(sys.getallocatedblocks()), *c, str(rss_anon()))) + "\n"
+
+
 class LoopWatch:
-    """Feeds `SecondStats` and writes one CSV row a second to `dir/loop.csv` until cancelled."""
+    """Feeds `SecondStats` and writes one CSV row a second to `dir/loop.csv`, and one every
+    MEMORY_EVERY_SECONDS to `dir/memory.csv` (`memory_row`), until cancelled."""
 
     def __init__(self, directory: str):
         self.path = pathlib.Path(directory) / "loop.csv"
+        self.memory_path = pathlib.Path(directory) / "memory.csv"
+        self._memory_due = 0.0
+        self._memory: TextIO | None = None
         self.now = SecondStats(int(time.time()))
         self.in_flight = 0
         self._gc_t0 = 0.0
@@ -161,6 +194,10 @@ class LoopWatch:
         if t != self.now.t and self._out is not None:
             self._write_row()
             self.now = SecondStats(t)
+            if self._memory is not None and t >= self._memory_due:
+                self._memory_due = t + MEMORY_EVERY_SECONDS
+                self._memory.write(memory_row(time.time()))
+                self._memory.flush()
 
     def _write_row(self) -> None:
         """Write `now` with the threads' CPU and context switches since the last row."""
@@ -181,6 +218,8 @@ class LoopWatch:
     async def run(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._out = self.path.open("w")
+        self._memory = self.memory_path.open("w")
+        self._memory.write(",".join(MEMORY_COLUMNS) + "\n")
         self._last_threads = self._threads()
         self._out.write(",".join(COLUMNS) + "\n")
         gc.callbacks.append(self._gc)
@@ -194,6 +233,7 @@ class LoopWatch:
             gc.callbacks.remove(self._gc)
             self._write_row()  # the last, partial second (a run's end is worth seeing)
             self._out.close()
+            self._memory.close()
 
 
 class CallTimer(grpc.aio.ServerInterceptor):

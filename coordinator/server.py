@@ -117,6 +117,16 @@ COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second
 # Request nonces remembered for the signature window (30 s): above the calls of 10,000 members in
 # that window (heartbeats every lease/4, Readys), ~200 bytes each; past it, RESOURCE_EXHAUSTED.
 NONCE_MEMORY = 1_000_000
+# An event with nothing set: what a round-event stream sends when it opens and after each burst of
+# events. gRPC's asyncio server keeps the last message a stream's handler yielded (its
+# `async for response_message in ...` loop) until the next one, and so did the handler's own
+# variable: a commit event, one object shared by the round's cohort (~1-2 KB of protobuf in C,
+# unseen by tracemalloc), lived as long as any of its participants had no newer event, i.e. until
+# the last of them was drawn again (hundreds of rounds with N/K in the tens): the resident size
+# grew with the rounds until that many commits were held (docs/performance.md, "One coordinator,
+# many members", step 15). Ending every burst with this one (0 bytes on the wire) lets each event
+# go once sent. Receivers skip it (peer.rounds.event_of).
+EMPTY_EVENT = pb.RoundEvent()
 # The one place where the engine's refusals become gRPC status codes.
 _ERROR_KINDS = {ErrorKind.NOT_FOUND: NotFound, ErrorKind.INVALID: InvalidArgument,
                 ErrorKind.PRECONDITION: FailedPrecondition}
@@ -582,6 +592,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             run = self.engine.running
             if run is not None and request.peer_id in run.plan.participants:
                 yield pb.RoundEvent(plan=self._wire_plan(run.plan))
+            # gRPC sets up ~0.5 KB for a stream's first message: now, at its start, not at the
+            # member's first cohort draw (scripts/grpc_stream_retention.py).
+            yield EMPTY_EVENT
             while True:
                 ev = await q.get()
                 if isinstance(ev, str):
@@ -589,6 +602,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield ev
                 if ev.HasField("finished"):
                     return
+                ev = None  # not kept while waiting (EMPTY_EVENT)
+                if q.empty():
+                    yield EMPTY_EVENT  # nor by gRPC's server loop (EMPTY_EVENT)
         finally:
             if self.watchers.get(request.peer_id) is q:
                 del self.watchers[request.peer_id]

@@ -25,7 +25,11 @@ The report (one JSON object):
   to the last commit: not the run's end, when every member is told and leaves);
   ``rss_growth_stderr_bytes_per_round``: its standard error (the resident size swings by
   megabytes with the requests in flight: a slope within about two standard errors of 0 is no
-  measured growth).
+  measured growth). ``rss_growth_steady_bytes_per_round`` (and its ``_stderr_``): the same slope
+  from ``all_members_drawn_round``, the round after which every member had taken part in a
+  round (None when not reached with 50 rounds to spare): with cohorts, the rounds before it
+  still draw members for the first time (docs/performance.md, step 15). The bounds use the
+  first figure.
 - ``cpu_seconds_per_second``: the coordinator's CPU time (user + system) per wall second from the
   first join to the end; ``members_cpu_seconds_per_second``: the same for the member processes
   together (what the simulated members took from the cores the coordinator shares with them).
@@ -168,6 +172,32 @@ def growth_stderr(samples: Iterable[tuple[int, int]], rounds: int) -> float:
     return _slope(_second_half(samples, rounds))[1]
 
 
+def all_drawn_round(participants: Iterable[tuple[int, Iterable[str]]], members: int) -> int | None:
+    """The first round after which every one of `members` members has taken part in a round,
+    from (round, participants) of the committed rounds; None when some member never did.
+
+    With cohorts of K among N members that takes ~N/K ln N rounds (a coupon collector: ~470 at
+    1,000 members and K = 16); until then, each round draws members for the first time, and
+    what a member costs the coordinator after its first round (its connection's buffers for
+    larger messages) is still being set up (docs/performance.md, step 15)."""
+    seen: set[str] = set()
+    for r, ps in sorted(participants, key=lambda x: x[0]):
+        seen.update(ps)
+        if len(seen) >= members:
+            return r + 1
+    return None
+
+
+def steady_growth(samples: Iterable[tuple[int, int]], rounds: int, start: int | None,
+                  min_rounds: int = 50) -> tuple[float, float] | None:
+    """(slope, standard error) in bytes per round of the samples from round `start` (e.g.
+    `all_drawn_round`) to the run's last commit, or None when `start` is None or fewer than
+    `min_rounds` rounds are left after it."""
+    if start is None or rounds - start < min_rounds:
+        return None
+    return _slope([(r, rss) for r, rss in samples if start <= r < rounds])
+
+
 def _slope(pts: list[tuple[int, int]]) -> tuple[float, float]:
     """(slope, its standard error) of a least-squares line through `pts`."""
     if len({r for r, _ in pts}) < 2:
@@ -301,6 +331,8 @@ class SimulatedMember:
             try:
                 async for ev in self.stub.WatchRounds(req, metadata=sign_metadata(self.key, SERVICE + "WatchRounds",
                                                                                   req)):
+                    if ev.WhichOneof("event") is None:
+                        continue  # an empty event (the coordinator's, after each burst): nothing to do
                     self.events.put_nowait(ev)
                     if ev.HasField("finished"):
                         return
@@ -638,12 +670,14 @@ def run_coordinator_bench(opts: CoordinatorBenchOptions) -> dict:
         (wd / "rss.csv").write_text("rounds,rss_bytes,t,anon_bytes,file_bytes,shmem_bytes,state_bytes,wal_bytes\n"
                                     + "".join(f"{r},{v},{x}\n" for (r, v), x in zip(samples, parts)))
         stats = [json.loads(out.read_text()) for _, out, _ in workers]
+        with contextlib.closing(SQLiteStore.reader(str(wd / "coordinator.db"))) as store:
+            drawn = all_drawn_round(((c.round, c.participants) for c in store.load_commits()), opts.members)
         # The members' side of each second, to put next to the coordinator's loop.csv.
         # Per member process: heartbeats slow / loop lag and GC pause (max ms), "/"-separated.
         (wd / "heartbeats.csv").write_text("t,sent,slow,slow_by_process,lag_max_ms_by_process,gc_max_ms_by_process\n"
                                            + "".join(f"{t},{n},{slow},{by},{lags},{gcs}\n" for t, (n, slow, by, lags, gcs)
                                                      in sorted(_beats_at(stats).items())))
-    return _report(opts, stats, samples, base, end, t_start, t_end)
+    return _report(opts, stats, samples, base, end, t_start, t_end, drawn)
 
 
 def _beats_at(stats: list[dict]) -> dict[int, tuple[int, int, str, str, str]]:
@@ -659,7 +693,7 @@ def _beats_at(stats: list[dict]) -> dict[int, tuple[int, int, str, str, str]]:
 
 
 def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tuple[int, int]], base: dict,
-            end: dict, t_start: float, t_end: float) -> dict:
+            end: dict, t_start: float, t_end: float, drawn: int | None = None) -> dict:
     beats, lag = Histogram(), Histogram()
     for s in stats:
         beats.merge(Histogram({int(b): n for b, n in s["heartbeats"].items()}))
@@ -680,6 +714,7 @@ def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tupl
             errors[k] = errors.get(k, 0) + n
     wall = t_end - t_start
     hz = os.sysconf("SC_CLK_TCK")
+    steady = steady_growth(samples, opts.rounds, drawn)
     report = {
         "members": opts.members,
         "rounds": opts.rounds,
@@ -702,6 +737,12 @@ def _report(opts: CoordinatorBenchOptions, stats: list[dict], samples: list[tupl
         "rss_bytes": end["VmHWM"],
         "rss_growth_bytes_per_round": round(growth_per_round(samples, opts.rounds), 1),
         "rss_growth_stderr_bytes_per_round": round(growth_stderr(samples, opts.rounds), 1),
+        # The same slope from the round after which every member had taken part in a round (None:
+        # not reached, or fewer than 50 rounds after it): growth in a steady state, beside the
+        # figure of the bounds (docs/performance.md, step 15).
+        "all_members_drawn_round": drawn,
+        "rss_growth_steady_bytes_per_round": (round(steady[0], 1) if steady else None),
+        "rss_growth_steady_stderr_bytes_per_round": (round(steady[1], 1) if steady else None),
         "cpu_seconds_per_second": round((end["cpu_ticks"] - base["cpu_ticks"]) / hz / max(1e-9, wall), 3),
         "members_cpu_seconds_per_second": round((end["members_cpu"] - base["members_cpu"]) / max(1e-9, wall), 3),
         "wall_seconds": round(wall, 1),

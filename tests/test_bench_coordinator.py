@@ -11,13 +11,14 @@ import sys
 import pytest
 
 from shoal.bench_coordinator import (CoordinatorBenchOptions, Histogram, _beats_at, _coordinator_argv,
-                                     growth_per_round, growth_stderr)
+                                     all_drawn_round, growth_per_round, growth_stderr, steady_growth)
 from shoal.coordinator.loopwatch import COLUMNS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEYS = ("members", "joins_per_second", "heartbeat_p50_seconds", "heartbeat_p99_seconds",
         "round_open_to_plan_p99_seconds", "rss_bytes", "rss_growth_bytes_per_round", "cpu_seconds_per_second",
-        "members_cpu_seconds_per_second", "bounds", "within_bounds")
+        "members_cpu_seconds_per_second", "bounds", "within_bounds", "all_members_drawn_round",
+        "rss_growth_steady_bytes_per_round", "rss_growth_steady_stderr_bytes_per_round")
 
 
 def test_histogram_quantiles_are_within_two_percent():
@@ -64,6 +65,22 @@ def test_the_members_seconds_are_summed_and_kept_per_process():
     b = {"beats_at": {"11": [6, 2, 40, 35]}}
     assert _beats_at([a, b]) == {10: (5, 1, "1/0", "3/0", "0/0"), 11: (10, 2, "0/2", "2/40", "1/35")}
     assert _beats_at([{}]) == {}  # a process that measured nothing
+
+
+def test_every_member_is_drawn_after_the_round_that_draws_the_last_one():
+    rounds = [(2, ("c", "d")), (0, ("a", "b")), (1, ("a", "c")), (3, ("e", "a"))]  # any order
+    assert all_drawn_round(rounds, 4) == 3  # a, b, c, d by round 2: from round 3 on
+    assert all_drawn_round(rounds, 5) == 4
+    assert all_drawn_round(rounds, 6) is None  # one member never took part
+
+
+def test_steady_growth_is_the_slope_from_the_round_every_member_was_drawn():
+    samples = [(r, 1000 + (50 * r if r < 300 else 50 * 300)) for r in range(600)]  # a warm-up, then flat
+    assert growth_per_round(samples, 600) == pytest.approx(0.0)  # the second half: flat here too
+    assert steady_growth(samples, 600, 300) == pytest.approx((0.0, 0.0))
+    assert steady_growth(samples, 600, 200)[0] > 0  # from inside the warm-up: it shows
+    assert steady_growth(samples, 600, None) is None  # some member never drawn
+    assert steady_growth(samples, 600, 560) is None  # fewer than 50 rounds left after it
 
 
 @pytest.mark.integration

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -178,3 +179,38 @@ async def test_a_joiner_too_busy_to_answer_the_dial_back_once_is_dialled_again()
     assert m["a"].reachable is True and not m["a"].outbound_only and resps["a"].unreachable == ""
     assert m["b"].reachable is False and m["b"].outbound_only and resps["b"].unreachable == "refused"
     assert m["c"].reachable is False and m["c"].outbound_only and "no answer" in resps["c"].unreachable
+
+
+async def test_a_round_event_stream_starts_and_ends_each_burst_with_an_empty_event():
+    # gRPC keeps a copy of a server stream's last message until the next one: a stream that ends
+    # every burst with an empty event holds the same whether its member was ever drawn or not
+    # (docs/performance.md, step 15). Peers skip the empty events.
+    from shoal.coordinator.server import EMPTY_EVENT
+    from shoal.peer.rounds import event_of
+
+    now = [0.0]
+    svc = service(now)
+    svc.apply(svc.engine.join("a", KEYS["a"], "10.0.0.1:1", 1, 0.0))
+    stream = svc.WatchRounds(pb.WatchRequest(peer_id="a"), _Context())
+    try:
+        async with asyncio.timeout(5):
+            first = await anext(stream)
+            assert first == EMPTY_EVENT and first.WhichOneof("event") is None and first.ByteSize() == 0
+            commit = pb.RoundEvent(commit=pb.Commit(round=3, participants=["a", "b"]))
+            abort = pb.RoundEvent(abort=pb.Abort(round=4, reason="x"))
+            refs = sys.getrefcount(commit), sys.getrefcount(abort)
+            svc._send("a", commit)
+            svc._send("a", abort)  # a burst: one empty event after both, not after each
+            got = [await anext(stream) for _ in range(3)]
+            assert got == [commit, abort, EMPTY_EVENT]
+            del got
+            wait = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.01)
+            assert not wait.done()  # nothing more until the next event
+            # ... and, waiting, the stream holds no sent event (a commit is shared by its cohort).
+            assert (sys.getrefcount(commit), sys.getrefcount(abort)) == refs
+            svc._send("a", commit)
+            assert await wait == commit and await anext(stream) == EMPTY_EVENT
+    finally:
+        await stream.aclose()
+    assert event_of(EMPTY_EVENT) is None  # what a peer makes of it: nothing to queue

@@ -55,3 +55,32 @@ async def test_the_last_partial_second_carries_the_threads_columns_too(tmp_path,
     assert lines[0] == ",".join(COLUMNS) and len(lines) == 2
     last = dict(zip(COLUMNS, lines[1].split(",")))
     assert last["t"] == "100" and int(last["ticks"]) >= 1 and int(last["loop_waits"]) > 0, last
+
+
+def test_a_memory_row_names_every_column_and_sees_a_c_allocation(monkeypatch):
+    import ctypes
+    import ctypes.util
+
+    import pytest
+
+    from shoal.coordinator import heap
+    from shoal.coordinator.loopwatch import MEMORY_COLUMNS, memory_row
+
+    row = dict(zip(MEMORY_COLUMNS, memory_row(12.0).strip().split(",")))
+    assert set(row) == set(MEMORY_COLUMNS) and row["t"] == "12.0" and int(row["py_blocks"]) > 0
+    if heap.malloc_stats() is None:
+        pytest.skip("no glibc mallinfo2 here: the C heap's columns are empty")
+    assert int(row["malloc_in_use_bytes"]) > 0 and int(row["rss_anon_bytes"]) > 0
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    before = heap.malloc_stats()["in_use"]
+    blocks = [libc.malloc(1000) for _ in range(1000)]  # 1 MB in small blocks: from the arenas, not mmap
+    try:
+        assert heap.malloc_stats()["in_use"] - before >= 1000 * 1000
+    finally:
+        for b in blocks:
+            libc.free(b)
+    monkeypatch.setattr(heap, "MALLINFO2", None)
+    row = dict(zip(MEMORY_COLUMNS, memory_row(12.0).strip().split(",")))
+    assert row["malloc_in_use_bytes"] == "" and row["malloc_free_bytes"] == ""  # not glibc: unknown, not 0
