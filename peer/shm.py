@@ -141,6 +141,8 @@ class SegmentWriter:
         self._slab = 0  # index of the slab being filled
         self._used = 0  # bytes used in it
         self._reach = 0  # slabs written since the last `trim` (the others are idle)
+        # Slabs of one size (`first_slab_bytes == slab_bytes`): that size; 0 for growing slabs.
+        self.fixed = slab_bytes if self.first_slab_bytes == slab_bytes else 0
 
     def rewind(self) -> None:
         """Start over at the first slab (the receiver has read everything written so far)."""
