@@ -657,12 +657,13 @@ class _Result:
         return lambda: (self.name, lo)
 
 
-def _lap_bytes(chunk_bytes: int, to_owner: int) -> int:
-    """A lap's bytes for a stream sending `to_owner` bytes of reduce-scatter chunks of at most
-    `chunk_bytes`: `LAP_BYTES`, or less for a small shard (the power of two that holds all its
-    bytes, so that shards a little different from one round to the next use the same slab), and
-    at least one chunk."""
-    small = 1 << max(0, to_owner - 1).bit_length()
+def _lap_bytes(chunk_bytes: int, tensor_bytes: int) -> int:
+    """A lap's bytes for reduce-scatter chunks of at most `chunk_bytes` of a tensor of
+    `tensor_bytes`: `LAP_BYTES`, or for a small tensor the power of two that holds it all, and at
+    least one chunk. Not from the shard sizes: the planner moves shard bounds and owners from one
+    round to the next, and a lap size that followed them would make new slabs (fresh pages) in
+    rounds that only differ in a shard bound."""
+    small = 1 << max(0, tensor_bytes - 1).bit_length()
     return max(chunk_bytes, min(LAP_BYTES, small))
 
 
@@ -753,10 +754,8 @@ class _Butterfly:
         for j, st in self.streams.items():
             if j in plan.shard_owner:
                 owner = part.peer_id(j)
-                to_owner = sum(hi - lo for k in range(part.num_shards) if part.owner[k] == j
-                               for lo, hi in [part.shard_span(k)]) * part.itemsize
                 st.bound(lambda key, owner=owner: self.wire.arrived(AG, 0, key[0], key[1], owner),
-                         _lap_bytes(part.chunk_elems * part.itemsize, to_owner))
+                         _lap_bytes(part.chunk_elems * part.itemsize, part.num_elements * part.itemsize))
         return True
 
     async def run(self) -> _Outcome:

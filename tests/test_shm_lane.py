@@ -313,13 +313,12 @@ async def test_laps_rewrite_a_slab_region_only_after_its_chunk_was_consumed():
             w.close()
 
 
-def test_lap_bytes_hold_a_whole_small_shard_and_at_least_one_chunk():
+def test_lap_bytes_follow_the_tensor_not_its_shards_and_hold_at_least_one_chunk():
     from shoal.peer.collectives import LAP_BYTES, _lap_bytes
 
-    assert _lap_bytes(4 << 20, 16_000_000) == LAP_BYTES == 16 << 20  # a 64 MB tensor's shard: one lap
-    assert _lap_bytes(4 << 20, 500_000_000) == LAP_BYTES
-    assert _lap_bytes(1 << 20, 13_187_956) == _lap_bytes(1 << 20, 16_000_000)  # shards that move a little
-    assert _lap_bytes(64 << 10, 100_000) == 128 << 10  # a small shard: no 16 MiB slab for it
+    assert _lap_bytes(4 << 20, 64_000_000) == LAP_BYTES == 16 << 20
+    assert _lap_bytes(1 << 20, 64_000_000) == _lap_bytes(4 << 20, 64_000_000)  # warm-up and later chunk sizes
+    assert _lap_bytes(64 << 10, 100_000) == 128 << 10  # a small tensor: no 16 MiB slab for it
     assert _lap_bytes(4 << 20, 1000) == 4 << 20  # at least one chunk
     assert _lap_bytes(32 << 20, 500_000_000) == 32 << 20
 
