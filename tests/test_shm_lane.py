@@ -225,6 +225,33 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
+def test_a_result_segment_and_a_lap_slab_are_mapped_at_creation_and_zero():
+    import platform
+
+    if tuple(int(x) for x in platform.release().split(".")[:2] if x.isdigit()) < (5, 14):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux >= 5.14")
+    before = _rss()
+    name, mm = shm.create_segment(ALICE, 8 << 20)
+    try:
+        assert _rss() - before > 6 << 20  # its pages are this process's now, before any write
+        assert mm[:16] == bytes(16) and mm[-16:] == bytes(16)
+    finally:
+        mm.close()
+        shm.unlink(name)
+    lap = shm.SegmentWriter(ALICE, slab_bytes=8 << 20, first_slab_bytes=8 << 20)
+    grow = shm.SegmentWriter(ALICE)
+    try:
+        before = _rss()
+        lap.put(np.zeros(1000, dtype=np.float32))  # a lap's slab: mapped whole
+        assert _rss() - before > 6 << 20
+        before = _rss()
+        grow.put(np.zeros(1000, dtype=np.float32))  # a growing writer's slab: only what is written
+        assert _rss() - before < 1 << 20
+    finally:
+        lap.close()
+        grow.close()
+
+
 def test_release_drops_only_the_readers_pages_and_keeps_the_bytes():
     w = shm.SegmentWriter(ALICE)
     r = shm.SegmentReader(ALICE)
