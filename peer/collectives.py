@@ -657,14 +657,15 @@ class _Result:
         return lambda: (self.name, lo)
 
 
-def _lap_bytes(chunk_bytes: int, tensor_bytes: int) -> int:
+def _lap_bytes(chunk_bytes: int, tensor_bytes: int, participants: int) -> int:
     """A lap's bytes for reduce-scatter chunks of at most `chunk_bytes` of a tensor of
-    `tensor_bytes`: `LAP_BYTES`, or for a small tensor the power of two that holds it all, and at
-    least one chunk. Not from the shard sizes: the planner moves shard bounds and owners from one
-    round to the next, and a lap size that followed them would make new slabs (fresh pages) in
-    rounds that only differ in a shard bound."""
-    small = 1 << max(0, tensor_bytes - 1).bit_length()
-    return max(chunk_bytes, min(LAP_BYTES, small))
+    `tensor_bytes` shared by `participants`: the power of two that holds an even shard, at most
+    `LAP_BYTES`, at least one chunk. Not from this round's shards: the planner moves shard
+    bounds and owners from one round to the next, and a lap size that followed them would make
+    new slabs (fresh pages) in rounds that differ only in a shard bound; nor from the chunk size
+    alone, which changes once the lanes are known (the warm-up round's chunks are smaller)."""
+    even = -(-tensor_bytes // max(1, participants))
+    return max(chunk_bytes, min(LAP_BYTES, 1 << max(0, even - 1).bit_length()))
 
 
 def _into(dst: np.ndarray, src: np.ndarray) -> None:
@@ -755,7 +756,7 @@ class _Butterfly:
             if j in plan.shard_owner:
                 owner = part.peer_id(j)
                 st.bound(lambda key, owner=owner: self.wire.arrived(AG, 0, key[0], key[1], owner),
-                         _lap_bytes(part.chunk_elems * part.itemsize, part.num_elements * part.itemsize))
+                         _lap_bytes(part.chunk_elems * part.itemsize, part.num_elements * part.itemsize, part.size))
         return True
 
     async def run(self) -> _Outcome:

@@ -89,7 +89,7 @@ def _populate(mm: mmap.mmap) -> None:
     """Map every page of a new writable segment in one call (madvise MADV_POPULATE_WRITE, Linux
     >= 5.14) instead of one page fault per 4 KiB page at its first write: ~20 % less CPU for a
     fresh 64 MB segment here (39 against 48 ms), more when several processes fault at once. The
-    pages are written whole right after anyway (a result buffer, a lap), so the resident size is
+    pages are written whole right after anyway (a result buffer), so the resident size is
     the same. Where the kernel lacks it, the first writes fault as before."""
     try:
         mm.madvise(MADV_POPULATE_WRITE)
@@ -174,8 +174,7 @@ class SegmentWriter:
             self._slab, self._used = self._slab + 1, 0
         if self._slab == len(self._slabs):
             grown = min(self.slab_bytes, self.first_slab_bytes << len(self._slabs))
-            # A writer of one slab size (a lap) fills its slab whole, round after round: mapped now.
-            self._slabs.append(_create(self.peer_id, max(grown, n), populate=bool(self.fixed)))
+            self._slabs.append(_create(self.peer_id, max(grown, n)))
         name, mm = self._slabs[self._slab]
         self._reach = max(self._reach, self._slab + 1)
         off = self._used
