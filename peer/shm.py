@@ -11,7 +11,8 @@ same /dev/shm, e.g. not two containers with private /dev/shm), and otherwise the
 
 Segments: a `SegmentWriter` per receiver allocates slabs named `shoal-<first 16 hex of the
 sender id>-<random, 16 hex>`, mode 0600, growing 1, 2, 4, ... MiB up to `SLAB_BYTES` (or one
-chunk, if larger), and reuses them stream after stream (fresh tmpfs pages cost a page fault each:
+chunk, if larger; a reduce-scatter lap's writer has one slab of a fixed size, `fixed`), and
+reuses them stream after stream (fresh tmpfs pages cost a page fault each:
 rewriting touched pages is several times faster). A slab's pages are reserved when it is created
 (posix_fallocate), so a full /dev/shm is an OSError there, and the stream falls back to the socket;
 a host needs about 2(p-1) x the tensor size of /dev/shm per peer for the lane (Docker's default of
