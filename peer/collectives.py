@@ -64,9 +64,12 @@ log = logging.getLogger("shoal.peer.collectives")
 
 RS, AG, DIST = pb.REDUCE_SCATTER, pb.ALL_GATHER, pb.DISTANCES
 SEND_QUEUE_CHUNKS = 16
-# Shared-memory chunks whose consumption the receiver signals (`_Laps`): per lap; a stream's
-# slabs then hold at most two laps, whatever the tensor size.
-LAP_CHUNKS = 4
+# Shared-memory reduce-scatter chunks whose consumption the receiver signals (`_Laps`): the bytes
+# of one lap (or one chunk, if larger); a stream's slabs hold at most two laps, whatever the
+# tensor and chunk size. In bytes, not chunks, so that a lap writer fits every chunk size: the
+# warm-up round (1 MiB chunks, lanes not yet reported) leaves the slabs that the next rounds
+# (4 MiB chunks on the lane) reuse, instead of each new chunk size growing new ones.
+LAP_BYTES = 16 << 20
 
 __all__ = ["CollectiveError", "CollectiveResult", "OwnerReducer", "all_reduce"]
 
@@ -127,27 +130,31 @@ class _Codec:
 
 class _Laps:
     """A stream's shared-memory chunks whose consumption the collective can await (`credit(key)`
-    returns once the receiver consumed chunk `key`), written in two alternating laps of
-    `LAP_CHUNKS` chunks, each lap in its own writer (from `take()`): a lap's slabs are rewritten
-    (rewound) only once every chunk written there in its previous turn was consumed, so the slabs
-    hold at most 2 x LAP_CHUNKS chunks however large the tensor, and a receiver never reads a
-    rewritten chunk. `credit` raises what the collective raises for a receiver that never
-    consumes (CollectiveError at the chunk deadline)."""
+    returns once the receiver consumed chunk `key`), written in two alternating laps of at most
+    `lap_bytes` bytes each (at least one chunk), each lap in its own writer (from `take()`, one
+    slab of `lap_bytes`): a lap's slab is rewritten (rewound) only once every chunk written
+    there in its previous turn was consumed, so the slabs hold at most 2 x `lap_bytes` however
+    large the tensor, and a receiver never reads a rewritten chunk. `credit` raises what the
+    collective raises for a receiver that never consumes (CollectiveError at the chunk
+    deadline)."""
 
-    def __init__(self, take, credit):
-        self.take, self.credit = take, credit
+    def __init__(self, take, credit, lap_bytes: int = LAP_BYTES):
+        self.take, self.credit, self.lap_bytes = take, credit, lap_bytes
         self.writers: list[SegmentWriter] = []
         self.keys: tuple[list, list] = ([], [])  # per lap: the chunks written in its current turn
+        self.used = [0, 0]  # per lap: bytes written in its current turn
         self.lap = 0
         self.closed = False  # the stream ended: its writers went back or were closed
 
     async def put(self, key: Hashable, body) -> tuple[str, int]:
         """Write `body` (chunk `key`) into the current lap; (segment name, offset)."""
-        if len(self.keys[self.lap]) == LAP_CHUNKS:
+        n = memoryview(body).nbytes
+        if self.keys[self.lap] and self.used[self.lap] + n > self.lap_bytes:
             self.lap ^= 1
             for k in self.keys[self.lap]:  # the other lap's last turn: consumed before it is rewritten
                 await self.credit(k)
             self.keys[self.lap].clear()
+            self.used[self.lap] = 0
             if self.lap < len(self.writers):
                 self.writers[self.lap].rewind()
         if self.closed:
@@ -155,6 +162,7 @@ class _Laps:
         if self.lap == len(self.writers):
             self.writers.append(self.take())
         self.keys[self.lap].append(key)
+        self.used[self.lap] += n
         return self.writers[self.lap].put(body)
 
 
@@ -187,12 +195,12 @@ class _Stream:
         self.relay = plan.relay_of(plan.position(peer_id)) if plan.relays else ""
         self.bulk: tcplane.BulkConnection | None = None
 
-    def bound(self, credit) -> None:
-        """Write this stream's reduce-scatter chunks on the shared-memory lane in `_Laps` whose
-        `credit((shard, offset))` returns once the receiver consumed that chunk (the caller
-        guarantees that every such chunk's consumption can be awaited without this stream's
-        sender waiting on anything else)."""
-        self.laps = _Laps(lambda: self.transport.take_writer(self.address), credit)
+    def bound(self, credit, lap_bytes: int) -> None:
+        """Write this stream's reduce-scatter chunks on the shared-memory lane in `_Laps` of
+        `lap_bytes` whose `credit((shard, offset))` returns once the receiver consumed that chunk
+        (the caller guarantees that every such chunk's consumption can be awaited without this
+        stream's sender waiting on anything else)."""
+        self.laps = _Laps(lambda: self.transport.take_writer(self.address, lap_bytes), credit, lap_bytes)
 
     async def put(self, item: tuple[pb.Chunk, bytes | np.ndarray] | None, placed=None) -> None:
         """Queue (chunk without data, its bytes), or None to close the stream. `placed` (optional):
@@ -649,6 +657,17 @@ class _Result:
         return lambda: (self.name, lo)
 
 
+def _lap_bytes(chunk_bytes: int, tensor_bytes: int, participants: int) -> int:
+    """A lap's bytes for reduce-scatter chunks of at most `chunk_bytes` of a tensor of
+    `tensor_bytes` shared by `participants`: the power of two that holds an even shard, at most
+    `LAP_BYTES`, at least one chunk. Not from this round's shards: the planner moves shard
+    bounds and owners from one round to the next, and a lap size that followed them would make
+    new slabs (fresh pages) in rounds that differ only in a shard bound; nor from the chunk size
+    alone, which changes once the lanes are known (the warm-up round's chunks are smaller)."""
+    even = -(-tensor_bytes // max(1, participants))
+    return max(chunk_bytes, min(LAP_BYTES, 1 << max(0, even - 1).bit_length()))
+
+
 def _into(dst: np.ndarray, src: np.ndarray) -> None:
     """`dst[:] = src`, skipped when `src` already is `dst` (a sum computed in place)."""
     if src.__array_interface__["data"][0] != dst.__array_interface__["data"][0] or src.shape != dst.shape:
@@ -736,7 +755,8 @@ class _Butterfly:
         for j, st in self.streams.items():
             if j in plan.shard_owner:
                 owner = part.peer_id(j)
-                st.bound(lambda key, owner=owner: self.wire.arrived(AG, 0, key[0], key[1], owner))
+                st.bound(lambda key, owner=owner: self.wire.arrived(AG, 0, key[0], key[1], owner),
+                         _lap_bytes(part.chunk_elems * part.itemsize, part.num_elements * part.itemsize, part.size))
         return True
 
     async def run(self) -> _Outcome:

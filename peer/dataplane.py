@@ -855,19 +855,34 @@ class Transport:
         """Of `peers` ((peer id, address) pairs), those reached through shared memory."""
         return [pid for pid, addr in peers if self._chosen.get(addr) == "shm"]
 
-    def take_writer(self, address: str) -> shm.SegmentWriter:
-        """An idle shared-memory writer towards `address` (its slabs already touched), or a new one."""
+    def take_writer(self, address: str, slab_bytes: int = 0) -> shm.SegmentWriter:
+        """An idle shared-memory writer towards `address` (its slabs already touched), or a new
+        one: with `slab_bytes`, one whose slabs have that size (a reduce-scatter lap's writer,
+        peer.collectives `_Laps`: one slab holds a lap), else one whose slabs grow."""
         pool = self._writers.get(address)
-        w = pool.pop() if pool else shm.SegmentWriter(self.peer_id)
+        i = next((i for i in range(len(pool or ()) - 1, -1, -1) if pool[i].fixed == slab_bytes), None)
+        if i is not None:
+            w = pool.pop(i)
+        elif slab_bytes:
+            w = shm.SegmentWriter(self.peer_id, slab_bytes=slab_bytes, first_slab_bytes=slab_bytes)
+        else:
+            w = shm.SegmentWriter(self.peer_id)
         w.rewind()
         return w
 
     def give_back_writer(self, address: str, writer: shm.SegmentWriter) -> None:
         """Return a writer whose stream completed (the receiver copied every chunk out); for
-        `SHARED_POOL`, one whose every receiver did (a shard owner's reduced chunks)."""
+        `SHARED_POOL`, one whose every receiver did (a shard owner's reduced chunks). Idle lap
+        writers of another size towards `address` are closed (the laps changed: a new chunk or
+        shard size), so that an address keeps the writers of one lap size only."""
         if address in self._lanes or (address == SHARED_POOL and self.shared_memory):
             writer.trim()
-            self._writers.setdefault(address, []).append(writer)
+            pool = self._writers.setdefault(address, [])
+            if writer.fixed:
+                for w in [w for w in pool if w.fixed and w.fixed != writer.fixed]:
+                    pool.remove(w)
+                    w.close()
+            pool.append(writer)
         else:
             writer.close()
 

@@ -25,11 +25,18 @@ import numpy as np
 
 from shoal.common.tensors import DIGEST_BYTES
 
-__all__ = ["ResultDigest"]
+__all__ = ["ResultDigest", "off_loop"]
 
 # One thread for every digest of the process: updates of one digest run in submission order, and
 # peers sharing a host do not each take a core for hashing.
 _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-digest")
+
+
+async def off_loop(fn, *args):
+    """`fn(*args)` (a hash of a whole tensor, e.g. a state's digest) on the worker thread that
+    hashes results, awaited: the event loop keeps serving streams meanwhile (BLAKE3 releases
+    the GIL), and the process still hashes on one core at a time."""
+    return await asyncio.wrap_future(_HASHER.submit(fn, *args))
 
 
 class ResultDigest:

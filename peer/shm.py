@@ -11,7 +11,8 @@ same /dev/shm, e.g. not two containers with private /dev/shm), and otherwise the
 
 Segments: a `SegmentWriter` per receiver allocates slabs named `shoal-<first 16 hex of the
 sender id>-<random, 16 hex>`, mode 0600, growing 1, 2, 4, ... MiB up to `SLAB_BYTES` (or one
-chunk, if larger), and reuses them stream after stream (fresh tmpfs pages cost a page fault each:
+chunk, if larger; a reduce-scatter lap's writer has one slab of a fixed size, `fixed`), and
+reuses them stream after stream (fresh tmpfs pages cost a page fault each:
 rewriting touched pages is several times faster). A slab's pages are reserved when it is created
 (posix_fallocate), so a full /dev/shm is an OSError there, and the stream falls back to the socket;
 a host needs about 2(p-1) x the tensor size of /dev/shm per peer for the lane (Docker's default of
@@ -53,6 +54,7 @@ FIRST_SLAB_BYTES = 1 << 20  # slabs grow 1, 2, 4, ... MiB (or one chunk), up to 
 SLAB_BYTES = 64 << 20
 MAX_SEGMENT_BYTES = 1 << 30  # a receiver refuses to map anything larger
 NONCE_BYTES = 32
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14 (Python 3.11 lacks the name)
 _NAME = re.compile(r"shoal-([0-9a-f]{16})-[0-9a-f]{16}")  # used with fullmatch
 
 
@@ -65,14 +67,18 @@ def _prefix(peer_id: str) -> str:
     return peer_id[:16].lower()
 
 
-def _create(peer_id: str, size: int) -> tuple[str, mmap.mmap]:
+def _create(peer_id: str, size: int, populate: bool = False) -> tuple[str, mmap.mmap]:
     """A new slab of `size` bytes, its pages reserved now: a full /dev/shm raises OSError (ENOSPC)
-    here, where the caller falls back to the socket, instead of SIGBUS on a later write."""
+    here, where the caller falls back to the socket, instead of SIGBUS on a later write. With
+    `populate` (a segment that will be written whole) its pages are also mapped now (`_populate`)."""
     name = f"shoal-{_prefix(peer_id)}-{secrets.token_hex(8)}"
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
-        return name, mmap.mmap(fd, size)
+        mm = mmap.mmap(fd, size)
+        if populate:
+            _populate(mm)
+        return name, mm
     except BaseException:
         _unlink(name)
         raise
@@ -80,11 +86,24 @@ def _create(peer_id: str, size: int) -> tuple[str, mmap.mmap]:
         os.close(fd)
 
 
+def _populate(mm: mmap.mmap) -> None:
+    """Map every page of a new writable segment in one call (madvise MADV_POPULATE_WRITE, Linux
+    >= 5.14) instead of one page fault per 4 KiB page at its first write: ~20 % less CPU for a
+    fresh 64 MB segment here (39 against 48 ms), more when several processes fault at once. The
+    pages are written whole right after anyway (a result buffer), so the resident size is
+    the same. Where the kernel lacks it, the first writes fault as before."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        pass
+
+
 def create_segment(peer_id: str, nbytes: int) -> tuple[str, mmap.mmap]:
     """A new segment of this peer of `nbytes` bytes that co-located receivers read by name, mapped
-    read-write (e.g. a collective's result buffer: chunks sent from it need no slab and no copy).
-    Its pages are reserved now: OSError when /dev/shm is full. The caller unlinks it (`unlink`)."""
-    return _create(peer_id, nbytes)
+    read-write, its pages mapped now (e.g. a collective's result buffer, written whole: chunks
+    sent from it need no slab and no copy). Its pages are reserved now: OSError when /dev/shm is
+    full. The caller unlinks it (`unlink`)."""
+    return _create(peer_id, nbytes, populate=True)
 
 
 def unlink(name: str) -> None:
@@ -141,6 +160,8 @@ class SegmentWriter:
         self._slab = 0  # index of the slab being filled
         self._used = 0  # bytes used in it
         self._reach = 0  # slabs written since the last `trim` (the others are idle)
+        # Slabs of one size (`first_slab_bytes == slab_bytes`): that size; 0 for growing slabs.
+        self.fixed = slab_bytes if self.first_slab_bytes == slab_bytes else 0
 
     def rewind(self) -> None:
         """Start over at the first slab (the receiver has read everything written so far)."""

@@ -225,6 +225,28 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
+def test_a_result_segment_is_mapped_at_creation_and_zero_a_slab_is_not():
+    import platform
+
+    if tuple(int(x) for x in platform.release().split(".")[:2] if x.isdigit()) < (5, 14):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux >= 5.14")
+    before = _rss()
+    name, mm = shm.create_segment(ALICE, 8 << 20)
+    try:
+        assert _rss() - before > 6 << 20  # its pages are this process's now, before any write
+        assert mm[:16] == bytes(16) and mm[-16:] == bytes(16)
+    finally:
+        mm.close()
+        shm.unlink(name)
+    lap = shm.SegmentWriter(ALICE, slab_bytes=8 << 20, first_slab_bytes=8 << 20)
+    try:
+        before = _rss()
+        lap.put(np.zeros(1000, dtype=np.float32))  # a slab (possibly filled in part): only what is written
+        assert _rss() - before < 1 << 20
+    finally:
+        lap.close()
+
+
 def test_release_drops_only_the_readers_pages_and_keeps_the_bytes():
     w = shm.SegmentWriter(ALICE)
     r = shm.SegmentReader(ALICE)
@@ -274,8 +296,9 @@ async def test_an_owner_writes_each_reduced_chunk_once_for_all_its_receivers(mon
 
 
 async def test_laps_rewrite_a_slab_region_only_after_its_chunk_was_consumed():
-    from shoal.peer.collectives import LAP_CHUNKS, _Laps
+    from shoal.peer.collectives import _Laps
 
+    per_lap = 4  # chunks of 4000 bytes in a lap of 16000
     consumed: set[int] = set()
     credited: list[int] = []
     holder: dict[tuple[str, int], int] = {}  # slab region -> the chunk it holds now
@@ -287,29 +310,77 @@ async def test_laps_rewrite_a_slab_region_only_after_its_chunk_was_consumed():
     writers = []
 
     def take():
-        writers.append(shm.SegmentWriter(ALICE))
+        writers.append(shm.SegmentWriter(ALICE, slab_bytes=per_lap * 4000, first_slab_bytes=per_lap * 4000))
         return writers[-1]
 
-    laps = _Laps(take, credit)
+    laps = _Laps(take, credit, per_lap * 4000)
     try:
         chunk = np.zeros(1000, dtype=np.float32)
-        for i in range(5 * LAP_CHUNKS + 1):
+        for i in range(5 * per_lap + 1):
             place = await laps.put(i, chunk + i)
             old = holder.get(place)
             assert old is None or old in consumed, f"chunk {i} overwrote chunk {old} before it was consumed"
             holder[place] = i
             # chunk i waits only for chunks two laps back, never for one still in flight
-            assert all(k <= i - LAP_CHUNKS - 1 for k in credited)
-        assert len(writers) == 2 and len(holder) == 2 * LAP_CHUNKS  # memory: two laps, reused
-        assert credited == list(range(4 * LAP_CHUNKS))
+            assert all(k <= i - per_lap - 1 for k in credited)
+        assert len(writers) == 2 and len(holder) == 2 * per_lap  # memory: two laps, reused
+        assert all(len(w._slabs) == 1 for w in writers)  # a lap fills one slab
+        assert credited == list(range(4 * per_lap))
+        # a smaller last chunk still fits its lap; a chunk larger than a lap is a lap of its own
+        await laps.put("small", np.zeros(10, dtype=np.float32))
+        big = await laps.put("big", np.zeros(5000, dtype=np.float32))
+        assert big[1] == 0 and laps.keys[laps.lap] == ["big"]
     finally:
         for w in writers:
             w.close()
 
 
-async def test_bounded_reduce_scatter_slabs_give_the_same_bits(monkeypatch):
-    from shoal.peer.collectives import LAP_CHUNKS
+def test_lap_bytes_follow_the_tensor_not_its_shards_and_hold_at_least_one_chunk():
+    from shoal.peer.collectives import LAP_BYTES, _lap_bytes
 
+    assert _lap_bytes(4 << 20, 64_000_000, 4) == LAP_BYTES == 16 << 20  # shards of 16 MB: one lap each
+    assert _lap_bytes(1 << 20, 64_000_000, 4) == _lap_bytes(4 << 20, 64_000_000, 4)  # warm-up and later chunks
+    assert _lap_bytes(4 << 20, 500_000_000, 3) == LAP_BYTES
+    assert _lap_bytes(1 << 20, 20_000_000, 4) == 8 << 20  # shards of 5 MB: no 16 MiB slab for them
+    assert _lap_bytes(64 << 10, 100_000, 2) == 64 << 10  # at least one chunk
+    assert _lap_bytes(32 << 20, 500_000_000, 3) == 32 << 20
+
+
+async def test_lap_writers_are_pooled_by_size_and_other_sizes_closed():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from shoal.peer.dataplane import Transport
+
+    t = Transport(key=Ed25519PrivateKey.generate(), shared_memory=True)
+    addr = "127.0.0.1:1"
+    t._lanes[addr] = None  # as if probed: writers towards it are pooled
+    try:
+        grow, lap = t.take_writer(addr), t.take_writer(addr, 1 << 16)
+        assert grow.fixed == 0 and lap.fixed == 1 << 16
+        lap.put(np.zeros(1000, dtype=np.float32))
+        name = lap._slabs[0][0]
+        t.give_back_writer(addr, grow)
+        t.give_back_writer(addr, lap)
+        again = t.take_writer(addr, 1 << 16)
+        assert again is lap and again._slabs[0][0] == name  # the same slab: its pages already touched
+        assert t.take_writer(addr) is grow
+        t.give_back_writer(addr, grow)
+        bigger = t.take_writer(addr, 1 << 17)
+        bigger.put(np.zeros(1000, dtype=np.float32))
+        t.give_back_writer(addr, again)
+        t.give_back_writer(addr, bigger)  # the laps changed: the old size goes
+        assert not again._slabs and not os.path.exists(os.path.join(shm.SHM_DIR, name))
+        assert [w.fixed for w in t._writers[addr]] == [0, 1 << 17]
+    finally:
+        t._lanes.clear()
+        await t.close()
+
+
+async def test_bounded_reduce_scatter_slabs_give_the_same_bits(monkeypatch):
+    from shoal.peer import collectives
+
+    per_lap = 4
+    monkeypatch.setattr(collectives, "LAP_BYTES", per_lap * (64 << 10))
     p, n = 3, 1_200_007  # shards of ~400k elements: 25 chunks of 64 KiB per owner
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
@@ -330,8 +401,8 @@ async def test_bounded_reduce_scatter_slabs_give_the_same_bits(monkeypatch):
             places.clear()
             sent.clear()
             results.append(await socket_free.run(xs, attempt=attempt, algorithm="butterfly", chunk_bytes=64 << 10))
-            assert min(sent.values()) > 2 * LAP_CHUNKS
-            assert places and all(len(v) <= 2 * LAP_CHUNKS for v in places.values())
+            assert min(sent.values()) > 2 * per_lap
+            assert places and all(len(v) <= 2 * per_lap for v in places.values())
     async with Swarmlet(p, [False] * p) as peers:  # the socket lane: the same bits
         plain = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=64 << 10)
     assert all(r.values.tobytes() == plain[0].values.tobytes() for rs in results for r in rs)
