@@ -113,10 +113,13 @@ class HeapPolicy:
         self._last_step = t0
         if self.size is not None:
             self._last_size = self.size()
+        full = ""
         if t0 >= self._next_full:
             gc.unfreeze()
             freed = gc.collect()
             self._next_full = t0 + self.full_seconds
+            # What it found is what the freezes had kept: the measure of whether it is worth its pause.
+            full = f"; full collection: {freed} unreachable objects freed"
             log.debug("full collection: %d objects freed in %.0f ms", freed, 1e3 * (time.monotonic() - t0))
         else:
             gc.collect(2)  # the permanent generation is not scanned: only the heap since the last freeze
@@ -127,8 +130,8 @@ class HeapPolicy:
         took = time.monotonic() - t0
         if took > SLOW_STEP_SECONDS:
             # Every call waits meanwhile: worth an operator's look (docs/performance.md).
-            log.warning("heap policy: collection, freeze and trim stopped the coordinator for %.0f ms (trim: %.0f ms)",
-                        1e3 * took, 1e3 * (time.monotonic() - t1))
+            log.warning("heap policy: collection, freeze and trim stopped the coordinator for %.0f ms (trim: %.0f ms%s)",
+                        1e3 * took, 1e3 * (time.monotonic() - t1), full)
 
     async def run(self) -> None:
         """Step once now (the heap of the start-up: imports, the state loaded), then whenever `due`."""
