@@ -1,8 +1,11 @@
-"""The coordinator's per-second trace (coordinator.loopwatch): its pure parts."""
+"""The coordinator's per-second trace (coordinator.loopwatch): its pure parts, and the rows it writes."""
 
 from __future__ import annotations
 
-from shoal.coordinator.loopwatch import COLUMNS, SLOW_SECONDS, SecondStats, wait_in_core
+import asyncio
+import contextlib
+
+from shoal.coordinator.loopwatch import COLUMNS, SLOW_SECONDS, LoopWatch, SecondStats, wait_in_core
 
 
 def test_a_calls_wait_in_core_is_its_timeout_less_what_was_left_when_the_handler_ran():
@@ -34,3 +37,19 @@ def test_a_second_keeps_maxima_means_and_counts_of_what_it_saw():
 def test_an_empty_second_prints_zeros_not_a_division_error():
     row = dict(zip(COLUMNS, SecondStats(t=7).row().strip().split(",")))
     assert row["lag_mean_ms"] == "0.0" and row["hb_wait_mean_ms"] == "0.0" and row["calls"] == "0"
+
+
+async def test_the_trace_writes_a_row_a_second_with_the_machines_cpu_and_steal(tmp_path):
+    watch = LoopWatch(str(tmp_path))
+    task = asyncio.create_task(watch.run())
+    await asyncio.sleep(2.2)  # at least one whole second and the partial last one
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    lines = (tmp_path / "loop.csv").read_text().splitlines()
+    assert lines[0].split(",") == list(COLUMNS) and len(lines) >= 3
+    rows = [dict(zip(COLUMNS, line.split(","))) for line in lines[1:]]
+    assert all(len(line.split(",")) == len(COLUMNS) for line in lines[1:])
+    assert all(float(r["machine_busy_ms"]) >= 0 and float(r["machine_steal_ms"]) >= 0 for r in rows)
+    # This process alone kept the machine busy for some of the time the rows cover.
+    assert sum(float(r["machine_busy_ms"]) for r in rows) > 0
