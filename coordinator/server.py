@@ -799,6 +799,8 @@ def _bind_servers(config: CoordinatorConfig, service: CoordinatorService,
     servers, healths = [], []
     address, port = config.listen, 0
     for _ in range(loops):
+        # The concurrency bound is each server's: a server holds the streams of the connections the
+        # kernel gave it (about 1/loops of them), so each keeps the whole swarm's bound.
         server = grpc.aio.server(options=grpc_options(reuseport=loops > 1), interceptors=interceptors,
                                  maximum_concurrent_rpcs=COORDINATOR_MAX_CONCURRENT_RPCS)
         pb_grpc.add_CoordinatorServicer_to_server(service, server)
