@@ -16,7 +16,12 @@ garbage already in the old generation when it is frozen would be kept until the 
 collected before each freeze, the "growth per round" of docs/performance.md). Frozen objects are
 still freed by reference counting when they die; only objects alive at a freeze that later die
 in a reference cycle stay, so every `full_seconds` the heap is unfrozen and fully collected once
-(one pause, then frozen again).
+(one pause, then frozen again). That pause grows with the heap (0.66-0.95 s at 10,000 members,
+~1 M tracked objects) while what it finds need not: 288 unreachable objects after 10 minutes at
+10,000 members (docs/performance.md, "Coordinator scale"). So the period doubles after a full
+collection that found fewer than `quiet_objects` (up to `full_max_seconds`) and is back at
+`full_seconds` after one that found more (members leaving, whose stream objects a freeze can
+keep): the frozen garbage stays bounded by what accumulates in one period.
 
 After each freeze it also hands the C heap's free pages back to the system (glibc's
 `malloc_trim`, ~15 ms for a 300 MB fragmented heap): gRPC's threads and protobuf allocate and
@@ -128,9 +133,13 @@ class HeapPolicy:
 
     def __init__(self, freeze_seconds: float = 10.0, full_seconds: float = 600.0,
                  trim: Callable[[int], int] | None = MALLOC_TRIM, *, size: Callable[[], int] | None = None,
-                 grow_step: int = 200, check_seconds: float = 0.5):
+                 grow_step: int = 200, check_seconds: float = 0.5, full_max_seconds: float = 6 * 3600.0,
+                 quiet_objects: int = 10_000):
         self.freeze_seconds = freeze_seconds
         self.full_seconds = full_seconds
+        self.full_max_seconds = max(full_seconds, full_max_seconds)
+        self.quiet_objects = quiet_objects
+        self.full_period = full_seconds  # the current one: full_seconds .. full_max_seconds
         self.trim = trim  # the C heap's trim (None: not trimmed)
         self.size = size
         self.grow_step = grow_step
@@ -152,10 +161,16 @@ class HeapPolicy:
         self._last_step = t0
         if self.size is not None:
             self._last_size = self.size()
+        full = ""
         if t0 >= self._next_full:
             gc.unfreeze()
             freed = gc.collect()
-            self._next_full = t0 + self.full_seconds
+            # Little found: the next one later (its pause is the same whatever it finds); much: soon.
+            self.full_period = (min(2 * self.full_period, self.full_max_seconds) if freed < self.quiet_objects
+                                else self.full_seconds)
+            self._next_full = t0 + self.full_period
+            # What it found is what the freezes had kept: the measure of whether it is worth its pause.
+            full = f"; full collection: {freed} unreachable objects freed, the next in {self.full_period:.0f} s"
             log.debug("full collection: %d objects freed in %.0f ms", freed, 1e3 * (time.monotonic() - t0))
         else:
             gc.collect(2)  # the permanent generation is not scanned: only the heap since the last freeze
@@ -166,8 +181,8 @@ class HeapPolicy:
         took = time.monotonic() - t0
         if took > SLOW_STEP_SECONDS:
             # Every call waits meanwhile: worth an operator's look (docs/performance.md).
-            log.warning("heap policy: collection, freeze and trim stopped the coordinator for %.0f ms (trim: %.0f ms)",
-                        1e3 * took, 1e3 * (time.monotonic() - t1))
+            log.warning("heap policy: collection, freeze and trim stopped the coordinator for %.0f ms (trim: %.0f ms%s)",
+                        1e3 * took, 1e3 * (time.monotonic() - t1), full)
 
     async def run(self) -> None:
         """Step once now (the heap of the start-up: imports, the state loaded), then whenever `due`."""

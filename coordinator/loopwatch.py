@@ -19,7 +19,10 @@ put next to what the coordinator was doing at that second:
 - **the event loop's lag**: a 10 ms ticker's delay (a stall of the loop: a collection, a commit,
   a cohort draw, a long callback) and the garbage collector's pauses (`gc.callbacks`);
 - **the threads** (from /proc): the event loop's thread's CPU and its voluntary and involuntary
-  context switches, and the CPU of the process's other threads (gRPC core's).
+  context switches, and the CPU of the process's other threads (gRPC core's);
+- **the machine** (/proc/stat): the CPU time all cores spent busy and the time the hypervisor
+  took from this virtual machine's CPUs (steal: every process of the machine stops together,
+  whatever its priority).
 
 `SecondStats` is the pure accumulator (one CSV row per second); `LoopWatch` feeds it and writes
 `loop.csv`. The cost is one `perf_counter()` pair per call and a 10 ms ticker.
@@ -45,7 +48,7 @@ TICK_SECONDS = 0.01
 COLUMNS = ("t", "ticks", "lag_max_ms", "lag_mean_ms", "gc_count", "gc_ms", "gc_max_ms", "calls", "streams",
            "heartbeats", "hb_wait_max_ms", "hb_wait_mean_ms", "hb_handler_max_ms", "hb_handler_mean_ms",
            "hb_slow", "call_wait_max_ms", "call_handler_max_ms", "in_flight_max", "loop_cpu_ms", "threads_cpu_ms",
-           "loop_preempted", "loop_waits")
+           "loop_preempted", "loop_waits", "machine_busy_ms", "machine_steal_ms")
 MEMORY_COLUMNS = ("t", "py_blocks", "malloc_in_use_bytes", "malloc_free_bytes", "malloc_mmapped_bytes",
                   "rss_anon_bytes")
 MEMORY_EVERY_SECONDS = 5.0  # memory.csv's period (glibc's mallinfo2 walks the free lists)
@@ -78,6 +81,8 @@ class SecondStats:
     threads_cpu: float = 0.0  # of the process's other threads (gRPC core's)
     loop_preempted: int = 0  # involuntary context switches of the loop's thread (it wanted a core)
     loop_waits: int = 0  # voluntary ones (it slept: epoll, a lock, I/O)
+    machine_busy: float = 0.0  # CPU seconds every core of the machine spent busy (not idle, iowait or steal)
+    machine_steal: float = 0.0  # CPU seconds the hypervisor took from the machine's virtual CPUs
 
     def tick(self, lag: float) -> None:
         self.ticks += 1
@@ -113,7 +118,7 @@ class SecondStats:
                          ms(self.hb_handler_max), mean(self.hb_handler_sum, self.heartbeats), str(self.hb_slow),
                          ms(self.call_wait_max), ms(self.call_handler_max), str(self.in_flight_max),
                          ms(self.loop_cpu), ms(self.threads_cpu), str(self.loop_preempted),
-                         str(self.loop_waits))) + "\n"
+                         str(self.loop_waits), ms(self.machine_busy), ms(self.machine_steal))) + "\n"
 
 
 def wait_in_core(timeout: float | None, left: float | None, since_intercept: float) -> float:
@@ -189,6 +194,20 @@ class LoopWatch:
             pass
         return loop, others, preempted, waits
 
+    @staticmethod
+    def _machine() -> tuple[float, float]:
+        """(busy, steal) CPU seconds of all cores together since boot, from /proc/stat's "cpu"
+        line (zeros where there is none). Busy: user, nice, system, irq, softirq."""
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+        except OSError:
+            return 0.0, 0.0
+        ticks = [int(x) for x in fields[1:9]] + [0] * (8 - len(fields[1:9]))
+        hz = os.sysconf("SC_CLK_TCK")
+        user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+        return (user + nice + system + irq + softirq) / hz, steal / hz
+
     def _roll(self) -> None:
         t = int(time.time())
         if t != self.now.t and self._out is not None:
@@ -206,6 +225,9 @@ class LoopWatch:
         last, self._last_threads = self._last_threads, threads
         self.now.loop_cpu, self.now.threads_cpu = threads[0] - last[0], threads[1] - last[1]
         self.now.loop_preempted, self.now.loop_waits = threads[2] - last[2], threads[3] - last[3]
+        machine = self._machine()
+        last_m, self._last_machine = self._last_machine, machine
+        self.now.machine_busy, self.now.machine_steal = machine[0] - last_m[0], machine[1] - last_m[1]
         self._out.write(self.now.row())
         self._out.flush()
 
@@ -221,6 +243,7 @@ class LoopWatch:
         self._memory = self.memory_path.open("w")
         self._memory.write(",".join(MEMORY_COLUMNS) + "\n")
         self._last_threads = self._threads()
+        self._last_machine = self._machine()
         self._out.write(",".join(COLUMNS) + "\n")
         gc.callbacks.append(self._gc)
         try:

@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import functools
 import json
 import logging
 import math
 import pathlib
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -156,6 +158,7 @@ class CoordinatorConfig:
     cert_lifetime: float = DEFAULT_LIFETIME_S  # issued data-plane certificates, seconds (coordinator.ca)
     member_retention: float = MEMBER_RETENTION_SECONDS  # an admitted key unused this long needs admission again
     trace_dir: str | None = None  # write loop.csv (coordinator.loopwatch) here; None: no trace
+    accept_loops: int = 1  # gRPC servers on the listen port, each taking calls from gRPC core (_bind_servers)
 
 
 # The actions that write to the store.
@@ -754,11 +757,13 @@ class MemberCalls(grpc.aio.ServerInterceptor):
         return handler
 
 
-def grpc_options() -> list[tuple[str, int]]:
+def grpc_options(reuseport: bool = False) -> list[tuple[str, int]]:
+    """The coordinator's server options; `reuseport`: SO_REUSEPORT on its listening socket (the
+    accept loops of `_bind_servers` share one port)."""
     return [
         ("grpc.max_receive_message_length", CONTROL_MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", CONTROL_MAX_SEND_BYTES),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(reuseport)),
         # Peers ping every 10 s (peer.dataplane.channel_options) while their WatchRounds stream is
         # quiet; a round longer than a minute on a slow link must not end with "too_many_pings".
         ("grpc.keepalive_permit_without_calls", 1),
@@ -770,6 +775,67 @@ def grpc_options() -> list[tuple[str, int]]:
         # host at load 60 (docs/performance.md, "Coordinator scale"); none since.
         ("grpc.http2.bdp_probe", 0),
     ]
+
+
+def _port_free(address: str) -> bool:
+    """Whether a listener without SO_REUSEPORT can bind `address` (HOST:PORT) now: nobody listens
+    there, not even with SO_REUSEPORT (a listener that shares its port would take a share of the
+    connections). True for port 0 and for addresses it cannot resolve (the bind then says why)."""
+    host, _, port = address.rpartition(":")
+    if int(port) == 0:
+        return True
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return True
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return False
+    return True
+
+
+def _bind_servers(config: CoordinatorConfig, service: CoordinatorService,
+                  interceptors: list) -> tuple[list[grpc.aio.Server], list, int]:
+    """`config.accept_loops` gRPC servers of `service` on one port (SO_REUSEPORT when more than
+    one: the kernel spreads the connections over their listening sockets); returns (servers,
+    their health reporters, the port).
+
+    Why several: a grpc.aio server asks gRPC core for the next call only once the last one was
+    handed to the event loop (one request outstanding), so it takes one call per turn of the
+    loop; when a burst of calls arrives (a member process that stalled 50-100 ms sends its
+    heartbeats at once) they wait in gRPC core, one loop turn each, while the loop itself is on
+    time. Each server has its own outstanding request: k servers take up to k calls per turn.
+    All of them run in this process and its one event loop, with the same service and engine.
+
+    Raises:
+        OSError: the address cannot be bound, or (with several loops) another process already
+            listens on the port.
+    """
+    loops = max(1, config.accept_loops)
+    if loops > 1 and not _port_free(config.listen):
+        # A plain bind would fail here; with SO_REUSEPORT it would share the port with that listener.
+        raise OSError(f"listen: cannot bind {config.listen}: address already in use")
+    servers, healths = [], []
+    address, port = config.listen, 0
+    for _ in range(loops):
+        # The concurrency bound is each server's: a server holds the streams of the connections the
+        # kernel gave it (about 1/loops of them), so each keeps the whole swarm's bound.
+        server = grpc.aio.server(options=grpc_options(reuseport=loops > 1), interceptors=interceptors,
+                                 maximum_concurrent_rpcs=COORDINATOR_MAX_CONCURRENT_RPCS)
+        pb_grpc.add_CoordinatorServicer_to_server(service, server)
+        healths.append(attach(server, (COORDINATOR_SERVICE,)))
+        bound = add_port(server, address, config.security, "coordinator")
+        if port == 0:
+            port = bound  # the first server's (port 0: the one the system picked): the others share it
+            address = f"{config.listen.rsplit(':', 1)[0]}:{port}"
+        servers.append(server)
+    return servers, healths, port
 
 
 def open_state(config: CoordinatorConfig, now: float, store: Store | None = None) -> tuple[RoundEngine, Store, str]:
@@ -932,14 +998,12 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
     watch = LoopWatch(config.trace_dir) if config.trace_dir else None
     if watch is not None:
         interceptors.insert(0, CallTimer(watch, HEARTBEAT, {HEARTBEAT: HEARTBEAT_TIMEOUT_SECONDS}))
-    server = grpc.aio.server(options=grpc_options(), interceptors=interceptors,
-                             maximum_concurrent_rpcs=COORDINATOR_MAX_CONCURRENT_RPCS)
-    pb_grpc.add_CoordinatorServicer_to_server(service, server)
-    health = attach(server, (COORDINATOR_SERVICE,))
-    port = add_port(server, config.listen, config.security, "coordinator")
+    servers, healths, port = _bind_servers(config, service, interceptors)
     host = config.listen.rsplit(":", 1)[0]
-    await server.start()
-    await health.serving()
+    for server in servers:
+        await server.start()
+    for health in healths:
+        await health.serving()
     service.observe()
     service.metrics.serve(config.metrics_port, config.metrics_host)
     address = f"{host}:{port}"
@@ -969,8 +1033,9 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
                 if task is not None:
                     task.cancel()
     finally:
-        await health.shutdown()
-        await server.stop(grace=0.0 if deposed else 1.0)
+        for health in healths:
+            await health.shutdown()
+        await asyncio.gather(*(server.stop(grace=0.0 if deposed else 1.0) for server in servers))
         service.metrics.close()
         store.close()
     if deposed:

@@ -392,7 +392,8 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, st
         security=security, join_token_secret=c.join_token_secret, allow_list=c.allow_list,
         join_rate=c.join_rate, join_burst=c.join_burst, request_rate=c.rate_limit,
         request_burst=max(1, int(2 * c.rate_limit)), finish_linger=c.finish_linger, reach_timeout=c.reach_timeout,
-        cert_lifetime=c.cert_lifetime, member_retention=c.member_retention, trace_dir=c.trace_dir)
+        cert_lifetime=c.cert_lifetime, member_retention=c.member_retention, trace_dir=c.trace_dir,
+        accept_loops=c.accept_loops)
 
     got: list[int] = []
 

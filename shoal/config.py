@@ -178,10 +178,14 @@ class CoordinatorSection:
     trace_dir: str | None = setting(None, "write loop.csv here: per second, the event loop's lag, garbage-collector "
                                           "pauses, and each call's wait in gRPC core and time in its handler "
                                           "(docs/performance.md, \"Coordinator scale\")")
+    accept_loops: int = setting(4, "gRPC servers sharing the listen port (SO_REUSEPORT), each taking calls from gRPC "
+                                   "core one at a time: a burst of calls waits less (docs/performance.md, "
+                                   "\"Coordinator scale\")")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         c = "coordinator"
+        _check(1 <= self.accept_loops <= 64, c, "accept_loops", "in 1..64", self.accept_loops)
         _check(self.history_window >= 1, c, "history_window", ">= 1", self.history_window)
         _check(self.reach_timeout >= 0 and _finite(self.reach_timeout), c, "reach_timeout", ">= 0", self.reach_timeout)
         check_address(c, "listen", self.listen)

@@ -60,6 +60,13 @@ def test_the_coordinator_runs_under_cprofile_only_when_asked(tmp_path):
     assert profiled[5:] == plain[1:]
 
 
+def test_accept_loops_reach_the_coordinator_only_when_given(tmp_path):
+    plain = _coordinator_argv(CoordinatorBenchOptions(), tmp_path)
+    assert "--accept-loops" not in plain  # the coordinator's own default
+    argv = _coordinator_argv(CoordinatorBenchOptions(accept_loops=1), tmp_path)
+    assert argv[argv.index("--accept-loops") + 1] == "1"
+
+
 def test_the_members_seconds_are_summed_and_kept_per_process():
     a = {"beats_at": {"10": [5, 1, 3, 0], "11": [4, 0, 2, 1]}}
     b = {"beats_at": {"11": [6, 2, 40, 35]}}

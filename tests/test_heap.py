@@ -70,3 +70,25 @@ def test_without_a_size_only_the_period_makes_a_step_due():
 def test_the_arena_cap_is_set_where_malloc_is_glibc():
     glibc = platform.libc_ver()[0] == "glibc"
     assert limit_arenas(8) is glibc  # a cap above the arenas this test process uses: it keeps its behaviour
+
+
+def test_the_full_collection_comes_later_while_it_finds_little_and_soon_again_when_it_finds_much(monkeypatch):
+    found = [0]
+    monkeypatch.setattr(gc, "collect", lambda *generation: found[0])
+    policy = HeapPolicy(full_seconds=600.0, trim=None, full_max_seconds=2400.0, quiet_objects=100)
+    try:
+        periods = []
+        for freed in (3, 99, 5, 100, 0):
+            found[0] = freed
+            policy._next_full = 0.0  # due now
+            policy.step()
+            periods.append(policy.full_period)
+            assert policy._next_full == policy._last_step + policy.full_period
+        # 600 -> 1200 -> 2400 (the cap) -> 2400; 100 found: back to 600; then 1200.
+        assert periods == [1200.0, 2400.0, 2400.0, 600.0, 1200.0]
+        policy._next_full = policy._last_step + 1e9
+        found[0] = 10**6
+        policy.step()  # not a full collection: the period stays
+        assert policy.full_period == 1200.0
+    finally:
+        gc.unfreeze()

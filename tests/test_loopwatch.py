@@ -1,8 +1,10 @@
-"""The coordinator's per-second trace (coordinator.loopwatch): its pure parts, and loop.csv as\nLoopWatch writes it."""
+"""The coordinator's per-second trace (coordinator.loopwatch): its pure parts, and loop.csv as
+LoopWatch writes it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import types
 
@@ -84,3 +86,19 @@ def test_a_memory_row_names_every_column_and_sees_a_c_allocation(monkeypatch):
     monkeypatch.setattr(heap, "MALLINFO2", None)
     row = dict(zip(MEMORY_COLUMNS, memory_row(12.0).strip().split(",")))
     assert row["malloc_in_use_bytes"] == "" and row["malloc_free_bytes"] == ""  # not glibc: unknown, not 0
+
+
+async def test_the_trace_writes_a_row_a_second_with_the_machines_cpu_and_steal(tmp_path):
+    watch = LoopWatch(str(tmp_path))
+    task = asyncio.create_task(watch.run())
+    await asyncio.sleep(2.2)  # at least one whole second and the partial last one
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    lines = (tmp_path / "loop.csv").read_text().splitlines()
+    assert lines[0].split(",") == list(COLUMNS) and len(lines) >= 3
+    rows = [dict(zip(COLUMNS, line.split(","))) for line in lines[1:]]
+    assert all(len(line.split(",")) == len(COLUMNS) for line in lines[1:])
+    assert all(float(r["machine_busy_ms"]) >= 0 and float(r["machine_steal_ms"]) >= 0 for r in rows)
+    # This process alone kept the machine busy for some of the time the rows cover.
+    assert sum(float(r["machine_busy_ms"]) for r in rows) > 0

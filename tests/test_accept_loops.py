@@ -1,0 +1,69 @@
+"""The coordinator's accept loops (`coordinator.server._bind_servers`): several grpc.aio servers of
+one service on one port (SO_REUSEPORT), over real loopback sockets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from shoal.coordinator.rounds import EngineConfig, RoundEngine
+from shoal.coordinator.server import CoordinatorConfig, CoordinatorService, _bind_servers, _port_free
+from shoal.coordinator.store import MemoryStore
+from shoal.v1 import shoal_pb2 as pb
+from shoal.v1 import shoal_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+RPC_TIMEOUT_S = 5.0
+
+
+def service() -> CoordinatorService:
+    return CoordinatorService(RoundEngine(EngineConfig(min_peers=2)), MemoryStore(), "{}",
+                              Ed25519PrivateKey.generate())
+
+
+async def statuses(port: int, channels: int) -> list[pb.StatusResponse]:
+    """GetStatus over `channels` connections of their own (distinct channel arguments)."""
+    out = []
+    for i in range(channels):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("test.channel", i)]) as ch:
+            out.append(await pb_grpc.CoordinatorStub(ch).GetStatus(pb.StatusRequest(), timeout=RPC_TIMEOUT_S))
+    return out
+
+
+async def test_several_servers_share_the_port_and_each_answers():
+    config = CoordinatorConfig(listen="127.0.0.1:0", accept_loops=3)
+    servers, healths, port = _bind_servers(config, service(), [])
+    assert len(servers) == len(healths) == 3 and port > 0
+    for s in servers:
+        await s.start()
+    try:
+        assert not _port_free(f"127.0.0.1:{port}")
+        assert [r.rounds_committed for r in await statuses(port, 12)] == [0] * 12
+        # Another process's coordinator (or anything else) must not join the port's group.
+        with pytest.raises(OSError, match="already in use"):
+            _bind_servers(dataclasses.replace(config, listen=f"127.0.0.1:{port}"), service(), [])
+        # Each server listens on its own: with the first one gone, the others take new connections.
+        await servers[0].stop(grace=None)
+        assert len(await statuses(port, 6)) == 6
+        await servers[1].stop(grace=None)
+        assert len(await statuses(port, 3)) == 3
+    finally:
+        for s in servers:
+            await s.stop(grace=None)
+    assert _port_free(f"127.0.0.1:{port}")
+
+
+async def test_one_loop_binds_without_reuseport():
+    servers, _, port = _bind_servers(CoordinatorConfig(listen="127.0.0.1:0", accept_loops=1), service(), [])
+    assert len(servers) == 1
+    await servers[0].start()
+    try:
+        # A listener with SO_REUSEPORT cannot share a port whose listener did not set it.
+        with pytest.raises(OSError):
+            _bind_servers(CoordinatorConfig(listen=f"127.0.0.1:{port}", accept_loops=2), service(), [])
+        assert [r.rounds_committed for r in await statuses(port, 2)] == [0, 0]
+    finally:
+        await servers[0].stop(grace=None)
