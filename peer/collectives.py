@@ -161,13 +161,14 @@ class _Laps:
 class _Stream:
     """One outgoing PushChunks stream, fed through a bounded queue by the collective.
 
-    `put` fixes a chunk's bytes at once (so later writes to the caller's buffer never reach the
-    wire): inline in `data`, or, on the shared-memory lane (a co-located receiver, see peer.shm
+    `put` fixes where a chunk's bytes come from: inline in `data` (a copy), or, on the shared-memory lane (a co-located receiver, see peer.shm
     and `Transport.shm_lane`), pointed at where they already are in a shared segment (`placed`:
     the result buffer, `_Result`, or an owner's shared slabs), else copied once into a segment of
     a writer reused across streams (reduce-scatter chunks of a bounded butterfly in `_Laps`), or,
-    on the bulk lane (a receiver on another host, peer.tcplane, `Transport.bulk_lane`), copied
-    once into the frame written on a raw TCP connection. With neither, the stream is PushChunks.
+    on the bulk lane (a receiver on another host, peer.tcplane, `Transport.bulk_lane`), written
+    from where they are (`tcplane.ChunkFrame`: like the shared-memory lane's `placed`, this relies
+    on the collective not writing them before they left) on a raw TCP connection. With neither,
+    the stream is PushChunks.
     """
 
     def __init__(self, transport: Transport, address: str, peer_id: str, plan: Plan, timeout: float,
@@ -214,8 +215,12 @@ class _Stream:
                 if self.bulk is not None:
                     msg.ticket = self.plan.ticket  # the first chunk opens the stream (see _run_bulk)
         if self.lane == "tcp":
-            self.bytes_sent += memoryview(body).nbytes + len(msg.scale)
-            await self.queue.put((msg, tcplane.chunk_frame(msg, body)))
+            # Not copied: the collectives never write these bytes before the stream wrote them
+            # (a ring's partial sum changes only when its final value comes back, after the
+            # successor took the partial; final values, the caller's input and encodings never).
+            frame = tcplane.ChunkFrame(msg, body)
+            self.bytes_sent += frame.payload.nbytes + len(msg.scale)
+            await self.queue.put((msg, frame))
             return
         if self.lane == "shm":
             if not self.shm_open:
@@ -332,7 +337,7 @@ class _Stream:
             header, frame = item
             if not header.ticket:  # another chunk won the race to the queue: it opens the stream
                 header.ticket = self.plan.ticket
-                item = (header, tcplane.chunk_frame(header, tcplane.split_chunk_frame(frame)[1]))
+                item = (header, tcplane.ChunkFrame(header, frame.payload))
             await conn.send_stream(frames, self.transport.bulk_metadata)
         except tcplane.BulkRefused as exc:
             raise CollectiveError(f"stream to {peer[:8]} failed: {exc.code} {exc.message}", [peer]) from None
