@@ -484,6 +484,12 @@ class _Wire:
         return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=self.me, phase=phase, step=step, shard=shard,
                         offset=off, dtype=dtype_code(values.dtype), shape=[values.size]), np.ascontiguousarray(values)
 
+    def post(self, phase: int, step: int, span: ChunkSpan, sender: str, dest: np.ndarray) -> None:
+        """Let the chunk `sender` sends at (phase, step, span) be read straight into `dest`
+        (`Inbox.post`): the collective's own slice of its result, written by nothing else."""
+        plan = self.plan
+        self.inbox.post((plan.round, plan.attempt, phase, step, span.shard, span.offset, sender), dest)
+
     async def arrived(self, phase: int, step: int, shard: int, off: int, sender: str) -> None:
         """Return once the chunk `sender` sends this peer at (phase, step, shard, offset) arrived
         (taken or not); fails as `payload` does."""
@@ -643,6 +649,12 @@ class _Result:
         if copy:
             self.values[...] = x
 
+    @property
+    def private(self) -> bool:
+        """Whether the buffer is this attempt's own memory (no pooled segment that a later
+        attempt reuses: a lane still writing into it after a failed attempt harms nothing)."""
+        return not self.name
+
     def placement(self, span: ChunkSpan, payload):
         """A callable giving (segment, byte offset) of `payload` when it is this buffer's own
         slice of `span` (so the shared-memory lane can point at it); None otherwise."""
@@ -711,6 +723,10 @@ class _Butterfly:
         # The plain sum of an owned chunk is computed straight into its slice of the result.
         self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype, out=self.buf)
         self.shared = _SharedChunks(transport)
+        if self.result.private and not codec.on:  # the all-gather's chunks read in place (`_Wire.post`)
+            for k in part.gathered:
+                for span in part.chunks(k):
+                    self.wire.post(AG, 0, span, part.peer_id(part.owner[k]), self.buf[span.lo:span.hi])
         self.audit = OwnerAudit(part, reducer, x.dtype, codec.name) if part.audited else None
         self.handoff = _Handoff()  # audited shards: the owners' distance matrices, the expected values
         self.mismatches: list[CollectiveError] = []
@@ -886,7 +902,7 @@ class _Butterfly:
             for span in self.part.chunks(k):
                 final = self.buf[span.lo:span.hi]
                 values = await self.wire.values(AG, 0, span, sender)
-                final[:] = values
+                _into(final, values)  # (read in place when it came on the bulk lane)
                 release(values)
                 self.hashed.filled(span.lo, span.hi)
                 # A robust owner never publishes a non-finite value; checked in this peer's memory.
@@ -918,6 +934,10 @@ class _Ring:
         nxt = (part.me + 1) % part.size
         self.out = _Stream(transport, plan.addresses[nxt], part.peer_id(nxt), plan, plan.deadline_seconds, links)
         self.out.solo = True
+        if self.result.private and not codec.on:  # the all-gather's chunks read in place (`_Wire.post`)
+            for s in range(part.size - 1):
+                for span in part.chunks(part.ring_gathered(s)):
+                    self.wire.post(AG, s, span, self.prev, self.buf[span.lo:span.hi])
 
     async def run(self) -> _Outcome:
         async with asyncio.TaskGroup() as tg:
@@ -974,7 +994,7 @@ class _Ring:
         peer's copy of them) unless this is the last step."""
         payload, values = await self.wire.received(AG, step, span, self.prev)
         final = self.buf[span.lo:span.hi]
-        final[:] = values
+        _into(final, values)  # (read in place when it came on the bulk lane)
         release(values)
         self.hashed.filled(span.lo, span.hi)
         if not np.isfinite(final).all():  # checked in this peer's memory, as in the reduce-scatter

@@ -237,6 +237,7 @@ class Inbox:
         self._lanes: dict[tuple[int, int, str], ReplyLane] = {}  # per outbound-only participant (ReplyLane)
         self._streams: dict[tuple[int, int, str], int] = {}  # open streams per (round, attempt, sender)
         self._taken: set[ChunkKey] = set()  # chunks the collective took (`arrived` answers them)
+        self._posted: dict[ChunkKey, np.ndarray] = {}  # where a chunk's bytes may land (`post`)
 
     def streaming(self, round_: int, attempt: int, sender: str) -> bool:
         """Whether a stream of `sender`'s chunks for this attempt is open here right now."""
@@ -272,6 +273,7 @@ class Inbox:
         for k in [k for k in self._futures if (k[0], k[1]) < self.floor]:
             self._drop(k)
         self._taken = {k for k in self._taken if (k[0], k[1]) >= self.floor}
+        self._posted = {k: v for k, v in self._posted.items() if (k[0], k[1]) >= self.floor}
         self._broken = {k: v for k, v in self._broken.items() if (k[0], k[1]) >= self.floor}
         self._lanes = {k: v for k, v in self._lanes.items() if (k[0], k[1]) >= self.floor}
         self._wake()
@@ -305,6 +307,7 @@ class Inbox:
         for k in [k for k in self._futures if (k[0], k[1]) == (round_, attempt)]:
             self._drop(k)
         self._taken = {k for k in self._taken if (k[0], k[1]) != (round_, attempt)}
+        self._posted = {k: v for k, v in self._posted.items() if (k[0], k[1]) != (round_, attempt)}
         if self.session is not None and (self.session.round, self.session.attempt) == (round_, attempt):
             self.session = None
             self.floor = (round_, attempt + 1)
@@ -325,6 +328,27 @@ class Inbox:
         for k, f in self._futures.items():
             if (k[0], k[1], k[6]) == (round_, attempt, sender) and not f.done():
                 f.set_exception(SenderGone(reason))
+
+    def post(self, key: ChunkKey, dest: np.ndarray) -> None:
+        """Offer `dest` (a C-contiguous array the collective owns, e.g. its slice of the result)
+        as the place where chunk `key`'s raw bytes may be read when they come on a lane that
+        reads in place (peer.tcplane): the collective then finds the chunk already there
+        (`get` returns a view of `dest`) and copies nothing. Only for an attempt not older than
+        the running one; dropped with its attempt."""
+        if (key[0], key[1]) >= self.floor:
+            self._posted[key] = dest
+
+    def claim(self, key: ChunkKey, nbytes: int) -> memoryview | None:
+        """The place posted for chunk `key` as a byte view, when it holds exactly `nbytes`,
+        handed out once (a second chunk with the same key, which `deliver` refuses as a
+        duplicate, must never overwrite bytes the collective already took); None otherwise
+        (the lane reads into a fresh buffer). The bytes the lane writes there are the chunk's
+        only once `deliver` took it: until then the collective does not read that place, and a
+        chunk refused by its checks leaves its bytes there for the next arrival to overwrite."""
+        dest = self._posted.pop(key, None)
+        if dest is None or dest.nbytes != nbytes:
+            return None
+        return memoryview(dest).cast("B")
 
     def deliver(self, key: ChunkKey, values: Payload) -> None:
         """Store an arrived chunk. Raises FailedPrecondition (stale), ResourceExhausted (full)."""

@@ -596,11 +596,16 @@ class _Metadata:
 
 
 class _Frames:
-    """The chunks of one stream after its first: an async iterator of `pb.Chunk` headers whose
-    payloads (`body()`) are read into fresh buffers bounded by the plan. END stops it."""
+    """The chunks of one stream: an async iterator of `pb.Chunk` headers (after the first, which
+    `read` takes) whose payloads (`body()`) are read into fresh buffers bounded by the plan, or,
+    for a raw chunk of this stream's own sender and attempt (`origin`) whose place the
+    collective posted (`claim`: `peer.dataplane.Inbox.claim`), straight into that place. END
+    stops it."""
 
-    def __init__(self, loop, sock, max_payload: int):
+    def __init__(self, loop, sock, max_payload: int, claim: Callable[[tuple, int], memoryview | None] | None = None):
         self.loop, self.sock, self.max_payload = loop, sock, max_payload
+        self.claim = claim
+        self.origin: tuple[int, int, str] | None = None  # (round, attempt, sender) of the first chunk
         self.current: memoryview | None = None
 
     def body(self) -> memoryview | None:
@@ -616,13 +621,24 @@ class _Frames:
         if kind != CHUNK:
             raise InvalidArgument(f"frame: kind {kind} inside a stream")
         c = parse_chunk_header(meta)
-        self.current = await self.payload(payload_len)
+        await self.read(c, payload_len)
         return c
 
-    async def payload(self, n: int) -> memoryview:
+    async def read(self, c: pb.Chunk, n: int) -> None:
+        """Read chunk `c`'s payload of `n` bytes (`body()`). Raises InvalidArgument past the
+        plan's bound, ConnectionError/OSError."""
         if n > self.max_payload:
             raise InvalidArgument(f"frame: payload of {n} bytes, the plan's chunks hold at most {self.max_payload}")
-        return await recv_payload(self.loop, self.sock, n)
+        if self.origin is None:
+            self.origin = (c.round, c.attempt, c.sender)
+        dest = None
+        if self.claim is not None and not c.codec and n and (c.round, c.attempt, c.sender) == self.origin:
+            dest = self.claim((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), n)
+        if dest is None:
+            self.current = await recv_payload(self.loop, self.sock, n)
+        else:
+            await recv_into(self.loop, self.sock, dest)
+            self.current = dest
 
 
 def max_payload(session) -> int:
@@ -721,8 +737,9 @@ class BulkServer:
             raise InvalidArgument("frame: the HELLO is followed by the first chunk")
         first = parse_chunk_header(meta)
         s = await self.service._admit(first, ctx, BULK_METHOD)  # signature, ticket, plan: before any payload
-        frames = _Frames(loop, sock, max_payload(s))
-        frames.current = await frames.payload(payload_len)
+        inbox = getattr(self.service, "inbox", None)
+        frames = _Frames(loop, sock, max_payload(s), inbox.claim if inbox is not None else None)
+        await frames.read(first, payload_len)
         return await self.service._receive(first, frames, s, body=frames.body)
 
     async def _refuse(self, loop, sock, exc: ShoalError) -> None:
