@@ -645,14 +645,17 @@ class _Result:
             except OSError as exc:  # /dev/shm full: this process's memory, the chunks through slabs
                 log.info("result buffer in this process's memory: %s", exc)
         if not self.name:
-            self.values = np.empty_like(x)
+            take = getattr(transport, "take_buffer", None)
+            self.values = take(x.size, x.dtype) if take is not None else np.empty_like(x)
         if copy:
             self.values[...] = x
 
     @property
     def private(self) -> bool:
-        """Whether the buffer is this attempt's own memory (no pooled segment that a later
-        attempt reuses: a lane still writing into it after a failed attempt harms nothing)."""
+        """Whether the buffer is in this process's memory, not a shared segment co-located
+        receivers read. (It may be reused by a later collective too, `Transport.take_buffer`, but
+        only once no array on it is alive: a bulk lane still reading into a place the inbox
+        handed out holds a view of it.)"""
         return not self.name
 
     def placement(self, span: ChunkSpan, payload):

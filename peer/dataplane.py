@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import mmap
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -85,6 +86,7 @@ EXCHANGE_REPLY = "/shoal.v1.Peer/Exchange#reply"  # and the owner its first repl
 REPLY_QUEUE_CHUNKS = 16  # an owner's replies waiting for the outbound-only participant's stream
 SHARED_POOL = ""  # Transport.take_writer: the writers whose slabs every co-located receiver reads
 IDLE_RESULT_SEGMENTS = 2  # result segments kept for reuse once their arrays are gone (Transport.take_result)
+IDLE_RESULT_BUFFERS = 1  # the same for result buffers in this process's memory (Transport.take_buffer)
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
 # What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
@@ -798,6 +800,7 @@ class Transport:
         self._chosen: dict[str, str] = {}  # lane chosen per address
         self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
         self._results: list[list] = []  # result segments: [name, mmap, weak reference to the array on it]
+        self._buffers: list[list] = []  # result buffers in this process's memory: [mmap, weak reference]
         self.bytes_sent = 0
         self.relayed_bytes_sent = 0  # chunk bytes sent to relayed participants (sign_relayed)
         self.created = time.monotonic()
@@ -918,6 +921,31 @@ class Transport:
         arr = np.frombuffer(mm, dtype=dtype, count=n)
         self._results.append([name, mm, weakref.ref(arr)])
         return name, arr
+
+    def take_buffer(self, n: int, dtype) -> np.ndarray:
+        """A writable `(n,)` array of `dtype` in this process's memory (a collective's result
+        buffer when no co-located peer reads it), reused once no array on it is alive any more
+        (as `take_result`'s segments): a fresh 64 MB buffer costs its page faults and the
+        kernel's zeroing of every page when the lanes first write it (18 % of all the CPU of a
+        10 Gbit/s all-reduce here, docs/performance.md), rewriting a touched one does not. At
+        most IDLE_RESULT_BUFFERS idle ones are kept. Anonymous memory (`mmap`): its pages are
+        the process's own and go with the mapping."""
+        dtype = np.dtype(dtype)
+        nbytes = max(1, n * dtype.itemsize)
+        idle = [e for e in self._buffers if e[1]() is None]
+        for e in idle:
+            if len(e[0]) == nbytes:
+                arr = np.frombuffer(e[0], dtype=dtype, count=n)
+                e[1] = weakref.ref(arr)
+                return arr
+        for e in idle[IDLE_RESULT_BUFFERS - 1:] if IDLE_RESULT_BUFFERS else idle:
+            self._buffers.remove(e)  # unmapped by the garbage collector once nothing refers to it
+        mm = mmap.mmap(-1, nbytes)
+        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            mm.madvise(mmap.MADV_HUGEPAGE)  # as numpy does for its large arrays: fewer faults
+        arr = np.frombuffer(mm, dtype=dtype, count=n)
+        self._buffers.append([mm, weakref.ref(arr)])
+        return arr
 
     def _drop_result(self, entry: list) -> None:
         self._results.remove(entry)

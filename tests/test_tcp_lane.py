@@ -621,3 +621,16 @@ def test_a_peer_killed_mid_collective_on_the_bulk_lane_is_retried_without_it(pro
     assert any(e["round"] == 3 and e["will_retry"] for e in aborted), "round 3 should have been aborted and retried"
     r3 = [e for e in events(procs, "peer-0") if e["event"] == "commit" and e["round"] == 3][0]
     assert r3["participants"] == 3 and r3["attempt"] >= 1
+
+
+def test_a_result_buffer_is_reused_only_once_no_view_of_it_is_alive():
+    t = Transport()
+    a = t.take_buffer(1000, np.float32)
+    first = a.__array_interface__["data"][0]
+    view = memoryview(a[10:20]).cast("B")  # e.g. a place the inbox handed to a lane
+    del a
+    b = t.take_buffer(1000, np.float32)  # the first is still referred to: a new one
+    assert b.__array_interface__["data"][0] != first
+    del view
+    assert t.take_buffer(1000, np.float32).__array_interface__["data"][0] == first  # free now: reused
+    assert t.take_buffer(1000, np.float16).dtype == np.float16  # another size: its own buffer
