@@ -3,7 +3,10 @@
 gRPC in Python costs far more CPU per byte than the link on 1-10 Gbit/s networks (protobuf
 copies, HTTP/2 framing, a thread hop per message). On this lane a chunk is a 16-byte frame header,
 the chunk's protobuf header (`pb.Chunk` without `data`: ~60 bytes) and its raw bytes, written with
-one `sock_sendall` and read with `sock_recv_into` straight into the array the inbox will hold.
+one `sendmsg` straight from the collective's array (`ChunkFrame`, no copy) and read with
+`sock_recv_into` straight into the array the inbox will hold (a fresh one, or the place in the
+result the collective posted for that chunk: `_Frames.read`, `peer.dataplane.Inbox.claim`), the
+reader woken per RCVLOWAT_BYTES rather than per segment.
 gRPC stays the control lane and the fallback: a sender uses this lane only when the receiver
 advertises its port (`ProbeResponse.bulk_port`) and the connection opens; otherwise its stream goes
 on PushChunks.
