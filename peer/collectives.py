@@ -169,13 +169,14 @@ class _Laps:
 class _Stream:
     """One outgoing PushChunks stream, fed through a bounded queue by the collective.
 
-    `put` fixes a chunk's bytes at once (so later writes to the caller's buffer never reach the
-    wire): inline in `data`, or, on the shared-memory lane (a co-located receiver, see peer.shm
+    `put` fixes where a chunk's bytes come from: inline in `data` (a copy), or, on the shared-memory lane (a co-located receiver, see peer.shm
     and `Transport.shm_lane`), pointed at where they already are in a shared segment (`placed`:
     the result buffer, `_Result`, or an owner's shared slabs), else copied once into a segment of
     a writer reused across streams (reduce-scatter chunks of a bounded butterfly in `_Laps`), or,
-    on the bulk lane (a receiver on another host, peer.tcplane, `Transport.bulk_lane`), copied
-    once into the frame written on a raw TCP connection. With neither, the stream is PushChunks.
+    on the bulk lane (a receiver on another host, peer.tcplane, `Transport.bulk_lane`), written
+    from where they are (`tcplane.ChunkFrame`: like the shared-memory lane's `placed`, this relies
+    on the collective not writing them before they left) on a raw TCP connection. With neither,
+    the stream is PushChunks.
     """
 
     def __init__(self, transport: Transport, address: str, peer_id: str, plan: Plan, timeout: float,
@@ -222,8 +223,12 @@ class _Stream:
                 if self.bulk is not None:
                     msg.ticket = self.plan.ticket  # the first chunk opens the stream (see _run_bulk)
         if self.lane == "tcp":
-            self.bytes_sent += memoryview(body).nbytes + len(msg.scale)
-            await self.queue.put((msg, tcplane.chunk_frame(msg, body)))
+            # Not copied: the collectives never write these bytes before the stream wrote them
+            # (a ring's partial sum changes only when its final value comes back, after the
+            # successor took the partial; final values, the caller's input and encodings never).
+            frame = tcplane.ChunkFrame(msg, body)
+            self.bytes_sent += frame.payload.nbytes + len(msg.scale)
+            await self.queue.put((msg, frame))
             return
         if self.lane == "shm":
             if not self.shm_open:
@@ -340,7 +345,7 @@ class _Stream:
             header, frame = item
             if not header.ticket:  # another chunk won the race to the queue: it opens the stream
                 header.ticket = self.plan.ticket
-                item = (header, tcplane.chunk_frame(header, tcplane.split_chunk_frame(frame)[1]))
+                item = (header, tcplane.ChunkFrame(header, frame.payload))
             await conn.send_stream(frames, self.transport.bulk_metadata)
         except tcplane.BulkRefused as exc:
             raise CollectiveError(f"stream to {peer[:8]} failed: {exc.code} {exc.message}", [peer]) from None
@@ -486,6 +491,12 @@ class _Wire:
                             codec=values.codec), values.data
         return pb.Chunk(round=plan.round, attempt=plan.attempt, sender=self.me, phase=phase, step=step, shard=shard,
                         offset=off, dtype=dtype_code(values.dtype), shape=[values.size]), np.ascontiguousarray(values)
+
+    def post(self, phase: int, step: int, span: ChunkSpan, sender: str, dest: np.ndarray) -> None:
+        """Let the chunk `sender` sends at (phase, step, span) be read straight into `dest`
+        (`Inbox.post`): the collective's own slice of its result, written by nothing else."""
+        plan = self.plan
+        self.inbox.post((plan.round, plan.attempt, phase, step, span.shard, span.offset, sender), dest)
 
     async def arrived(self, phase: int, step: int, shard: int, off: int, sender: str) -> None:
         """Return once the chunk `sender` sends this peer at (phase, step, shard, offset) arrived
@@ -642,9 +653,18 @@ class _Result:
             except OSError as exc:  # /dev/shm full: this process's memory, the chunks through slabs
                 log.info("result buffer in this process's memory: %s", exc)
         if not self.name:
-            self.values = np.empty_like(x)
+            take = getattr(transport, "take_buffer", None)
+            self.values = take(x.size, x.dtype) if take is not None else np.empty_like(x)
         if copy:
             self.values[...] = x
+
+    @property
+    def private(self) -> bool:
+        """Whether the buffer is in this process's memory, not a shared segment co-located
+        receivers read. (It may be reused by a later collective too, `Transport.take_buffer`, but
+        only once no array on it is alive: a bulk lane still reading into a place the inbox
+        handed out holds a view of it.)"""
+        return not self.name
 
     def placement(self, span: ChunkSpan, payload):
         """A callable giving (segment, byte offset) of `payload` when it is this buffer's own
@@ -725,6 +745,10 @@ class _Butterfly:
         # The plain sum of an owned chunk is computed straight into its slice of the result.
         self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype, out=self.buf)
         self.shared = _SharedChunks(transport)
+        if self.result.private and not codec.on:  # the all-gather's chunks read in place (`_Wire.post`)
+            for k in part.gathered:
+                for span in part.chunks(k):
+                    self.wire.post(AG, 0, span, part.peer_id(part.owner[k]), self.buf[span.lo:span.hi])
         self.audit = OwnerAudit(part, reducer, x.dtype, codec.name) if part.audited else None
         self.handoff = _Handoff()  # audited shards: the owners' distance matrices, the expected values
         self.mismatches: list[CollectiveError] = []
@@ -901,7 +925,7 @@ class _Butterfly:
             for span in self.part.chunks(k):
                 final = self.buf[span.lo:span.hi]
                 values = await self.wire.values(AG, 0, span, sender)
-                final[:] = values
+                _into(final, values)  # (read in place when it came on the bulk lane)
                 release(values)
                 self.hashed.filled(span.lo, span.hi)
                 # A robust owner never publishes a non-finite value; checked in this peer's memory.
@@ -925,7 +949,10 @@ class _Ring:
                  links=None):
         self.part = part = ShardPartition(plan, me, x.itemsize)
         self.x, self.codec, self.wire = x, codec, _Wire(plan, me, inbox)
-        self.result = _Result(x, plan, transport, copy=True)
+        # Not a copy of x: every element is written by a sum (x + the predecessor's partial) or by
+        # its final value, chunk by chunk, so the first chunk leaves without a whole-tensor pass
+        # (64 MB into fresh pages: 20-40 ms before the first byte on this machine).
+        self.result = _Result(x, plan, transport, copy=False)
         self.buf = self.result.values
         self.hashed = ResultDigest(self.buf)  # the vote digest, fed as chunks become final
         self.digest = b""  # set once the last chunk is hashed
@@ -933,6 +960,10 @@ class _Ring:
         nxt = (part.me + 1) % part.size
         self.out = _Stream(transport, plan.addresses[nxt], part.peer_id(nxt), plan, plan.deadline_seconds, links)
         self.out.solo = True
+        if self.result.private and not codec.on:  # the all-gather's chunks read in place (`_Wire.post`)
+            for s in range(part.size - 1):
+                for span in part.chunks(part.ring_gathered(s)):
+                    self.wire.post(AG, s, span, self.prev, self.buf[span.lo:span.hi])
 
     async def run(self) -> _Outcome:
         async with asyncio.TaskGroup() as tg:
@@ -955,7 +986,13 @@ class _Ring:
 
     async def _send(self, phase: int, step: int, span: ChunkSpan, payload: Payload | None = None) -> None:
         if payload is None:  # reduce-scatter: this peer's partial sum, compressed per hop
-            payload = self.codec.own(("rs", span.lo, span.hi), self.buf[span.lo:span.hi])
+            partial = self.buf[span.lo:span.hi]
+            if phase == RS and step == 0:  # this peer's own part of its first shard
+                if self.result.private:
+                    partial = self.x[span.lo:span.hi]  # sent from the input (never written during the call)
+                else:
+                    partial[:] = self.x[span.lo:span.hi]  # into the shared result, which the lane points at
+            payload = self.codec.own(("rs", span.lo, span.hi), partial)
         # From the result buffer itself when it is shared (peer.shm): the successor reads this
         # peer's partial sum or final chunk there; neither changes before the successor took it
         # (a partial is overwritten only by its final value, which exists only after every
@@ -968,7 +1005,7 @@ class _Ring:
         step, encode the now final chunk once and start the all-gather with it."""
         partial = self.buf[span.lo:span.hi]
         values = await self.wire.values(RS, step, span, self.prev)
-        partial += values
+        np.add(self.x[span.lo:span.hi], values, out=partial)  # the predecessor's partial plus this peer's part
         release(values)
         # An honest peer never forwards a non-finite partial sum, so the first peer that sees one
         # blames its predecessor: the peer that introduced it. Checked on the sum in this peer's
@@ -989,7 +1026,7 @@ class _Ring:
         peer's copy of them) unless this is the last step."""
         payload, values = await self.wire.received(AG, step, span, self.prev)
         final = self.buf[span.lo:span.hi]
-        final[:] = values
+        _into(final, values)  # (read in place when it came on the bulk lane)
         release(values)
         self.hashed.filled(span.lo, span.hi)
         if not np.isfinite(final).all():  # checked in this peer's memory, as in the reduce-scatter

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import mmap
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -85,6 +86,7 @@ EXCHANGE_REPLY = "/shoal.v1.Peer/Exchange#reply"  # and the owner its first repl
 REPLY_QUEUE_CHUNKS = 16  # an owner's replies waiting for the outbound-only participant's stream
 SHARED_POOL = ""  # Transport.take_writer: the writers whose slabs every co-located receiver reads
 IDLE_RESULT_SEGMENTS = 2  # result segments kept for reuse once their arrays are gone (Transport.take_result)
+IDLE_RESULT_BUFFERS = 1  # the same for result buffers in this process's memory (Transport.take_buffer)
 
 ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, step, shard, offset, sender
 # What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
@@ -237,6 +239,7 @@ class Inbox:
         self._lanes: dict[tuple[int, int, str], ReplyLane] = {}  # per outbound-only participant (ReplyLane)
         self._streams: dict[tuple[int, int, str], int] = {}  # open streams per (round, attempt, sender)
         self._taken: set[ChunkKey] = set()  # chunks the collective took (`arrived` answers them)
+        self._posted: dict[ChunkKey, np.ndarray] = {}  # where a chunk's bytes may land (`post`)
 
     def streaming(self, round_: int, attempt: int, sender: str) -> bool:
         """Whether a stream of `sender`'s chunks for this attempt is open here right now."""
@@ -272,6 +275,7 @@ class Inbox:
         for k in [k for k in self._futures if (k[0], k[1]) < self.floor]:
             self._drop(k)
         self._taken = {k for k in self._taken if (k[0], k[1]) >= self.floor}
+        self._posted = {k: v for k, v in self._posted.items() if (k[0], k[1]) >= self.floor}
         self._broken = {k: v for k, v in self._broken.items() if (k[0], k[1]) >= self.floor}
         self._lanes = {k: v for k, v in self._lanes.items() if (k[0], k[1]) >= self.floor}
         self._wake()
@@ -305,6 +309,7 @@ class Inbox:
         for k in [k for k in self._futures if (k[0], k[1]) == (round_, attempt)]:
             self._drop(k)
         self._taken = {k for k in self._taken if (k[0], k[1]) != (round_, attempt)}
+        self._posted = {k: v for k, v in self._posted.items() if (k[0], k[1]) != (round_, attempt)}
         if self.session is not None and (self.session.round, self.session.attempt) == (round_, attempt):
             self.session = None
             self.floor = (round_, attempt + 1)
@@ -325,6 +330,27 @@ class Inbox:
         for k, f in self._futures.items():
             if (k[0], k[1], k[6]) == (round_, attempt, sender) and not f.done():
                 f.set_exception(SenderGone(reason))
+
+    def post(self, key: ChunkKey, dest: np.ndarray) -> None:
+        """Offer `dest` (a C-contiguous array the collective owns, e.g. its slice of the result)
+        as the place where chunk `key`'s raw bytes may be read when they come on a lane that
+        reads in place (peer.tcplane): the collective then finds the chunk already there
+        (`get` returns a view of `dest`) and copies nothing. Only for an attempt not older than
+        the running one; dropped with its attempt."""
+        if (key[0], key[1]) >= self.floor:
+            self._posted[key] = dest
+
+    def claim(self, key: ChunkKey, nbytes: int) -> memoryview | None:
+        """The place posted for chunk `key` as a byte view, when it holds exactly `nbytes`,
+        handed out once (a second chunk with the same key, which `deliver` refuses as a
+        duplicate, must never overwrite bytes the collective already took); None otherwise
+        (the lane reads into a fresh buffer). The bytes the lane writes there are the chunk's
+        only once `deliver` took it: until then the collective does not read that place, and a
+        chunk refused by its checks leaves its bytes there for the next arrival to overwrite."""
+        dest = self._posted.pop(key, None)
+        if dest is None or dest.nbytes != nbytes:
+            return None
+        return memoryview(dest).cast("B")
 
     def deliver(self, key: ChunkKey, values: Payload) -> None:
         """Store an arrived chunk. Raises FailedPrecondition (stale), ResourceExhausted (full)."""
@@ -774,6 +800,7 @@ class Transport:
         self._chosen: dict[str, str] = {}  # lane chosen per address
         self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
         self._results: list[list] = []  # result segments: [name, mmap, weak reference to the array on it]
+        self._buffers: list[list] = []  # result buffers in this process's memory: [mmap, weak reference]
         self.bytes_sent = 0
         self.relayed_bytes_sent = 0  # chunk bytes sent to relayed participants (sign_relayed)
         self.created = time.monotonic()
@@ -909,6 +936,31 @@ class Transport:
         arr = np.frombuffer(mm, dtype=dtype, count=n)
         self._results.append([name, mm, weakref.ref(arr)])
         return name, arr
+
+    def take_buffer(self, n: int, dtype) -> np.ndarray:
+        """A writable `(n,)` array of `dtype` in this process's memory (a collective's result
+        buffer when no co-located peer reads it), reused once no array on it is alive any more
+        (as `take_result`'s segments): a fresh 64 MB buffer costs its page faults and the
+        kernel's zeroing of every page when the lanes first write it (18 % of all the CPU of a
+        10 Gbit/s all-reduce here, docs/performance.md), rewriting a touched one does not. At
+        most IDLE_RESULT_BUFFERS idle ones are kept. Anonymous memory (`mmap`): its pages are
+        the process's own and go with the mapping."""
+        dtype = np.dtype(dtype)
+        nbytes = max(1, n * dtype.itemsize)
+        idle = [e for e in self._buffers if e[1]() is None]
+        for e in idle:
+            if len(e[0]) == nbytes:
+                arr = np.frombuffer(e[0], dtype=dtype, count=n)
+                e[1] = weakref.ref(arr)
+                return arr
+        for e in idle[IDLE_RESULT_BUFFERS - 1:] if IDLE_RESULT_BUFFERS else idle:
+            self._buffers.remove(e)  # unmapped by the garbage collector once nothing refers to it
+        mm = mmap.mmap(-1, nbytes)
+        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+            mm.madvise(mmap.MADV_HUGEPAGE)  # as numpy does for its large arrays: fewer faults
+        arr = np.frombuffer(mm, dtype=dtype, count=n)
+        self._buffers.append([mm, weakref.ref(arr)])
+        return arr
 
     def _drop_result(self, entry: list) -> None:
         self._results.remove(entry)

@@ -3,7 +3,10 @@
 gRPC in Python costs far more CPU per byte than the link on 1-10 Gbit/s networks (protobuf
 copies, HTTP/2 framing, a thread hop per message). On this lane a chunk is a 16-byte frame header,
 the chunk's protobuf header (`pb.Chunk` without `data`: ~60 bytes) and its raw bytes, written with
-one `sock_sendall` and read with `sock_recv_into` straight into the array the inbox will hold.
+one `sendmsg` straight from the collective's array (`ChunkFrame`, no copy) and read with
+`sock_recv_into` straight into the array the inbox will hold (a fresh one, or the place in the
+result the collective posted for that chunk: `_Frames.read`, `peer.dataplane.Inbox.claim`), the
+reader woken per RCVLOWAT_BYTES rather than per segment.
 gRPC stays the control lane and the fallback: a sender uses this lane only when the receiver
 advertises its port (`ProbeResponse.bulk_port`) and the connection opens; otherwise its stream goes
 on PushChunks.
@@ -54,6 +57,7 @@ import socket
 import ssl
 import struct
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -75,6 +79,11 @@ REUSE_SECONDS = IDLE_SECONDS / 2  # a sender reuses only connections idle less t
 MAX_CONNECTIONS = 256  # accepted connections held at once; more are closed at once
 CONNECT_SECONDS = 3.0
 DOWN_SECONDS = 300.0  # after a failed connect, PushChunks to that address for this long
+# A payload read wakes the event loop once this many bytes are queued (SO_RCVLOWAT), not for
+# every segment that lands: on a 1 Gbit/s link a 1 MiB payload otherwise took ~7-15 wake-ups
+# (each a readiness wait, a recv and a task step in Python), on 10 Gbit/s fewer but as costly.
+RCVLOWAT_BYTES = 256 << 10
+_LOWAT_MIN = 64 << 10  # reads shorter than this wake at the first byte, as usual
 
 
 class BulkRefused(Exception):
@@ -105,9 +114,9 @@ def decode_header(raw: bytes | memoryview) -> tuple[int, int, int]:
 
 
 def chunk_frame(header: pb.Chunk, body) -> memoryview:
-    """One CHUNK frame, the payload copied in once (so later writes to `body` never reach the
-    wire): the only copy the sender makes (into uninitialised memory: no zeroing pass).
-    `header` must not carry `data`."""
+    """One CHUNK frame in one contiguous buffer, the payload copied in (tests, and the frames a
+    test writes by hand). The lane itself sends `ChunkFrame`s, which copy nothing. `header` must
+    not carry `data`."""
     view = memoryview(body).cast("B")
     meta = header.SerializeToString()
     out = memoryview(np.empty(HEADER.size + len(meta) + view.nbytes, dtype=np.uint8))
@@ -117,8 +126,32 @@ def chunk_frame(header: pb.Chunk, body) -> memoryview:
     return out
 
 
+class ChunkFrame:
+    """One CHUNK frame as two buffers, written with one `sendmsg` (`send_frame`): `head`, the
+    frame header and the chunk's protobuf header (`header` without `data`), and `payload`, a view
+    of the caller's bytes (`body`, C-contiguous), not a copy. The caller promises that `body`
+    does not change until the frame was written (peer.collectives: the collectives send
+    final values, the caller's input and partial sums that change only after the receiver took
+    them); a copy of 1 MiB per chunk (and its fresh pages) was the sender's largest cost per byte
+    after the kernel's own (docs/performance.md, "Bulk lane")."""
+
+    __slots__ = ("head", "payload")
+
+    def __init__(self, header: pb.Chunk, body):
+        self.payload = memoryview(body).cast("B")
+        meta = header.SerializeToString()
+        self.head = HEADER.pack(CHUNK, len(meta), self.payload.nbytes) + meta
+
+    def __len__(self) -> int:
+        return len(self.head) + self.payload.nbytes
+
+    def joined(self) -> memoryview:
+        """The frame in one buffer (a copy: tests)."""
+        return memoryview(self.head + self.payload.tobytes())
+
+
 def split_chunk_frame(frame) -> tuple[pb.Chunk, memoryview]:
-    """Inverse of `chunk_frame` (tests, and re-signing the first chunk's header)."""
+    """Inverse of `chunk_frame` (tests)."""
     kind, meta_len, payload_len = decode_header(memoryview(frame)[:HEADER.size])
     if kind != CHUNK or len(frame) != HEADER.size + meta_len + payload_len:
         raise InvalidArgument("frame: not one whole CHUNK frame")
@@ -207,22 +240,48 @@ async def tls_sendall(loop, sock: ssl.SSLSocket, data) -> None:
         view = view[k:]
 
 
+_lowat: weakref.WeakKeyDictionary[socket.socket, int] = weakref.WeakKeyDictionary()  # SO_RCVLOWAT set, when not 1
+
+
+def _set_lowat(sock: socket.socket, want: int) -> None:
+    """Wake readers of `sock` once `want` bytes are queued (1: at the first byte). Linux grows
+    the receive buffer and clamps the TCP window to a low-water mark above half of it
+    (`tcp_set_rcvlowat`), so the mark stays at a quarter of the buffer at most: it never
+    limits the window. Raises OSError (a closed socket)."""
+    if want > 1:
+        want = max(1, min(want, socket.socket.getsockopt(sock, socket.SOL_SOCKET, socket.SO_RCVBUF) // 4))
+    if _lowat.get(sock, 1) != want:
+        socket.socket.setsockopt(sock, socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+        if want == 1:
+            _lowat.pop(sock, None)
+        else:
+            _lowat[sock] = want
+
+
 async def _tls_recv_into(loop, sock: ssl.SSLSocket, view: memoryview) -> None:
     """`recv_into` on TLS: SSL_read decrypts straight into `view`, one record (16 KiB) per call,
-    so the loop stays tight (no await) while records are buffered."""
+    so the loop stays tight (no await) while records are buffered. While more than
+    RCVLOWAT_BYTES + two records of plaintext are still due, a wait for the socket wakes only
+    once RCVLOWAT_BYTES raw bytes are queued (they will come: the sender writes whole frames);
+    for the tail, at the first byte (a mark above what is left would never wake)."""
     got, n = 0, view.nbytes
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:])
-        except ssl.SSLWantReadError:
-            await _ready(loop, sock, write=False)
-            continue
-        except ssl.SSLWantWriteError:
-            await _ready(loop, sock, write=True)
-            continue
-        if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
+    try:
+        while got < n:
+            try:
+                k = sock.recv_into(view[got:])
+            except ssl.SSLWantReadError:
+                _set_lowat(sock, RCVLOWAT_BYTES if n - got >= RCVLOWAT_BYTES + (32 << 10) else 1)
+                await _ready(loop, sock, write=False)
+                continue
+            except ssl.SSLWantWriteError:
+                await _ready(loop, sock, write=True)
+                continue
+            if k == 0:
+                raise ConnectionError(f"connection closed after {got} of {n} bytes")
+            got += k
+    finally:
+        if sock in _lowat and sock.fileno() >= 0:
+            _set_lowat(sock, 1)
 
 
 async def _recv_some(loop, sock: socket.socket, view: memoryview) -> int:
@@ -239,16 +298,45 @@ async def sendall(loop, sock: socket.socket, data) -> None:
         await loop.sock_sendall(sock, data)
 
 
+async def send_frame(loop, sock: socket.socket, frame: ChunkFrame) -> None:
+    """Write a `ChunkFrame`: plaintext, one `sendmsg` of its two buffers (the kernel copies
+    the payload straight from the caller's array), the rest with `sock_sendall` when the socket
+    was full; TLS, SSL_write of each."""
+    if isinstance(sock, ssl.SSLSocket):
+        await tls_sendall(loop, sock, frame.head)
+        await tls_sendall(loop, sock, frame.payload)
+        return
+    try:
+        k = sock.sendmsg((frame.head, frame.payload))
+    except (BlockingIOError, InterruptedError):
+        k = 0
+    for part in (memoryview(frame.head), frame.payload):
+        if k >= part.nbytes:
+            k -= part.nbytes
+            continue
+        await loop.sock_sendall(sock, part[k:])
+        k = 0
+
+
 async def recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock` (plaintext or TLS). Raises ConnectionError when the peer closes first."""
+    """Fill `view` from `sock` (plaintext or TLS). Raises ConnectionError when the peer closes
+    first. A long read waits for RCVLOWAT_BYTES at a time (at most what is left), not for every
+    segment."""
     if isinstance(sock, ssl.SSLSocket):
         return await _tls_recv_into(loop, sock, view)
     got, n = 0, view.nbytes
-    while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
-        if k == 0:
-            raise ConnectionError(f"connection closed after {got} of {n} bytes")
-        got += k
+    try:
+        while got < n:
+            left = n - got
+            if left >= _LOWAT_MIN or sock in _lowat:
+                _set_lowat(sock, min(left, RCVLOWAT_BYTES) if left >= _LOWAT_MIN else 1)
+            k = await loop.sock_recv_into(sock, view[got:])
+            if k == 0:
+                raise ConnectionError(f"connection closed after {got} of {n} bytes")
+            got += k
+    finally:
+        if sock in _lowat and sock.fileno() >= 0:
+            _set_lowat(sock, 1)
 
 
 async def read_frame_head(loop, sock) -> tuple[int, bytes, int]:
@@ -364,8 +452,8 @@ class BulkConnection:
         return None
 
     async def send_stream(self, frames, hello: Callable[[pb.Chunk], object]) -> int:
-        """Write one stream: `frames` yields (header, frame) pairs as made by `chunk_frame` (or
-        None to stop), the first header already holding the ticket; `hello(first header)` is
+        """Write one stream: `frames` yields (header, frame) pairs, a frame a `ChunkFrame` or
+        one buffer as made by `chunk_frame` (or None to stop), the first header already holding the ticket; `hello(first header)` is
         its signature metadata. Returns the chunks the receiver acknowledged.
 
         Raises BulkRefused (the receiver's refusal, which it may send at any time),
@@ -379,7 +467,10 @@ class BulkConnection:
                     reply = asyncio.ensure_future(self._reply())
                 if reply.done():
                     break  # refused or broken mid-stream: the reason is in the reply
-                await sendall(self.loop, self.sock, frame)
+                if isinstance(frame, ChunkFrame):
+                    await send_frame(self.loop, self.sock, frame)
+                else:
+                    await sendall(self.loop, self.sock, frame)
             if reply is None:
                 return 0
             if reply.done():  # answered before the END: a refusal, a break, or a receiver out of step
@@ -522,11 +613,16 @@ class _Metadata:
 
 
 class _Frames:
-    """The chunks of one stream after its first: an async iterator of `pb.Chunk` headers whose
-    payloads (`body()`) are read into fresh buffers bounded by the plan. END stops it."""
+    """The chunks of one stream: an async iterator of `pb.Chunk` headers (after the first, which
+    `read` takes) whose payloads (`body()`) are read into fresh buffers bounded by the plan, or,
+    for a raw chunk of this stream's own sender and attempt (`origin`) whose place the
+    collective posted (`claim`: `peer.dataplane.Inbox.claim`), straight into that place. END
+    stops it."""
 
-    def __init__(self, loop, sock, max_payload: int):
+    def __init__(self, loop, sock, max_payload: int, claim: Callable[[tuple, int], memoryview | None] | None = None):
         self.loop, self.sock, self.max_payload = loop, sock, max_payload
+        self.claim = claim
+        self.origin: tuple[int, int, str] | None = None  # (round, attempt, sender) of the first chunk
         self.current: memoryview | None = None
 
     def body(self) -> memoryview | None:
@@ -542,13 +638,24 @@ class _Frames:
         if kind != CHUNK:
             raise InvalidArgument(f"frame: kind {kind} inside a stream")
         c = parse_chunk_header(meta)
-        self.current = await self.payload(payload_len)
+        await self.read(c, payload_len)
         return c
 
-    async def payload(self, n: int) -> memoryview:
+    async def read(self, c: pb.Chunk, n: int) -> None:
+        """Read chunk `c`'s payload of `n` bytes (`body()`). Raises InvalidArgument past the
+        plan's bound, ConnectionError/OSError."""
         if n > self.max_payload:
             raise InvalidArgument(f"frame: payload of {n} bytes, the plan's chunks hold at most {self.max_payload}")
-        return await recv_payload(self.loop, self.sock, n)
+        if self.origin is None:
+            self.origin = (c.round, c.attempt, c.sender)
+        dest = None
+        if self.claim is not None and not c.codec and n and (c.round, c.attempt, c.sender) == self.origin:
+            dest = self.claim((c.round, c.attempt, c.phase, c.step, c.shard, c.offset, c.sender), n)
+        if dest is None:
+            self.current = await recv_payload(self.loop, self.sock, n)
+        else:
+            await recv_into(self.loop, self.sock, dest)
+            self.current = dest
 
 
 def max_payload(session) -> int:
@@ -647,8 +754,9 @@ class BulkServer:
             raise InvalidArgument("frame: the HELLO is followed by the first chunk")
         first = parse_chunk_header(meta)
         s = await self.service._admit(first, ctx, BULK_METHOD)  # signature, ticket, plan: before any payload
-        frames = _Frames(loop, sock, max_payload(s))
-        frames.current = await frames.payload(payload_len)
+        inbox = getattr(self.service, "inbox", None)
+        frames = _Frames(loop, sock, max_payload(s), inbox.claim if inbox is not None else None)
+        await frames.read(first, payload_len)
         return await self.service._receive(first, frames, s, body=frames.body)
 
     async def _refuse(self, loop, sock, exc: ShoalError) -> None:

@@ -57,6 +57,91 @@ def test_chunk_frame_round_trips_header_and_payload():
     assert np.frombuffer(tcplane.split_chunk_frame(frame)[1], np.float32)[0] == 0
 
 
+def test_a_chunk_frame_is_the_same_bytes_without_copying_the_payload():
+    values = np.arange(5, dtype=np.float32)
+    header = _header(count=5, step=1)
+    frame = tcplane.ChunkFrame(header, values)
+    assert bytes(frame.joined()) == bytes(tcplane.chunk_frame(header, values)) and len(frame) == len(frame.joined())
+    values[0] = 99  # a view: the caller must not write before the frame left (peer.collectives)
+    assert np.frombuffer(frame.payload, np.float32)[0] == 99
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    for s in (a, b):
+        s.setblocking(False)
+    return a, b
+
+
+async def test_send_frame_writes_every_byte_when_the_socket_fills():
+    loop = asyncio.get_running_loop()
+    a, b = _tcp_pair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # sendmsg writes part, sock_sendall the rest
+    values = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
+    frames = [tcplane.ChunkFrame(_header(count=values.size, offset=i), values) for i in range(3)]
+    try:
+        async with asyncio.timeout(30):
+            async def send():
+                for f in frames:
+                    await tcplane.send_frame(loop, a, f)
+
+            sender = asyncio.ensure_future(send())
+            for i in range(3):
+                kind, meta, n = await tcplane.read_frame_head(loop, b)
+                body = await tcplane.recv_payload(loop, b, n)
+                assert kind == tcplane.CHUNK and pb.Chunk.FromString(meta).offset == i
+                assert bytes(body) == values.tobytes()
+            await sender
+    finally:
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, 300_000, 70_000])
+async def test_a_long_read_wakes_per_low_water_mark_and_leaves_the_socket_as_it_was(nbytes):
+    loop = asyncio.get_running_loop()
+    a, b = _tcp_pair()
+    data = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+    buf = memoryview(bytearray(nbytes))
+    try:
+        async with asyncio.timeout(30):
+            async def send():  # in pieces with pauses: the tail is shorter than the mark
+                for i in range(0, nbytes, 50_000):
+                    await loop.sock_sendall(a, data[i:i + 50_000])
+                    await asyncio.sleep(0.002)
+
+            sender = asyncio.ensure_future(send())
+            await tcplane.recv_into(loop, b, buf)
+            await sender
+        assert bytes(buf) == data
+        assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1  # header reads wake at the first byte
+        rcvbuf = b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        tcplane._set_lowat(b, 10 * rcvbuf)  # never past a quarter of the receive buffer (no window clamp)
+        assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) <= rcvbuf // 4
+    finally:
+        a.close(), b.close()
+
+
+def test_a_posted_place_is_handed_out_once_and_only_for_its_size_and_attempt():
+    inbox = Inbox()
+    inbox.start(Session(0, 1, frozenset({ALICE}), pb.FLOAT32))
+    dest = np.zeros(4, np.float32)
+    key = (0, 1, pb.ALL_GATHER, 0, 0, 0, ALICE)
+    inbox.post(key, dest)
+    inbox.post((0, 0, pb.ALL_GATHER, 0, 0, 0, ALICE), np.zeros(4, np.float32))  # an older attempt: ignored
+    assert inbox.claim((0, 0, pb.ALL_GATHER, 0, 0, 0, ALICE), 16) is None
+    assert inbox.claim(key, 12) is None and inbox.claim(key, 16) is None  # a wrong size uses it up
+    inbox.post(key, dest)
+    view = inbox.claim(key, 16)
+    assert view is not None and view.nbytes == 16 and inbox.claim(key, 16) is None  # once
+    view[:4] = b"\x00\x00\x80\x3f"
+    assert dest[0] == 1.0
+    inbox.post(key, dest)
+    inbox.finish(0, 1)
+    assert inbox.claim(key, 16) is None
+
+
 def test_frame_headers_refuse_unknown_kinds_and_oversized_meta():
     with pytest.raises(InvalidArgument, match="kind 9"):
         tcplane.decode_header(struct.pack("<B3xIQ", 9, 0, 0))
@@ -133,10 +218,21 @@ async def test_all_reduce_over_the_bulk_lane_is_bit_identical_to_push_chunks(alg
     rng = np.random.default_rng(11)
     xs = [rng.standard_normal(n).astype(np.float32) for _ in range(p)]
     async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        claimed = [0] * p  # all-gather chunks read straight into the result (`Inbox.post`)
+        for i, inbox in enumerate(peers.inboxes):
+            def counting(key, n, claim=inbox.claim, i=i):
+                got = claim(key, n)
+                claimed[i] += got is not None and key[2] == pb.ALL_GATHER
+                return got
+            inbox.claim = counting
         bulk = []
         for attempt in range(2):  # the second attempt reuses the connections of the first
             bulk = await peers.run(xs, attempt=attempt, algorithm=algorithm, chunk_bytes=128 << 10)
             assert all(set(t.lanes().values()) == {"tcp"} for t in peers.transports)
+        # Every all-gather chunk of both attempts (posted before its sender could have it).
+        per_attempt = [sum(-(-(n * (k + 1) // p - n * k // p) * 4 // (128 << 10)) for k in range(p) if k != i)
+                       for i in range(p)]
+        assert claimed == [2 * c for c in per_attempt]
         assert all(len(t.bulk._idle.get(a, ())) == 1 for t in peers.transports for a in t.lanes())
     async with Swarmlet(p, [False] * p) as peers:
         grpc_lane = await peers.run(xs, attempt=0, algorithm=algorithm, chunk_bytes=128 << 10)
@@ -549,3 +645,16 @@ def test_a_peer_killed_mid_collective_on_the_bulk_lane_is_retried_without_it(pro
     assert any(e["round"] == 3 and e["will_retry"] for e in aborted), "round 3 should have been aborted and retried"
     r3 = [e for e in events(procs, "peer-0") if e["event"] == "commit" and e["round"] == 3][0]
     assert r3["participants"] == 3 and r3["attempt"] >= 1
+
+
+def test_a_result_buffer_is_reused_only_once_no_view_of_it_is_alive():
+    t = Transport()
+    a = t.take_buffer(1000, np.float32)
+    first = a.__array_interface__["data"][0]
+    view = memoryview(a[10:20]).cast("B")  # e.g. a place the inbox handed to a lane
+    del a
+    b = t.take_buffer(1000, np.float32)  # the first is still referred to: a new one
+    assert b.__array_interface__["data"][0] != first
+    del view
+    assert t.take_buffer(1000, np.float32).__array_interface__["data"][0] == first  # free now: reused
+    assert t.take_buffer(1000, np.float16).dtype == np.float16  # another size: its own buffer
