@@ -184,8 +184,13 @@ def swarm():
     engine._run([base, "build", "--network", "host", "-f", "deploy/Dockerfile", "-t", image,
                  "-t", "localhost/shoal-compose-test:cache", "."], timeout=1200)
     try:
-        engine.compose_cmd("up", "-d", "--no-build", *SERVICES, timeout=600)
+        up = engine.compose_cmd("up", "-d", "--no-build", *SERVICES, timeout=600)
         engine.ports = ports  # type: ignore[attr-defined]
+        if engine.engine == "podman":  # podman-compose 1.0.x exits 0 when a container could not be made
+            missing = [s for s in SERVICES if subprocess.run(["podman", "container", "exists", engine.container(s)],
+                                                             capture_output=True, timeout=60).returncode != 0]
+            assert not missing, (f"compose up made no container for {missing}:\n{up.stdout[-2000:]}\n"
+                                 f"{up.stderr[-2000:]}")
         yield engine
     finally:
         # -t 5: a container still running after 5 s of SIGTERM is killed (the default 10 s per
