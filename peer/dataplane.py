@@ -774,6 +774,36 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
+@dataclass(eq=False)
+class _Pooled:
+    """A reusable result buffer of `Transport.take_result` / `take_buffer`: its mapping, its
+    shared-memory segment's name ("" for the process's own memory) and a weak reference to the
+    array last handed out on it (idle once that array and every view of it are gone)."""
+
+    mm: mmap.mmap
+    name: str = ""
+    ref: Callable[[], object] = lambda: None
+
+
+def _take_pooled(pool: list[_Pooled], n: int, dtype, keep: int, make: Callable[[int], _Pooled],
+                 drop: Callable[[_Pooled], None]) -> tuple[_Pooled, np.ndarray]:
+    """A writable `(n,)` array of `dtype` on an idle entry of `pool` of exactly its size, or on a
+    new one from `make(nbytes)` (appended) after dropping idle entries (`drop`, which removes
+    them from `pool`) down to `keep - 1`, so that at most `keep` stay idle with the new one."""
+    dtype = np.dtype(dtype)
+    nbytes = max(1, n * dtype.itemsize)
+    idle = [e for e in pool if e.ref() is None]
+    entry = next((e for e in idle if len(e.mm) == nbytes), None)
+    if entry is None:
+        for e in idle[keep - 1:] if keep else idle:
+            drop(e)
+        entry = make(nbytes)
+        pool.append(entry)
+    arr = np.frombuffer(entry.mm, dtype=dtype, count=n)
+    entry.ref = weakref.ref(arr)
+    return entry, arr
+
+
 class Transport:
     """Outgoing data-plane channels, one per remote address, reused across rounds.
 
@@ -799,8 +829,8 @@ class Transport:
         self._lanes: dict[str, asyncio.Task[bool]] = {}  # probe result per address
         self._chosen: dict[str, str] = {}  # lane chosen per address
         self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
-        self._results: list[list] = []  # result segments: [name, mmap, weak reference to the array on it]
-        self._buffers: list[list] = []  # result buffers in this process's memory: [mmap, weak reference]
+        self._results: list[_Pooled] = []  # result segments (shared memory, named)
+        self._buffers: list[_Pooled] = []  # result buffers in this process's memory
         self.bytes_sent = 0
         self.relayed_bytes_sent = 0  # chunk bytes sent to relayed participants (sign_relayed)
         self.created = time.monotonic()
@@ -922,20 +952,12 @@ class Transport:
         transparent huge pages costs ~7 ms), and rewriting touched pages is cheap; at most
         IDLE_RESULT_SEGMENTS idle ones are kept, the others unlinked. Raises OSError when
         /dev/shm is full (the caller uses its own memory then)."""
-        dtype = np.dtype(dtype)
-        nbytes = max(1, n * dtype.itemsize)
-        idle = [e for e in self._results if e[2]() is None]
-        for e in idle:
-            if len(e[1]) == nbytes:
-                arr = np.frombuffer(e[1], dtype=dtype, count=n)
-                e[2] = weakref.ref(arr)
-                return e[0], arr
-        for e in idle[IDLE_RESULT_SEGMENTS - 1:]:  # room for the new one among the idle
-            self._drop_result(e)
-        name, mm = shm.create_segment(self.peer_id, nbytes)
-        arr = np.frombuffer(mm, dtype=dtype, count=n)
-        self._results.append([name, mm, weakref.ref(arr)])
-        return name, arr
+        def segment(nbytes: int) -> _Pooled:
+            name, mm = shm.create_segment(self.peer_id, nbytes)
+            return _Pooled(mm, name)
+
+        entry, arr = _take_pooled(self._results, n, dtype, IDLE_RESULT_SEGMENTS, segment, self._drop_result)
+        return entry.name, arr
 
     def take_buffer(self, n: int, dtype) -> np.ndarray:
         """A writable `(n,)` array of `dtype` in this process's memory (a collective's result
@@ -945,28 +967,20 @@ class Transport:
         10 Gbit/s all-reduce here, docs/performance.md), rewriting a touched one does not. At
         most IDLE_RESULT_BUFFERS idle ones are kept. Anonymous memory (`mmap`): its pages are
         the process's own and go with the mapping."""
-        dtype = np.dtype(dtype)
-        nbytes = max(1, n * dtype.itemsize)
-        idle = [e for e in self._buffers if e[1]() is None]
-        for e in idle:
-            if len(e[0]) == nbytes:
-                arr = np.frombuffer(e[0], dtype=dtype, count=n)
-                e[1] = weakref.ref(arr)
-                return arr
-        for e in idle[IDLE_RESULT_BUFFERS - 1:] if IDLE_RESULT_BUFFERS else idle:
-            self._buffers.remove(e)  # unmapped by the garbage collector once nothing refers to it
-        mm = mmap.mmap(-1, nbytes)
-        if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-            mm.madvise(mmap.MADV_HUGEPAGE)  # as numpy does for its large arrays: fewer faults
-        arr = np.frombuffer(mm, dtype=dtype, count=n)
-        self._buffers.append([mm, weakref.ref(arr)])
-        return arr
+        def buffer(nbytes: int) -> _Pooled:
+            mm = mmap.mmap(-1, nbytes)
+            if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+                mm.madvise(mmap.MADV_HUGEPAGE)  # as numpy does for its large arrays: fewer faults
+            return _Pooled(mm)
 
-    def _drop_result(self, entry: list) -> None:
+        # A dropped buffer is unmapped by the garbage collector once nothing refers to it.
+        return _take_pooled(self._buffers, n, dtype, IDLE_RESULT_BUFFERS, buffer, self._buffers.remove)[1]
+
+    def _drop_result(self, entry: _Pooled) -> None:
         self._results.remove(entry)
-        shm.unlink(entry[0])
+        shm.unlink(entry.name)
         try:
-            entry[1].close()
+            entry.mm.close()
         except BufferError:  # an array on it is still alive: unmapped when it goes
             pass
 

@@ -430,7 +430,7 @@ async def test_result_segments_are_reused_only_once_their_arrays_are_gone():
         held = [t.take_result(10, np.float32) for _ in range(4)]  # another size: new segments
         del held
         t.take_result(20, np.float32)
-        idle = [e for e in t._results if e[2]() is None]
+        idle = [e for e in t._results if e.ref() is None]
         assert len(idle) <= IDLE_RESULT_SEGMENTS  # the others were unlinked
         assert len(_mine(t.peer_id)) == len(t._results)
     finally:
