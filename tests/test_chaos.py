@@ -137,6 +137,8 @@ def test_lost_commit_event_is_recovered_by_the_heartbeat(procs):
         "peer-1 did not take part again after the lost commit"
 
 
+@pytest.mark.soak  # default-run budget (10 min): 13 s; test_blame_swarm's stall in the reduce-scatter keeps a
+# SIGSTOPped peer left out while the rounds go on in the default run
 def test_sigstopped_straggler_is_left_out_then_rejoins(procs):
     addr = start_swarm(procs, 4, rounds=14)
     peers = [start_peer(procs, addr, i) for i in range(4)]

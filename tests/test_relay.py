@@ -99,7 +99,9 @@ def test_relay_splices_a_registered_peer_and_refuses_a_forged_registration(procs
     assert counted >= 2 * len(payload)
 
 
-@pytest.mark.parametrize("fault", ["flip@2", "prefix@2"])  # a chunk's values; its gRPC length prefix
+# a chunk's values; its gRPC length prefix (a soak: default-run budget, 7 s; the blame rule for a
+# relay is the same for both, tests/test_blame.py)
+@pytest.mark.parametrize("fault", ["flip@2", pytest.param("prefix@2", marks=pytest.mark.soak)])
 def test_a_relay_that_alters_a_chunk_is_blamed_and_no_peer_is_excluded(tmp_path, fault):
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
     env = {**os.environ, "SHOAL_FAULT_RELAY": fault}  # only the relay reads it
