@@ -44,6 +44,7 @@ import enum
 import logging
 import math
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from shoal.common.plan import Plan, auditor_positions
@@ -561,6 +562,8 @@ class RoundEngine:
         self.cohort: Cohort | None = None  # drawn for the round being prepared (cohort_size > 0)
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
         self.running: _Running | None = None
+        # Joiners whose sync order waits for the attempt in flight to end (`join_sync`).
+        self.sync_owed: set[str] = set()
         self.local_seconds = 0.0  # last local phase: last commit -> first Ready after it (`_pool`)
         self.not_before = 0.0
         self._held = Waiting(WaitReason.BACKOFF, "backoff")  # why not_before is in the future
@@ -717,6 +720,28 @@ class RoundEngine:
         m.lease_expiry = now + self.config.lease_seconds
         return m
 
+    def join_sync(self, peer_id: str, now: float) -> SendSync | None:
+        """The sync order a joiner's Join answer carries: the last committed state; None when
+        there is nothing to fetch (no commit yet; with cohorts a draw orders it) or while an
+        attempt is in flight. Its commit would make that state stale before a slow joiner is done:
+        one more full download (a 4 Mbit/s joiner of a 9.8 MB state fetched it twice, 21 s each,
+        because a 0.1 s round committed meanwhile). So the order follows when the attempt ends
+        (`_commit`, `_abort`); a Ready it sends meanwhile gets no order, and the rounds after wait
+        for its download (the hold `join` set)."""
+        m = self.members.get(peer_id)
+        if m is None or not self.commits or self.config.cohort_size:
+            return None
+        if self.running is not None:
+            self.sync_owed.add(peer_id)
+            return None
+        return SendSync(peer_id, self.committed_rounds, self.last_state_digest, self.donors(now, exclude=peer_id))
+
+    def _owed_orders(self, now: float, skip: Iterable[str] = ()) -> list[SendSync]:
+        """The sync orders `join_sync` put off, now that the attempt ended (the owed set empties)."""
+        owed, self.sync_owed = self.sync_owed - set(skip), set()
+        orders = [self._order_sync(self.members[p], 0, now) for p in sorted(owed) if p in self.members]
+        return [o for o in orders if o is not None]
+
     def leave(self, peer_id: str, now: float) -> list[Action]:
         if peer_id not in self.members:
             return []
@@ -795,6 +820,8 @@ class RoundEngine:
             self._pool(peer_id, info, now)
             return self._maybe_open(now)
         if not in_sync:
+            if peer_id in self.sync_owed and self.running is not None:
+                return []  # its order comes when the attempt in flight ends (join_sync)
             order = self._order_sync(m, info.state_round, now)
             if order is None:
                 raise RoundError(ErrorKind.PRECONDITION, "state_round: no up-to-date donor is live; retry later")
@@ -847,6 +874,7 @@ class RoundEngine:
     def _order_sync(self, m: Member, held_round: int, now: float) -> SendSync | None:
         """The sync order for member `m`, which holds the state of round `held_round` (not the
         last committed one), or None when no up-to-date donor is live."""
+        self.sync_owed.discard(m.peer_id)
         donors = self.donors(now, exclude=m.peer_id)
         if not donors:
             return None
@@ -1284,6 +1312,7 @@ class RoundEngine:
         orders = [self._order_sync(self.members[p], rec.round, now) for p in self.ready
                   if p not in set(rec.participants) and p in self.members]
         syncs = [o for o in orders if o is not None]
+        syncs += self._owed_orders(now, skip=[o.peer_id for o in syncs])
         self._reset_round()
         return [SendCommit(rec, self.epoch, frozenset(o.peer_id for o in syncs), step_seconds=pace), *syncs]
 
@@ -1348,7 +1377,7 @@ class RoundEngine:
             self._hold(now + self.config.retry_backoff, Waiting(
                 WaitReason.BACKOFF, f"retry backoff: round {run.plan.round} given up after an abort ({reason}); "
                                     f"it starts over when peers say ready"))
-        return [SendAbort(rec, to)]
+        return [SendAbort(rec, to), *self._owed_orders(now)]
 
     def _reset_round(self, next_attempt: int | None = None, *, keep_pool: bool = False) -> None:
         """A new round (or a round started over): nobody excluded, no cohort, no Ready kept

@@ -389,6 +389,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             asked = self.clock()
             rec = self.memberships.admit(self.admission, peer_id, request.public_key, request.join_token, asked)
             held = peer_id in self.engine.members  # the previous process still had a lease
+            if self.finished_event is not None and not held:
+                # A latecomer: the run is over (and the coordinator exits once its members left).
+                log.info("peer %s joined after the run finished; told so", peer_id[:8])
+                return pb.JoinResponse(peer_id=peer_id, coordinator_public_key=public_bytes(self.key),
+                                       finished=self.finished_event.finished)
             fenced = self.memberships.claim(peer_id, _instance(context), self._live(peer_id, asked))
             issued = self._issue(peer_id, request.tls_csr)  # a bad CSR refuses the join before it counts
             # Without an fsync, like the member row (a 10,000-member start must not fsync each join):
@@ -432,11 +437,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 unreachable=reach.reason if reach is not None and not reach.reachable else "",
             )
             _give(resp, issued)
-            # With cohorts a joiner fetches the state when a draw picks it (coordinator.cohorts).
-            if self.engine.commits and not self.engine.config.cohort_size:
-                resp.sync.CopyFrom(self._sync_order(SendSync(peer_id, self.engine.committed_rounds,
-                                                             self.engine.last_state_digest,
-                                                             self.engine.donors(now, exclude=peer_id)), to=peer_id))
+            # With cohorts a joiner fetches the state when a draw picks it (coordinator.cohorts);
+            # while an attempt is in flight, its order comes when the attempt ends (on the stream).
+            order = self.engine.join_sync(peer_id, now)
+            if order is not None:
+                resp.sync.CopyFrom(self._sync_order(order, to=peer_id))
             return resp
 
     def _live(self, peer_id: str, now: float) -> bool:

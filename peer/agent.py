@@ -222,6 +222,7 @@ class PeerAgent(StateSource):
         self.clock = RunClock()  # this process's own time (a SIGSTOP shows as a pause)
         self.unreachable = ""  # why the coordinator could not dial this peer's address back (JoinResponse)
         self.finished = False
+        self.too_late: pb.Finished | None = None  # the run had finished when this peer joined (JoinResponse)
         self.leaving = False  # stop was set: no new round (run's graceful leave)
         self.playing = False  # inside RoundClient.play
         self.service: PeerService | None = None
@@ -338,6 +339,11 @@ class PeerAgent(StateSource):
             if not await _unless_stopped(self._register_and_join(relay), stop):
                 log.info("stopped before it joined the swarm")
                 return {"peer": peer_id_of(self.public_key), "rounds": 0, "left": True}
+            if self.too_late is not None:
+                log.info("the run had already finished (%d rounds committed, %s) when this peer joined; "
+                         "nothing to do", self.too_late.rounds_committed, self.too_late.reason or "done")
+                self.emit("too_late", rounds_committed=self.too_late.rounds_committed)
+                return {"peer": self.peer_id, "rounds": 0, "left": False, "joined_after_the_run_finished": True}
             async with asyncio.TaskGroup() as tg:
                 hb = tg.create_task(self._heartbeat_loop())
                 pauses = tg.create_task(keep_reading(self.clock))  # notices when this process did not run
@@ -378,6 +384,9 @@ class PeerAgent(StateSource):
     async def _start(self) -> None:
         """Join, build the workload from the run's configuration, and the round protocol."""
         resp = await self.control.join()
+        if resp.HasField("finished"):
+            self.too_late = resp.finished
+            return
         cfg = RunConfig.from_json(resp.run_config_json)
         self.workload = await asyncio.to_thread(self.workload_factory, cfg)
         owner_attack = functools.partial(tamper, scale=self.config.attack_scale) \

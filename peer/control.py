@@ -77,7 +77,9 @@ class CoordinatorClient:
         self.pending_sync: pb.SyncOrder | None = None  # from the last JoinResponse, until taken
 
     async def join(self) -> pb.JoinResponse:
-        """Join (or join again); raises the last error when the bound passes or admission refuses."""
+        """Join (or join again); raises the last error when the bound passes or admission refuses.
+        A response with `finished` set (the run was over before this peer came) is returned as it
+        is: the peer is no member and has nothing to do."""
         req = self.join_request()
         try:
             resp = await self.policy.call(self._reported(lambda: self.stub.Join(req, timeout=self.rpc_timeout,
@@ -88,6 +90,8 @@ class CoordinatorClient:
             raise
         self.peer_id = resp.peer_id
         self.coordinator_public_key = resp.coordinator_public_key
+        if resp.HasField("finished"):  # the run was over before this peer came: not a member
+            return resp
         self.lease_seconds = resp.lease_seconds
         self.heartbeat_interval = resp.heartbeat_interval_seconds
         if resp.HasField("sync") and resp.sync.donors:

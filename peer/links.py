@@ -49,7 +49,12 @@ from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.links")
 
-PROBE_BYTES = 1 << 20
+PROBE_BYTES = 1 << 20  # each direction of a probe of a link nothing is known of (at most, known or not)
+MIN_PROBE_BYTES = 64 << 10
+# A known link is probed with about this many seconds' worth of its estimate each way: a 1 MiB
+# probe each way of 3 links took a 4 Mbit/s peer 12 s before its Ready, and the round went on
+# without it (then it needed the whole state again).
+PROBE_TARGET_SECONDS = 0.5
 PROBE_INTERVAL_SECONDS = 300.0
 PROBE_TIMEOUT_SECONDS = 10.0
 COORDINATOR = "coordinator"  # the pseudo peer id of probes of the coordinator (a joiner's first estimate)
@@ -225,6 +230,20 @@ class LinkMeter:
         link.probed_at = link.updated_at = self.clock()
         link.due = False
 
+    def probe_bytes(self, peer_id: str, most: int = PROBE_BYTES) -> int:
+        """Bytes for each direction of a probe of the link to `peer_id`: PROBE_TARGET_SECONDS at
+        the slower of its estimates (or of this peer's own, when that link is unknown), between
+        MIN_PROBE_BYTES and `most`; `most` when nothing is known. A probe then takes about a
+        second each way and link, however slow the link."""
+        link = self._links.get(peer_id)
+        rates = [r for r in ((link.up, link.down) if link is not None else ()) if r > 0]
+        if not rates:
+            up, down, _ = self.aggregate()
+            rates = [r for r in (up, down) if r > 0]
+        if not rates:
+            return most
+        return int(min(most, max(MIN_PROBE_BYTES, min(rates) * PROBE_TARGET_SECONDS)))
+
     def needs_probe(self, peer_id: str) -> bool:
         """No throughput history for this peer, its last probe is older than probe_interval, or
         a slow collective made it due (`after_collective`)."""
@@ -318,9 +337,10 @@ async def probe_peer(meter: LinkMeter, stub, peer_id: str, *, nbytes: int = PROB
 
 async def probe_missing(meter: LinkMeter, transport, peers: Iterable[tuple[str, str]], me: str, *,
                         nbytes: int = PROBE_BYTES) -> int:
-    """Probe, one after the other, every (peer id, address) that `meter.needs_probe`; returns
-    how many were probed. The order starts after `me` in the given list (peer i probes i+1,
-    i+2, …) so that peers probing at the same time mostly probe different targets."""
+    """Probe, one after the other, every (peer id, address) that `meter.needs_probe`, each with
+    `meter.probe_bytes(peer, nbytes)` each way; returns how many were probed. The order starts
+    after `me` in the given list (peer i probes i+1, i+2, …) so that peers probing at the same
+    time mostly probe different targets."""
     peers = list(peers)
     ids = [p for p, _ in peers]
     start = ids.index(me) + 1 if me in ids else 0
@@ -329,6 +349,6 @@ async def probe_missing(meter: LinkMeter, transport, peers: Iterable[tuple[str, 
         pid, addr = peers[(start + k) % len(peers)]
         if pid == me or not meter.needs_probe(pid):
             continue
-        if await probe_peer(meter, transport.stub(addr, pid), pid, nbytes=nbytes):
+        if await probe_peer(meter, transport.stub(addr, pid), pid, nbytes=meter.probe_bytes(pid, nbytes)):
             done += 1
     return done

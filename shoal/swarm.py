@@ -670,6 +670,7 @@ class ScenarioDriver:
         self.swarm, self.plan, self.t0 = swarm, plan, t0
         self.pending = list(plan.events)
         self.late = sorted((spec.start, i) for i, spec in enumerate(plan.peers) if spec.start > 0)
+        self.not_started: set[int] = set()  # late joiners whose start came after the run finished
         self.done: dict[int, float] = {}  # event index -> done time (seconds after t0)
         self.fired: list[tuple[int, Event]] = []
         # Peers whose fault may SIGSTOP them: [stopped at, resumed at (None: not yet)] per stop seen.
@@ -689,6 +690,11 @@ class ScenarioDriver:
         now = time.time() - self.t0
         if committed >= self.swarm.opts.rounds:
             self.finish(now)
+            for start, i in self.late:  # nothing left to join (a quiet machine got there first)
+                log.warning("scenario: peer-%d not started: the run finished before its start at %.1fs (use more "
+                            "--rounds)", i, start)
+                self.not_started.add(i)
+            self.late.clear()
         while self.late and self.late[0][0] <= now:
             _, i = self.late.pop(0)
             log.info("scenario: peer-%d joins at %.1fs", i, now)
@@ -790,6 +796,7 @@ class ScenarioDriver:
         return {"network": "netns" if sw.bed is not None else "loopback",
                 "per_peer": scenario_mod.per_peer_report(evs, starts, rows, n, sw.coordinator_joins(ids)), "rounds": rows,
                 "wrongful_exclusions": len(wrong), "wrongful_exclusion_list": wrong,
+                "peers_not_started": sorted(self.not_started),
                 "fault_stops": {str(i): [[round(a, 3), None if b is None else round(b, 3)] for a, b in spans]
                                 for i, spans in self.fault_stops.items()}}
 
@@ -1114,8 +1121,9 @@ def run_swarm(opts: SwarmOptions) -> dict:
                 if top >= opts.rounds and not announced:
                     announced = True
                     _say(bar, f"all {opts.rounds} rounds committed; the peers evaluate the final model and leave")
-                if len(swarm.peers) == opts.peers and all(p.popen is not None and p.popen.poll() == 0
-                                                          for p in swarm.peers):
+                skipped = driver.not_started if driver is not None else set()
+                if len(swarm.peers) == opts.peers and all(i in skipped or (p.popen is not None and p.popen.poll() == 0)
+                                                          for i, p in enumerate(swarm.peers)):
                     break
                 time.sleep(0.1)
         except KeyboardInterrupt:

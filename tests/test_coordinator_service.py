@@ -214,3 +214,17 @@ async def test_a_round_event_stream_starts_and_ends_each_burst_with_an_empty_eve
     finally:
         await stream.aclose()
     assert event_of(EMPTY_EVENT) is None  # what a peer makes of it: nothing to queue
+
+
+async def test_a_peer_that_joins_after_the_run_finished_is_told_so_and_not_made_a_member():
+    # A late joiner (seen: a scenario's joiner started 1 s before the coordinator exited) got a
+    # lease, then "connection refused" for 120 s and exit 3; now its Join answer says it is over.
+    from shoal.coordinator.rounds import SendFinished
+
+    now = [0.0]
+    svc = service(now)
+    svc.apply([SendFinished(7, "run complete")])
+    key = Ed25519PrivateKey.generate()
+    resp = await svc.Join(pb.JoinRequest(public_key=public_bytes(key), data_address="10.0.2.1:1"), None)
+    assert resp.HasField("finished") and resp.finished.rounds_committed == 7
+    assert resp.peer_id and resp.peer_id not in svc.engine.members and not resp.HasField("sync")

@@ -55,16 +55,24 @@ def test_sigterm_of_a_peer_leaves_cleanly_and_exits_0(procs):
 
 def test_a_finished_run_ends_the_coordinator_with_exit_0(procs):
     """`shoal coordinator --rounds 3`: once the peers were told and left, it exits 0 (after
-    --finish-linger, here 0), saying the run finished once."""
+    --finish-linger, here 8 s, in which a latecomer joins), saying the run finished once. A peer
+    that joins the finished run is told so and exits 0."""
     coord, addr = procs.coordinator("--rounds", "3", "--min-peers", "2", "--initial-peers", "2",
-                                    "--inner-steps", "10", "--finish-linger", "0")
+                                    "--inner-steps", "10", "--finish-linger", "8")
     peers = [procs.start(f"peer-{i}", [sys.executable, "-m", "shoal.cli", "peer", "--insecure", "--coordinator", addr,
                                        "--key", str(procs.workdir / f"p{i}.key"), "--data-shard", str(i),
                                        "--connect-timeout", "60"])
              for i in range(2)]
-    for p in peers:
+    # A latecomer, while the coordinator lingers: told the run is over, it exits 0.
+    wait_for("the run finished", lambda: "run finished" in procs.log("coordinator"), 180, procs)
+    late = procs.start("late", [sys.executable, "-m", "shoal.cli", "peer", "--insecure", "--coordinator", addr,
+                                "--key", str(procs.workdir / "late.key"), "--data-shard", "2", "--connect-timeout", "60"])
+    for p in (*peers, late):
         assert procs.wait_exit(p, 180) == 0, procs.log(p.name)[-3000:]
     assert procs.wait_exit(coord, 120) == 0, procs.log("coordinator")[-3000:]
     log = procs.log("coordinator")
     assert log.count("run finished after 3 committed rounds") == 1, log[-3000:]
     assert "every member has left" in log and "Traceback" not in log
+    assert "joined after the run finished" in log
+    out = procs.log("late")
+    assert "the run had already finished (3 rounds committed, run complete) when this peer joined" in out, out

@@ -152,6 +152,51 @@ def test_stale_peer_gets_sync_order_from_last_committers():
     assert plan.plan.participants == ("a", "b", "c")
 
 
+def test_a_joiner_during_an_attempt_gets_its_order_when_the_attempt_ends_not_a_stale_head():
+    # A joiner's order for the head while an attempt is in flight would be stale at its commit:
+    # a slow joiner downloaded the state twice. The order follows the attempt's end instead.
+    e = engine(sync_hold=60.0, lease_seconds=1000.0)
+    joined(e, "a", "b")
+    for p in "ab":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    assert e.join_sync("a", 0.2).round == 1  # nothing in flight: the order is for the head at once
+    for p in "ab":
+        e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.2)
+    assert e.running is not None
+    joined(e, "c", now=0.3)
+    assert e.join_sync("c", 0.3) is None  # its join answer orders nothing yet
+    assert e.ready_("c", 1, info(rounds=0), 0.4) == []  # nor does its Ready while the attempt runs
+    acts = []
+    for p in "ab":
+        acts += e.vote(p, 1, e.running.plan.attempt, True, b"r", b"s2", 0.5)
+    (commit,) = of(acts, SendCommit)
+    (sync,) = of(acts, SendSync)
+    assert (sync.peer_id, sync.round, sync.state_digest) == ("c", 2, b"s2") and "c" in commit.synced
+    # The rounds after wait for its download (the hold of a joiner), its Ready ends the wait.
+    for p in "ab":
+        e.ready_(p, 2, info(rounds=2, digest=b"s2"), 0.6)
+    assert of(e.tick(30.0), SendPlan) == []
+    (plan,) = of(e.ready_("c", 2, info(rounds=2, digest=b"s2"), 31.0), SendPlan)
+    assert plan.plan.participants == ("a", "b", "c")
+
+
+def test_a_joiner_during_an_attempt_that_aborts_gets_its_order_at_the_abort():
+    e = engine(sync_hold=60.0, max_attempts=1)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    for p in "abc":
+        e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.2)
+    joined(e, "d", now=0.3)
+    assert e.join_sync("d", 0.3) is None
+    acts = e.vote("a", 1, e.running.plan.attempt, False, b"", b"", 0.4, error="raised")  # a confession
+    assert of(acts, SendAbort)
+    (sync,) = of(acts, SendSync)
+    assert (sync.peer_id, sync.round, sync.state_digest) == ("d", 1, b"s1") and not e.sync_owed
+
+
 def test_initial_peers_quorum_and_size_mismatch():
     e = engine(initial_peers=3)
     joined(e, "a", "b")

@@ -62,7 +62,7 @@ class JoinRequest(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., tls_csr: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relay_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable", "tls_certificate", "tls_ca", "tls_not_after")
+    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable", "tls_certificate", "tls_ca", "tls_not_after", "finished")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class JoinResponse(_message.Message):
     TLS_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     TLS_CA_FIELD_NUMBER: _ClassVar[int]
     TLS_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     lease_seconds: float
     heartbeat_interval_seconds: float
@@ -87,7 +88,8 @@ class JoinResponse(_message.Message):
     tls_certificate: bytes
     tls_ca: bytes
     tls_not_after: float
-    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., coordinator_public_key: _Optional[bytes] = ..., unreachable: _Optional[str] = ..., tls_certificate: _Optional[bytes] = ..., tls_ca: _Optional[bytes] = ..., tls_not_after: _Optional[float] = ...) -> None: ...
+    finished: Finished
+    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., coordinator_public_key: _Optional[bytes] = ..., unreachable: _Optional[str] = ..., tls_certificate: _Optional[bytes] = ..., tls_ca: _Optional[bytes] = ..., tls_not_after: _Optional[float] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
 
 class RenewCertificateRequest(_message.Message):
     __slots__ = ("peer_id", "tls_csr")
