@@ -131,6 +131,7 @@ class NetBed:
         self._bridge_made = False
         self._routes: list[str] = []  # root-namespace routes this bed added (unreachable NAT LANs)
         self._rebinds = [0] * n_hosts  # how often each NAT router's public address changed
+        self._shapes = [0] * n_hosts  # shapes applied per host (each gets a fresh qdisc handle: `shape`)
         self.octet: int | None = None
 
     # --- names and addresses -----------------------------------------------------------------
@@ -323,16 +324,23 @@ class NetBed:
 
     def shape(self, i: int, up_mbit: float | None, down_mbit: float | None) -> None:
         """Set host i's upload / download rate (Mbit/s; None = unshaped) now, also while
-        processes run: the tbf qdisc is replaced in place (connections stay up; packets queued
-        above the new rate's limit are dropped and TCP backs off, as when a real link degrades).
-        Raises NetBedError when tc fails."""
+        processes run: a new tbf qdisc takes the old one's place (connections stay up; the
+        packets queued in the old one are dropped and TCP resends them, as when a real link
+        degrades). Raises NetBedError when tc fails.
+
+        A new qdisc (another handle), not the running one changed in place: changing a busy tbf's
+        rate (`tc qdisc replace` with the same handle) left it stalled for good on this machine's
+        kernel (6.18): backlog full, nothing sent, every new packet dropped, the host cut off (a
+        peer of the link-drop scenario lost its lease and gave up after 120 s, twice in two runs)."""
         self._check_host(i)
-        self._set_rate(["-n", self.netns(i)], "eth0", up_mbit)
-        self._set_rate([], self.veth_bridge_side(i), down_mbit)
+        self._shapes[i] += 1
+        handle = f"{1 + self._shapes[i] % 2}:"  # 1: and 2: in turn, never the one in place
+        self._set_rate(["-n", self.netns(i)], "eth0", up_mbit, handle)
+        self._set_rate([], self.veth_bridge_side(i), down_mbit, handle)
         self.up_mbit[i], self.down_mbit[i] = up_mbit, down_mbit
 
     @staticmethod
-    def _set_rate(ns_args: list[str], dev: str, rate_mbit: float | None) -> None:
+    def _set_rate(ns_args: list[str], dev: str, rate_mbit: float | None, handle: str) -> None:
         if rate_mbit is None:
             r = _run(["tc", *ns_args, "qdisc", "del", "dev", dev, "root"], check=False)
             # No qdisc of ours there: nothing to remove (the kernel's default is unshaped).
@@ -342,7 +350,7 @@ class NetBed:
             return
         t = tbf_params(float(rate_mbit))
         _run(
-            ["tc", *ns_args, "qdisc", "replace", "dev", dev, "root", "tbf",
+            ["tc", *ns_args, "qdisc", "replace", "dev", dev, "root", "handle", handle, "tbf",
              "rate", f"{t['rate_bit']}bit", "burst", str(t["burst"]), "limit", str(t["limit"])]
         )
 
