@@ -227,6 +227,7 @@ class Member:
     down_bytes_per_s: float = 0.0
     rtt_seconds: float = 0.0
     connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
+    streamed: bool = False  # its stream was open at some point since it joined (see `_waited_on`)
     shm_peers: frozenset[str] = frozenset()  # reached through shared memory (LinkReport.shm_peers)
     links_at: float | None = None  # engine time of its last link report (None: never reported)
     # The state round of this peer's last out-of-date Ready (None: none since it was last in sync).
@@ -671,6 +672,7 @@ class RoundEngine:
             state = MemberState.MEMBER
         m = Member(peer_id, public_key, address, num_samples, now + self.config.lease_seconds, state, up, down,
                    connected=connected or (old.connected if old is not None else False), reachable=reachable,
+                   streamed=connected or (old.connected if old is not None else False),
                    outbound_only=outbound_only or reachable is False, relay=relay,
                    relay_bytes_per_s=relay_bytes_per_s if math.isfinite(relay_bytes_per_s) else 0.0)
         if state is MemberState.SYNCING:
@@ -767,7 +769,7 @@ class RoundEngine:
         """The peer opened its round-event stream."""
         m = self.members.get(peer_id)
         if m is not None:
-            m.connected = True
+            m.connected = m.streamed = True
             self._refresh(peer_id)
         return []
 
@@ -1131,8 +1133,10 @@ class RoundEngine:
     @staticmethod
     def _waited_on(m: Member) -> bool:
         """Whether a round waits (up to the ready timeout) for this live peer to say ready
-        (`MemberState.waited_on` and its round-event stream is open)."""
-        return m.connected and m.state.waited_on
+        (`MemberState.waited_on` and its round-event stream is open; a joiner catching up is
+        waited on from its Join, before its stream opens: the fast peers' Readys for the next
+        round came first, that round committed during its download, and it downloaded twice)."""
+        return m.state.waited_on and (m.connected or (m.state is MemberState.CATCHING_UP and not m.streamed))
 
     def _refresh(self, peer_id: str) -> None:
         """Put `peer_id` in `_unready` or take it out, after any change of its membership, state,

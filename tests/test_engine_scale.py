@@ -8,14 +8,15 @@ import random
 
 import pytest
 
-from shoal.coordinator.rounds import EngineConfig, ReadyInfo, RoundEngine, RoundError, _Opening
+from shoal.coordinator.rounds import EngineConfig, MemberState, ReadyInfo, RoundEngine, RoundError, _Opening
 
 KEY = bytes(32)
 
 
 def slow_unready(e: RoundEngine) -> set[str]:
     return {p for p, m in e.members.items()
-            if m.connected and m.state.waited_on and p not in e.ready and p not in e.excluded}
+            if (m.connected or (m.state is MemberState.CATCHING_UP and not m.streamed)) and m.state.waited_on
+            and p not in e.ready and p not in e.excluded}
 
 
 @pytest.mark.parametrize("seed", range(100))

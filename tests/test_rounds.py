@@ -181,6 +181,29 @@ def test_a_joiner_during_an_attempt_gets_its_order_when_the_attempt_ends_not_a_s
     assert plan.plan.participants == ("a", "b", "c")
 
 
+def test_a_joiner_is_waited_for_from_its_join_before_its_stream_opens():
+    # The fast peers' Readys for the next round came before the joiner's stream opened: that
+    # round opened without it and committed during its download (a second full download).
+    e = engine(sync_hold=60.0, lease_seconds=1000.0)
+    joined(e, "a", "b")
+    for p in "ab":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    e.join("c", KEY, "127.0.0.1:2000", 1, 0.2)  # no stream yet
+    for p in "ab":
+        e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.3)
+    assert e.running is None and of(e.tick(30.0), SendPlan) == []  # waiting for c's download
+    e.connected("c", 1.0)
+    (plan,) = of(e.ready_("c", 1, info(rounds=1, digest=b"s1"), 40.0), SendPlan)
+    assert plan.plan.participants == ("a", "b", "c")
+    commit_all(e, 41.0, b"s2")
+    # Once its stream was open, a broken one means it is gone: nobody waits for it.
+    e.disconnected("c", 42.0)
+    acts = [a for p in "ab" for a in e.ready_(p, 2, info(rounds=2, digest=b"s2"), 42.1)]
+    (plan,) = of(acts, SendPlan)
+    assert plan.plan.participants == ("a", "b")
+
+
 def test_a_joiner_during_an_attempt_that_aborts_gets_its_order_at_the_abort():
     e = engine(sync_hold=60.0, max_attempts=1)
     joined(e, "a", "b", "c")
