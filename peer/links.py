@@ -50,11 +50,14 @@ from shoal.v1 import shoal_pb2 as pb
 log = logging.getLogger("shoal.peer.links")
 
 PROBE_BYTES = 1 << 20  # each direction of a probe of a link nothing is known of (at most, known or not)
-MIN_PROBE_BYTES = 64 << 10
-# A known link is probed with about this many seconds' worth of its estimate each way: a 1 MiB
-# probe each way of 3 links took a 4 Mbit/s peer 12 s before its Ready, and the round went on
-# without it (then it needed the whole state again).
-PROBE_TARGET_SECONDS = 0.5
+# A known link is probed with about this many seconds' worth of its estimate each way, at least
+# MIN_PROBE_BYTES: a 1 MiB probe each way of 3 links took a 4 Mbit/s peer 12 s before its Ready,
+# and the round went on without it (then it needed the whole state again). Not much less: a
+# shaper's burst (a token bucket lets its bucket through at once: 64 KiB here, netbed) makes a
+# small probe read fast; 0.5 s and 64 KiB predicted a 4 Mbit/s joiner's rounds at 2-4 s that took
+# 12-16 s.
+MIN_PROBE_BYTES = 256 << 10
+PROBE_TARGET_SECONDS = 1.0
 PROBE_INTERVAL_SECONDS = 300.0
 PROBE_TIMEOUT_SECONDS = 10.0
 COORDINATOR = "coordinator"  # the pseudo peer id of probes of the coordinator (a joiner's first estimate)
@@ -234,7 +237,7 @@ class LinkMeter:
         """Bytes for each direction of a probe of the link to `peer_id`: PROBE_TARGET_SECONDS at
         the slower of its estimates (or of this peer's own, when that link is unknown), between
         MIN_PROBE_BYTES and `most`; `most` when nothing is known. A probe then takes about a
-        second each way and link, however slow the link."""
+        second each way and link however slow the link (down to MIN_PROBE_BYTES' worth)."""
         link = self._links.get(peer_id)
         rates = [r for r in ((link.up, link.down) if link is not None else ()) if r > 0]
         if not rates:

@@ -48,13 +48,13 @@ def test_aggregate_is_the_fastest_path_and_tiny_samples_are_ignored():
     assert [l.peer_id for l in rep.links] == ["b", "c"]
 
 
-def test_a_known_link_is_probed_with_about_half_a_second_of_its_slower_rate_each_way():
+def test_a_known_link_is_probed_with_about_a_second_of_its_slower_rate_each_way():
     m = LinkMeter()
     assert m.probe_bytes("b") == PROBE_BYTES  # nothing known: the full probe
     m.observe_collective(sent=1_000_000, received=2_000_000, seconds=2.0)  # this peer: 0.5 MB/s up
-    assert m.probe_bytes("b") == 250_000  # an unknown link: this peer's own (slower) rate
+    assert m.probe_bytes("b") == 500_000  # an unknown link: this peer's own (slower) rate
     m.observe_probe("b", rtt=0.01, up=500_000.0, down=2_000_000.0)  # 4 Mbit/s up
-    assert m.probe_bytes("b") == 250_000  # half a second each way, not 1 MiB (2 s each way)
+    assert m.probe_bytes("b") == 500_000  # a second each way, not 1 MiB (2 s each way)
     m.observe_probe("c", rtt=0.01, up=100e6, down=100e6)
     assert m.probe_bytes("c") == PROBE_BYTES  # never more than the full probe
     m.observe_probe("d", rtt=0.01, up=10_000.0, down=10_000.0)
