@@ -444,8 +444,12 @@ class BulkConnection:
         if reply is None:
             return await frames()
         nxt = asyncio.ensure_future(frames())
-        if not nxt.done():
-            await asyncio.wait((nxt, reply), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            if not nxt.done():
+                await asyncio.wait((nxt, reply), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the stream is cancelled (its attempt aborted): so is the wait for a frame
+            nxt.cancel()       # (left pending, it was logged "Task was destroyed but it is pending!")
+            raise
         if nxt.done():
             return nxt.result()
         nxt.cancel()

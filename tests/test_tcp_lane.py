@@ -658,3 +658,22 @@ def test_a_result_buffer_is_reused_only_once_no_view_of_it_is_alive():
     del view
     assert t.take_buffer(1000, np.float32).__array_interface__["data"][0] == first  # free now: reused
     assert t.take_buffer(1000, np.float16).dtype == np.float16  # another size: its own buffer
+
+
+async def test_a_cancelled_stream_cancels_its_wait_for_the_next_frame():
+    # An aborted attempt cancels its streams while one waits for its next frame: that wait (a task
+    # of its own) was left pending and logged "Task was destroyed but it is pending!" at ERROR.
+    started = asyncio.Event()
+
+    async def frames():
+        started.set()
+        await asyncio.Event().wait()  # no next frame (the collective waits on a peer)
+
+    reply = asyncio.get_running_loop().create_future()  # the receiver has not answered
+    waiting = asyncio.ensure_future(tcplane.BulkConnection._next(frames, reply))
+    await asyncio.wait_for(started.wait(), 5)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.sleep(0)
+    assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
