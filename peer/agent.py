@@ -504,8 +504,10 @@ class PeerAgent(StateSource):
                 else:
                     # Not through a relay: a probe would spend the relay's bandwidth to measure the
                     # relay (the collectives' streams still give passive estimates; docs/nat.md).
+                    # Nor an outbound-only peer: nobody can dial it (a probe of an address that
+                    # drops packets waited out its timeout before this peer's Ready: a 5 s stall).
                     peers = [(p, a) for i, (p, a) in enumerate(zip(plan.participants, plan.addresses))
-                             if not plan.relay_of(i)]
+                             if not plan.relay_of(i) and (plan.dialable(i) or p == self.peer_id)]
                     if await probe_missing(self.links, self.transport, peers, self.peer_id):
                         self.links.forget(COORDINATOR)
                     await self.transport.probe_lanes((pid, a) for pid, a in peers if pid != self.peer_id)

@@ -151,6 +151,10 @@ def test_an_unreachable_peer_is_told_and_takes_part_outbound_only(tmp_path):
     plans = [e for e in commits if e["event"] == "plan"]
     assert plans and all(e["outbound_only"] == [ids[3]] and e["collective"] == "butterfly" for e in plans)
     assert all(ids[3] in e["demoted"] for e in plans)
+    # Nor does anyone probe it (a probe of a black hole waited out its timeout before the Ready).
+    for i in range(3):
+        log = (wd / f"peer-{i}.log").read_text()
+        assert f"bulk lane to {hole.address}" not in log and "probe failed" not in log, log[-2000:]
 
 
 @pytest.mark.soak  # default-run budget (10 min): a minutes-class process run; tests/test_pauses.py keeps the pause-aware leases
