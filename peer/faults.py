@@ -26,23 +26,31 @@ import signal
 
 log = logging.getLogger("shoal.peer.faults")
 ACTIONS = ("kill", "stop", "drop", "raise")
+POINTS = ("rs", "ag", "serve-state", "train", "commit-event", "reduce")
 
 _SPEC: list[tuple[str, str, int | None]] = []
 _FIRED: set[int] = set()
 
 
-def _parse(text: str) -> list[tuple[str, str, int | None]]:
+def parse_spec(text: str) -> list[tuple[str, str, int | None]]:
+    """A SHOAL_FAULT value ("POINT:ACTION[@ROUND][,...]") as (point, action, round or None)
+    items. Raises ValueError naming the bad item (an unknown point or action, a round that is not
+    a whole number >= 0)."""
     out = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         point, _, rest = item.partition(":")
         action, _, rnd = rest.partition("@")
+        if point not in POINTS:
+            raise ValueError(f"unknown point {point!r} in {item!r} (points: {', '.join(POINTS)})")
         if action not in ACTIONS:
-            raise ValueError(f"SHOAL_FAULT: unknown action {action!r} in {item!r}")
+            raise ValueError(f"unknown action {action!r} in {item!r} (actions: {', '.join(ACTIONS)})")
+        if rnd and not rnd.isdigit():
+            raise ValueError(f"round {rnd!r} in {item!r} is not a whole number >= 0")
         out.append((point, action, int(rnd) if rnd else None))
     return out
 
 
-_SPEC = _parse(os.environ.get("SHOAL_FAULT", ""))
+_SPEC = parse_spec(os.environ.get("SHOAL_FAULT", ""))
 
 
 class InjectedFault(ValueError):

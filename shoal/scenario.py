@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.common.attempts import shown_attempt
+from shoal.peer import faults
 
 PEER_ACTIONS = ("local-work", "kill", "stop", "cont", "restart", "shape", "nat-rebind")
 COORDINATOR_ACTIONS = ("coordinator-kill", "coordinator-restart", "coordinator-stop", "coordinator-cont")
@@ -195,7 +196,12 @@ def _peer(t: Any, where: str) -> PeerSpec:
     nat = t.get("nat", False)
     if nat and t.get("advertise"):
         raise ScenarioError(f"{where}.advertise: a peer behind NAT advertises its private address; remove one")
-    return PeerSpec(start=_number(t, "start", where, 0.0), fault=_string(t, "fault", where),
+    fault = _string(t, "fault", where)
+    try:
+        faults.parse_spec(fault)
+    except ValueError as exc:
+        raise ScenarioError(f"{where}.fault: {exc}") from None
+    return PeerSpec(start=_number(t, "start", where, 0.0), fault=fault,
                     advertise=_advertise(t, where), up_mbit=_rate(t, "up_mbit", where),
                     down_mbit=_rate(t, "down_mbit", where),
                     resume_after=_number(t, "resume_after", where, RESUME_AFTER_SECONDS), nat=nat,
@@ -209,6 +215,8 @@ def _event(t: Any, where: str, num_peers: int) -> Event:
         raise ScenarioError(f"{where}.action: {action!r} is not one of {', '.join(ACTIONS)}")
     peer = t.get("peer")
     if action in PEER_ACTIONS:
+        if peer is None:
+            raise ScenarioError(f"{where}.peer: missing (a {action} event acts on a peer: its index, 0..{num_peers - 1})")
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < num_peers:
             raise ScenarioError(f"{where}.peer: {peer!r} is not a peer index (0..{num_peers - 1})")
     elif peer is not None:

@@ -351,7 +351,7 @@ def test_describe_names_the_failure_inside_exception_groups():
 
 
 def test_the_reduce_fault_point_raises_once_in_its_round(monkeypatch):
-    monkeypatch.setattr(faults, "_SPEC", faults._parse("reduce:raise@2"))
+    monkeypatch.setattr(faults, "_SPEC", faults.parse_spec("reduce:raise@2"))
     monkeypatch.setattr(faults, "_FIRED", set())
     inner = OwnerReduction(ReductionSpec("mean"), np.ones(2), 4)
     rows = np.ones((2, 4), dtype=np.float32)

@@ -44,6 +44,9 @@ def test_parse_sorts_events_and_fills_plain_peers():
     ({"peer": [{"start": "soon"}]}, "peer[0].start"),
     ({"peer": [{}] * 5}, "peer"),
     ({"peers": []}, "unknown table"),
+    ({"peer": [{"fault": "rs:stop@x"}]}, "peer[0].fault"),
+    ({"peer": [{"fault": "bogus"}]}, "peer[0].fault"),
+    ({"peer": [{"fault": "ag:explode"}]}, "peer[0].fault"),
 ])
 def test_bad_scenarios_name_the_field(raw, field):
     with pytest.raises(ScenarioError, match="^" + re.escape(field)):
