@@ -269,7 +269,10 @@ def cmd_member(a: argparse.Namespace) -> int:
         if rpc is None:
             raise
         if _is_unavailable(exc):
-            print(f"{name}: coordinator {a.coordinator} unreachable ({rpc.code().name})", file=sys.stderr)
+            from shoal.peer.diagnosis import diagnose
+
+            print(f"{name}: coordinator {a.coordinator} unreachable: {diagnose(rpc, a.coordinator).line()}",
+                  file=sys.stderr)
             return EXIT_UNAVAILABLE
         print(f"{name}: {rpc.details()}", file=sys.stderr)
         return EXIT_USAGE
@@ -659,8 +662,10 @@ def cmd_status(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
         status = fetch_status(st.coordinator, recent=st.recent, timeout=st.timeout, security=security)
     except Exception as exc:  # noqa: BLE001
         if _is_unavailable(exc):
-            print(f"shoal status: coordinator {st.coordinator} unreachable ({_rpc_error(exc).code().name})",
-                  file=sys.stderr)
+            from shoal.peer.diagnosis import diagnose
+
+            why = diagnose(_rpc_error(exc), st.coordinator).line()
+            print(f"shoal status: coordinator {st.coordinator} unreachable: {why}", file=sys.stderr)
             return EXIT_UNAVAILABLE
         raise
     print(json.dumps(status, indent=2) if st.json else render_table(status))

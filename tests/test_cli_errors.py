@@ -212,6 +212,12 @@ def test_status_over_mutual_tls(procs, tmp_path):
     assert out.returncode == cli.EXIT_USAGE and "--tls-dir" in one_line_error(out)
     out = shoal("status", "--coordinator", addr, "--tls-dir", str(tmp_path / "none"))
     assert out.returncode == cli.EXIT_USAGE and "shoal certs init" in one_line_error(out)
+    # Nothing listening (e.g. a finished run's coordinator, gone after --finish-linger): why, and the fix.
+    from shoal.swarm import free_port
+
+    out = shoal("status", "--coordinator", f"127.0.0.1:{free_port()}", "--insecure", "--timeout", "2")
+    line = one_line_error(out)
+    assert out.returncode == cli.EXIT_UNAVAILABLE and "connection refused" in line and "fix: " in line, line
 
 
 def test_status_shows_a_zero_loss():
