@@ -26,7 +26,12 @@ import socket
 import sys
 import typing
 
-from shoal import config as config_mod
+# gRPC core's own log lines (e.g. "I1201 ... ssl_transport_security.cc ... Handshake failed" on
+# every retry of a TLS failure, 19 in 15 s) repeat what our one-line messages say; errors only,
+# unless the user asks for more. Before grpc is imported: it reads this once.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from shoal import config as config_mod  # noqa: E402
 from shoal.common.errors import InvalidArgument
 from shoal.config import ConfigError, ShoalConfig
 
