@@ -563,8 +563,9 @@ class RoundEngine:
         self.cohort: Cohort | None = None  # drawn for the round being prepared (cohort_size > 0)
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
         self.running: _Running | None = None
-        # Joiners whose sync order waits for the attempt in flight to end (`join_sync`).
-        self.sync_owed: set[str] = set()
+        # Peers whose sync order waits for the attempt in flight to end (`join_sync`, `ready_`):
+        # peer id -> the state round it holds.
+        self.sync_owed: dict[str, int] = {}
         self.local_seconds = 0.0  # last local phase: last commit -> first Ready after it (`_pool`)
         self.not_before = 0.0
         self._held = Waiting(WaitReason.BACKOFF, "backoff")  # why not_before is in the future
@@ -734,14 +735,16 @@ class RoundEngine:
         if m is None or not self.commits or self.config.cohort_size:
             return None
         if self.running is not None:
-            self.sync_owed.add(peer_id)
+            self.sync_owed[peer_id] = 0
             return None
         return SendSync(peer_id, self.committed_rounds, self.last_state_digest, self.donors(now, exclude=peer_id))
 
     def _owed_orders(self, now: float, skip: Iterable[str] = ()) -> list[SendSync]:
-        """The sync orders `join_sync` put off, now that the attempt ended (the owed set empties)."""
-        owed, self.sync_owed = self.sync_owed - set(skip), set()
-        orders = [self._order_sync(self.members[p], 0, now) for p in sorted(owed) if p in self.members]
+        """The sync orders put off while the attempt ran (`join_sync`, `ready_`), now that it
+        ended (the owed set empties)."""
+        owed, self.sync_owed = self.sync_owed, {}
+        orders = [self._order_sync(self.members[p], held, now) for p, held in sorted(owed.items())
+                  if p in self.members and p not in set(skip)]
         return [o for o in orders if o is not None]
 
     def leave(self, peer_id: str, now: float) -> list[Action]:
@@ -822,8 +825,13 @@ class RoundEngine:
             self._pool(peer_id, info, now)
             return self._maybe_open(now)
         if not in_sync:
-            if peer_id in self.sync_owed and self.running is not None:
-                return []  # its order comes when the attempt in flight ends (join_sync)
+            if self.running is not None and peer_id not in self.running.plan.participants and self.commits:
+                # Behind while an attempt it is not in runs: the head it would fetch now is stale
+                # at that attempt's commit (seen: a peer excluded at a link cut downloaded the
+                # state three times, 8 s each, while 0.7 s rounds committed). Its order follows
+                # when the attempt ends (`_owed_orders`); until then it holds what it holds.
+                self.sync_owed[peer_id] = max(self.sync_owed.get(peer_id, 0), info.state_round)
+                return []
             order = self._order_sync(m, info.state_round, now)
             if order is None:
                 raise RoundError(ErrorKind.PRECONDITION, "state_round: no up-to-date donor is live; retry later")
@@ -876,7 +884,7 @@ class RoundEngine:
     def _order_sync(self, m: Member, held_round: int, now: float) -> SendSync | None:
         """The sync order for member `m`, which holds the state of round `held_round` (not the
         last committed one), or None when no up-to-date donor is live."""
-        self.sync_owed.discard(m.peer_id)
+        self.sync_owed.pop(m.peer_id, None)
         donors = self.donors(now, exclude=m.peer_id)
         if not donors:
             return None

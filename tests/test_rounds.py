@@ -181,6 +181,28 @@ def test_a_joiner_during_an_attempt_gets_its_order_when_the_attempt_ends_not_a_s
     assert plan.plan.participants == ("a", "b", "c")
 
 
+def test_a_peer_behind_during_an_attempt_it_is_not_in_gets_its_order_when_the_attempt_ends():
+    # Excluded at a link cut, peer c said Ready holding round 1 while a 0.7 s attempt of the
+    # others ran: an order for the head then was stale at its commit (three downloads in a row).
+    e = engine(sync_hold=60.0, lease_seconds=1000.0)
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    for p in "ab":
+        e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.2)
+    of(e.tick(5.3), SendPlan)  # c missed the ready deadline: a and b play round 1
+    commit_all(e, 5.4, b"s2")
+    acts = [a for p in "ab" for a in e.ready_(p, 2, info(rounds=2, digest=b"s2"), 5.5) + e.tick(10.6)]
+    assert of(acts, SendPlan) and e.running.plan.participants == ("a", "b")
+    assert e.ready_("c", 2, info(rounds=1, digest=b"s1"), 10.7) == []  # behind: no order mid-attempt
+    acts = []
+    for p in "ab":
+        acts += e.vote(p, 2, e.running.plan.attempt, True, b"r", b"s3", 11.0)
+    (sync,) = of(acts, SendSync)
+    assert (sync.peer_id, sync.round, sync.state_digest) == ("c", 3, b"s3") and not e.sync_owed
+
+
 def test_a_joiner_is_waited_for_from_its_join_before_its_stream_opens():
     # The fast peers' Readys for the next round came before the joiner's stream opened: that
     # round opened without it and committed during its download (a second full download).
