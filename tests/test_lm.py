@@ -112,6 +112,8 @@ def test_plot_lm_writes_a_png(tmp_path):
 @needs_torch
 @pytest.mark.integration
 @pytest.mark.torch
+@pytest.mark.soak  # default-run budget (577 s of 600 in CI): 12 s; torch stays in the default run through
+# test_time_budgeted_local_work_and_overlap and tests/test_torch_example.py, the baseline's ranks through test_procexit
 def test_short_lm_swarm_with_ddp_baseline(tmp_path):
     """2 peers, a tiny model, 4 rounds: the validation loss falls, every peer ends on the same
     committed state, the summary has the LM and baseline keys, and the baseline sends H times
