@@ -1317,7 +1317,7 @@ class RoundEngine:
             self._reset_round(keep_pool=True)
             if self.ready:
                 self.first_ready_at = now  # the pool is ready already: the ready deadline runs
-            return [SendCommit(rec, self.epoch, to=rec.participants, step_seconds=pace)]
+            return [SendCommit(rec, self.epoch, to=rec.participants, step_seconds=pace), *self._owed_orders(now)]
         # The ready peers that did not take part (peers excluded on a retry, stragglers whose
         # Ready came during the attempt) hold the previous state: order their sync now, as their
         # next Ready would.
