@@ -603,19 +603,23 @@ class RoundEngine:
     def donors(self, now: float, exclude: str = "") -> tuple[str, ...]:
         """Live, connected peers that took part in the last commit (they hold the committed state),
         rotated by one position per call so that simultaneous joiners start at different donors."""
-        if not self.commits:
-            return ()
-        last = set(self.commits[-1].participants)
-        # A participant that joined again from another address since is a new process: it no
-        # longer holds the committed state (its state is no longer a member's).
-        alive = sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now
-                       and self.members[p].connected and self.members[p].state.is_member
-                       and not self.members[p].outbound_only)
+        alive = self._holders(now, exclude)
         if not alive:
             return ()
         k = self._donor_rotation % len(alive)
         self._donor_rotation += 1
         return tuple(alive[k:] + alive[:k])
+
+    def _holders(self, now: float, exclude: str = "") -> list[str]:
+        """The donor candidates of `donors`, sorted, not rotated."""
+        if not self.commits:
+            return []
+        last = set(self.commits[-1].participants)
+        # A participant that joined again from another address since is a new process: it no
+        # longer holds the committed state (its state is no longer a member's).
+        return sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now
+                      and self.members[p].connected and self.members[p].state.is_member
+                      and not self.members[p].outbound_only)
 
     def waiting(self, now: float) -> Waiting:
         """Why the next round is not open at `now` (RUNNING while an attempt is in flight;
@@ -834,7 +838,8 @@ class RoundEngine:
                 return []
             order = self._order_sync(m, info.state_round, now)
             if order is None:
-                raise RoundError(ErrorKind.PRECONDITION, "state_round: no up-to-date donor is live; retry later")
+                raise RoundError(ErrorKind.PRECONDITION, f"state_round: no live member holds the committed state of round "
+                                                         f"{self.committed_rounds - 1} to sync from; retry later")
             return [order]
         m.stale_state_round = None
         m.sync_until = 0.0
@@ -1069,8 +1074,11 @@ class RoundEngine:
         quorum = self._quorum()
         if len(candidates) < quorum:
             why = " = cohort size" if quorum == self.config.cohort_size else ""
+            # The committed state lives on the peers: with none of its holders live, nobody can sync.
+            lost = (f"; no live member holds the committed state of round {self.committed_rounds - 1}: "
+                    f"a peer that took part in it must rejoin") if self.commits and not self._holders(now) else ""
             return Waiting(WaitReason.QUORUM, f"waiting for {_plural(quorum - len(candidates), 'more ready peer')} "
-                                              f"({len(candidates)}/{len(live)} ready, quorum {quorum}{why})",
+                                              f"({len(candidates)}/{len(live)} ready, quorum {quorum}{why}){lost}",
                            tuple(sorted(live - set(candidates))))
         # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
         # joiner forever); the ready timeout bounds the wait for a straggler. A retry waits for

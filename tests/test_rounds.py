@@ -242,6 +242,23 @@ def test_a_joiner_during_an_attempt_that_aborts_gets_its_order_at_the_abort():
     assert (sync.peer_id, sync.round, sync.state_digest) == ("d", 1, b"s1") and not e.sync_owed
 
 
+def test_when_no_live_member_holds_the_committed_state_status_and_ready_say_so():
+    # A finished run restarted with fresh peer processes (same keys): nobody holds round 0's
+    # state any more; status said only "waiting for 2 more ready peers" and peers retried silently.
+    e = engine(lease_seconds=1000.0)
+    joined(e, "a", "b")
+    for p in "ab":
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+    for p in "ab":
+        e.disconnected(p, 1.0)
+    joined(e, "c", now=2.0)
+    with pytest.raises(RoundError, match="no live member holds the committed state of round 0"):
+        e.ready_("c", 1, info(rounds=0), 2.1)
+    w = e.waiting(2.2)
+    assert w.reason is WaitReason.QUORUM and "no live member holds the committed state of round 0" in w.message
+
+
 def test_initial_peers_quorum_and_size_mismatch():
     e = engine(initial_peers=3)
     joined(e, "a", "b")
