@@ -193,9 +193,10 @@ def swarm():
                                  f"{up.stderr[-2000:]}")
         yield engine
     finally:
-        # -t 5: a container still running after 5 s of SIGTERM is killed (the default 10 s per
-        # container made the teardown alone take 22 s of the default test run).
-        engine.compose_cmd("down", "-v", "-t", "5", timeout=300, check=False)
+        # -t 1: a container still running 1 s after SIGTERM is killed (the test has its figures by
+        # then; podman-compose stops the 7 containers one after the other: the default 10 s made
+        # the teardown alone take 22 s of the default test run, 5 s still 18 s).
+        engine.compose_cmd("down", "-v", "-t", "1", timeout=300, check=False)
         if engine.engine == "podman":  # podman-compose 1.0.x leaves the project's network behind
             subprocess.run(["podman", "network", "rm", "-f", f"{project}_default"], capture_output=True, timeout=60)
         subprocess.run([base, "rmi", image], capture_output=True, timeout=120)  # only untags: :cache stays
