@@ -105,6 +105,8 @@ def test_peer_killed_mid_collective(procs, point):
     assert r3["participants"] == 3 and r3["attempt"] >= 1
 
 
+@pytest.mark.soak  # default-run budget (CI 577-602 s of 600): 12 s; tests/test_state_sync.py keeps a real-gRPC
+# download cut off mid-range that resumes from another donor
 def test_joiner_syncs_mid_run_and_donor_dies_mid_transfer(procs):
     # Slow rounds (50 inner steps) so the run outlasts the joiner's start-up even on a busy machine.
     addr = start_swarm(procs, 3, rounds=80, inner_steps=50)

@@ -169,6 +169,8 @@ def test_a_second_process_with_a_live_key_exits_2_naming_the_id_and_the_rounds_g
     assert "fenced" not in procs.log("p0") and "took over" not in procs.log("coordinator")
 
 
+@pytest.mark.soak  # default-run budget (CI 577-602 s of 600): 9 s; tests/test_membership.py keeps the take-over
+# and fencing rules, the second-process test a real refusal
 def test_a_holder_that_stopped_renewing_is_taken_over_and_then_fenced(procs):
     wd = procs.workdir
     _, addr = procs.coordinator("--rounds", "0", "--min-peers", "2", "--initial-peers", "2", "--inner-steps", "10",
