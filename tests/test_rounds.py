@@ -156,10 +156,7 @@ def test_a_joiner_during_an_attempt_gets_its_order_when_the_attempt_ends_not_a_s
     # A joiner's order for the head while an attempt is in flight would be stale at its commit:
     # a slow joiner downloaded the state twice. The order follows the attempt's end instead.
     e = engine(sync_hold=60.0, lease_seconds=1000.0)
-    joined(e, "a", "b")
-    for p in "ab":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b")
     assert e.join_sync("a", 0.2).round == 1  # nothing in flight: the order is for the head at once
     for p in "ab":
         e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.2)
@@ -185,10 +182,7 @@ def test_a_peer_behind_during_an_attempt_it_is_not_in_gets_its_order_when_the_at
     # Excluded at a link cut, peer c said Ready holding round 1 while a 0.7 s attempt of the
     # others ran: an order for the head then was stale at its commit (three downloads in a row).
     e = engine(sync_hold=60.0, lease_seconds=1000.0)
-    joined(e, "a", "b", "c")
-    for p in "abc":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b", "c")
     for p in "ab":
         e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.2)
     of(e.tick(5.3), SendPlan)  # c missed the ready deadline: a and b play round 1
@@ -207,10 +201,7 @@ def test_a_joiner_is_waited_for_from_its_join_before_its_stream_opens():
     # The fast peers' Readys for the next round came before the joiner's stream opened: that
     # round opened without it and committed during its download (a second full download).
     e = engine(sync_hold=60.0, lease_seconds=1000.0)
-    joined(e, "a", "b")
-    for p in "ab":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b")
     e.join("c", KEY, "127.0.0.1:2000", 1, 0.2)  # no stream yet
     for p in "ab":
         e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.3)
@@ -228,10 +219,7 @@ def test_a_joiner_is_waited_for_from_its_join_before_its_stream_opens():
 
 def test_a_joiner_during_an_attempt_that_aborts_gets_its_order_at_the_abort():
     e = engine(sync_hold=60.0, max_attempts=1)
-    joined(e, "a", "b", "c")
-    for p in "abc":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b", "c")
     for p in "abc":
         e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.2)
     joined(e, "d", now=0.3)
@@ -246,10 +234,7 @@ def test_when_no_live_member_holds_the_committed_state_status_and_ready_say_so()
     # A finished run restarted with fresh peer processes (same keys): nobody holds round 0's
     # state any more; status said only "waiting for 2 more ready peers" and peers retried silently.
     e = engine(lease_seconds=1000.0)
-    joined(e, "a", "b")
-    for p in "ab":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b")
     for p in "ab":
         e.disconnected(p, 1.0)
     joined(e, "c", now=2.0)
@@ -291,6 +276,14 @@ def commit_all(e: RoundEngine, now: float, digest=b"s") -> None:
         e.vote(p, run.plan.round, run.plan.attempt, True, b"r", digest, now)
 
 
+def round_0_committed(e: RoundEngine, *peers: str) -> None:
+    """`peers` join, say ready for round 0 at 0.0 and commit it at 0.1 (state digest b"s1")."""
+    joined(e, *peers)
+    for p in peers:
+        e.ready_(p, 0, info(), 0.0)
+    commit_all(e, 0.1, b"s1")
+
+
 def test_straggler_delays_at_most_one_round():
     e = engine()
     joined(e, "a", "b", "c")
@@ -328,10 +321,7 @@ def test_disconnected_participant_aborts_at_once_and_is_not_waited_on():
 
 def test_restarted_peer_with_same_identity_rejoins_through_sync():
     e = engine(lease_seconds=1000.0)  # no heartbeats here
-    joined(e, "a", "b", "c")
-    for p in "abc":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b", "c")
     e.disconnected("c", 0.2)
     e.join("c", KEY, "127.0.0.1:9999", 1, 0.3)  # same identity, new process and address
     e.connected("c", 0.3)
@@ -348,10 +338,7 @@ def test_a_joiner_that_keeps_restarting_holds_the_rounds_once():
     # A restart policy that restarts a crashing peer: each new process joins again. The rounds wait
     # for its download at most one sync_hold from its first join, not one per join.
     e = engine(lease_seconds=1000.0, sync_hold=60.0)
-    joined(e, "a", "b")
-    for p in "ab":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b")
     for t in (1.0, 30.0, 55.0):
         e.join("c", KEY, "127.0.0.1:9999", 1, t)
         e.connected("c", t)
@@ -367,10 +354,7 @@ def test_a_joiner_that_keeps_restarting_holds_the_rounds_once():
 
 def test_simultaneous_joiners_start_at_different_donors():
     e = engine()
-    joined(e, "a", "b", "c")
-    for p in "abc":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b", "c")
     firsts = []
     for j in ("j1", "j2", "j3", "j4", "j5", "j6"):
         joined(e, j, now=0.2)
@@ -435,10 +419,7 @@ def test_a_peer_still_behind_after_a_download_is_waited_for_all_of_sync_hold():
     # timeout). It downloads, but the head moved on meanwhile: from its next Ready it is catching
     # up (not busy elsewhere), so the rounds wait up to sync_hold and its Ready ends the wait.
     e = engine(lease_seconds=1000.0, sync_hold=60.0)
-    joined(e, "a", "b", "c")
-    for p in "abc":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b", "c")
     for p in "ab":
         e.ready_(p, 1, info(rounds=1, digest=b"s1"), 0.2)
     of(e.tick(5.3), SendPlan)  # c, busy, missed the ready deadline
@@ -466,10 +447,7 @@ def test_a_peer_that_just_synced_is_waited_for_during_its_local_update():
     # notice) and trains: the round waits about one local phase for it (2x the last one + the
     # ready timeout), not just the ready timeout, so it is not outrun the moment it caught up.
     e = engine(lease_seconds=1000.0, ready_timeout=1.0)
-    joined(e, "a", "b", "c")
-    for p in "abc":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b", "c")
     for p in "ab":
         e.ready_(p, 1, info(rounds=1, digest=b"s1"), 3.1)  # a local phase of 3 s
     assert e.local_seconds == pytest.approx(3.0)
@@ -488,10 +466,7 @@ def test_a_peer_that_just_synced_is_waited_for_during_its_local_update():
 
 def test_a_training_notice_of_an_old_state_is_a_stale_ready():
     e = engine(lease_seconds=1000.0)
-    joined(e, "a", "b", "c")
-    for p in "abc":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b", "c")
     (sync,) = of(e.ready_("c", 1, ReadyInfo(10, 1, 1, b"", 0, 0.2, training=True), 0.2), SendSync)
     assert sync.state_digest == b"s1"
 
@@ -715,10 +690,7 @@ def test_stale_readys_without_progress_never_delay_a_round():
     ones after it that hold no newer state get the sync order again and delay nothing, however
     many rounds committed meanwhile (issue: a peer back from a long local phase)."""
     e = engine()
-    joined(e, "a", "b", "c")
-    for p in "abc":
-        e.ready_(p, 0, info(), 0.0)
-    commit_all(e, 0.1, b"s1")
+    round_0_committed(e, "a", "b", "c")
     t, digest = 0.2, b"s1"
     for r in range(1, 40):  # c works locally for 40 rounds: a and b commit without it
         e.ready_("a", r, info(rounds=r, digest=digest), t)
