@@ -746,9 +746,9 @@ class RoundEngine:
     def _owed_orders(self, now: float, skip: Iterable[str] = ()) -> list[SendSync]:
         """The sync orders put off while the attempt ran (`join_sync`, `ready_`), now that it
         ended (the owed set empties)."""
-        owed, self.sync_owed = self.sync_owed, {}
+        owed, self.sync_owed, skip = self.sync_owed, {}, set(skip)
         orders = [self._order_sync(self.members[p], held, now) for p, held in sorted(owed.items())
-                  if p in self.members and p not in set(skip)]
+                  if p in self.members and p not in skip]
         return [o for o in orders if o is not None]
 
     def leave(self, peer_id: str, now: float) -> list[Action]:
