@@ -49,7 +49,7 @@ import numpy as np
 from shoal.common.errors import InvalidArgument, ShoalError
 from shoal.common.plan import Plan
 from shoal.common.relaying import RELAY_ALTERED
-from shoal.common.tensors import digest, dtype_code
+from shoal.common.tensors import dtype_code, result_digest
 from shoal.peer import faults, tcplane
 from shoal.peer.audit import AuditVerdict, OwnerAudit
 from shoal.peer.compression import Encoded, ErrorFeedback, codec_id, decode, encode
@@ -90,8 +90,8 @@ class CollectiveError(Exception):
 
 @dataclass(frozen=True)
 class CollectiveResult:
-    """values: (n,) array, same dtype as the input; digest: `shoal.common.tensors.digest` of it (BLAKE3-256,
-    the vote digest); seconds: the whole collective, digest included."""
+    """values: (n,) array, same dtype as the input; digest: `shoal.common.tensors.result_digest` of it
+    (32 bytes, the vote digest); seconds: the whole collective, digest included."""
 
     values: np.ndarray
     digest: bytes
@@ -1084,7 +1084,7 @@ def _alone(x: np.ndarray, plan: Plan, reducer: OwnerReducer | None, t0: float) -
     if reducer is not None:
         red, rejected = reducer.reduce(x[None, :], 0, x.size, None)
         out, flagged = red.astype(x.dtype, copy=False), tuple(plan.participants[r] for r in rejected)
-    return CollectiveResult(out, digest(out), 0, time.monotonic() - t0, flagged)
+    return CollectiveResult(out, result_digest(out), 0, time.monotonic() - t0, flagged)
 
 
 async def _attempt(x: np.ndarray, plan: Plan, me: str, transport: Transport, inbox: Inbox,

@@ -1,15 +1,17 @@
 """The vote digest of a collective's result, hashed while the result is still being written.
 
 A collective fills its result buffer chunk by chunk and out of order (shard owners publish and
-the all-gather delivers concurrently); the vote needs `shoal.common.tensors.digest` of the whole
-buffer. Hashing it only once the last chunk has landed puts a full pass over the tensor (BLAKE3
-of 64 MB: 10-25 ms on a busy 2-core host) on the collective's critical path after the last byte.
-`ResultDigest` instead feeds BLAKE3 the buffer's bytes in order as soon as they are final: each
-filled range is recorded, and every time the contiguous prefix from element 0 grows, the new part
-is handed to one worker thread shared by the process (BLAKE3 releases the GIL, and one worker
-keeps the updates in order), so the event loop never blocks on a hash and what is left when the
-last chunk lands is only the part that completed the prefix last. The digest is the same bytes
-as `digest(buffer)`: BLAKE3 is a streaming hash, and every byte is fed exactly once, in order.
+the all-gather delivers concurrently); the vote needs `shoal.common.tensors.result_digest` of the
+whole buffer: BLAKE3-256 over the BLAKE3-256 digests of its 1 MiB blocks. Hashing it only once the
+last chunk has landed puts a full pass over the tensor (BLAKE3 of 64 MB: 10-25 ms on a busy 2-core
+host) on the collective's critical path after the last byte. `ResultDigest` instead hashes each
+block as soon as every byte of it is final, on one worker thread shared by the process (BLAKE3
+releases the GIL), so the event loop never blocks on a hash, and what is left when the last chunk
+lands is the block or two it completed and the outer hash of the block digests.
+
+Before (issue 16) the vote digest was BLAKE3 of the whole buffer, fed in order from element 0: in
+the ring, the peer whose all-gather brings shard 0 last then hashed 3/4 of the tensor after its
+last chunk, 10-35 ms of a 0.83 s all-reduce at 1 Gbit/s (docs/performance.md).
 
 Pure bookkeeping plus hashing; no I/O. Tested alone (tests/test_result_digest.py).
 """
@@ -20,15 +22,14 @@ import asyncio
 import bisect
 import concurrent.futures
 
-import blake3
 import numpy as np
 
-from shoal.common.tensors import DIGEST_BYTES
+from shoal.common.tensors import RESULT_BLOCK_BYTES, combine_result_blocks, result_block_digest, result_digest
 
-__all__ = ["ResultDigest", "off_loop"]
+__all__ = ["ResultDigest", "off_loop", "result_digest"]
 
-# One thread for every digest of the process: updates of one digest run in submission order, and
-# peers sharing a host do not each take a core for hashing.
+# One thread for every digest of the process: peers sharing a host do not each take a core for
+# hashing.
 _HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="shoal-digest")
 
 
@@ -40,11 +41,12 @@ async def off_loop(fn, *args):
 
 
 class ResultDigest:
-    """BLAKE3-256 of a 1-D C-contiguous array `buf`, fed as its element ranges become final.
+    """`shoal.common.tensors.result_digest` of a 1-D C-contiguous array `buf`, fed as its element
+    ranges become final.
 
     `filled(lo, hi)`: elements [lo, hi) hold their final values and will not be written again
     (ranges may come in any order; none may overlap another). `finish()` (async): the digest,
-    equal to `shoal.common.tensors.digest(buf)`; call it once every element is filled.
+    equal to `result_digest(buf)`; call it once every element is filled.
 
     Failure semantics: `filled` raises ValueError for a range outside the buffer or overlapping
     one already filled (a collective that writes a chunk twice would otherwise vote a digest of
@@ -59,40 +61,40 @@ class ResultDigest:
         self.buf = buf
         self._bytes = memoryview(buf).cast("B")
         self._item = buf.itemsize
-        self._hash = blake3.blake3(max_threads=1)  # one core: peers sharing a host must not oversubscribe it
-        self.frontier = 0  # elements [0, frontier) are filled and queued for hashing
-        self._last: concurrent.futures.Future | None = None  # the last queued update
-        self._pending: dict[int, int] = {}  # filled ranges beyond the frontier: lo -> hi
-        self._starts: list[int] = []  # their starts, sorted
+        n = len(self._bytes)
+        blocks = -(-n // RESULT_BLOCK_BYTES)
+        # Per block: bytes not final yet, then its digest (a future on the hashing thread).
+        self._left = [min(RESULT_BLOCK_BYTES, n - b * RESULT_BLOCK_BYTES) for b in range(blocks)]
+        self._digests: list[concurrent.futures.Future | None] = [None] * blocks
+        self._unfilled = buf.size  # elements
+        self._starts: list[int] = []  # filled ranges, sorted by start, disjoint: start -> end
+        self._ends: dict[int, int] = {}
 
     def filled(self, lo: int, hi: int) -> None:
-        """Record [lo, hi) as final; queue the hash of the prefix it completes (never blocks)."""
+        """Record [lo, hi) as final; queue the hash of every block it completes (never blocks)."""
         if not 0 <= lo < hi <= self.buf.size:
             raise ValueError(f"range [{lo}, {hi}) outside 0..{self.buf.size}")
         i = bisect.bisect(self._starts, lo)
-        if lo < self.frontier or (i and self._pending[self._starts[i - 1]] > lo) or \
-                (i < len(self._starts) and self._starts[i] < hi):
+        if (i and self._ends[self._starts[i - 1]] > lo) or (i < len(self._starts) and self._starts[i] < hi):
             raise ValueError(f"range [{lo}, {hi}) filled twice")
         self._starts.insert(i, lo)
-        self._pending[lo] = hi
-        end = self.frontier
-        while end in self._pending:
-            end = self._pending.pop(end)
-            del self._starts[0]  # the prefix grows from the smallest start
-        if end > self.frontier:
-            view = self._bytes[self.frontier * self._item:end * self._item]
-            self._last = _HASHER.submit(self._hash.update, view)
-            self.frontier = end
+        self._ends[lo] = hi
+        self._unfilled -= hi - lo
+        a, z = lo * self._item, hi * self._item
+        for b in range(a // RESULT_BLOCK_BYTES, (z - 1) // RESULT_BLOCK_BYTES + 1):
+            b0 = b * RESULT_BLOCK_BYTES
+            self._left[b] -= min(z, b0 + RESULT_BLOCK_BYTES) - max(a, b0)
+            if self._left[b] == 0:
+                self._digests[b] = _HASHER.submit(result_block_digest, self._bytes[b0:b0 + RESULT_BLOCK_BYTES])
 
     def missing(self) -> int:
         """Elements not filled yet (0 when the buffer is complete)."""
-        return self.buf.size - self.frontier - sum(hi - lo for lo, hi in self._pending.items())
+        return self._unfilled
 
     async def finish(self) -> bytes:
-        """The digest (32 bytes), once the queued hashing is done. Raises ValueError when some
-        element was never filled (nothing is hashed past the gap)."""
-        if self.frontier != self.buf.size:
-            raise ValueError(f"{self.missing()} elements of the result were never filled")
-        if self._last is not None:
-            await asyncio.wrap_future(self._last)
-        return self._hash.digest(length=DIGEST_BYTES)
+        """The digest (32 bytes), once the queued block hashes are done. Raises ValueError when
+        some element was never filled."""
+        if self._unfilled:
+            raise ValueError(f"{self._unfilled} elements of the result were never filled")
+        blocks = [await asyncio.wrap_future(f) for f in self._digests if f is not None]
+        return combine_result_blocks(len(self._bytes), blocks)

@@ -7,7 +7,11 @@ timed rounds of a float32 all-reduce of ``--size-mb`` MB, and, with ``--baseline
 torch.distributed's gloo ``all_reduce`` of the same tensor the same number of times on the same
 network. With link lists (``--link-mbit`` or ``--up-mbit``/``--down-mbit``) every peer (and its
 gloo rank) runs in its own network namespace behind kernel-shaped links (`shoal.netbed.NetBed`,
-needs root); without them everything runs on 127.0.0.1.
+needs root); without them everything runs on 127.0.0.1. The bed's hosts use the TCP congestion
+control ``--tcp-congestion`` (default cubic, reported as ``tcp_congestion``), Shoal and gloo alike:
+the bed has a ~10 µs base RTT, at which BBR's model of the path (bandwidth x minimum RTT) is
+erratic (docs/performance.md), and a machine whose own default is bbr would otherwise measure a
+different bed than one whose default is cubic.
 
 On loopback the peers share a host, so chunks take the shared-memory lane (`peer.shm`, reported
 as ``lane`` "shm") unless ``--no-shared-memory``; ``--also-socket`` times the socket-only data
@@ -87,6 +91,7 @@ class BenchOptions:
     also_socket: bool = False  # loopback: also time the socket-only data plane in the same run
     tcp_lane: bool = True  # between hosts (shaped): the bulk lane (peer.tcplane); False: gRPC streams
     tls: bool = False  # Shoal's planes with TLS (certificates issued at join); gloo stays plaintext
+    tcp_congestion: str = "cubic"  # shaped: the hosts' TCP congestion control (NetBed), both systems alike
 
     @property
     def shaped(self) -> bool:
@@ -339,7 +344,8 @@ def run_bench(opts: BenchOptions) -> dict:
             ok, why = NetBed.available()
             if not ok:
                 raise RuntimeError(f"shaped links need network namespaces: {why}")
-            bed = stack.enter_context(NetBed(p, list(opts.up_mbit), list(opts.down_mbit), prefix="shlb"))
+            bed = stack.enter_context(NetBed(p, list(opts.up_mbit), list(opts.down_mbit), prefix="shlb",
+                                                tcp_congestion=opts.tcp_congestion or None))
             hosts = [bed.host_ip(i) for i in range(p)]
             coord_host = bed.root_ip
         else:
@@ -351,6 +357,7 @@ def run_bench(opts: BenchOptions) -> dict:
                         "tls": opts.tls}
         if opts.shaped:
             report["up_mbit"], report["down_mbit"] = list(opts.up_mbit), list(opts.down_mbit)
+            report["tcp_congestion"] = opts.tcp_congestion or _machine_congestion()
         report.update(_run_shoal(opts, procs, wd, deadline, hosts, coord_host, bound,
                                  shared_memory=opts.shared_memory))
         if opts.also_socket and not opts.shaped and opts.shared_memory:
@@ -405,6 +412,14 @@ def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out:
         dist.destroy_process_group()
 
 
+def _machine_congestion() -> str:
+    """The congestion control a new network namespace gets on this machine ("?" if unknown)."""
+    try:
+        return pathlib.Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "?"
+
+
 def _parse_list(s: str | None) -> tuple[float, ...]:
     if not s:
         return ()
@@ -437,7 +452,7 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
                         repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
                         workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket,
-                        tcp_lane=not a.no_tcp_lane, tls=a.tls)
+                        tcp_lane=not a.no_tcp_lane, tls=a.tls, tcp_congestion=a.tcp_congestion)
 
 
 def add_bench_parser(sub) -> None:
@@ -464,6 +479,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--tls", action="store_true",
                    help="Shoal's control and data planes with TLS (gloo stays plaintext); between hosts tensor "
                         "bytes then go on the bulk lane over mutual TLS (lane tcp-tls)")
+    b.add_argument("--tcp-congestion", default="cubic", metavar="NAME",
+                   help="shaped links: the TCP congestion control of every host, Shoal's and gloo's alike "
+                        "(default cubic, Linux's own default; '' = the machine's, which new namespaces inherit; "
+                        "docs/performance.md: why the bed pins it)")
     b.add_argument("--also-socket", action="store_true",
                    help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pathlib
 import secrets
 import shutil
 import signal
@@ -90,6 +91,9 @@ class NetBed:
 
     ``up_mbit[i]`` / ``down_mbit[i]``: host i's upload / download in Mbit/s (10^6 bit/s), ``None``
     for unshaped. ``prefix`` (≤ 5 characters) starts every name this bed creates.
+    ``tcp_congestion``: the TCP congestion control every host's connections use (e.g. "cubic",
+    "bbr"; ``net.ipv4.tcp_congestion_control`` in its namespace), or ``None`` for the machine's
+    default, which a new namespace inherits.
 
     Failure semantics: `__enter__` either returns a complete bed or, after deleting whatever it
     had built, raises `NetBedError` (or `OSError` when a tool is missing). `__exit__` never
@@ -105,6 +109,7 @@ class NetBed:
         *,
         subnet_octet: int | None = None,
         nat: Sequence[bool] | None = None,
+        tcp_congestion: str | None = None,
     ) -> None:
         if n_hosts < 1 or n_hosts > 250:
             raise ValueError("n_hosts must be in 1..250")
@@ -120,6 +125,9 @@ class NetBed:
             raise ValueError("nat needs one entry per host")
         if any(self.nat) and n_hosts > 120:
             raise ValueError("a bed with NAT hosts holds at most 120 hosts (rebind addresses sit above .128)")
+        if tcp_congestion is not None and not (tcp_congestion.isascii() and tcp_congestion.replace("_", "").isalnum()):
+            raise ValueError(f"tcp_congestion: not a congestion control name: {tcp_congestion!r}")
+        self.tcp_congestion = tcp_congestion
         self.prefix = prefix
         self._subnet_octet = subnet_octet
         self._tag = secrets.token_hex(2)
@@ -258,12 +266,31 @@ class NetBed:
         _run(["ip", "netns", "add", ns])
         self._namespaces.append(ns)
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        if self.tcp_congestion is not None:
+            self._set_congestion(ns)
         if self.nat[i]:
             self._add_nat_host(i)
             self.shape(i, self.up_mbit[i], self.down_mbit[i])
             return
         self._bridge_port(vb, ns, self.host_ip(i))
         self.shape(i, self.up_mbit[i], self.down_mbit[i])
+
+    def _set_congestion(self, ns: str) -> None:
+        """TCP congestion control of the connections made in namespace `ns` (a new namespace
+        takes the machine's default). A namespace may only take an algorithm of the machine's
+        allowed list (``net.ipv4.tcp_allowed_congestion_control``, the init namespace's), so one
+        missing there is added to it (and stays: it only lets processes choose it).
+        Raises NetBedError when the kernel has no such algorithm."""
+        cc = self.tcp_congestion
+        sys_ipv4 = pathlib.Path("/proc/sys/net/ipv4")
+        avail = (sys_ipv4 / "tcp_available_congestion_control").read_text().split()
+        if cc not in avail:
+            raise NetBedError(f"tcp_congestion: the kernel has no {cc!r} (available: {' '.join(avail)})")
+        allowed = (sys_ipv4 / "tcp_allowed_congestion_control").read_text().split()
+        if cc not in allowed:
+            _run(["sysctl", "-q", "-w", f"net.ipv4.tcp_allowed_congestion_control={' '.join([*allowed, cc])}"])
+            log.info("netbed: added %s to net.ipv4.tcp_allowed_congestion_control", cc)
+        _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"])
 
     def _bridge_port(self, vb: str, ns: str, ip: str) -> None:
         """A veth pair from the bridge (`vb`, tagged with this bed's alias) to `eth0` in namespace

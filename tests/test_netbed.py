@@ -266,3 +266,19 @@ def test_a_nat_host_is_shaped_like_any_other() -> None:
         assert 0.7 * 20 <= _measure(bed, 1, 0, seconds=2.0, port=5230) <= 1.15 * 20
         bed.shape(1, 10, None)  # a shape event on a NATed peer, while the bed runs
         assert 0.7 * 10 <= _measure(bed, 1, 0, seconds=2.0, port=5231) <= 1.15 * 10
+
+
+def test_hosts_take_the_congestion_control_asked_for() -> None:
+    """Every host's new connections use the bed's `tcp_congestion` (checked on a live socket in
+    the namespace); a name the kernel lacks is refused before anything is left behind."""
+    probe = ("import socket; s = socket.socket(); "
+             "print(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b'\\0').decode())")
+    for cc in ("reno", "cubic"):
+        with NetBed(2, [100, None], [100, None], prefix=PREFIX, tcp_congestion=cc) as bed:
+            assert [bed.run(i, [sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() for i in range(2)] == [cc, cc]
+    with pytest.raises(Exception, match="tcp_congestion: the kernel has no 'nosuch'"):
+        with NetBed(1, prefix=PREFIX, tcp_congestion="nosuch"):
+            pass
+    with pytest.raises(ValueError, match="tcp_congestion"):
+        NetBed(1, prefix=PREFIX, tcp_congestion="cubic; reboot")
+    assert _leftovers(PREFIX) == []

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from shoal.common.identity import RequestVerifier, sign_metadata
 from shoal.common.plan import Plan
-from shoal.common.tensors import digest
+from shoal.common.tensors import digest, result_digest
 from shoal.common.tickets import issue_ticket
 
 from shoal.coordinator.blame import blame
@@ -130,7 +130,7 @@ async def test_outbound_only_peers_get_the_bit_identical_sum_on_their_own_stream
         out = await sw.run(xs, attempt=0, shard_owner=(0, 2, 4), outbound_only=(1, 3), compression=compression)
     digests = {r.digest for r in out}
     assert len(digests) == 1
-    assert all(digest(r.values) == r.digest for r in out)
+    assert all(result_digest(r.values) == r.digest for r in out)
     if compression == "none":
         np.testing.assert_allclose(out[1].values, np.sum(xs, axis=0), rtol=1e-5, atol=1e-5)
 

@@ -1,11 +1,11 @@
-"""ResultDigest: the vote digest hashed while the result is written equals the whole-tensor digest."""
+"""ResultDigest: the vote digest hashed while the result is written equals `result_digest` of the whole tensor."""
 
 import asyncio
 
 import numpy as np
 import pytest
 
-from shoal.common.tensors import digest
+from shoal.common.tensors import RESULT_BLOCK_BYTES, digest, result_digest
 from shoal.peer.result_digest import ResultDigest
 
 
@@ -30,7 +30,7 @@ def test_incremental_digest_equals_whole_tensor_digest(dtype, order):
     for lo, hi in spans:
         rd.filled(lo, hi)
     assert rd.missing() == 0
-    assert asyncio.run(rd.finish()) == digest(buf)
+    assert asyncio.run(rd.finish()) == result_digest(buf)
 
 
 def test_digest_sees_values_written_before_each_range_is_filled():
@@ -39,7 +39,7 @@ def test_digest_sees_values_written_before_each_range_is_filled():
     for lo, hi in reversed(_ranges(1000, 100)):
         buf[lo:hi] = np.arange(lo, hi)
         rd.filled(lo, hi)
-    assert asyncio.run(rd.finish()) == digest(np.arange(1000, dtype=np.float32))
+    assert asyncio.run(rd.finish()) == result_digest(np.arange(1000, dtype=np.float32))
 
 
 def test_missing_elements_and_double_fills_are_refused():
@@ -59,9 +59,32 @@ def test_missing_elements_and_double_fills_are_refused():
     with pytest.raises(ValueError, match="outside"):
         rd.filled(90, 101)
     rd.filled(50, 60)
-    assert asyncio.run(rd.finish()) == digest(buf)
+    assert asyncio.run(rd.finish()) == result_digest(buf)
 
 
 def test_non_contiguous_buffer_is_refused():
     with pytest.raises(ValueError):
         ResultDigest(np.ones((4, 4), dtype=np.float32)[:, 0])
+
+
+@pytest.mark.parametrize("size", [1, RESULT_BLOCK_BYTES // 4 - 1, RESULT_BLOCK_BYTES // 4, RESULT_BLOCK_BYTES // 4 + 1,
+                                  3 * RESULT_BLOCK_BYTES // 4 + 12_345])
+def test_blocks_across_chunk_boundaries_in_any_order(size):
+    """Chunks that straddle 1 MiB blocks, filled in a random order, give the whole-buffer digest,
+    and it is not the one-level digest of the same bytes (no silent fallback)."""
+    rng = np.random.default_rng(size)
+    buf = rng.standard_normal(size).astype(np.float32)
+    spans = _ranges(size, 100_003)
+    rd = ResultDigest(buf)
+    for i in rng.permutation(len(spans)):
+        rd.filled(*spans[i])
+    got = asyncio.run(rd.finish())
+    assert got == result_digest(buf) and got != digest(buf)
+
+
+def test_result_digest_binds_length_and_content():
+    a = np.zeros(RESULT_BLOCK_BYTES // 4, dtype=np.float32)
+    b = np.zeros(RESULT_BLOCK_BYTES // 4 + 1, dtype=np.float32)
+    c = a.copy()
+    c[-1] = 1.0
+    assert len({result_digest(a), result_digest(b), result_digest(c), result_digest(a[:-1])}) == 4

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from shoal.common.plan import Plan
-from shoal.common.tensors import digest
+from shoal.common.tensors import digest, result_digest
 from shoal.peer import faults, rounds
 from shoal.peer.collectives import CollectiveError
 from shoal.peer.contribution import FedAvgContribution, Forgery, Prepared, SumContribution
@@ -111,7 +111,7 @@ async def test_announce_plan_collective_vote_commit():
     assert (ready.round, ready.num_elements, ready.dtype, ready.state_round) == (0, N, pb.FLOAT32, 0)
     assert ready.state_digest == ArrayState(np.zeros(0, np.float32), 0).digest()
     [ballot] = control.votes
-    assert ballot.ok and ballot.result_digest == digest(x) and ballot.state_digest == expected
+    assert ballot.ok and ballot.result_digest == result_digest(x) and ballot.state_digest == expected
     assert wl.state.rounds == 1 and np.array_equal(wl.state.params, x)
     assert [kind for kind, _ in rec.seen] == ["collective", "vote", "outcome"]
 

@@ -14,7 +14,7 @@ import pytest
 from shoal.peer import shm
 from shoal.peer.dataplane import Session
 from shoal.common.errors import InvalidArgument
-from shoal.common.tensors import digest
+from shoal.common.tensors import digest, result_digest
 from shoal.v1 import shoal_pb2 as pb
 from swarmlet import Swarmlet
 
@@ -108,7 +108,7 @@ async def test_all_reduce_over_the_lane_is_exact_bit_identical_and_leaves_no_seg
             results = await peers.run(xs, attempt=attempt, algorithm=algorithm, chunk_bytes=256 << 10)
             assert all(set(t.lanes().values()) == {"shm"} for t in peers.transports)
             assert len({r.values.tobytes() for r in results}) == 1
-            assert all(r.digest == digest(r.values) for r in results)
+            assert all(r.digest == result_digest(r.values) for r in results)
             np.testing.assert_allclose(results[0].values, np.sum(np.stack(xs).astype(np.float64), axis=0),
                                        rtol=1e-5, atol=1e-4)
             assert all(r.bytes_sent > 0 for r in results)
@@ -285,7 +285,7 @@ async def test_an_owner_writes_each_reduced_chunk_once_for_all_its_receivers(mon
             places.clear()
             results = await peers.run(xs, attempt=attempt, algorithm="butterfly", chunk_bytes=64 << 10)
             assert len({r.values.tobytes() for r in results}) == 1
-            assert all(r.digest == digest(r.values) for r in results)
+            assert all(r.digest == result_digest(r.values) for r in results)
             np.testing.assert_allclose(results[0].values, np.sum(np.stack(xs).astype(np.float64), axis=0),
                                        rtol=1e-5, atol=1e-4)
             # every reduced chunk went to the three other peers from one place of one segment

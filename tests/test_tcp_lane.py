@@ -26,7 +26,7 @@ from shoal.coordinator.ca import CertificateAuthority
 from shoal.common.errors import InvalidArgument
 from shoal.common.identity import peer_id_of, public_bytes, sign_metadata
 from shoal.common.security import Security
-from shoal.common.tensors import digest
+from shoal.common.tensors import digest, result_digest
 from shoal.common.tickets import issue_ticket, verify_ticket
 from shoal.peer import tcplane
 from shoal.peer.collectives import CollectiveError
@@ -238,7 +238,7 @@ async def test_all_reduce_over_the_bulk_lane_is_bit_identical_to_push_chunks(alg
         grpc_lane = await peers.run(xs, attempt=0, algorithm=algorithm, chunk_bytes=128 << 10)
         assert all(set(t.lanes().values()) == {"socket"} for t in peers.transports)
     assert len({r.values.tobytes() for r in bulk + grpc_lane}) == 1
-    assert all(r.digest == digest(r.values) for r in bulk)
+    assert all(r.digest == result_digest(r.values) for r in bulk)
 
 
 async def test_idle_connections_are_reused_only_while_open_and_warmed_before_rounds():

@@ -58,6 +58,42 @@ def digest(*arrays: np.ndarray | bytes) -> bytes:
     return h.digest(length=DIGEST_BYTES)
 
 
+RESULT_BLOCK_BYTES = 1 << 20
+_RESULT_DOMAIN = b"shoal.v1 result digest: BLAKE3-256 of 1 MiB block digests\0"
+
+
+def result_digest(a: np.ndarray) -> bytes:
+    """The vote digest of a collective's result (32 bytes): BLAKE3-256 over a domain prefix, the
+    byte length (8 bytes, little-endian) and the BLAKE3-256 digest of each consecutive
+    RESULT_BLOCK_BYTES (1 MiB) block of the array's bytes (C order; the last block may be
+    shorter), in order (`result_block_digest`, `combine_result_blocks`).
+
+    A two-level hash rather than `digest` of the whole buffer so that a collective, whose result
+    becomes final out of order (the ring's all-gather delivers the first element's shard last to
+    one peer), hashes each block as soon as it is final and only the last block(s) after the last
+    chunk (`peer.result_digest.ResultDigest`): a one-level Merkle tree (BLAKE3's own tree is not
+    exposed by its Python binding). Result digests are compared only with one another (votes,
+    commits); state digests stay `digest`."""
+    data = memoryview(np.ascontiguousarray(a)).cast("B")
+    return combine_result_blocks(len(data), (result_block_digest(data[lo:lo + RESULT_BLOCK_BYTES])
+                                             for lo in range(0, len(data), RESULT_BLOCK_BYTES)))
+
+
+def result_block_digest(block: memoryview | bytes) -> bytes:
+    """BLAKE3-256 of one block of a result (`result_digest`); one core."""
+    return blake3.blake3(block, max_threads=1).digest(length=DIGEST_BYTES)
+
+
+def combine_result_blocks(nbytes: int, block_digests) -> bytes:
+    """`result_digest` of a result of `nbytes` bytes from its blocks' digests (an iterable of
+    32-byte strings, in order)."""
+    outer = blake3.blake3(_RESULT_DOMAIN, max_threads=1)
+    outer.update(nbytes.to_bytes(8, "little"))
+    for d in block_digests:
+        outer.update(d)
+    return outer.digest(length=DIGEST_BYTES)
+
+
 def decode_chunk(data: bytes, dtype: int, expected_count: int) -> np.ndarray:
     """View `data` as a 1-D array of `expected_count` elements of `dtype` (read-only, no copy).
 
