@@ -8,10 +8,10 @@ torch.distributed's gloo ``all_reduce`` of the same tensor the same number of ti
 network. With link lists (``--link-mbit`` or ``--up-mbit``/``--down-mbit``) every peer (and its
 gloo rank) runs in its own network namespace behind kernel-shaped links (`shoal.netbed.NetBed`,
 needs root); without them everything runs on 127.0.0.1. The bed's hosts use the TCP congestion
-control ``--tcp-congestion`` (default cubic, reported as ``tcp_congestion``), Shoal and gloo alike:
-the bed has a ~10 µs base RTT, at which BBR's model of the path (bandwidth x minimum RTT) is
-erratic (docs/performance.md), and a machine whose own default is bbr would otherwise measure a
-different bed than one whose default is cubic.
+control ``--tcp-congestion`` (default: the machine's; reported as ``tcp_congestion``), Shoal and
+gloo alike: the bed has a ~10 µs base RTT, at which BBR's model of the path (bandwidth x minimum
+RTT) is erratic, so a machine whose default is bbr measures a different bed than one whose
+default is cubic (docs/performance.md).
 
 On loopback the peers share a host, so chunks take the shared-memory lane (`peer.shm`, reported
 as ``lane`` "shm") unless ``--no-shared-memory``; ``--also-socket`` times the socket-only data
@@ -91,7 +91,7 @@ class BenchOptions:
     also_socket: bool = False  # loopback: also time the socket-only data plane in the same run
     tcp_lane: bool = True  # between hosts (shaped): the bulk lane (peer.tcplane); False: gRPC streams
     tls: bool = False  # Shoal's planes with TLS (certificates issued at join); gloo stays plaintext
-    tcp_congestion: str = "cubic"  # shaped: the hosts' TCP congestion control (NetBed), both systems alike
+    tcp_congestion: str = ""  # shaped: the hosts' TCP congestion control (NetBed), both systems alike; "" = the machine's
 
     @property
     def shaped(self) -> bool:
@@ -479,10 +479,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--tls", action="store_true",
                    help="Shoal's control and data planes with TLS (gloo stays plaintext); between hosts tensor "
                         "bytes then go on the bulk lane over mutual TLS (lane tcp-tls)")
-    b.add_argument("--tcp-congestion", default="cubic", metavar="NAME",
-                   help="shaped links: the TCP congestion control of every host, Shoal's and gloo's alike "
-                        "(default cubic, Linux's own default; '' = the machine's, which new namespaces inherit; "
-                        "docs/performance.md: why the bed pins it)")
+    b.add_argument("--tcp-congestion", default="", metavar="NAME",
+                   help="shaped links: the TCP congestion control of every host, Shoal's and gloo's alike, e.g. "
+                        "cubic or bbr (default: the machine's, which new namespaces inherit; reported as "
+                        "tcp_congestion; docs/performance.md shows why it matters on this bed)")
     b.add_argument("--also-socket", action="store_true",
                    help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
