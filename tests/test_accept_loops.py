@@ -3,6 +3,7 @@ one service on one port (SO_REUSEPORT), over real loopback sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import grpc
@@ -65,5 +66,39 @@ async def test_one_loop_binds_without_reuseport():
         with pytest.raises(OSError):
             _bind_servers(CoordinatorConfig(listen=f"127.0.0.1:{port}", accept_loops=2), service(), [])
         assert [r.rounds_committed for r in await statuses(port, 2)] == [0, 0]
+    finally:
+        await servers[0].stop(grace=None)
+
+
+def _server_settings(port: int) -> dict[int, int]:
+    """The HTTP/2 SETTINGS the coordinator's server sends first, read over a raw socket (the
+    client preface, then frames until the server's non-ACK SETTINGS frame: 9-byte headers,
+    6-byte entries)."""
+    import socket
+    import struct
+
+    with socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT_S) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + struct.pack(">I", 0)[1:] + b"\x04\x00" + b"\x00" * 4)
+        buf = b""
+        while True:
+            while len(buf) < 9:
+                buf += s.recv(4096) or b"!"
+                assert not buf.endswith(b"!"), "connection closed before the server's SETTINGS"
+            length, kind, flags = int.from_bytes(buf[:3], "big"), buf[3], buf[4]
+            while len(buf) < 9 + length:
+                buf += s.recv(4096)
+            payload, buf = buf[9:9 + length], buf[9 + length:]
+            if kind == 0x4 and not flags & 0x1:
+                return {k: v for k, v in (struct.unpack(">HI", payload[i:i + 6]) for i in range(0, length, 6))}
+
+
+async def test_members_connections_carry_no_hpack_tables():
+    """SETTINGS_HEADER_TABLE_SIZE (0x1) 0: members' encoders index nothing, so the coordinator
+    holds no per-connection header table that grows with a member's first cohort draw."""
+    servers, _, port = _bind_servers(CoordinatorConfig(listen="127.0.0.1:0", accept_loops=1), service(), [])
+    await servers[0].start()
+    try:
+        assert (await asyncio.to_thread(_server_settings, port)).get(0x1) == 0
+        assert [r.rounds_committed for r in await statuses(port, 2)] == [0, 0]  # calls still work
     finally:
         await servers[0].stop(grace=None)
