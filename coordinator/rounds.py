@@ -277,8 +277,9 @@ class ReadyInfo:
 class Vote:
     """One participant's vote on an attempt (shoal.v1.VoteRequest).
 
-    ok: the collective succeeded. result_digest / state_digest: BLAKE3-256 of the all-reduced
-    result and of the state it leads to. loss: mean inner training loss (may be non-finite: never
+    ok: the collective succeeded. result_digest: `shoal.common.tensors.result_digest` of the
+    all-reduced result (BLAKE3-256 over its 1 MiB blocks' digests); state_digest: BLAKE3-256 of
+    the state it leads to. loss: mean inner training loss (may be non-finite: never
     recorded). suspects: peers the failure points at. flagged: contributions rejected by the
     aggregator. error: why it failed. audit: the failure is a failed owner audit.
     """

@@ -384,6 +384,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             require(":" in request.data_address, "data_address", "must be HOST:PORT")
             require(math.isfinite(request.relay_bytes_per_s) and request.relay_bytes_per_s >= 0, "relay_bytes_per_s",
                     "must be a finite rate >= 0 (bytes/s)")
+            _check_version(request.version)
             request.data_address = advertised_address(request.data_address, context)
             peer_id = peer_id_of(request.public_key)
             asked = self.clock()
@@ -760,6 +761,26 @@ class MemberCalls(grpc.aio.ServerInterceptor):
 
             return handler._replace(unary_stream=unary_stream)
         return handler
+
+
+# The oldest peer version whose votes this coordinator's peers can agree with: 0.2.0 changed the
+# result digest (shoal.common.tensors.result_digest, over 1 MiB block digests), so an older peer
+# would dissent on every round it shares with newer ones.
+MIN_PEER_VERSION = (0, 2)
+
+
+def _check_version(version: str) -> None:
+    """Refuse a Join from a Shoal peer older than MIN_PEER_VERSION (FailedPrecondition naming the
+    field). A version that is not MAJOR.MINOR[.PATCH] (hand-written clients, tools) or empty is
+    let through: only Shoal's own peers vote digests this check is about."""
+    parts = version.split(".")
+    if len(parts) < 2 or not (parts[0].isdigit() and parts[1].isdigit()):
+        return
+    if (int(parts[0]), int(parts[1])) < MIN_PEER_VERSION:
+        raise FailedPrecondition(
+            f"version: peer {version} computes result digests that peers of "
+            f"{'.'.join(map(str, MIN_PEER_VERSION))} and later do not (their votes would never agree); "
+            f"upgrade the peer to the coordinator's version")
 
 
 def grpc_options(reuseport: bool = False) -> list[tuple[str, int]]:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+import shoal
 from shoal.common.health import PEER_SERVICE, attach
 from shoal.common.identity import hold_default_key, hold_key, peer_id_of, public_bytes
 from shoal.common.metrics import PeerMetrics
@@ -263,7 +264,7 @@ class PeerAgent(StateSource):
     def _join_request(self) -> pb.JoinRequest:
         samples = self.workload.num_samples if self.workload else 0
         return pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
-                              version="0.1.0", join_token=self.config.join_token,
+                              version=shoal.__version__, join_token=self.config.join_token,
                               tls_csr=self.peer_tls.csr() if self.peer_tls is not None else b"",
                               outbound_only=self.config.outbound_only, relay=self.config.relay or "",
                               relay_bytes_per_s=self.relay_link.capacity if self.relay_link is not None else 0.0)

@@ -7,7 +7,8 @@ last chunk has landed puts a full pass over the tensor (BLAKE3 of 64 MB: 10-25 m
 host) on the collective's critical path after the last byte. `ResultDigest` instead hashes each
 block as soon as every byte of it is final, on one worker thread shared by the process (BLAKE3
 releases the GIL), so the event loop never blocks on a hash, and what is left when the last chunk
-lands is the block or two it completed and the outer hash of the block digests.
+lands is the blocks it completed (one or two for a chunk of up to 1 MiB) and the outer hash of
+the block digests.
 
 Before (issue 16) the vote digest was BLAKE3 of the whole buffer, fed in order from element 0: in
 the ring, the peer whose all-gather brings shard 0 last then hashed 3/4 of the tensor after its
@@ -96,5 +97,6 @@ class ResultDigest:
         some element was never filled."""
         if self._unfilled:
             raise ValueError(f"{self._unfilled} elements of the result were never filled")
-        blocks = [await asyncio.wrap_future(f) for f in self._digests if f is not None]
+        assert all(f is not None for f in self._digests), "a block was filled but never hashed"
+        blocks = [await asyncio.wrap_future(f) for f in self._digests]
         return combine_result_blocks(len(self._bytes), blocks)

@@ -449,6 +449,11 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
             raise ValueError(f"{flag} must be {rule}, got {value:g}")
     if any(not 0 < v < float("inf") for v in up + down):
         raise ValueError("link rates must be > 0 Mbit/s")
+    cc = a.tcp_congestion
+    if cc and not up:
+        raise ValueError("--tcp-congestion needs shaped links (--link-mbit or --up-mbit/--down-mbit)")
+    if cc and not (cc.isascii() and cc.replace("_", "").isalnum()):
+        raise ValueError(f"--tcp-congestion: not a congestion control name: {cc!r}")
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
                         repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
                         workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket,

@@ -96,8 +96,11 @@ class NetBed:
     default, which a new namespace inherits.
 
     Failure semantics: `__enter__` either returns a complete bed or, after deleting whatever it
-    had built, raises `NetBedError` (or `OSError` when a tool is missing). `__exit__` never
-    raises; it logs what it could not delete (use `cleanup_stale` afterwards).
+    had built, raises `NetBedError` (or `OSError` when a tool is missing; a `tcp_congestion` the
+    kernel lacks is refused before anything is built). `__init__` raises ValueError for bad
+    arguments. `__exit__` never raises; it logs what it could not delete (use `cleanup_stale`
+    afterwards). A `tcp_congestion` missing from the machine's allowed list is added to it, and
+    stays.
     """
 
     def __init__(
@@ -245,6 +248,8 @@ class NetBed:
         raise NetBedError("no free 10.x.0.0/24 subnet in 10.200-10.254")
 
     def _build(self) -> None:
+        if self.tcp_congestion is not None:
+            self._allow_congestion()
         self.octet = self._pick_octet()
         br = self.bridge
         _run(["ip", "link", "add", br, "type", "bridge"])
@@ -267,7 +272,8 @@ class NetBed:
         self._namespaces.append(ns)
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
         if self.tcp_congestion is not None:
-            self._set_congestion(ns)
+            _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                  f"net.ipv4.tcp_congestion_control={self.tcp_congestion}"])
         if self.nat[i]:
             self._add_nat_host(i)
             self.shape(i, self.up_mbit[i], self.down_mbit[i])
@@ -275,22 +281,26 @@ class NetBed:
         self._bridge_port(vb, ns, self.host_ip(i))
         self.shape(i, self.up_mbit[i], self.down_mbit[i])
 
-    def _set_congestion(self, ns: str) -> None:
-        """TCP congestion control of the connections made in namespace `ns` (a new namespace
-        takes the machine's default). A namespace may only take an algorithm of the machine's
-        allowed list (``net.ipv4.tcp_allowed_congestion_control``, the init namespace's), so one
-        missing there is added to it (and stays: it only lets processes choose it).
-        Raises NetBedError when the kernel has no such algorithm."""
+    def _allow_congestion(self) -> None:
+        """Make `tcp_congestion` one a namespace may take, before anything is built: load its
+        module if the kernel has it as one (``modprobe tcp_<name>``; a failure is not an error by
+        itself), check the kernel has it, and add it to the machine's allowed list
+        (``net.ipv4.tcp_allowed_congestion_control``, which only the init namespace sets; the
+        addition stays: it only lets processes choose it). Raises NetBedError: the kernel has no
+        such algorithm, or the allowed list cannot be written; OSError: /proc unreadable."""
         cc = self.tcp_congestion
         sys_ipv4 = pathlib.Path("/proc/sys/net/ipv4")
         avail = (sys_ipv4 / "tcp_available_congestion_control").read_text().split()
+        if cc not in avail and shutil.which("modprobe"):
+            _run(["modprobe", f"tcp_{cc}"], check=False)
+            avail = (sys_ipv4 / "tcp_available_congestion_control").read_text().split()
         if cc not in avail:
-            raise NetBedError(f"tcp_congestion: the kernel has no {cc!r} (available: {' '.join(avail)})")
+            raise NetBedError(f"tcp_congestion: the kernel has no {cc!r} (available: {' '.join(avail)}; "
+                              f"a module not loaded: modprobe tcp_{cc})")
         allowed = (sys_ipv4 / "tcp_allowed_congestion_control").read_text().split()
         if cc not in allowed:
             _run(["sysctl", "-q", "-w", f"net.ipv4.tcp_allowed_congestion_control={' '.join([*allowed, cc])}"])
             log.info("netbed: added %s to net.ipv4.tcp_allowed_congestion_control", cc)
-        _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={cc}"])
 
     def _bridge_port(self, vb: str, ns: str, ip: str) -> None:
         """A veth pair from the bridge (`vb`, tagged with this bed's alias) to `eth0` in namespace

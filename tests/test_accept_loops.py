@@ -73,20 +73,28 @@ async def test_one_loop_binds_without_reuseport():
 def _server_settings(port: int) -> dict[int, int]:
     """The HTTP/2 SETTINGS the coordinator's server sends first, read over a raw socket (the
     client preface, then frames until the server's non-ACK SETTINGS frame: 9-byte headers,
-    6-byte entries)."""
+    6-byte entries). Every read is bounded (socket timeout, an overall deadline, end of file)."""
     import socket
     import struct
+    import time
 
+    deadline = time.monotonic() + RPC_TIMEOUT_S
     with socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT_S) as s:
         s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + struct.pack(">I", 0)[1:] + b"\x04\x00" + b"\x00" * 4)
         buf = b""
+
+        def need(n: int) -> None:
+            nonlocal buf
+            while len(buf) < n:
+                assert time.monotonic() < deadline, "no SETTINGS frame from the server in time"
+                chunk = s.recv(4096)
+                assert chunk, "connection closed before the server's SETTINGS"
+                buf += chunk
+
         while True:
-            while len(buf) < 9:
-                buf += s.recv(4096) or b"!"
-                assert not buf.endswith(b"!"), "connection closed before the server's SETTINGS"
+            need(9)
             length, kind, flags = int.from_bytes(buf[:3], "big"), buf[3], buf[4]
-            while len(buf) < 9 + length:
-                buf += s.recv(4096)
+            need(9 + length)
             payload, buf = buf[9:9 + length], buf[9 + length:]
             if kind == 0x4 and not flags & 0x1:
                 return {k: v for k, v in (struct.unpack(">HI", payload[i:i + 6]) for i in range(0, length, 6))}

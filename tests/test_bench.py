@@ -88,13 +88,19 @@ def test_bad_link_lists_are_usage_errors():
                            "10,20", "--down-mbit", "10,20,30", "--json"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "entries" in proc.stderr
+    for flags, why in ((["--tcp-congestion", "cubic"], "needs shaped links"),
+                       (["--link-mbit", "10", "--tcp-congestion", "a;b"], "not a congestion control name")):
+        proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--peers", "2", *flags,
+                               "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr
 
 
 @pytest.mark.netns
 @pytest.mark.timeout(200)
 @pytest.mark.usefixtures("netbed_available")  # skips where namespaces cannot be made
 def test_shaped_run_reports_the_bound():
-    flags = ["--peers", "2", "--size-mb", "0.5", "--up-mbit", "40,20", "--down-mbit", "40,40", "--repeat", "1"]
+    flags = ["--peers", "2", "--size-mb", "0.5", "--up-mbit", "40,20", "--down-mbit", "40,40", "--repeat", "1",
+             "--tcp-congestion", "reno"]
     if HAVE_TORCH:
         flags += ["--baseline", "gloo"]
     rep = bench(*flags, timeout=180)
@@ -102,7 +108,7 @@ def test_shaped_run_reports_the_bound():
     assert rep["collective_efficiency"] == pytest.approx(rep["bound_seconds"] / rep["collective_seconds_median"])
     # The floor for these links: the slower upload must carry the whole 0.5 MB.
     assert rep["bound_seconds"] == pytest.approx(500_000 / (20e6 / 8))
-    assert rep["network"] == "shaped" and rep["up_mbit"] == [40, 20]
+    assert rep["network"] == "shaped" and rep["up_mbit"] == [40, 20] and rep["tcp_congestion"] == "reno"
     assert rep["lane"] == "tcp"  # namespaces stand for hosts: the bulk lane
     # Nothing beats the bound but tbf's bucket, full at the start, which lets its burst through at
     # line rate (CI measured 1.06 with the old 1.05 slack).

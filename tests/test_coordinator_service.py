@@ -228,3 +228,25 @@ async def test_a_peer_that_joins_after_the_run_finished_is_told_so_and_not_made_
     resp = await svc.Join(pb.JoinRequest(public_key=public_bytes(key), data_address="10.0.2.1:1"), None)
     assert resp.HasField("finished") and resp.finished.rounds_committed == 7
     assert resp.peer_id and resp.peer_id not in svc.engine.members and not resp.HasField("sync")
+
+
+async def test_a_peer_older_than_the_result_digest_change_is_refused_at_join():
+    """0.2.0 changed the vote's result digest: a 0.1.x peer would dissent on every round, so its
+    Join is refused naming the version; tools and hand-written clients (no semantic version) and
+    current peers join."""
+    import shoal
+
+    svc = service([0.0])
+    old = pb.JoinRequest(public_key=public_bytes(Ed25519PrivateKey.generate()), data_address="10.0.3.1:1",
+                         version="0.1.0")
+    try:
+        await svc.Join(old, _Context())
+        raise AssertionError("a 0.1.0 peer joined")
+    except _Aborted as exc:
+        assert "FAILED_PRECONDITION" in str(exc) and "version: peer 0.1.0" in str(exc)
+    assert not svc.engine.members
+    for i, version in enumerate((shoal.__version__, "", "bench", "1.0.0")):
+        req = pb.JoinRequest(public_key=public_bytes(Ed25519PrivateKey.generate()), data_address=f"10.0.3.{i + 2}:1",
+                             version=version)
+        assert (await svc.Join(req, None)).peer_id
+    assert len(svc.engine.members) == 4

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.common.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from shoal.common.identity import RequestVerifier, sign_metadata
 from shoal.common.plan import Plan
-from shoal.common.tensors import digest, result_digest
+from shoal.common.tensors import result_digest
 from shoal.common.tickets import issue_ticket
 
 from shoal.coordinator.blame import blame

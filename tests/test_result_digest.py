@@ -88,3 +88,29 @@ def test_result_digest_binds_length_and_content():
     c = a.copy()
     c[-1] = 1.0
     assert len({result_digest(a), result_digest(b), result_digest(c), result_digest(a[:-1])}) == 4
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_one_range_over_many_blocks_and_ranges_inside_one_block(dtype):
+    """A range covering 3+ whole and partial blocks, then small ranges inside one block: the
+    whole-buffer digest, whatever the itemsize."""
+    item = np.dtype(dtype).itemsize
+    per_block = RESULT_BLOCK_BYTES // item
+    buf = np.random.default_rng(3).standard_normal(4 * per_block + 7).astype(dtype)
+    rd = ResultDigest(buf)
+    rd.filled(per_block // 2, per_block // 2 + 3 * per_block)  # 3 blocks' worth over 4 blocks
+    for lo in range(0, per_block // 2, per_block // 8):
+        rd.filled(lo, min(per_block // 2, lo + per_block // 8))
+    rd.filled(per_block // 2 + 3 * per_block, buf.size)
+    assert asyncio.run(rd.finish()) == result_digest(buf)
+
+
+def test_an_empty_result_has_a_digest_and_blocks_must_fit_the_length():
+    from shoal.common.tensors import combine_result_blocks
+
+    empty = np.zeros(0, dtype=np.float32)
+    assert asyncio.run(ResultDigest(empty).finish()) == result_digest(empty) == combine_result_blocks(0, [])
+    with pytest.raises(ValueError, match="block digests"):
+        combine_result_blocks(RESULT_BLOCK_BYTES + 1, [bytes(32)])
+    with pytest.raises(ValueError, match="block digests"):
+        combine_result_blocks(10, [bytes(31)])

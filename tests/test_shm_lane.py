@@ -14,7 +14,7 @@ import pytest
 from shoal.peer import shm
 from shoal.peer.dataplane import Session
 from shoal.common.errors import InvalidArgument
-from shoal.common.tensors import digest, result_digest
+from shoal.common.tensors import result_digest
 from shoal.v1 import shoal_pb2 as pb
 from swarmlet import Swarmlet
 

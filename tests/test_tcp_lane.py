@@ -26,7 +26,7 @@ from shoal.coordinator.ca import CertificateAuthority
 from shoal.common.errors import InvalidArgument
 from shoal.common.identity import peer_id_of, public_bytes, sign_metadata
 from shoal.common.security import Security
-from shoal.common.tensors import digest, result_digest
+from shoal.common.tensors import result_digest
 from shoal.common.tickets import issue_ticket, verify_ticket
 from shoal.peer import tcplane
 from shoal.peer.collectives import CollectiveError

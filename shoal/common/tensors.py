@@ -80,16 +80,20 @@ def result_digest(a: np.ndarray) -> bytes:
 
 
 def result_block_digest(block: memoryview | bytes) -> bytes:
-    """BLAKE3-256 of one block of a result (`result_digest`); one core."""
+    """BLAKE3-256 (32 bytes) of one block of a result (`result_digest`); one core."""
     return blake3.blake3(block, max_threads=1).digest(length=DIGEST_BYTES)
 
 
 def combine_result_blocks(nbytes: int, block_digests) -> bytes:
-    """`result_digest` of a result of `nbytes` bytes from its blocks' digests (an iterable of
-    32-byte strings, in order)."""
+    """`result_digest` (32 bytes) of a result of `nbytes` bytes from its blocks' digests (an
+    iterable of 32-byte strings, in order). Raises ValueError when their number or sizes do not
+    fit `nbytes` (ceil(nbytes / RESULT_BLOCK_BYTES) digests of DIGEST_BYTES each)."""
+    digests = list(block_digests)
+    if nbytes < 0 or len(digests) != -(-nbytes // RESULT_BLOCK_BYTES) or any(len(d) != DIGEST_BYTES for d in digests):
+        raise ValueError(f"block digests: {len(digests)} for {nbytes} bytes")
     outer = blake3.blake3(_RESULT_DOMAIN, max_threads=1)
     outer.update(nbytes.to_bytes(8, "little"))
-    for d in block_digests:
+    for d in digests:
         outer.update(d)
     return outer.digest(length=DIGEST_BYTES)
 
