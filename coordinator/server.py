@@ -218,6 +218,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.finished_event: pb.RoundEvent | None = None
         self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
         self.commit_lines = Throttle(COMMIT_LOG_SECONDS)  # INFO "round N committed" lines
+        self.refusal_lines = Throttle(10.0)  # WARNING lines for Joins of peers too old
         self.finished_at: float | None = None  # when the run finished (clock)
         self.settled_at: float | None = None  # when, after that, no member was left
 
@@ -384,7 +385,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             require(":" in request.data_address, "data_address", "must be HOST:PORT")
             require(math.isfinite(request.relay_bytes_per_s) and request.relay_bytes_per_s >= 0, "relay_bytes_per_s",
                     "must be a finite rate >= 0 (bytes/s)")
-            _check_version(request.version)
+            try:
+                _check_version(request.version)
+            except FailedPrecondition:
+                held = self.refusal_lines.due()
+                log.log(logging.DEBUG if held is None else logging.WARNING, "refused a Join from a peer of "
+                        "version %s (older than %d.%d.0: result digests differ)%s", request.version,
+                        *MIN_PEER_VERSION, more(held or 0))
+                raise
             request.data_address = advertised_address(request.data_address, context)
             peer_id = peer_id_of(request.public_key)
             asked = self.clock()
@@ -779,7 +787,7 @@ def _check_version(version: str) -> None:
     if (int(parts[0]), int(parts[1])) < MIN_PEER_VERSION:
         raise FailedPrecondition(
             f"version: peer {version} computes result digests that peers of "
-            f"{'.'.join(map(str, MIN_PEER_VERSION))} and later do not (their votes would never agree); "
+            f"{'.'.join(map(str, MIN_PEER_VERSION))}.0 and later do not (their votes would never agree); "
             f"upgrade the peer to the coordinator's version")
 
 

@@ -500,12 +500,18 @@ def add_bench_parser(sub) -> None:
 
 def check_extras(opts: BenchOptions) -> None:
     """What the options need is installed, before anything runs (a missing extra found after the
-    Shoal part would lose its results). Raises ValueError saying what to install."""
+    Shoal part would lose its results). Raises ValueError saying what to install or choose."""
     if opts.baseline == "gloo":
         try:
             import torch.distributed  # noqa: F401
         except ImportError:
             raise ValueError('--baseline gloo needs PyTorch: pip install -e ".[torch]"') from None
+    if opts.shaped and opts.tcp_congestion:
+        from shoal.netbed import NetBed
+
+        ok, avail = NetBed.congestion_available(opts.tcp_congestion)
+        if not ok:
+            raise ValueError(f"--tcp-congestion: this kernel has no {opts.tcp_congestion!r} (it has: {avail})")
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

@@ -698,15 +698,11 @@ every setting is listed in docs/configuration.md.
 
 
 def _version() -> str:
-    """The installed distribution's version; the source tree's when it is not installed."""
-    from importlib import metadata
-
+    """`shoal.__version__`: the code's own version, the one a peer sends at Join (an editable
+    install's package metadata keeps the version it was installed at)."""
     import shoal
 
-    try:
-        return metadata.version("shoal")
-    except metadata.PackageNotFoundError:
-        return shoal.__version__
+    return shoal.__version__
 
 
 def _subparsers(parser: argparse.ArgumentParser):

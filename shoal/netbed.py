@@ -281,23 +281,29 @@ class NetBed:
         self._bridge_port(vb, ns, self.host_ip(i))
         self.shape(i, self.up_mbit[i], self.down_mbit[i])
 
+    @staticmethod
+    def congestion_available(name: str) -> tuple[bool, str]:
+        """Whether the kernel has TCP congestion control `name`, loading its module first when it
+        is one (``modprobe tcp_<name>`` where modprobe exists; a failure there is only "no");
+        also the algorithms it has, space-separated. Raises OSError when /proc is unreadable."""
+        have = pathlib.Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+        avail = have.read_text().split()
+        if name not in avail and shutil.which("modprobe"):
+            _run(["modprobe", f"tcp_{name}"], check=False)
+            avail = have.read_text().split()
+        return name in avail, " ".join(avail)
+
     def _allow_congestion(self) -> None:
-        """Make `tcp_congestion` one a namespace may take, before anything is built: load its
-        module if the kernel has it as one (``modprobe tcp_<name>``; a failure is not an error by
-        itself), check the kernel has it, and add it to the machine's allowed list
+        """Make `tcp_congestion` one a namespace may take, before anything is built: check the
+        kernel has it (`congestion_available`) and add it to the machine's allowed list
         (``net.ipv4.tcp_allowed_congestion_control``, which only the init namespace sets; the
         addition stays: it only lets processes choose it). Raises NetBedError: the kernel has no
         such algorithm, or the allowed list cannot be written; OSError: /proc unreadable."""
         cc = self.tcp_congestion
-        sys_ipv4 = pathlib.Path("/proc/sys/net/ipv4")
-        avail = (sys_ipv4 / "tcp_available_congestion_control").read_text().split()
-        if cc not in avail and shutil.which("modprobe"):
-            _run(["modprobe", f"tcp_{cc}"], check=False)
-            avail = (sys_ipv4 / "tcp_available_congestion_control").read_text().split()
-        if cc not in avail:
-            raise NetBedError(f"tcp_congestion: the kernel has no {cc!r} (available: {' '.join(avail)}; "
-                              f"a module not loaded: modprobe tcp_{cc})")
-        allowed = (sys_ipv4 / "tcp_allowed_congestion_control").read_text().split()
+        ok, avail = self.congestion_available(cc)
+        if not ok:
+            raise NetBedError(f"tcp_congestion: the kernel has no {cc!r} (available: {avail})")
+        allowed = pathlib.Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
         if cc not in allowed:
             _run(["sysctl", "-q", "-w", f"net.ipv4.tcp_allowed_congestion_control={' '.join([*allowed, cc])}"])
             log.info("netbed: added %s to net.ipv4.tcp_allowed_congestion_control", cc)

@@ -89,7 +89,8 @@ def test_bad_link_lists_are_usage_errors():
                           timeout=60)
     assert proc.returncode == 2 and "entries" in proc.stderr
     for flags, why in ((["--tcp-congestion", "cubic"], "needs shaped links"),
-                       (["--link-mbit", "10", "--tcp-congestion", "a;b"], "not a congestion control name")):
+                       (["--link-mbit", "10", "--tcp-congestion", "a;b"], "not a congestion control name"),
+                       (["--link-mbit", "10", "--tcp-congestion", "nosuch"], "--tcp-congestion: this kernel has no")):
         proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--peers", "2", *flags,
                                "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr

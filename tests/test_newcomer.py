@@ -184,12 +184,18 @@ def test_bench_without_a_baseline_needs_no_torch(monkeypatch, capsys):
 
 
 def test_version(capsys):
-    from importlib import metadata
+    """--version says the code's version (the one a peer sends at Join), which is pyproject's."""
+    import pathlib
+    import tomllib
+
+    import shoal
 
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--version"])
     assert exit_.value.code == 0
-    assert capsys.readouterr().out.strip() == f"shoal {metadata.version('shoal')}"
+    assert capsys.readouterr().out.strip() == f"shoal {shoal.__version__}"
+    pyproject = tomllib.loads((pathlib.Path(shoal.__file__).parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["version"] == shoal.__version__
 
 
 def test_every_help_page_ends_with_the_exit_codes():
