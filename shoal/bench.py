@@ -339,7 +339,7 @@ def run_bench(opts: BenchOptions) -> dict:
             wd = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shoal-bench-")))
         bed = None
         if opts.shaped:
-            from shoal.netbed import NetBed
+            from shoal.netbed import NetBed, machine_congestion
 
             ok, why = NetBed.available()
             if not ok:
@@ -357,7 +357,7 @@ def run_bench(opts: BenchOptions) -> dict:
                         "tls": opts.tls}
         if opts.shaped:
             report["up_mbit"], report["down_mbit"] = list(opts.up_mbit), list(opts.down_mbit)
-            report["tcp_congestion"] = opts.tcp_congestion or _machine_congestion()
+            report["tcp_congestion"] = opts.tcp_congestion or machine_congestion()
         report.update(_run_shoal(opts, procs, wd, deadline, hosts, coord_host, bound,
                                  shared_memory=opts.shared_memory))
         if opts.also_socket and not opts.shaped and opts.shared_memory:
@@ -412,14 +412,6 @@ def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out:
         dist.destroy_process_group()
 
 
-def _machine_congestion() -> str:
-    """The congestion control a new network namespace gets on this machine ("?" if unknown)."""
-    try:
-        return pathlib.Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    except OSError:
-        return "?"
-
-
 def _parse_list(s: str | None) -> tuple[float, ...]:
     if not s:
         return ()
@@ -449,10 +441,12 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
             raise ValueError(f"{flag} must be {rule}, got {value:g}")
     if any(not 0 < v < float("inf") for v in up + down):
         raise ValueError("link rates must be > 0 Mbit/s")
+    from shoal.netbed import is_congestion_name
+
     cc = a.tcp_congestion
     if cc and not up:
         raise ValueError("--tcp-congestion needs shaped links (--link-mbit or --up-mbit/--down-mbit)")
-    if cc and not (cc.isascii() and cc.replace("_", "").isalnum()):
+    if cc and not is_congestion_name(cc):
         raise ValueError(f"--tcp-congestion: not a congestion control name: {cc!r}")
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
                         repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,

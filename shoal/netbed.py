@@ -40,7 +40,7 @@ import subprocess
 import time
 from typing import Any, Sequence
 
-__all__ = ["NetBed", "NetBedError", "cleanup_stale", "tbf_params"]
+__all__ = ["NetBed", "NetBedError", "cleanup_stale", "is_congestion_name", "machine_congestion", "tbf_params"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,24 @@ def tbf_params(rate_mbit: float) -> dict[str, int]:
     return {"rate_bit": int(rate_mbit * 1e6), "burst": burst, "limit": limit}
 
 
+_IPV4_SYSCTL = pathlib.Path("/proc/sys/net/ipv4")
+
+
+def is_congestion_name(name: str) -> bool:
+    """Whether `name` can be a TCP congestion control's name (ASCII letters, digits, "_"): what
+    NetBed passes to sysctl and modprobe."""
+    return bool(name) and name.isascii() and name.replace("_", "").isalnum()
+
+
+def machine_congestion() -> str:
+    """The TCP congestion control of the namespace this process runs in, which a new namespace
+    inherits on most machines ("?" when /proc cannot be read)."""
+    try:
+        return (_IPV4_SYSCTL / "tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "?"
+
+
 class NetBed:
     """Hosts in network namespaces behind shaped links; a context manager.
 
@@ -128,7 +146,7 @@ class NetBed:
             raise ValueError("nat needs one entry per host")
         if any(self.nat) and n_hosts > 120:
             raise ValueError("a bed with NAT hosts holds at most 120 hosts (rebind addresses sit above .128)")
-        if tcp_congestion is not None and not (tcp_congestion.isascii() and tcp_congestion.replace("_", "").isalnum()):
+        if tcp_congestion is not None and not is_congestion_name(tcp_congestion):
             raise ValueError(f"tcp_congestion: not a congestion control name: {tcp_congestion!r}")
         self.tcp_congestion = tcp_congestion
         self.prefix = prefix
@@ -286,7 +304,7 @@ class NetBed:
         """Whether the kernel has TCP congestion control `name`, loading its module first when it
         is one (``modprobe tcp_<name>`` where modprobe exists; a failure there is only "no");
         also the algorithms it has, space-separated. Raises OSError when /proc is unreadable."""
-        have = pathlib.Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+        have = _IPV4_SYSCTL / "tcp_available_congestion_control"
         avail = have.read_text().split()
         if name not in avail and shutil.which("modprobe"):
             _run(["modprobe", f"tcp_{name}"], check=False)
@@ -303,7 +321,7 @@ class NetBed:
         ok, avail = self.congestion_available(cc)
         if not ok:
             raise NetBedError(f"tcp_congestion: the kernel has no {cc!r} (available: {avail})")
-        allowed = pathlib.Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+        allowed = (_IPV4_SYSCTL / "tcp_allowed_congestion_control").read_text().split()
         if cc not in allowed:
             _run(["sysctl", "-q", "-w", f"net.ipv4.tcp_allowed_congestion_control={' '.join([*allowed, cc])}"])
             log.info("netbed: added %s to net.ipv4.tcp_allowed_congestion_control", cc)
