@@ -72,13 +72,23 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import types
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import scipy.optimize
 
 from shoal.common.plan import COLLECTIVES, Plan
+
+
+def load_solver() -> types.ModuleType:
+    """scipy.optimize, imported on first use: the import takes ~0.5 s of CPU, which every
+    process that only parses the command line (`shoal --help`, `shoal peer`, the bench's parser)
+    paid at start. The coordinator calls this before it serves (coordinator.server.serve), so
+    no round's planning waits for the import."""
+    import scipy.optimize
+
+    return scipy.optimize
 
 __all__ = [
     "CHUNK_SECONDS",
@@ -461,7 +471,7 @@ def butterfly_fractions(
     c = np.zeros(nv)
     c[p:] = 1.0
     bounds = [(0.0, 1.0)] * p + [(0.0, None)] * nt
-    first = scipy.optimize.linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[1.0], bounds=bounds, method="highs")
+    first = load_solver().linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[1.0], bounds=bounds, method="highs")
     if first.status != 0:
         raise RuntimeError(f"butterfly LP failed: {first.message}")
     w_lp = np.clip(np.asarray(first.x[:p], dtype=np.float64), 0.0, 1.0)

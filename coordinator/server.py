@@ -70,6 +70,7 @@ from shoal.coordinator.rounds import (
     WaitReason,
 )
 from shoal.coordinator.admission import Admission, AllowList, load_secret
+from shoal.coordinator import planner
 from shoal.coordinator.heap import HeapPolicy, limit_arenas
 from shoal.coordinator.loopwatch import CallTimer, LoopWatch
 from shoal.coordinator.membership import Membership, Memberships
@@ -973,6 +974,7 @@ async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None)
     """
     stop = stop or asyncio.Event()
     limit_arenas()  # before gRPC's threads (the server's, etcd's client) start allocating: coordinator.heap
+    planner.load_solver()  # scipy's import (~0.5 s) before the first round, not inside its planning
     key = load_or_create_key(_key_path(config))
     clock = RunClock()
     if not is_etcd(config.state_path):
