@@ -223,6 +223,7 @@ class PeerAgent(StateSource):
         self.clock = RunClock()  # this process's own time (a SIGSTOP shows as a pause)
         self.unreachable = ""  # why the coordinator could not dial this peer's address back (JoinResponse)
         self.finished = False
+        self.run_over = asyncio.Event()  # the coordinator said the run finished (the event may still wait in the queue)
         self.too_late: pb.Finished | None = None  # the run had finished when this peer joined (JoinResponse)
         self.leaving = False  # stop was set: no new round (run's graceful leave)
         self.playing = False  # inside RoundClient.play
@@ -301,6 +302,8 @@ class PeerAgent(StateSource):
         ev = event_of(msg)
         if ev is not None:
             await self.events.put(ev)
+        if isinstance(ev, RunFinished):
+            self.run_over.set()
         return isinstance(ev, RunFinished)
 
     async def _reconnected(self) -> None:
@@ -469,6 +472,12 @@ class PeerAgent(StateSource):
         extra = faults.local_work()
         async with asyncio.TaskGroup() as tg:
             measuring = tg.create_task(self._measure_links())
+            # Probes are for the next round: once the run finished there is none, and a probe of a
+            # participant that no longer answers would hold this peer's leave for up to
+            # LINK_MEASURE_SECONDS (seen: jobs left 10-20 s after the run's end).
+            over = tg.create_task(self.run_over.wait())
+            over.add_done_callback(lambda _: measuring.cancel())
+            measuring.add_done_callback(lambda _: over.cancel())
             try:
                 if extra:
                     await self._local_work(extra)
