@@ -31,6 +31,8 @@ def test_swarm_end_to_end(tmp_path):
     assert ps.stdout.strip() == ""
 
 
+@pytest.mark.soak  # default-run budget: 12 s; tests/test_swarm_netns.py (SIGTERM mid-run leaves no process or
+# namespace) and tests/test_graceful_stop.py keep the case
 def test_sigterm_stops_every_process(tmp_path):
     import signal
     import time

@@ -12,6 +12,8 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.soak  # default-run budget: 11 s; test_allreduce_processes.py keeps a NaN attacker against every
+# aggregator (real processes), test_compression.py the int8 codec
 def test_swarm_with_a_nan_peer_and_int8(tmp_path):
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
     proc = subprocess.run(
