@@ -302,9 +302,10 @@ class PeerAgent(StateSource):
         ev = event_of(msg)
         if ev is not None:
             await self.events.put(ev)
-        if isinstance(ev, RunFinished):
+        finished = isinstance(ev, RunFinished)
+        if finished:
             self.run_over.set()
-        return isinstance(ev, RunFinished)
+        return finished
 
     async def _reconnected(self) -> None:
         await self.events.put(Reconnected())
@@ -471,13 +472,10 @@ class PeerAgent(StateSource):
         None when the workload was closed by its owner."""
         extra = faults.local_work()
         async with asyncio.TaskGroup() as tg:
-            measuring = tg.create_task(self._measure_links())
             # Probes are for the next round: once the run finished there is none, and a probe of a
             # participant that no longer answers would hold this peer's leave for up to
             # LINK_MEASURE_SECONDS (seen: jobs left 10-20 s after the run's end).
-            over = tg.create_task(self.run_over.wait())
-            over.add_done_callback(lambda _: measuring.cancel())
-            measuring.add_done_callback(lambda _: over.cancel())
+            measuring = tg.create_task(_unless_stopped(self._measure_links(), self.run_over))
             try:
                 if extra:
                     await self._local_work(extra)
