@@ -773,9 +773,10 @@ class MemberCalls(grpc.aio.ServerInterceptor):
 
 
 # The oldest peer version whose votes this coordinator's peers can agree with: 0.2.0 changed the
-# result digest (shoal.common.tensors.result_digest, over 1 MiB block digests), so an older peer
-# would dissent on every round it shares with newer ones.
-MIN_PEER_VERSION = (0, 2)
+# result digest (shoal.common.tensors.result_digest, over 1 MiB block digests) and 0.3.0 the
+# all-reduce job's state digest (shoal.peer.workload.array_state_digest), so an older peer would
+# dissent on every round it shares with newer ones.
+MIN_PEER_VERSION = (0, 3)
 
 
 def _check_version(version: str) -> None:
@@ -787,7 +788,7 @@ def _check_version(version: str) -> None:
         return
     if (int(parts[0]), int(parts[1])) < MIN_PEER_VERSION:
         raise FailedPrecondition(
-            f"version: peer {version} computes result digests that peers of "
+            f"version: peer {version} computes digests that peers of "
             f"{'.'.join(map(str, MIN_PEER_VERSION))}.0 and later do not (their votes would never agree); "
             f"upgrade the peer to the coordinator's version")
 

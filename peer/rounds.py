@@ -625,7 +625,7 @@ class RoundClient:
                                    tamper=self.tamper)
             ended_at = time.time()
             self.contribution.check(res.values)
-            st = self.workload.tentative(res.values)
+            st = self.workload.tentative(res.values, res.digest)
             rs.tentative[plan.attempt] = Tentative(st, res.feedback)
         except Exception as exc:  # noqa: BLE001 - every failure before the vote is voted, with its reason
             ballot = self._failed_ballot(rs, plan, exc)

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from shoal.peer.dataplane import StateSource, Transport
-from shoal.peer.workload import State
+from shoal.peer.workload import State, state_blob_digest
 from shoal.common.security import MD_TICKET
-from shoal.common.tensors import digest
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.state_sync")
@@ -301,7 +300,7 @@ async def download_state(order: pb.SyncOrder, *, me: str, transport: Transport, 
     blob = dl.blob()
     if len(blob) != dl.total:
         raise SyncError(f"assembled {len(blob)} bytes, expected {dl.total}", tuple(failed))
-    if dl.digest and digest(blob) != dl.digest:
+    if dl.digest and state_blob_digest(blob) != dl.digest:
         dl.ranges.clear()  # nothing of it can be trusted
         raise SyncError("assembled state does not match the committed digest", tuple(failed))
     return SyncResult(blob, time.monotonic() - t0, tuple(sorted(used)), tuple(failed), resumed)

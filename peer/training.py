@@ -191,7 +191,7 @@ class FlatStateWorkload:
     cfg: RunConfig
     state: CommittedState
 
-    def tentative(self, aggregate: np.ndarray) -> CommittedState:
+    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"") -> CommittedState:
         outer = copy.deepcopy(self.state.outer)
         params = outer.step(self.state.params, aggregate.astype(np.float32, copy=False))
         return CommittedState(params, outer, self.state.rounds + 1)

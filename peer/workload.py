@@ -26,7 +26,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from shoal.common.errors import InvalidArgument
-from shoal.common.tensors import digest
+from shoal.common.tensors import digest, result_digest
 from shoal.peer.training import CommittedState, FlatStateWorkload, LocalUpdate, RunConfig  # noqa: F401 (re-export)
 
 
@@ -57,8 +57,11 @@ class Workload(Protocol):
     local_update(): blocking (run in a worker thread); inner training from the committed
         parameters; returns the pseudo-gradient (n,) float32 (ArrayWorkload: its input, any
         float dtype) and the mean loss. It must not change the committed state.
-    tentative(aggregate): the state after the outer step on `aggregate` (n,) float32, on
-        copies; the committed state is untouched (an abort leaves nothing to undo).
+    tentative(aggregate, aggregate_digest): the state after the outer step on `aggregate` (n,)
+        float32, on copies; the committed state is untouched (an abort leaves nothing to undo).
+        `aggregate_digest` is `shoal.common.tensors.result_digest(aggregate)` (the vote digest,
+        already computed by the collective): a state whose digest covers the aggregate's bytes
+        as they are (`ArrayState`) reuses it instead of hashing them again; others ignore it.
     apply(state): make `state` the committed one (after a commit or a verified state sync).
     pace(step_seconds): called before `apply` of a committed round with the swarm's pace, the fast
         participants' seconds per inner step in that round (Commit.step_seconds, 0 = unknown); a
@@ -78,7 +81,7 @@ class Workload(Protocol):
 
     def local_update(self) -> LocalUpdate: ...
 
-    def tentative(self, aggregate: np.ndarray) -> State: ...
+    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"") -> State: ...
 
     def apply(self, state: State) -> None: ...
 
@@ -90,6 +93,30 @@ class Workload(Protocol):
 
 
 _ARRAY_MAGIC = b"SHOALAR1"
+_ARRAY_DIGEST_DOMAIN = b"shoal.v1 array state digest: BLAKE3-256 of header and result digest\0"
+
+
+def array_state_digest(header: bytes, params_digest: bytes) -> bytes:
+    """The state digest of an `ArrayState` (32 bytes): BLAKE3-256 over a domain prefix, the
+    header's byte length (8 bytes, little-endian), the header (magic, u32 length, JSON) and the
+    `result_digest` of the params' bytes (`params_digest`, 32 bytes). The state after a round is
+    that round's result, so its digest costs one hash of a few hundred bytes on top of the vote
+    digest instead of a second pass over the tensor (docs/protocol.md, "State digest")."""
+    return digest(_ARRAY_DIGEST_DOMAIN, len(header).to_bytes(8, "little"), header, params_digest)
+
+
+def state_blob_digest(blob: bytes | memoryview) -> bytes:
+    """The state digest (32 bytes) of a serialized committed state (`State.to_bytes()`), as its
+    `digest()` computes it: `array_state_digest` for an array state (magic SHOALAR1 with a
+    header that fits the blob), BLAKE3-256 of the bytes for every other state. A download is
+    verified with it (peer.state_sync): a blob that is not what it claims gets a digest of the
+    other construction, which matches no committed one."""
+    view = memoryview(blob).cast("B")
+    if len(view) >= 12 and view[:8] == _ARRAY_MAGIC:
+        (hl,) = struct.unpack("<I", view[8:12])
+        if 12 + hl <= len(view):
+            return array_state_digest(bytes(view[:12 + hl]), result_digest(np.frombuffer(view[12 + hl:], np.uint8)))
+    return digest(view)
 
 
 @dataclass
@@ -97,10 +124,13 @@ class ArrayState:
     """The committed state of an `ArrayWorkload`: `params` `(n,)` (any dtype), the result of the
     last committed round, and the number of committed rounds. Treated as immutable; the
     serialization (magic | u32 header length | JSON header | raw bytes) is built only when a
-    donor serves it, and the digest hashes header and array in place (no copy of a large tensor)."""
+    donor serves it. The digest is `array_state_digest`: the params' `result_digest` is given by
+    `ArrayWorkload.tentative` (the collective's vote digest of the same bytes) or hashed in place
+    once (no copy of a large tensor)."""
 
     params: np.ndarray
     rounds: int
+    params_digest: bytes = field(default=b"", repr=False, compare=False)
     _header: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _blob: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
@@ -118,9 +148,9 @@ class ArrayState:
         return self._blob
 
     def digest(self) -> bytes:
-        """BLAKE3-256 of `to_bytes()`."""
+        """`array_state_digest` of the header and the params (`state_blob_digest(to_bytes())`)."""
         if self._digest is None:
-            self._digest = digest(self.header(), self.params)
+            self._digest = array_state_digest(self.header(), self.params_digest or result_digest(self.params))
         return self._digest
 
     @staticmethod
@@ -167,8 +197,8 @@ class ArrayWorkload:
     def local_update(self) -> LocalUpdate:
         return LocalUpdate(self.inputs(self.state.rounds), 0.0, self._num_samples)
 
-    def tentative(self, aggregate: np.ndarray) -> ArrayState:
-        return ArrayState(aggregate, self.state.rounds + 1)
+    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"") -> ArrayState:
+        return ArrayState(aggregate, self.state.rounds + 1, aggregate_digest)
 
     def apply(self, state: ArrayState) -> None:
         self.state = state

@@ -5,4 +5,4 @@ and library a volunteer installs) and `shoal` (the `shoal` command, the local sw
 generated wire code in `shoal.v1`). `peer` never imports `coordinator`.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import sys
 
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.common.identity import public_bytes
@@ -230,20 +231,21 @@ async def test_a_peer_that_joins_after_the_run_finished_is_told_so_and_not_made_
     assert resp.peer_id and resp.peer_id not in svc.engine.members and not resp.HasField("sync")
 
 
-async def test_a_peer_older_than_the_result_digest_change_is_refused_at_join():
-    """0.2.0 changed the vote's result digest: a 0.1.x peer would dissent on every round, so its
-    Join is refused naming the version; tools and hand-written clients (no semantic version) and
-    current peers join."""
+@pytest.mark.parametrize("version", ["0.1.0", "0.2.0", "0.2.9"])
+async def test_a_peer_older_than_the_digest_changes_is_refused_at_join(version):
+    """0.2.0 changed the vote's result digest and 0.3.0 the all-reduce job's state digest: an
+    older peer would dissent on every round, so its Join is refused naming the version; tools and
+    hand-written clients (no semantic version) and current peers join."""
     import shoal
 
     svc = service([0.0])
     old = pb.JoinRequest(public_key=public_bytes(Ed25519PrivateKey.generate()), data_address="10.0.3.1:1",
-                         version="0.1.0")
+                         version=version)
     try:
         await svc.Join(old, _Context())
-        raise AssertionError("a 0.1.0 peer joined")
+        raise AssertionError(f"a {version} peer joined")
     except _Aborted as exc:
-        assert "FAILED_PRECONDITION" in str(exc) and "version: peer 0.1.0" in str(exc)
+        assert "FAILED_PRECONDITION" in str(exc) and f"version: peer {version}" in str(exc)
     assert not svc.engine.members
     for i, version in enumerate((shoal.__version__, "", "bench", "1.0.0")):
         req = pb.JoinRequest(public_key=public_bytes(Ed25519PrivateKey.generate()), data_address=f"10.0.3.{i + 2}:1",

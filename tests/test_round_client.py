@@ -22,7 +22,7 @@ from shoal.peer.rounds import (Aborted, Committed, Forgotten, Outcome, PlanRecei
                                RoundListener, RunFinished, SyncOrdered, _FaultyReducer, describe, event_of)
 from shoal.peer.state_sync import HeldStates, SyncError, SyncResult
 from shoal.peer.training import RunConfig
-from shoal.peer.workload import ArrayState, ArrayWorkload
+from shoal.peer.workload import ArrayState, ArrayWorkload, state_blob_digest
 from shoal.v1 import shoal_pb2 as pb
 
 ME = "a" * 32
@@ -410,11 +410,15 @@ def test_fedavg_never_applies_a_non_finite_aggregate():
 def test_array_state_round_trips_and_its_digest_covers_round_and_bytes():
     st = ArrayState(np.arange(10, dtype=np.float16), 4)
     blob = st.to_bytes()
-    assert st.digest() == digest(blob)
+    assert st.digest() == state_blob_digest(blob) != digest(blob)  # its own construction, from the bytes alone
     back = ArrayState.from_bytes(blob)
     assert back.rounds == 4 and back.params.dtype == np.float16 and np.array_equal(back.params, st.params)
     assert back.digest() == st.digest()
     assert ArrayState(st.params, 5).digest() != st.digest()
+    changed = st.params.copy()
+    changed[7] += 1
+    assert ArrayState(changed, 4).digest() != st.digest()
+    assert ArrayState(st.params.astype(np.float32), 4).digest() != st.digest()  # the dtype is in the header
     from shoal.common.errors import InvalidArgument
 
     for bad in (b"nope", blob[:-2], blob[:8] + b"\xff\xff\x00\x00" + blob[12:]):
@@ -525,3 +529,30 @@ async def test_a_ready_held_in_the_cohort_pool_is_not_announced_again():
     await until(lambda: len(control.readies) >= 2)
     events.put_nowait(RunFinished(0))
     assert (await asyncio.wait_for(task, 10)).kind is Outcome.FINISHED
+
+
+@pytest.mark.parametrize("n, dtype", [(0, np.float32), (1, np.float16), ((3 << 20) // 4 + 5, np.float32)])
+def test_a_tentative_array_state_reuses_the_vote_digest_and_verifies_like_a_download(n, dtype):
+    """The all-reduce job's state after a round is the round's result: its digest is derived from
+    the result digest the collective voted (no second pass over the tensor), and equals what a
+    joiner computes from the downloaded bytes alone. Sizes: empty, one element, blocks + a tail."""
+    x = np.random.default_rng(n).standard_normal(n).astype(dtype)
+    wl = ArrayWorkload(RunConfig(), lambda r: x, n, dtype)
+    given = wl.tentative(x, result_digest(x))
+    hashed = wl.tentative(x)  # no digest given: the state hashes its params itself
+    assert given.digest() == hashed.digest() == state_blob_digest(given.to_bytes())
+    assert given.digest() == ArrayState.from_bytes(given.to_bytes()).digest()
+    forged = wl.tentative(x, result_digest(np.ones(n + 1, dtype)))  # a digest of other bytes names another state
+    assert forged.digest() != given.digest()
+
+
+def test_the_blob_digest_of_a_malformed_array_state_matches_no_state():
+    """A donor's blob that starts with the array magic but is cut or carries a header longer than
+    itself gets a digest (of the other construction), never the committed state's, and no error."""
+    st = ArrayState(np.arange(4096, dtype=np.float32), 9)
+    blob = st.to_bytes()
+    for bad in (blob[:-4], blob[:11], blob[:8] + b"\xff\xff\xff\x7f" + blob[12:], blob + b"\0"):
+        assert state_blob_digest(bad) != st.digest()
+    other = b"SHOALST1" + blob[8:]  # another state kind: BLAKE3-256 of its bytes
+    assert state_blob_digest(other) == digest(other)
+
