@@ -132,7 +132,8 @@ class LinkSpec:
     cannot send or receive cannot take part in an all-reduce; leave it out of the participants);
     for `plan_round`, as reported (0, NaN or negative = not measured yet).
     ``rtt_seconds`` is the peer's typical round trip to the other peers (0 if unknown).
-    ``shm_peers``: the participants it reaches through shared memory (same host).
+    ``shm_peers``: the participants it reaches through shared memory (same host);
+    ``bulk_peers``: those it reaches through the bulk TCP lane (peer.tcplane).
     """
 
     peer_id: str
@@ -140,6 +141,7 @@ class LinkSpec:
     down_bytes_per_s: float
     rtt_seconds: float = 0.0
     shm_peers: frozenset[str] = frozenset()
+    bulk_peers: frozenset[str] = frozenset()
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -644,7 +646,9 @@ class PlanPolicy:
     min_gain: uneven shards (or the butterfly over the ring) only when predicted this fraction faster.
     noise: rates within this factor of the median count as the median.
     chunk_bytes: the largest chunk through sockets, bytes; shm_chunk_bytes: the chunk when every
-        participant reaches every other through shared memory (one host).
+        participant reaches every other through shared memory (one host); bulk_chunk_bytes: the
+        largest chunk when every participant reaches every other through the bulk TCP lane or
+        shared memory (in place of chunk_bytes: `plan_round`).
     chunk_timeout: floor of the per-chunk deadline, seconds; chunk_safety: its factor over the
         chunk's transfer time on the slowest link (`chunk_deadline`).
     assumed_link: bytes/s assumed for a participant that has not reported its links (a slow
@@ -661,6 +665,7 @@ class PlanPolicy:
     noise: float = 1.5
     chunk_bytes: int = 1 << 20
     shm_chunk_bytes: int = 4 << 20
+    bulk_chunk_bytes: int = 4 << 20
     chunk_timeout: float = 2.0
     chunk_safety: float = 4.0
     assumed_link: float = ASSUMED_LINK_BYTES_PER_S
@@ -948,6 +953,13 @@ def _cpu_bound(links: Sequence[LinkSpec]) -> bool:
     return _one_host(links) or (bool(rates) and min(rates) >= CPU_BOUND_LINK_BYTES_PER_S)
 
 
+def _all_bulk(links: Sequence[LinkSpec]) -> bool:
+    """Every participant reaches every other through the bulk TCP lane or shared memory (as each
+    reported the lanes it sends on)."""
+    return len(links) > 1 and all(q.peer_id in l.bulk_peers or q.peer_id in l.shm_peers
+                                  for l in links for q in links if q is not l)
+
+
 def _one_host(links: Sequence[LinkSpec]) -> bool:
     """Every participant reaches every other through shared memory."""
     return len(links) > 1 and all(q.peer_id in l.shm_peers for l in links for q in links if q is not l)
@@ -967,7 +979,9 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
     shard (`without_outbound_owners`); with no reachable, trusted participant, `NoPlan` (relays
     are not built yet). The plan is audited (`audit_owners`) when the policy asks for it and at least two peers
     own shards (one owner has nobody to audit it). Chunks: `policy.shm_chunk_bytes` when every
-    participant reaches every other through shared memory, else the layout's. Deadlines: the
+    participant reaches every other through shared memory, else the layout's (at most
+    `policy.bulk_chunk_bytes` instead of `policy.chunk_bytes` when every pair has the bulk TCP
+    lane or shared memory). Deadlines: the
     expected time is the larger of the plan's prediction and `conservative_seconds` (unreported
     links count as `policy.assumed_link`); the chunk deadline is `chunk_deadline`'s and the
     attempt deadline (`deadline_seconds`) `attempt_deadline`'s, both times `deadline_scale`
@@ -978,6 +992,10 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
     outbound = set(outbound_only) & {l.peer_id for l in links}
     if outbound and len(links) > 1:
         policy = dataclasses.replace(policy, collective="butterfly")
+    if _all_bulk(links):
+        # No gRPC message per chunk: larger chunks cost less CPU per byte on both sides (1 and 10
+        # Gbit/s, docs/performance.md); the layout still sizes them to the slowest link.
+        policy = dataclasses.replace(policy, chunk_bytes=policy.bulk_chunk_bytes)
     plan = plan_layout(links, num_elements, ITEMSIZE.get(dtype, 4), policy)
     if outbound and len(links) > 1:
         model = _denoised(links, policy.link_cap, policy.noise)

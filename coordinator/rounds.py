@@ -111,6 +111,9 @@ class EngineConfig:
     # Chunk size when every participant reaches every other through shared memory (peer.shm):
     # no socket to keep busy, and every chunk costs CPU on both sides.
     shm_chunk_bytes: int = 4 << 20
+    # Largest chunk when every participant reaches every other through the bulk TCP lane (or
+    # shared memory): per chunk one frame, one wake-up and one check, no gRPC message.
+    bulk_chunk_bytes: int = 4 << 20
     collective: str = "auto"  # "auto" (planner), "ring" or "butterfly"; see planner.plan_layout
     link_cap_bytes_per_s: float = 100e6  # measured rates above this count as this (plan_layout)
     plan_min_gain: float = 0.25  # uneven shards only when predicted this much faster (plan_layout)
@@ -123,7 +126,8 @@ class EngineConfig:
         return PlanPolicy(collective=self.collective, aggregator=self.aggregator, compression=self.compression,
                           audit_owners=self.audit_owners, link_cap=self.link_cap_bytes_per_s,
                           min_gain=self.plan_min_gain, chunk_bytes=self.chunk_bytes,
-                          shm_chunk_bytes=self.shm_chunk_bytes, chunk_timeout=self.chunk_timeout,
+                          shm_chunk_bytes=self.shm_chunk_bytes, bulk_chunk_bytes=self.bulk_chunk_bytes,
+                          chunk_timeout=self.chunk_timeout,
                           chunk_safety=self.chunk_safety, collective_timeout=self.collective_timeout)
 
 
@@ -229,6 +233,7 @@ class Member:
     connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
     streamed: bool = False  # its stream was open at some point since it joined (see `_waited_on`)
     shm_peers: frozenset[str] = frozenset()  # reached through shared memory (LinkReport.shm_peers)
+    bulk_peers: frozenset[str] = frozenset()  # reached through the bulk TCP lane (LinkReport.bulk_peers)
     links_at: float | None = None  # engine time of its last link report (None: never reported)
     # The state round of this peer's last out-of-date Ready (None: none since it was last in sync).
     # A later out-of-date Ready holding no newer state shows no progress (a backlog of old
@@ -250,7 +255,8 @@ class Member:
 
     def link(self) -> LinkSpec:
         """Its reported links, as the planner reads them."""
-        return LinkSpec(self.peer_id, self.up_bytes_per_s, self.down_bytes_per_s, self.rtt_seconds, self.shm_peers)
+        return LinkSpec(self.peer_id, self.up_bytes_per_s, self.down_bytes_per_s, self.rtt_seconds, self.shm_peers,
+                        self.bulk_peers)
 
 
 @dataclass(frozen=True)
@@ -760,10 +766,12 @@ class RoundEngine:
         return self._expire(now)
 
     def report_links(self, peer_id: str, up: float, down: float, rtt: float,
-                     shm_peers: tuple[str, ...] | None = None, now: float | None = None) -> None:
+                     shm_peers: tuple[str, ...] | None = None, now: float | None = None,
+                     bulk_peers: tuple[str, ...] | None = None) -> None:
         """Record a peer's measured links (bytes/s, seconds) and, when given, the peers it reaches
-        through shared memory; `now` (engine time) dates the estimate (`Member.links_at`). The
-        next plan uses them: a report replaces the previous one, lower or higher."""
+        through shared memory and through the bulk TCP lane; `now` (engine time) dates the
+        estimate (`Member.links_at`). The next plan uses them: a report replaces the previous
+        one, lower or higher."""
         m = self.members.get(peer_id)
         if m is None:
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: unknown peer {peer_id[:8]}")
@@ -772,6 +780,8 @@ class RoundEngine:
             m.links_at = now
         if shm_peers is not None:
             m.shm_peers = frozenset(shm_peers)
+        if bulk_peers is not None:
+            m.bulk_peers = frozenset(bulk_peers)
 
     def connected(self, peer_id: str, now: float) -> list[Action]:
         """The peer opened its round-event stream."""

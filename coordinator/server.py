@@ -649,9 +649,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             rtts = [l.rtt_seconds for l in request.links if l.rtt_seconds > 0]
             try:
                 require(len(request.shm_peers) <= 4096, "shm_peers", "at most 4096 peers")
+                require(len(request.bulk_peers) <= 4096, "bulk_peers", "at most 4096 peers")
                 self.engine.report_links(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
                                          sum(rtts) / len(rtts) if rtts else 0.0,
-                                         tuple(request.shm_peers), now=self.clock())
+                                         tuple(request.shm_peers), now=self.clock(),
+                                         bulk_peers=tuple(request.bulk_peers))
                 self.metrics.observe_link(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
                                           sum(rtts) / len(rtts) if rtts else 0.0)
             except RoundError as exc:

@@ -521,6 +521,7 @@ class PeerAgent(StateSource):
                     await self.transport.probe_lanes((pid, a) for pid, a in peers if pid != self.peer_id)
                     report = self.links.report(self.peer_id)
                     report.shm_peers.extend(self.transport.shm_peers(peers))
+                    report.bulk_peers.extend(self.transport.bulk_peers(peers))
                 await self.control.report_links(report)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             log.debug("link report not delivered: %s", exc)

@@ -912,6 +912,11 @@ class Transport:
         """Of `peers` ((peer id, address) pairs), those reached through shared memory."""
         return [pid for pid, addr in peers if self._chosen.get(addr) == "shm"]
 
+    def bulk_peers(self, peers) -> list[str]:
+        """Of `peers` ((peer id, address) pairs), those reached through the bulk TCP lane
+        ("tcp" or "tcp-tls")."""
+        return [pid for pid, addr in peers if self._chosen.get(addr) in ("tcp", "tcp-tls")]
+
     def take_writer(self, address: str, slab_bytes: int = 0) -> shm.SegmentWriter:
         """An idle shared-memory writer towards `address` (its slabs already touched), or a new
         one: with `slab_bytes`, one whose slabs have that size (a reduce-scatter lap's writer,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.common.attempts import ATTEMPT_STRIDE
+from shoal.common.limits import MAX_BULK_CHUNK_BYTES
 
 log = logging.getLogger("shoal.config")
 
@@ -224,6 +225,8 @@ class RoundsSection:
                                         "of the slowest measured link per chunk)")
     shm_chunk_bytes: int = setting(4 << 20, "tensor chunk when all participants reach each other through shared "
                                             "memory (one host), bytes")
+    bulk_chunk_bytes: int = setting(4 << 20, "largest tensor chunk when all participants reach each other through "
+                                             "the bulk TCP lane or shared memory, bytes (in place of chunk_bytes)")
     collective: str = setting("auto", "collective algorithm of the all-reduce (auto: chosen by the planner from the "
                                       "peers' measured links; butterfly with equal tensor shards until links are "
                                       "known)", choices=("ring", "butterfly", "auto"))
@@ -258,6 +261,9 @@ class RoundsSection:
         _check(self.chunk_bytes >= 1024, r, "chunk_bytes", ">= 1024", self.chunk_bytes)
         _check(1024 <= self.shm_chunk_bytes <= 256 << 20, r, "shm_chunk_bytes", "in 1024..268435456",
                self.shm_chunk_bytes)
+        # A chunk planned for the bulk lane may still cross gRPC (a lane that failed: the fallback).
+        _check(1024 <= self.bulk_chunk_bytes <= MAX_BULK_CHUNK_BYTES, r, "bulk_chunk_bytes",
+               f"in 1024..{MAX_BULK_CHUNK_BYTES}", self.bulk_chunk_bytes)
         _check(1 <= self.max_attempts < ATTEMPT_STRIDE, r, "max_attempts", f"in 1..{ATTEMPT_STRIDE - 1}",
                self.max_attempts)
         _check(self.cohort_size >= 0, r, "cohort_size", ">= 0 (0 = every ready peer)", self.cohort_size)
@@ -273,7 +279,7 @@ class RoundsSection:
                             lease_seconds=self.lease_seconds, ready_timeout=self.ready_timeout,
                             collective_timeout=self.collective_timeout, chunk_timeout=self.chunk_timeout,
                             chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
-                            shm_chunk_bytes=self.shm_chunk_bytes,
+                            shm_chunk_bytes=self.shm_chunk_bytes, bulk_chunk_bytes=self.bulk_chunk_bytes,
                             max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
                             blame_window=self.blame_window,
                             total_rounds=self.rounds, collective=collective, cohort_size=self.cohort_size,

@@ -252,3 +252,22 @@ async def test_a_peer_older_than_the_digest_changes_is_refused_at_join(version):
                              version=version)
         assert (await svc.Join(req, None)).peer_id
     assert len(svc.engine.members) == 4
+
+
+async def test_link_reports_carry_the_bulk_lane_peers_and_an_overlong_list_is_refused():
+    """LinkReport.bulk_peers reaches the engine (the planner's chunk cap, docs/protocol.md); more
+    than 4096 entries is INVALID_ARGUMENT naming the field, and the member's last report stays."""
+    now = [0.0]
+    svc = service(now)
+    svc.apply(svc.engine.join("a", KEYS["a"], "10.0.0.1:1", 1, 0.0))
+    report = pb.LinkReport(peer_id="a", up_bytes_per_s=1e9, down_bytes_per_s=1e9, bulk_peers=["b", "c"])
+    await svc.ReportLinks(report, _Context())
+    assert svc.engine.members["a"].bulk_peers == frozenset("bc")
+    report = pb.LinkReport(peer_id="a", up_bytes_per_s=5e8, down_bytes_per_s=5e8, bulk_peers=["x"] * 4097)
+    try:
+        await svc.ReportLinks(report, _Context())
+        raise AssertionError("4097 bulk peers accepted")
+    except _Aborted as exc:
+        assert "INVALID_ARGUMENT" in str(exc) and "bulk_peers" in str(exc)
+    m = svc.engine.members["a"]
+    assert m.bulk_peers == frozenset("bc") and m.up_bytes_per_s == 1e9

@@ -181,3 +181,17 @@ def test_chunk_size_follows_the_slowest_link_and_one_host_gets_big_chunks():
     acts = [a for p in "abcd" for a in e2.ready_(p, 0, ReadyInfo(4_000_000, 1, 1, b"", 0, 0.0), 0.1)]
     (plan,) = [a.plan for a in acts if isinstance(a, SendPlan)]
     assert plan.chunk_bytes == 1 << 20
+    # Hosts apart, every pair on the bulk TCP lane (LinkReport.bulk_peers): the bulk lane's cap; a
+    # later report without one pair (a lane that fell back to gRPC) brings the socket cap back.
+    e3 = engine()
+    for p in "abcd":
+        e3.join(p, KEY, f"10.0.0.{ord(p)}:1", 1, 0.0)
+        e3.connected(p, 0.0)
+    for p in "abcd":
+        e3.report_links(p, 1.2e9, 1.2e9, 1e-4, (), bulk_peers=tuple(q for q in "abcd" if q != p))
+    acts = [a for p in "abcd" for a in e3.ready_(p, 0, ReadyInfo(4_000_000, 1, 1, b"", 0, 0.0), 0.1)]
+    (plan,) = [a.plan for a in acts if isinstance(a, SendPlan)]
+    assert plan.chunk_bytes == EngineConfig().bulk_chunk_bytes == 4 << 20
+    assert e3.members["a"].link().bulk_peers == frozenset("bcd")
+    e3.report_links("b", 1.2e9, 1.2e9, 1e-4, (), bulk_peers=("c", "d"))
+    assert e3.members["b"].link().bulk_peers == frozenset("cd")

@@ -328,3 +328,23 @@ def test_chunks_follow_the_slowest_link_or_shared_memory() -> None:
     assert plan_round(one_host, 4_000_000, 1, policy).chunk_bytes == policy.shm_chunk_bytes
     almost = [dataclasses.replace(l, shm_peers=l.shm_peers - {"a"}) if l.peer_id == "d" else l for l in one_host]
     assert plan_round(almost, 4_000_000, 1, policy).chunk_bytes == policy.chunk_bytes
+
+
+def test_bulk_lane_pairs_get_larger_chunks_still_sized_to_the_slowest_link() -> None:
+    """Every pair on the bulk TCP lane (or shared memory): the cap is bulk_chunk_bytes instead of
+    chunk_bytes; one pair without it (a gRPC lane, in either direction) keeps chunk_bytes; slow
+    links still get ~CHUNK_SECONDS of the slowest link per chunk."""
+    policy = PlanPolicy(chunk_bytes=1 << 20, bulk_chunk_bytes=4 << 20)
+    others = {p: frozenset(set("abcd") - {p}) for p in "abcd"}
+    fast = [LinkSpec(p, 1.2e9, 1.2e9, 1e-4, bulk_peers=others[p]) for p in "abcd"]
+    assert plan_round(fast, 16 << 20, 1, policy).chunk_bytes == 4 << 20
+    # Two on one host (shared memory), the rest on the bulk lane: still every pair without gRPC.
+    mixed = [dataclasses.replace(l, shm_peers=frozenset({"b"}) if l.peer_id == "a" else frozenset({"a"}),
+                                 bulk_peers=others[l.peer_id] - {"a", "b"}) if l.peer_id in "ab" else l for l in fast]
+    assert plan_round(mixed, 16 << 20, 1, policy).chunk_bytes == 4 << 20
+    one_way = [dataclasses.replace(l, bulk_peers=l.bulk_peers - {"a"}) if l.peer_id == "c" else l for l in fast]
+    assert plan_round(one_way, 16 << 20, 1, policy).chunk_bytes == 1 << 20
+    slow = [dataclasses.replace(l, up_bytes_per_s=10 * MBIT, down_bytes_per_s=10 * MBIT) for l in fast]
+    assert plan_round(slow, 16 << 20, 1, policy).chunk_bytes == int(10 * MBIT * 0.15)
+    unmeasured = [dataclasses.replace(l, up_bytes_per_s=0.0, down_bytes_per_s=0.0) for l in fast]
+    assert plan_round(unmeasured, 16 << 20, 1, policy).chunk_bytes == 4 << 20  # the static layout's, capped

@@ -229,6 +229,9 @@ async def test_all_reduce_over_the_bulk_lane_is_bit_identical_to_push_chunks(alg
         for attempt in range(2):  # the second attempt reuses the connections of the first
             bulk = await peers.run(xs, attempt=attempt, algorithm=algorithm, chunk_bytes=128 << 10)
             assert all(set(t.lanes().values()) == {"tcp"} for t in peers.transports)
+        pairs = list(zip(peers.ids, peers.addresses))  # what each peer's link report names: those it sent to
+        assert all(t.bulk_peers(pairs) == [q for q, a in pairs if a in t.lanes()] and not t.shm_peers(pairs)
+                   for t in peers.transports)
         # Every all-gather chunk of both attempts (posted before its sender could have it).
         per_attempt = [sum(-(-(n * (k + 1) // p - n * k // p) * 4 // (128 << 10)) for k in range(p) if k != i)
                        for i in range(p)]
@@ -237,6 +240,7 @@ async def test_all_reduce_over_the_bulk_lane_is_bit_identical_to_push_chunks(alg
     async with Swarmlet(p, [False] * p) as peers:
         grpc_lane = await peers.run(xs, attempt=0, algorithm=algorithm, chunk_bytes=128 << 10)
         assert all(set(t.lanes().values()) == {"socket"} for t in peers.transports)
+        assert not any(t.bulk_peers(zip(peers.ids, peers.addresses)) for t in peers.transports)
     assert len({r.values.tobytes() for r in bulk + grpc_lane}) == 1
     assert all(r.digest == result_digest(r.values) for r in bulk)
 

@@ -20,6 +20,9 @@ CONTROL_MAX_RECEIVE_BYTES = 1 << 20
 CONTROL_MAX_SEND_BYTES = 16 << 20
 # Data plane: a chunk is at most Plan.chunk_bytes (1 MiB by default) plus a ticket (< 1 MiB).
 DATA_MAX_MESSAGE_BYTES = 8 << 20
+# The largest chunk planned for the bulk TCP lane (rounds.bulk_chunk_bytes): a lane that fails
+# falls back to gRPC, where the chunk must still fit one message with its ticket.
+MAX_BULK_CHUNK_BYTES = DATA_MAX_MESSAGE_BYTES - (1 << 20)
 # Concurrent calls a server runs; past it new calls get RESOURCE_EXHAUSTED. The coordinator holds
 # one long-lived WatchRounds stream per peer, so its bound must exceed the swarm size.
 COORDINATOR_MAX_CONCURRENT_RPCS = 20_000

@@ -360,18 +360,20 @@ class LinkEstimate(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class LinkReport(_message.Message):
-    __slots__ = ("peer_id", "links", "up_bytes_per_s", "down_bytes_per_s", "shm_peers")
+    __slots__ = ("peer_id", "links", "up_bytes_per_s", "down_bytes_per_s", "shm_peers", "bulk_peers")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     SHM_PEERS_FIELD_NUMBER: _ClassVar[int]
+    BULK_PEERS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     links: _containers.RepeatedCompositeFieldContainer[LinkEstimate]
     up_bytes_per_s: float
     down_bytes_per_s: float
     shm_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEstimate, _Mapping]]] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., shm_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    bulk_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEstimate, _Mapping]]] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., shm_peers: _Optional[_Iterable[str]] = ..., bulk_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LinkReportResponse(_message.Message):
     __slots__ = ()
