@@ -2,10 +2,12 @@
 (`shoal bench coordinator`, one coordinator against N simulated members, is shoal.bench_coordinator.)
 
 One invocation starts a coordinator and ``--peers`` collective-job processes
-(`shoal.collective_job`), runs one warm-up round (connections, link probes) plus ``--repeat``
-timed rounds of a float32 all-reduce of ``--size-mb`` MB, and, with ``--baseline gloo``, runs
-torch.distributed's gloo ``all_reduce`` of the same tensor the same number of times on the same
-network. With link lists (``--link-mbit`` or ``--up-mbit``/``--down-mbit``) every peer (and its
+(`shoal.collective_job`), runs ``--warmup`` untimed rounds (default 2: the first opens the
+connections and measures the links, the second is the first that reuses pooled result buffers
+instead of faulting in fresh pages; steady state, as nccl-tests' warm-up iterations) plus
+``--repeat`` timed rounds of a float32 all-reduce of ``--size-mb`` MB, and, with ``--baseline
+gloo``, runs torch.distributed's gloo ``all_reduce`` of the same tensor the same number of times
+(warm-up included) on the same network. With link lists (``--link-mbit`` or ``--up-mbit``/``--down-mbit``) every peer (and its
 gloo rank) runs in its own network namespace behind kernel-shaped links (`shoal.netbed.NetBed`,
 needs root); without them everything runs on 127.0.0.1. The bed's hosts use the TCP congestion
 control ``--tcp-congestion`` (default: the machine's; reported as ``tcp_congestion``), Shoal and
@@ -83,6 +85,7 @@ class BenchOptions:
     down_mbit: tuple[float, ...] = ()
     baseline: str | None = None
     repeat: int = 3
+    warmup: int = 2  # untimed rounds before the timed ones, Shoal and gloo alike
     algorithm: str = "auto"
     chunk_bytes: int = 1 << 20
     timeout: float = 600.0
@@ -184,7 +187,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     coord = procs.start("coordinator", [
         sys.executable, "-m", "shoal.cli", "coordinator", "--listen", f"{coord_host}:0",
         "--state", str(wd / "coordinator.db"), "--ready-file", str(ready),
-        "--rounds", str(opts.repeat + 1), "--min-peers", str(p), "--initial-peers", str(p),
+        "--rounds", str(opts.warmup + opts.repeat), "--min-peers", str(p), "--initial-peers", str(p),
         "--ready-timeout", str(per_round), "--collective-timeout", str(per_round),
         "--chunk-timeout", str(per_round), "--lease-seconds", str(max(30.0, per_round)), "--max-attempts", "1",
         "--collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes), "--log-level", "warning",
@@ -210,7 +213,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     for rep in reports:
         for rd in rep["rounds"]:
             rounds.setdefault(rd["round"], []).append(rd)
-    timed = sorted(r for r in rounds if r >= 1)
+    timed = sorted(r for r in rounds if r >= opts.warmup)
     if not timed:
         raise RuntimeError("no timed round committed")
     times = [max(rd["seconds"] for rd in rounds[r]) for r in timed]
@@ -299,7 +302,8 @@ def _run_gloo(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: flo
     for r in range(p):
         out = wd / f"gloo-{r}.json"
         argv = [sys.executable, "-m", "shoal.bench", "gloo-worker", "--rank", str(r), "--world", str(p),
-                "--master", f"{hosts[0]}:{port}", "--size", str(n), "--repeat", str(opts.repeat), "--out", str(out)]
+                "--master", f"{hosts[0]}:{port}", "--size", str(n), "--repeat", str(opts.repeat),
+                "--warmup", str(opts.warmup), "--out", str(out)]
         name = f"gloo-{r}"
         env = {"GLOO_SOCKET_IFNAME": ifname, "OMP_NUM_THREADS": "1"}
         jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None, env=env), out))
@@ -354,7 +358,7 @@ def run_bench(opts: BenchOptions) -> dict:
         procs = _Procs(wd, bed)
         stack.callback(procs.close)
         report: dict = {"peers": p, "size_bytes": size_bytes, "network": "shaped" if opts.shaped else "loopback",
-                        "tls": opts.tls}
+                        "tls": opts.tls, "warmup_rounds": opts.warmup, "timed_rounds": opts.repeat}
         if opts.shaped:
             report["up_mbit"], report["down_mbit"] = list(opts.up_mbit), list(opts.down_mbit)
             report["tcp_congestion"] = opts.tcp_congestion or machine_congestion()
@@ -377,8 +381,8 @@ def run_bench(opts: BenchOptions) -> dict:
 # ------------------------------------------------------------------------------- gloo worker
 
 
-def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out: str) -> None:
-    """One torch.distributed gloo rank: ``repeat`` timed all-reduces (after one warm-up) of the
+def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out: str, warmup: int = 1) -> None:
+    """One torch.distributed gloo rank: ``repeat`` timed all-reduces (after ``warmup`` untimed ones) of the
     same float32 tensor the Shoal run reduces; writes {"seconds": [...]} to ``out``."""
     import datetime
 
@@ -395,13 +399,13 @@ def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out:
         base = torch.from_numpy(make_input(0, rank, 0, size, "float32"))
         times, cpu = [], []
         rss_before = memory_bytes()[0]  # the input made, no all_reduce run yet
-        for k in range(repeat + 1):
+        for k in range(warmup + repeat):
             x = base.clone()
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
             dist.all_reduce(x)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            if k > 0:
+            if k >= warmup:
                 times.append(dt)
                 cpu.append(dc)
         pathlib.Path(out).write_text(json.dumps({"seconds": times, "cpu_seconds": cpu,
@@ -435,6 +439,7 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
     for flag, value, ok, rule in (("--peers", a.peers, a.peers >= 2, ">= 2"),
                                   ("--size-mb", a.size_mb, 0 < a.size_mb < float("inf"), "> 0"),
                                   ("--repeat", a.repeat, a.repeat >= 1, ">= 1"),
+                                  ("--warmup", a.warmup, a.warmup >= 1, ">= 1"),
                                   ("--chunk-bytes", a.chunk_bytes, a.chunk_bytes >= 1024, ">= 1024"),
                                   ("--timeout", a.timeout, 0 < a.timeout < float("inf"), "> 0 seconds")):
         if not ok:
@@ -449,7 +454,7 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
     if cc and not is_congestion_name(cc):
         raise ValueError(f"--tcp-congestion: not a congestion control name: {cc!r}")
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
-                        repeat=a.repeat, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
+                        repeat=a.repeat, warmup=a.warmup, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
                         workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket,
                         tcp_lane=not a.no_tcp_lane, tls=a.tls, tcp_congestion=a.tcp_congestion)
 
@@ -466,7 +471,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--up-mbit", help="per-peer upload Mbit/s (comma list)")
     b.add_argument("--down-mbit", help="per-peer download Mbit/s (comma list)")
     b.add_argument("--baseline", choices=["gloo"], help="also run torch.distributed gloo all_reduce (needs .[torch])")
-    b.add_argument("--repeat", type=int, default=3, help="timed rounds after one warm-up round (default 3)")
+    b.add_argument("--repeat", type=int, default=3, help="timed rounds after the warm-up rounds (default 3)")
+    b.add_argument("--warmup", type=int, default=2,
+                   help="untimed rounds first, Shoal and gloo alike (default 2: connections and link probes, then "
+                        "the first round on reused result buffers); at least 1")
     b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly"],
                    help="collective; auto = the planner's choice from measured links (default)")
     b.add_argument("--chunk-bytes", type=int, default=1 << 20,
@@ -544,9 +552,10 @@ def _worker_main(argv: list[str]) -> None:
     ap.add_argument("--master", required=True)
     ap.add_argument("--size", type=int, required=True)
     ap.add_argument("--repeat", type=int, required=True)
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    gloo_worker(a.rank, a.world, a.master, a.size, a.repeat, a.out)
+    gloo_worker(a.rank, a.world, a.master, a.size, a.repeat, a.out, a.warmup)
     exit_after_gloo(0)  # the timings are written (shoal.common.procexit)
 
 

@@ -46,19 +46,19 @@ def check(rep: dict, peers: int, size_bytes: int) -> None:
 
 @pytest.mark.timeout(150)
 def test_loopback_report_fields_and_baseline():
-    flags = ["--peers", "3", "--size-mb", "0.3", "--repeat", "2"]
+    flags = ["--peers", "3", "--size-mb", "0.3", "--repeat", "2", "--warmup", "3"]
     if HAVE_TORCH:
         flags += ["--baseline", "gloo"]
     rep = bench(*flags)
     check(rep, 3, 300_000 // 4 * 4)
     assert rep["algorithm"] in ("butterfly", "ring")
     assert rep["bound_seconds"] == 0.0  # loopback: the links are not known
-    assert len(rep["seconds_all"]) == 2
+    assert len(rep["seconds_all"]) == 2 and rep["warmup_rounds"] == 3 and rep["timed_rounds"] == 2
     assert rep["lane"] == "shm" and rep["tls"] is False
     assert len(rep["collective_seconds_all"]) == 2
     check_accounting(rep, 3)
     if HAVE_TORCH:
-        assert rep["baseline"]["algorithm"] == "gloo"
+        assert rep["baseline"]["algorithm"] == "gloo" and len(rep["baseline"]["seconds_all"]) == 2
         check(rep["baseline"], 3, 300_000 // 4 * 4)
         check_accounting(rep["baseline"], 3)
 
@@ -76,9 +76,9 @@ def check_accounting(rep: dict, peers: int) -> None:
 @pytest.mark.timeout(150)
 def test_tls_run_and_runs_without_shared_memory_report_their_lane():
     # Between processes without shared memory: the bulk lane, over mutual TLS with --tls.
-    rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--no-shared-memory")
+    rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--warmup", "1", "--no-shared-memory")
     assert rep["lane"] == "tcp" and rep["tls"] is False
-    rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--no-shared-memory", "--tls")
+    rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--warmup", "1", "--no-shared-memory", "--tls")
     assert rep["lane"] == "tcp-tls" and rep["tls"] is True
     check(rep, 2, 300_000)
 
@@ -90,7 +90,8 @@ def test_bad_link_lists_are_usage_errors():
     assert proc.returncode == 2 and "entries" in proc.stderr
     for flags, why in ((["--tcp-congestion", "cubic"], "needs shaped links"),
                        (["--link-mbit", "10", "--tcp-congestion", "a;b"], "not a congestion control name"),
-                       (["--link-mbit", "10", "--tcp-congestion", "nosuch"], "--tcp-congestion: this kernel has no")):
+                       (["--link-mbit", "10", "--tcp-congestion", "nosuch"], "--tcp-congestion: this kernel has no"),
+                       (["--warmup", "0"], "--warmup must be >= 1")):
         proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--peers", "2", *flags,
                                "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr
@@ -101,7 +102,7 @@ def test_bad_link_lists_are_usage_errors():
 @pytest.mark.usefixtures("netbed_available")  # skips where namespaces cannot be made
 def test_shaped_run_reports_the_bound():
     flags = ["--peers", "2", "--size-mb", "0.5", "--up-mbit", "40,20", "--down-mbit", "40,40", "--repeat", "1",
-             "--tcp-congestion", "reno"]
+             "--warmup", "1", "--tcp-congestion", "reno"]
     if HAVE_TORCH:
         flags += ["--baseline", "gloo"]
     rep = bench(*flags, timeout=180)
