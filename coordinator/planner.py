@@ -618,12 +618,15 @@ ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 1, 5: 8, 6: 1}
 # chunk per hop, so big chunks on a slow link leave the other links idle at the start and end.
 CHUNK_SECONDS = 0.15
 MIN_CHUNK_BYTES = 64 * 1024
-# Between hosts, links whose slowest measured rate reaches this (bytes/s, 2 Gbit/s) leave the
+# Between hosts, links whose slowest measured rate reaches this (bytes/s, 1.4 Gbit/s) leave the
 # peers' CPU, not the wire, as the limit: there the butterfly's parallel streams are kept over
 # the ring, whose every hop's processing delay is on the critical path (docs/performance.md:
-# at 10 Gbit/s on the bulk lane). Measured 1 Gbit/s links read 40-150 MB/s at their slowest,
-# 10 Gbit/s ones 300 MB/s and more.
-CPU_BOUND_LINK_BYTES_PER_S = 250e6
+# at 10 Gbit/s on the bulk lane). Measured 1 Gbit/s links read 40-150 MB/s at their slowest
+# (a line rate of 125 MB/s, tbf's burst above it); 10 Gbit/s ones 300 MB/s and more on a fast
+# 2-core machine, 196-292 MB/s on a slower one, where the probes read the CPU, not the wire,
+# and the ring's own streams read the lowest (so 250 MB/s kept that machine on the ring, at
+# 0.47-0.49 s per 64 MB round against 0.34-0.37 s for the butterfly).
+CPU_BOUND_LINK_BYTES_PER_S = 175e6
 # What a participant that never reported its links is assumed to reach (4 Mbit/s, a slow home
 # link): deadlines derive from this until it is measured, so a slow first round is not cut short.
 ASSUMED_LINK_BYTES_PER_S = 0.5e6
