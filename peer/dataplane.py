@@ -45,9 +45,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import mmap
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -60,6 +58,7 @@ from shoal.peer.compression import BLOCK, Encoded
 from shoal.common.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
                          ResourceExhausted, ShoalError, grpc_errors, require)
 from shoal.common.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public_bytes, sign_metadata
+from shoal.peer.pooled import Pooled, anonymous, take_pooled
 from shoal.peer.shm import SegmentReader
 from shoal.common import reach
 from shoal.common.relaying import RELAY_ALTERED, chunk_signature_ok, sign_chunk
@@ -774,36 +773,6 @@ def channel_options() -> list[tuple[str, int]]:
     ]
 
 
-@dataclass(eq=False)
-class _Pooled:
-    """A reusable result buffer of `Transport.take_result` / `take_buffer`: its mapping, its
-    shared-memory segment's name ("" for the process's own memory) and a weak reference to the
-    array last handed out on it (idle once that array and every view of it are gone)."""
-
-    mm: mmap.mmap
-    name: str = ""
-    ref: Callable[[], object] = lambda: None
-
-
-def _take_pooled(pool: list[_Pooled], n: int, dtype, keep: int, make: Callable[[int], _Pooled],
-                 drop: Callable[[_Pooled], None]) -> tuple[_Pooled, np.ndarray]:
-    """A writable `(n,)` array of `dtype` on an idle entry of `pool` of exactly its size, or on a
-    new one from `make(nbytes)` (appended) after dropping idle entries (`drop`, which removes
-    them from `pool`) down to `keep - 1`, so that at most `keep` stay idle with the new one."""
-    dtype = np.dtype(dtype)
-    nbytes = max(1, n * dtype.itemsize)
-    idle = [e for e in pool if e.ref() is None]
-    entry = next((e for e in idle if len(e.mm) == nbytes), None)
-    if entry is None:
-        for e in idle[keep - 1:] if keep else idle:
-            drop(e)
-        entry = make(nbytes)
-        pool.append(entry)
-    arr = np.frombuffer(entry.mm, dtype=dtype, count=n)
-    entry.ref = weakref.ref(arr)
-    return entry, arr
-
-
 class Transport:
     """Outgoing data-plane channels, one per remote address, reused across rounds.
 
@@ -829,8 +798,8 @@ class Transport:
         self._lanes: dict[str, asyncio.Task[bool]] = {}  # probe result per address
         self._chosen: dict[str, str] = {}  # lane chosen per address
         self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
-        self._results: list[_Pooled] = []  # result segments (shared memory, named)
-        self._buffers: list[_Pooled] = []  # result buffers in this process's memory
+        self._results: list[Pooled] = []  # result segments (shared memory, named)
+        self._buffers: list[Pooled] = []  # result buffers in this process's memory
         self.bytes_sent = 0
         self.relayed_bytes_sent = 0  # chunk bytes sent to relayed participants (sign_relayed)
         self.created = time.monotonic()
@@ -957,11 +926,11 @@ class Transport:
         transparent huge pages costs ~7 ms), and rewriting touched pages is cheap; at most
         IDLE_RESULT_SEGMENTS idle ones are kept, the others unlinked. Raises OSError when
         /dev/shm is full (the caller uses its own memory then)."""
-        def segment(nbytes: int) -> _Pooled:
+        def segment(nbytes: int) -> Pooled:
             name, mm = shm.create_segment(self.peer_id, nbytes)
-            return _Pooled(mm, name)
+            return Pooled(mm, name)
 
-        entry, arr = _take_pooled(self._results, n, dtype, IDLE_RESULT_SEGMENTS, segment, self._drop_result)
+        entry, arr = take_pooled(self._results, n, dtype, IDLE_RESULT_SEGMENTS, segment, self._drop_result)
         return entry.name, arr
 
     def take_buffer(self, n: int, dtype) -> np.ndarray:
@@ -972,16 +941,10 @@ class Transport:
         10 Gbit/s all-reduce here, docs/performance.md), rewriting a touched one does not. At
         most IDLE_RESULT_BUFFERS idle ones are kept. Anonymous memory (`mmap`): its pages are
         the process's own and go with the mapping."""
-        def buffer(nbytes: int) -> _Pooled:
-            mm = mmap.mmap(-1, nbytes)
-            if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-                mm.madvise(mmap.MADV_HUGEPAGE)  # as numpy does for its large arrays: fewer faults
-            return _Pooled(mm)
-
         # A dropped buffer is unmapped by the garbage collector once nothing refers to it.
-        return _take_pooled(self._buffers, n, dtype, IDLE_RESULT_BUFFERS, buffer, self._buffers.remove)[1]
+        return take_pooled(self._buffers, n, dtype, IDLE_RESULT_BUFFERS, anonymous, self._buffers.remove)[1]
 
-    def _drop_result(self, entry: _Pooled) -> None:
+    def _drop_result(self, entry: Pooled) -> None:
         self._results.remove(entry)
         shm.unlink(entry.name)
         try:

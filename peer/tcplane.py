@@ -65,6 +65,7 @@ from cryptography import x509
 
 from shoal.common.certs import PeerTLS, certificate_peer_id, peer_dns_name, peer_uri
 from shoal.common.errors import InvalidArgument, ShoalError
+from shoal.peer.pooled import Pooled, anonymous, take_pooled
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.tcplane")
@@ -350,9 +351,26 @@ async def read_frame_head(loop, sock) -> tuple[int, bytes, int]:
     return kind, bytes(meta), payload_len
 
 
+# Payloads of at least this many bytes are read into pooled buffers (`recv_payload`); smaller
+# ones into fresh ones (malloc reuses its own small blocks, and a mapping per small buffer would
+# cost more than it saves).
+POOLED_PAYLOAD_BYTES = 256 << 10
+# Idle pooled payload buffers a process keeps (the least recently used go first): a round's
+# payloads in flight at once, e.g. an owner's rows of a 64 MB butterfly among 4 (12 of 4 MiB).
+IDLE_PAYLOAD_BUFFERS = 16
+_payloads: list[Pooled] = []  # this process's payload buffers (one event loop per process)
+
+
 async def recv_payload(loop, sock, n: int) -> memoryview:
-    """`n` payload bytes in a fresh buffer (uninitialised, then filled: no zeroing pass)."""
-    buf = memoryview(np.empty(n, dtype=np.uint8))
+    """`n` payload bytes in a buffer that is uninitialised, then filled (no zeroing pass). From
+    POOLED_PAYLOAD_BYTES on, the buffer is pooled (`peer.pooled`): reused once nothing refers to
+    the array on it any more (the chunk was consumed), since a fresh 4 MiB buffer per chunk
+    costs its page faults and zeroing inside `recv` (~9 % of all the CPU of a 10 Gbit/s
+    butterfly, docs/performance.md); at most IDLE_PAYLOAD_BUFFERS idle ones are kept."""
+    if n >= POOLED_PAYLOAD_BYTES:
+        buf = memoryview(take_pooled(_payloads, n, np.uint8, IDLE_PAYLOAD_BUFFERS, anonymous, _payloads.remove)[1])
+    else:
+        buf = memoryview(np.empty(n, dtype=np.uint8))
     if n:
         await recv_into(loop, sock, buf)
     return buf

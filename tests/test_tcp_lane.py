@@ -664,6 +664,45 @@ def test_a_result_buffer_is_reused_only_once_no_view_of_it_is_alive():
     assert t.take_buffer(1000, np.float16).dtype == np.float16  # another size: its own buffer
 
 
+async def test_large_payloads_are_read_into_pooled_buffers_reused_once_consumed():
+    """Bulk-lane payloads of POOLED_PAYLOAD_BYTES and more are read into pooled buffers (no page
+    faults per chunk): the same bytes arrive, a buffer a consumer still refers to is never reused,
+    a consumed one is; small payloads take fresh buffers (not pooled)."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    n = tcplane.POOLED_PAYLOAD_BYTES + 4096
+    sent = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8) for i in range(3)]
+    try:
+        async def send_all():
+            for x in sent:
+                await loop.sock_sendall(a, x.tobytes())
+            await loop.sock_sendall(a, b"\x07" * 100)
+
+        sender = asyncio.ensure_future(send_all())
+        first = await asyncio.wait_for(tcplane.recv_payload(loop, b, n), 10)
+        where = np.frombuffer(first, np.uint8).__array_interface__["data"][0]
+        held = np.frombuffer(first, np.uint8)[5:9]  # a consumer's view keeps the buffer
+        del first
+        second = await asyncio.wait_for(tcplane.recv_payload(loop, b, n), 10)
+        other = np.frombuffer(second, np.uint8).__array_interface__["data"][0]
+        assert other != where
+        assert bytes(second) == sent[1].tobytes() and bytes(held) == sent[0].tobytes()[5:9]
+        del held, second
+        third = await asyncio.wait_for(tcplane.recv_payload(loop, b, n), 10)
+        assert np.frombuffer(third, np.uint8).__array_interface__["data"][0] in (where, other)  # reused
+        assert bytes(third) == sent[2].tobytes()
+        assert sum(len(e.mm) == n for e in tcplane._payloads) == 2  # two made, the third on one of them
+        small = await asyncio.wait_for(tcplane.recv_payload(loop, b, 100), 10)
+        assert bytes(small) == b"\x07" * 100
+        assert not any(len(e.mm) == 100 for e in tcplane._payloads)  # the small one is not pooled
+        await asyncio.wait_for(sender, 10)
+    finally:
+        a.close()
+        b.close()
+
+
 async def test_a_cancelled_stream_cancels_its_wait_for_the_next_frame():
     # An aborted attempt cancels its streams while one waits for its next frame: that wait (a task
     # of its own) was left pending and logged "Task was destroyed but it is pending!" at ERROR.
