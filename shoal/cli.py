@@ -478,7 +478,7 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                           sync_range_bytes=p.sync_range_bytes,
                           connect_timeout=p.connect_timeout, advertise=p.advertise, metrics_port=p.metrics_port,
                           metrics_host=p.metrics_host, shared_memory=p.shared_memory, tcp_lane=p.tcp_lane,
-                          outbound_only=p.outbound_only, relay=p.relay)
+                          outbound_only=p.outbound_only, relay=p.relay, freeze_heap=True)
     result: dict = {}
     got: list[int] = []
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import time
 
@@ -191,7 +192,8 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
     config = PeerConfig(coordinator=coordinator, listen=listen, key_path=key_path,
                         security=security or Security(insecure=True), join_token=join_token,
                         shared_memory=shared_memory, tcp_lane=tcp_lane, connect_timeout=timeout,
-                        finish_linger=FINISH_LINGER_SECONDS, held_states=HELD_STATES, relay=relay)
+                        finish_linger=FINISH_LINGER_SECONDS, held_states=HELD_STATES, relay=relay,
+                        freeze_heap=True)
     agent = PeerAgent(config, workload, contribution=contribution, listeners=[listener])
     async with asyncio.timeout(timeout):
         await agent.run()
@@ -204,6 +206,7 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                                     *(w["peak_rss_bytes"] for w in listener.windows)])
     report["rss_before_collective_bytes"] = listener.rss_before_collective or rss_baseline
     report["committed"] = st.rounds
+    report["gc_frozen_objects"] = gc.get_freeze_count()  # the startup heap, out of full collections (PeerConfig.freeze_heap)
     if st.rounds:
         report["last_digest"] = st.digest().hex()
         report["last_result"] = st.params

@@ -45,6 +45,7 @@ def test_ring_allreduce_equals_numpy_sum(procs, p, size):
     expected = sum(make_input(0, r, ROUNDS - 1, size, "float32").astype(np.float64) for r in range(p))
     digests = {r["last_digest"] for r in reports}
     assert len(digests) == 1, "participants ended with different bytes"
+    assert all(r["gc_frozen_objects"] > 10_000 for r in reports)  # each job froze its startup heap (freeze_heap)
     first = reports[0]["result"]
     for r in reports:
         assert r["committed"] == ROUNDS
