@@ -864,6 +864,9 @@ class Transport:
         if self.bulk is not None and not self.bulk.has_idle(address):
             conn = await self.bulk.connect(address, peer_id)
             if conn is not None:
+                # The lane its next stream takes: reported now (LinkReport.bulk_peers), so a ring's
+                # peers name every participant they reach, not only their successor.
+                self._chosen[address] = "tcp-tls" if conn.tls else "tcp"
                 self.bulk.give_back(address, conn)
 
     def lane_failed(self, address: str, exc: OSError) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ class Pooled:
 
 
 _takes = itertools.count(1)
+# One lock for every pool: agents on threads of their own (peer.torch_integration runs each on its
+# own event loop) share a process's payload pool (peer.tcplane), and two takes of one idle entry
+# would put two live arrays on one mapping.
+_lock = threading.Lock()
 
 
 def anonymous(nbytes: int) -> Pooled:
@@ -53,20 +58,24 @@ def anonymous(nbytes: int) -> Pooled:
 def take_pooled(pool: list[Pooled], n: int, dtype, keep: int, make: Callable[[int], Pooled],
                 drop: Callable[[Pooled], None]) -> tuple[Pooled, np.ndarray]:
     """A writable `(n,)` array of `dtype` on an idle entry of `pool` of exactly its size (the most
-    recently used one), or on a new one from `make(nbytes)` (appended) after dropping the least
-    recently used idle entries (`drop`, which removes them from `pool`) down to `keep - 1`, so
-    that at most `keep` stay idle with the new one. (Least recently used: chunks of a size no
-    longer planned, e.g. the first round's, must not outstay those of the current size.)"""
+    recently used one), or on a new one from `make(nbytes)` (appended). Either way the least
+    recently used of the other idle entries are dropped (`drop`, which removes them from `pool`)
+    down to `keep - 1`, so that at most `keep` stay idle once the array handed out is gone: the
+    idle memory is bounded on every take, not only on a miss. (Least recently used: chunks of a
+    size no longer planned, e.g. the first round's, must not outstay those of the current size.)
+    Thread-safe."""
     dtype = np.dtype(dtype)
     nbytes = max(1, n * dtype.itemsize)
-    idle = sorted((e for e in pool if e.ref() is None), key=lambda e: e.used, reverse=True)
-    entry = next((e for e in idle if len(e.mm) == nbytes), None)
-    if entry is None:
-        for e in idle[keep - 1:] if keep else idle:
+    with _lock:
+        idle = sorted((e for e in pool if e.ref() is None), key=lambda e: e.used, reverse=True)
+        entry = next((e for e in idle if len(e.mm) == nbytes), None)
+        others = [e for e in idle if e is not entry]
+        for e in others[max(0, keep - 1):]:
             drop(e)
-        entry = make(nbytes)
-        pool.append(entry)
-    arr = np.frombuffer(entry.mm, dtype=dtype, count=n)
-    entry.ref = weakref.ref(arr)
-    entry.used = next(_takes)
+        if entry is None:
+            entry = make(nbytes)
+            pool.append(entry)
+        arr = np.frombuffer(entry.mm, dtype=dtype, count=n)
+        entry.ref = weakref.ref(arr)
+        entry.used = next(_takes)
     return entry, arr

@@ -48,6 +48,7 @@ import grpc
 import numpy as np
 
 from shoal.common.attempts import shown_attempt
+from shoal.common.errors import InvalidArgument
 from shoal.common.pauses import RunClock
 from shoal.common.plan import Plan
 from shoal.common.tensors import dtype_code
@@ -841,7 +842,10 @@ class RoundClient:
             self._syncing = False
         self._download = None
         self.sync_rate = dl.rate() or self.sync_rate
-        st = self.workload.state_from_bytes(res.blob)
+        try:
+            st = self.workload.state_from_bytes(res.blob)
+        except InvalidArgument as exc:  # bytes that hash to the committed digest but are no state
+            raise SyncError(f"the assembled state does not parse ({exc})", res.donors_used) from None
         self.workload.apply(st)
         if rs is not None:
             rs.tentative.clear()

@@ -23,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import blake3
 import numpy as np
 
 from shoal.common.errors import InvalidArgument
-from shoal.common.tensors import digest, result_digest
+from shoal.common.tensors import DIGEST_BYTES, digest, result_digest
 from shoal.peer.training import CommittedState, FlatStateWorkload, LocalUpdate, RunConfig  # noqa: F401 (re-export)
 
 
@@ -93,16 +94,23 @@ class Workload(Protocol):
 
 
 _ARRAY_MAGIC = b"SHOALAR1"
-_ARRAY_DIGEST_DOMAIN = b"shoal.v1 array state digest: BLAKE3-256 of header and result digest\0"
+_ARRAY_DIGEST_CONTEXT = "shoal.v1 array state digest: header and result digest"
 
 
 def array_state_digest(header: bytes, params_digest: bytes) -> bytes:
-    """The state digest of an `ArrayState` (32 bytes): BLAKE3-256 over a domain prefix, the
-    header's byte length (8 bytes, little-endian), the header (magic, u32 length, JSON) and the
-    `result_digest` of the params' bytes (`params_digest`, 32 bytes). The state after a round is
-    that round's result, so its digest costs one hash of a few hundred bytes on top of the vote
-    digest instead of a second pass over the tensor (docs/protocol.md, "State digest")."""
-    return digest(_ARRAY_DIGEST_DOMAIN, len(header).to_bytes(8, "little"), header, params_digest)
+    """The state digest of an `ArrayState` (32 bytes): BLAKE3 in key-derivation mode with the
+    context string _ARRAY_DIGEST_CONTEXT over the header's byte length (8 bytes, little-endian),
+    the header (magic, u32 length, JSON) and the `result_digest` of the params' bytes
+    (`params_digest`, 32 bytes). The state after a round is that round's result, so its digest
+    costs one hash of a few hundred bytes on top of the vote digest instead of a second pass over
+    the tensor (docs/protocol.md, "State digest"). Key-derivation mode, not a prefix in plain
+    BLAKE3: every other state's digest is plain BLAKE3 of its serialization, and a plain hash of
+    the bytes this construction hashes would otherwise equal it (a 162-byte blob a donor could
+    serve in place of the state)."""
+    h = blake3.blake3(derive_key_context=_ARRAY_DIGEST_CONTEXT, max_threads=1)
+    for part in (len(header).to_bytes(8, "little"), header, params_digest):
+        h.update(part)
+    return h.digest(length=DIGEST_BYTES)
 
 
 def state_blob_digest(blob: bytes | memoryview) -> bytes:
@@ -110,7 +118,8 @@ def state_blob_digest(blob: bytes | memoryview) -> bytes:
     `digest()` computes it: `array_state_digest` for an array state (magic SHOALAR1 with a
     header that fits the blob), BLAKE3-256 of the bytes for every other state. A download is
     verified with it (peer.state_sync): a blob that is not what it claims gets a digest of the
-    other construction, which matches no committed one."""
+    other construction (plain BLAKE3 against key-derivation mode), which matches no committed
+    one."""
     view = memoryview(blob).cast("B")
     if len(view) >= 12 and view[:8] == _ARRAY_MAGIC:
         (hl,) = struct.unpack("<I", view[8:12])

@@ -66,6 +66,7 @@ from typing import Sequence
 
 from shoal import bench_coordinator
 from shoal.common.certs import init_certs
+from shoal.common.limits import MAX_BULK_CHUNK_BYTES
 from shoal.common.procexit import exit_after_gloo
 
 log = logging.getLogger("shoal.bench")
@@ -88,6 +89,7 @@ class BenchOptions:
     warmup: int = 2  # untimed rounds before the timed ones, Shoal and gloo alike
     algorithm: str = "auto"
     chunk_bytes: int = 1 << 20
+    bulk_chunk_bytes: int = 4 << 20  # the cap when every pair has the bulk lane (rounds.bulk_chunk_bytes)
     timeout: float = 600.0
     workdir: str | None = None
     shared_memory: bool = True  # loopback only: namespaces emulate separate hosts
@@ -190,7 +192,8 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         "--rounds", str(opts.warmup + opts.repeat), "--min-peers", str(p), "--initial-peers", str(p),
         "--ready-timeout", str(per_round), "--collective-timeout", str(per_round),
         "--chunk-timeout", str(per_round), "--lease-seconds", str(max(30.0, per_round)), "--max-attempts", "1",
-        "--collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes), "--log-level", "warning",
+        "--collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes),
+        "--bulk-chunk-bytes", str(opts.bulk_chunk_bytes), "--log-level", "warning",
         *_security_args(opts, wd, coord_host, "coordinator")])  # plaintext, like gloo, unless --tls
     addr = _wait_file(ready, deadline, procs, "coordinator", coord)
     jobs = []
@@ -441,6 +444,8 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
                                   ("--repeat", a.repeat, a.repeat >= 1, ">= 1"),
                                   ("--warmup", a.warmup, a.warmup >= 1, ">= 1"),
                                   ("--chunk-bytes", a.chunk_bytes, a.chunk_bytes >= 1024, ">= 1024"),
+                                  ("--bulk-chunk-bytes", a.bulk_chunk_bytes,
+                                   1024 <= a.bulk_chunk_bytes <= MAX_BULK_CHUNK_BYTES, f"in 1024..{MAX_BULK_CHUNK_BYTES}"),
                                   ("--timeout", a.timeout, 0 < a.timeout < float("inf"), "> 0 seconds")):
         if not ok:
             raise ValueError(f"{flag} must be {rule}, got {value:g}")
@@ -454,7 +459,8 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
     if cc and not is_congestion_name(cc):
         raise ValueError(f"--tcp-congestion: not a congestion control name: {cc!r}")
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
-                        repeat=a.repeat, warmup=a.warmup, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes, timeout=a.timeout,
+                        repeat=a.repeat, warmup=a.warmup, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes,
+                        bulk_chunk_bytes=a.bulk_chunk_bytes, timeout=a.timeout,
                         workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket,
                         tcp_lane=not a.no_tcp_lane, tls=a.tls, tcp_congestion=a.tcp_congestion)
 
@@ -478,7 +484,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly"],
                    help="collective; auto = the planner's choice from measured links (default)")
     b.add_argument("--chunk-bytes", type=int, default=1 << 20,
-                   help="largest chunk through sockets, bytes (default 1 MiB, the coordinator's default)")
+                   help="largest chunk through gRPC streams, bytes (default 1 MiB, the coordinator's default)")
+    b.add_argument("--bulk-chunk-bytes", type=int, default=4 << 20,
+                   help="largest chunk when every pair of peers has the bulk TCP lane or shared memory, bytes "
+                        "(default 4 MiB, the coordinator's default)")
     b.add_argument("--no-shared-memory", action="store_true",
                    help="loopback: send every chunk through the socket (no shared-memory lane)")
     b.add_argument("--no-tcp-lane", action="store_true",

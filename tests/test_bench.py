@@ -74,10 +74,14 @@ def check_accounting(rep: dict, peers: int) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_tls_run_and_runs_without_shared_memory_report_their_lane():
+def test_tls_run_and_runs_without_shared_memory_report_their_lane(tmp_path):
     # Between processes without shared memory: the bulk lane, over mutual TLS with --tls.
-    rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--warmup", "1", "--no-shared-memory")
+    rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--warmup", "1", "--no-shared-memory",
+                "--bulk-chunk-bytes", "65536", "--workdir", str(tmp_path / "plain"))
     assert rep["lane"] == "tcp" and rep["tls"] is False
+    # The bulk lane's cap reached the plans (the timed round's chunks; the warm-up's links were unknown).
+    job = json.loads((tmp_path / "plain" / "job-0.json").read_text())
+    assert job["rounds"][-1]["chunk_bytes"] == 65536
     rep = bench("--peers", "2", "--size-mb", "0.3", "--repeat", "1", "--warmup", "1", "--no-shared-memory", "--tls")
     assert rep["lane"] == "tcp-tls" and rep["tls"] is True
     check(rep, 2, 300_000)
@@ -91,7 +95,8 @@ def test_bad_link_lists_are_usage_errors():
     for flags, why in ((["--tcp-congestion", "cubic"], "needs shaped links"),
                        (["--link-mbit", "10", "--tcp-congestion", "a;b"], "not a congestion control name"),
                        (["--link-mbit", "10", "--tcp-congestion", "nosuch"], "--tcp-congestion: this kernel has no"),
-                       (["--warmup", "0"], "--warmup must be >= 1")):
+                       (["--warmup", "0"], "--warmup must be >= 1"),
+                       (["--bulk-chunk-bytes", str(8 << 20)], "--bulk-chunk-bytes must be in 1024..")):
         proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--peers", "2", *flags,
                                "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr

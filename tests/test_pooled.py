@@ -34,9 +34,21 @@ def test_a_miss_drops_the_least_recently_used_idle_buffers_not_the_newest():
     new_entries = [e for e, _ in new]
     del new
     again = [take_pooled(pool, 200, np.uint8, 3, anonymous, pool.remove)[0] for _ in range(2)]
-    assert {id(e) for e in again} <= {id(e) for e in new_entries} and len(pool) == 4  # reused, nothing made
+    assert {id(e) for e in again} <= {id(e) for e in new_entries}  # reused, nothing made
+    assert sorted(len(e.mm) for e in pool) == [100, 200, 200]  # the older 100 went at the first hit
     take_pooled(pool, 300, np.uint8, 3, anonymous, pool.remove)  # a miss: two idle may stay, the newest
     assert sorted(len(e.mm) for e in pool) == [200, 200, 300]
+
+
+def test_idle_memory_is_bounded_on_every_take_not_only_on_a_miss():
+    """A burst of buffers in flight (a round's payloads) leaves at most `keep` idle once the next
+    take comes, even when that take finds one of its size."""
+    pool: list = []
+    burst = [take_pooled(pool, 4096, np.uint8, 4, anonymous, pool.remove)[1] for _ in range(12)]
+    assert len(pool) == 12
+    del burst
+    _, a = take_pooled(pool, 4096, np.uint8, 4, anonymous, pool.remove)  # a hit
+    assert len(pool) == 4  # the one handed out and 3 idle: 4 once it is gone
 
 
 def test_anonymous_buffers_are_private_memory():

@@ -553,6 +553,26 @@ def test_the_blob_digest_of_a_malformed_array_state_matches_no_state():
     blob = st.to_bytes()
     for bad in (blob[:-4], blob[:11], blob[:8] + b"\xff\xff\xff\x7f" + blob[12:], blob + b"\0"):
         assert state_blob_digest(bad) != st.digest()
+    # What the construction hashes, served as a blob of its own: plain BLAKE3 of it (the digest of
+    # any non-array blob) must not equal the key-derived array digest (a 162-byte forgery else).
+    header = blob[:12 + int.from_bytes(blob[8:12], "little")]
+    inner = len(header).to_bytes(8, "little") + header + result_digest(st.params)
+    for forged in (inner, b"shoal.v1 array state digest: BLAKE3-256 of header and result digest\0" + inner):
+        assert state_blob_digest(forged) != st.digest()
     other = b"SHOALST1" + blob[8:]  # another state kind: BLAKE3-256 of its bytes
     assert state_blob_digest(other) == digest(other)
+
+
+async def test_a_downloaded_blob_that_is_no_state_fails_the_sync_not_the_peer(monkeypatch):
+    """Bytes that passed the download's digest check but do not parse as a state (only a broken
+    digest construction lets them through) end the sync attempt with SyncError naming the donors
+    used: the peer asks for another order instead of dying on InvalidArgument."""
+    client, control, wl, events, _ = make_client()
+    calls: list = []
+    fake_download(monkeypatch, b"not a state at all", calls)
+    order = pb.SyncOrder(round=1, state_digest=b"\1" * 32, donors=[pb.Participant(peer_id="b" * 32, address="x:1")])
+    with pytest.raises(SyncError, match="does not parse") as err:
+        await client.sync(order)
+    assert err.value.donors_failed == ("b" * 32,) and wl.state.rounds == 0
+    assert await client.try_sync(order) is None and len(calls) == 2
 

@@ -251,7 +251,9 @@ async def test_idle_connections_are_reused_only_while_open_and_warmed_before_rou
     async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
         t, to_1 = peers.transports[0], peers.addresses[1]
         await t.probe_lanes(list(zip(peers.ids, peers.addresses))[1:])  # what the agent does before Ready
-        assert t.bulk.has_idle(to_1) and t.lanes() == {}  # connected, nothing chosen yet
+        # Connected, and the lane chosen for the next stream: reported as a bulk peer already.
+        assert t.bulk.has_idle(to_1) and t.lanes() == {a: "tcp" for a in peers.addresses[1:]}
+        assert t.bulk_peers(zip(peers.ids, peers.addresses)) == peers.ids[1:]
         first = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=16 << 10)
         idle = t.bulk._idle[to_1][0]
         assert idle.alive()

@@ -73,7 +73,8 @@ def result_digest(a: np.ndarray) -> bytes:
     one peer), hashes each block as soon as it is final and only the last block(s) after the last
     chunk (`peer.result_digest.ResultDigest`): a one-level Merkle tree (BLAKE3's own tree is not
     exposed by its Python binding). Result digests are compared only with one another (votes,
-    commits); state digests stay `digest`."""
+    commits); a training state's digest is `digest` of its serialization, the all-reduce job's
+    state's is derived from its tensor's result digest (`shoal.peer.workload.array_state_digest`)."""
     data = memoryview(np.ascontiguousarray(a)).cast("B")
     return combine_result_blocks(len(data), (result_block_digest(data[lo:lo + RESULT_BLOCK_BYTES])
                                              for lo in range(0, len(data), RESULT_BLOCK_BYTES)))
