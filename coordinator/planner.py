@@ -73,7 +73,7 @@ import dataclasses
 import itertools
 import math
 import types
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -956,16 +956,20 @@ def _cpu_bound(links: Sequence[LinkSpec]) -> bool:
     return _one_host(links) or (bool(rates) and min(rates) >= CPU_BOUND_LINK_BYTES_PER_S)
 
 
+def _every_pair(links: Sequence[LinkSpec], reached: Callable[[LinkSpec], frozenset[str]]) -> bool:
+    """More than one participant, and each reaches every other through the lanes `reached(l)`
+    names (as each reported the lanes it sends on)."""
+    return len(links) > 1 and all(q.peer_id in r for l in links for r in (reached(l),) for q in links if q is not l)
+
+
 def _all_bulk(links: Sequence[LinkSpec]) -> bool:
-    """Every participant reaches every other through the bulk TCP lane or shared memory (as each
-    reported the lanes it sends on)."""
-    return len(links) > 1 and all(q.peer_id in l.bulk_peers or q.peer_id in l.shm_peers
-                                  for l in links for q in links if q is not l)
+    """Every participant reaches every other through the bulk TCP lane or shared memory."""
+    return _every_pair(links, lambda l: l.bulk_peers | l.shm_peers)
 
 
 def _one_host(links: Sequence[LinkSpec]) -> bool:
     """Every participant reaches every other through shared memory."""
-    return len(links) > 1 and all(q.peer_id in l.shm_peers for l in links for q in links if q is not l)
+    return _every_pair(links, lambda l: l.shm_peers)
 
 
 def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy: PlanPolicy, *,

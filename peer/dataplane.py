@@ -814,7 +814,7 @@ class Transport:
         """A connection to the bulk lane of the peer at `address` (chosen when the shared-memory
         lane is not), or None: PushChunks then."""
         conn = await self.bulk.connect(address, peer_id) if self.bulk is not None else None
-        self._chosen[address] = "socket" if conn is None else "tcp-tls" if conn.tls else "tcp"
+        self._chosen[address] = "socket" if conn is None else conn.lane
         return conn
 
     async def _probe_bulk(self, address: str, peer_id: str) -> int:
@@ -866,7 +866,7 @@ class Transport:
             if conn is not None:
                 # The lane its next stream takes: reported now (LinkReport.bulk_peers), so a ring's
                 # peers name every participant they reach, not only their successor.
-                self._chosen[address] = "tcp-tls" if conn.tls else "tcp"
+                self._chosen[address] = conn.lane
                 self.bulk.give_back(address, conn)
 
     def lane_failed(self, address: str, exc: OSError) -> None:

@@ -358,7 +358,7 @@ POOLED_PAYLOAD_BYTES = 256 << 10
 # Idle pooled payload buffers a process keeps (the least recently used go first): a round's
 # payloads in flight at once, e.g. an owner's rows of a 64 MB butterfly among 4 (12 of 4 MiB).
 IDLE_PAYLOAD_BUFFERS = 16
-_payloads: list[Pooled] = []  # this process's payload buffers (one event loop per process)
+_payloads: list[Pooled] = []  # this process's payload buffers, shared by its event loops (peer.pooled's lock)
 
 
 async def recv_payload(loop, sock, n: int) -> memoryview:
@@ -405,6 +405,11 @@ class BulkConnection:
     @property
     def tls(self) -> bool:
         return isinstance(self.sock, ssl.SSLSocket)
+
+    @property
+    def lane(self) -> str:
+        """The lane's name in reports (`Transport.lanes`): "tcp-tls" over mutual TLS, else "tcp"."""
+        return "tcp-tls" if self.tls else "tcp"
 
     @classmethod
     async def open(cls, host: str, port: int, tls: PeerTLS | None = None, peer_id: str = "") -> BulkConnection:

@@ -121,11 +121,18 @@ def state_blob_digest(blob: bytes | memoryview) -> bytes:
     other construction (plain BLAKE3 against key-derivation mode), which matches no committed
     one."""
     view = memoryview(blob).cast("B")
-    if len(view) >= 12 and view[:8] == _ARRAY_MAGIC:
-        (hl,) = struct.unpack("<I", view[8:12])
-        if 12 + hl <= len(view):
-            return array_state_digest(bytes(view[:12 + hl]), result_digest(np.frombuffer(view[12 + hl:], np.uint8)))
+    hl = _array_header_length(view)
+    if hl is not None and 12 + hl <= len(view):
+        return array_state_digest(bytes(view[:12 + hl]), result_digest(np.frombuffer(view[12 + hl:], np.uint8)))
     return digest(view)
+
+
+def _array_header_length(blob: bytes | memoryview) -> int | None:
+    """The JSON header's byte length of an array-state blob (magic SHOALAR1, u32 little-endian
+    length, header, tensor bytes), or None when `blob` does not start so."""
+    if len(blob) < 12 or blob[:8] != _ARRAY_MAGIC:
+        return None
+    return struct.unpack("<I", blob[8:12])[0]
 
 
 @dataclass
@@ -165,9 +172,9 @@ class ArrayState:
     @staticmethod
     def from_bytes(blob: bytes) -> "ArrayState":
         """Inverse of `to_bytes`. Raises InvalidArgument on a malformed blob."""
-        if blob[:8] != _ARRAY_MAGIC or len(blob) < 12:
+        hl = _array_header_length(blob)
+        if hl is None:
             raise InvalidArgument("state: bad magic")
-        (hl,) = struct.unpack("<I", blob[8:12])
         try:
             header = json.loads(blob[12:12 + hl])
             dtype, n, rounds = np.dtype(header["dtype"]), int(header["n"]), int(header["rounds"])
