@@ -57,6 +57,7 @@ from shoal.peer.dataplane import SHARED_POOL, Inbox, Payload, ReplyLane, SenderG
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
 from shoal.peer.result_digest import ResultDigest
+from shoal.peer.stream_end import StreamEnd
 from shoal.peer.shm import MAX_SEGMENT_BYTES, SegmentWriter, release
 from shoal.v1 import shoal_pb2 as pb
 
@@ -272,6 +273,7 @@ class _Stream:
                 if call is None:
                     call = self.transport.stub(self.address, self.peer_id).PushChunks(
                         timeout=self.timeout, metadata=self.transport.push_metadata(msg))
+                    end = StreamEnd(call)
                     t0 = time.perf_counter()
                 queued, tw = not self.queue.empty(), time.perf_counter()
                 await call.write(msg)
@@ -294,22 +296,18 @@ class _Stream:
                                             busy_bytes=busy_bytes, busy_seconds=busy_s)
             for w in self._writers():
                 self.transport.give_back_writer(self.address, w)
-        except grpc.aio.AioRpcError as exc:
-            await self.transport.forget(self.address)
-            if self.relay and RELAY_ALTERED in (exc.details() or ""):
-                raise CollectiveError(f"relay {self.relay} altered a chunk to {self.peer_id[:8]}: {exc.details()}",
-                                      relay=self.relay) from None
-            raise CollectiveError(f"stream to {self.peer_id[:8]} failed: {exc.code().name} {exc.details()}",
-                                  [self.peer_id]) from None
-        except asyncio.InvalidStateError:
-            details = ""
-            if self.relay and call is not None:  # the receiver ended the call: did a check fail in transit?
-                with contextlib.suppress(Exception):
-                    details = await asyncio.wait_for(call.details(), 1.0) or ""
-            if RELAY_ALTERED in details:
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            # The receiver's status, not grpc.aio's INTERNAL of a write that raced the call's end;
+            # InvalidStateError: a write after the call had ended (its status says why).
+            rpc_error = exc if isinstance(exc, grpc.aio.AioRpcError) else None
+            code, details = await end.status(rpc_error) if call is not None else (grpc.StatusCode.UNKNOWN, "")
+            if rpc_error is not None:
+                await self.transport.forget(self.address)
+            if self.relay and RELAY_ALTERED in details:  # did a check fail in transit?
                 raise CollectiveError(f"relay {self.relay} altered a chunk to {self.peer_id[:8]}: {details}",
                                       relay=self.relay) from None
-            raise CollectiveError(f"stream to {self.peer_id[:8]} closed", [self.peer_id]) from None
+            raise CollectiveError(f"stream to {self.peer_id[:8]} failed: {code.name} {details}",
+                                  [self.peer_id]) from None
         finally:
             for w in self._writers():  # a failed stream: its slabs are never written again
                 w.close()
@@ -384,6 +382,7 @@ class _Exchange(_Stream):
         first.ticket = self.plan.ticket
         call = self.transport.stub(self.address, self.peer_id).Exchange(
             timeout=self.timeout, metadata=self.transport.exchange_metadata(first))
+        end = StreamEnd(call)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._write(call, first))
@@ -392,13 +391,7 @@ class _Exchange(_Stream):
             exc = next(iter(_flatten(group)))
             self.inbox.fail_sender(self.plan.round, self.plan.attempt, self.peer_id, f"exchange broke: {exc}")
             if isinstance(exc, grpc.aio.AioRpcError):
-                code, details = exc.code(), exc.details()
-                if code is grpc.StatusCode.INTERNAL:
-                    # A write that lost the race with the call's end fails with INTERNAL ("Failed
-                    # execute_batch"); the call's own status says why it ended (e.g. the owner's
-                    # PERMISSION_DENIED).
-                    with contextlib.suppress(Exception):
-                        code, details = await asyncio.wait_for(call.code(), 1.0), await call.details()
+                code, details = await end.status(exc)  # not grpc.aio's INTERNAL of a racing write
                 await self.transport.forget(self.address)
                 raise CollectiveError(f"exchange with {self.peer_id[:8]} failed: {code.name} {details}",
                                       [self.peer_id, *(o for o in self.owners if o != self.peer_id)]) from None
