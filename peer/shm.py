@@ -131,15 +131,18 @@ def remove_stale(peer_id: str) -> int:
     return removed
 
 
-def remove_stale_of_keys(directory) -> int:
-    """`remove_stale` for the identity of every Ed25519 key file (*.key) in `directory`: what a
-    launcher (`shoal swarm`, the tests) calls after killing its peers. Returns slabs removed."""
+def remove_stale_of_keys(directory, *, recursive: bool = False) -> int:
+    """`remove_stale` for the identity of every Ed25519 key file (*.key) in `directory` (and its
+    subdirectories with `recursive`: peers that keep their key in a data directory under it):
+    what a launcher (`shoal swarm`, the tests) calls after killing its peers. Returns slabs
+    removed."""
     import pathlib
 
     from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes
 
     removed = 0
-    for path in sorted(pathlib.Path(directory).glob("*.key")):
+    root = pathlib.Path(directory)
+    for path in sorted(root.rglob("*.key") if recursive else root.glob("*.key")):
         try:
             removed += remove_stale(peer_id_of(public_bytes(load_or_create_key(path))))
         except (ValueError, OSError):

@@ -44,10 +44,11 @@ class Procs:
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
-        # Shared-memory slabs of peers killed with SIGKILL (their identities' keys are here).
+        # Shared-memory slabs of peers killed with SIGKILL (their identities' keys are under the
+        # workdir: in it, or in a peer's data directory below it).
         from shoal.peer.shm import remove_stale_of_keys
 
-        remove_stale_of_keys(self.workdir)
+        remove_stale_of_keys(self.workdir, recursive=True)
 
     def wait_file(self, path: pathlib.Path, timeout: float, proc: subprocess.Popen | None = None) -> str:
         end = time.monotonic() + timeout

@@ -20,8 +20,9 @@ from swarmlet import Swarmlet
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="no writable /dev/shm on this machine")
 
-ALICE = "a1" * 16
-BOB = "b2" * 16
+# Per test process (the slab names' 16-hex prefix): parallel test workers share /dev/shm.
+ALICE = f"{os.getpid():08x}" + "a1" * 12
+BOB = f"{os.getpid():08x}" + "b2" * 12
 
 
 def _mine(peer_id: str) -> set[str]:
@@ -79,6 +80,24 @@ def test_remove_stale_deletes_only_this_identity():
     finally:
         wa.close()
         wb.close()
+
+
+def test_remove_stale_of_keys_finds_keys_in_data_directories_only_when_recursive(tmp_path):
+    """A peer started without --key keeps its key in its data directory (data/shoal/peer-1.key):
+    a launcher that killed it cleans its slabs only when it looks below its workdir. Regression:
+    test_members_processes' two peers from one directory left a result segment each in /dev/shm."""
+    from shoal.common.identity import load_or_create_key, peer_id_of, public_bytes
+
+    key = tmp_path / "data" / "shoal" / "peer-1.key"
+    key.parent.mkdir(parents=True)
+    me = peer_id_of(public_bytes(load_or_create_key(key)))
+    w = shm.SegmentWriter(me, 4096)
+    try:
+        w.put(b"x" * 10)
+        assert shm.remove_stale_of_keys(tmp_path) == 0 and len(_mine(me)) == 1
+        assert shm.remove_stale_of_keys(tmp_path, recursive=True) == 1 and _mine(me) == set()
+    finally:
+        w.close()
 
 
 def test_check_chunk_reads_shared_memory_only_with_a_reader():
