@@ -1,3 +1,4 @@
+import logging
 import os
 import pathlib
 import sys
@@ -37,6 +38,24 @@ def netbed_available():
     ok, why = NetBed.available()
     if not ok:
         pytest.skip(f"network namespaces unavailable: {why}")
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """Tests that run the CLI in this process (`shoal.cli.main`) configure the root logger with a
+    handler on the sys.stderr of that moment, pytest's capture of that test, closed after it: a
+    later test's log records then failed with "Logging error ... I/O operation on closed file".
+    After every test the handlers it added go (pytest's own, which it adds and removes around
+    each phase, stay) and the root level is restored."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for h in list(root.handlers):
+            if h not in before and not type(h).__module__.startswith("_pytest"):
+                root.removeHandler(h)
+        root.setLevel(level)
 
 
 @pytest.fixture

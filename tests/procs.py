@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -79,6 +80,11 @@ class Procs:
             return p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise TimeoutError(f"{p.name} still running after {timeout}s:\n{self.log(p.name)[-3000:]}") from None  # type: ignore[attr-defined]
+
+    async def wait_exit_async(self, p: subprocess.Popen, timeout: float) -> int:
+        """`wait_exit` for async tests, on a worker thread: the test's event loop keeps serving
+        what runs on it (an in-process peer's data plane the processes still talk to)."""
+        return await asyncio.to_thread(self.wait_exit, p, timeout)
 
     def coordinator(self, *flags: str, name: str = "coordinator", state: str = "coordinator.db",
                     listen: str = "127.0.0.1:0") -> tuple[subprocess.Popen, str]:
