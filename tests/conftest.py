@@ -72,11 +72,19 @@ def procs(tmp_path):
 PROCESS_FIXTURES = frozenset({"procs"})
 
 
+# Files whose tests take minutes in all: collected first, so a test worker starts on them while
+# the other takes the rest (with `--dist loadfile` a file is one unit of work; the compose test,
+# 2-3 minutes with its image build, made the last minutes of a run one worker's alone).
+LONG_FILES = ("test_compose.py",)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
 def pytest_collection_modifyitems(config, items):
     """Safety net for the tiers (explicit marks are still required, hence the warning): a test
     that asks for a process fixture, or a soak test, is `integration` even where its mark was
-    forgotten, so `-m "not integration"` never starts processes or runs a soak."""
+    forgotten, so `-m "not integration"` never starts processes or runs a soak. Then LONG_FILES
+    first (a stable sort: every worker collects the same order)."""
+    items.sort(key=lambda item: item.path.name not in LONG_FILES)
     for item in items:
         if item.get_closest_marker("integration") is not None:
             continue
