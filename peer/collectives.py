@@ -299,8 +299,9 @@ class _Stream:
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             # The receiver's status, not grpc.aio's INTERNAL of a write that raced the call's end;
             # InvalidStateError: a write after the call had ended (its status says why).
+            # (Both come only from the call's own methods: `call` and `end` exist here.)
             rpc_error = exc if isinstance(exc, grpc.aio.AioRpcError) else None
-            code, details = await end.status(rpc_error) if call is not None else (grpc.StatusCode.UNKNOWN, "")
+            code, details = await end.status(rpc_error)
             if rpc_error is not None:
                 await self.transport.forget(self.address)
             if self.relay and RELAY_ALTERED in details:  # did a check fail in transit?

@@ -384,7 +384,7 @@ def run_bench(opts: BenchOptions) -> dict:
 # ------------------------------------------------------------------------------- gloo worker
 
 
-def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out: str, warmup: int = 1) -> None:
+def gloo_worker(rank: int, world: int, master: str, size: int, repeat: int, out: str, warmup: int) -> None:
     """One torch.distributed gloo rank: ``repeat`` timed all-reduces (after ``warmup`` untimed ones) of the
     same float32 tensor the Shoal run reduces; writes {"seconds": [...]} to ``out``."""
     import datetime
@@ -561,7 +561,7 @@ def _worker_main(argv: list[str]) -> None:
     ap.add_argument("--master", required=True)
     ap.add_argument("--size", type=int, required=True)
     ap.add_argument("--repeat", type=int, required=True)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     gloo_worker(a.rank, a.world, a.master, a.size, a.repeat, a.out, a.warmup)
