@@ -130,6 +130,11 @@ NONCE_MEMORY = 1_000_000
 # many members", step 15). Ending every burst with this one (0 bytes on the wire) lets each event
 # go once sent. Receivers skip it (peer.rounds.event_of).
 EMPTY_EVENT = pb.RoundEvent()
+# Messages a round-event stream sends when it opens (empty events, or a running round's plan
+# first): gRPC's per-stream setup for a stream's first two messages is then paid at connect,
+# once per member, and not at each member's first cohort draw, which at 1,000-3,000 members
+# spreads over the first ~N/K ln N rounds and made the resident size grow with them.
+OPENING_EVENTS = 2
 # The one place where the engine's refusals become gRPC status codes.
 _ERROR_KINDS = {ErrorKind.NOT_FOUND: NotFound, ErrorKind.INVALID: InvalidArgument,
                 ErrorKind.PRECONDITION: FailedPrecondition}
@@ -608,11 +613,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield self.finished_event
                 return
             run = self.engine.running
+            sent = 0
             if run is not None and request.peer_id in run.plan.participants:
                 yield pb.RoundEvent(plan=self._wire_plan(run.plan))
-            # gRPC sets up ~0.5 KB for a stream's first message: now, at its start, not at the
-            # member's first cohort draw (scripts/grpc_stream_retention.py).
-            yield EMPTY_EVENT
+                sent = 1
+            # gRPC sets up ~0.8 KB for a stream's first message (sent with the headers) and ~0.3 KB
+            # for its second (the first sent alone), kept until the stream ends: both now, at its
+            # start, not at the member's first cohort draw (scripts/grpc_stream_retention.py).
+            for _ in range(sent, OPENING_EVENTS):
+                yield EMPTY_EVENT
             while True:
                 ev = await q.get()
                 if isinstance(ev, str):

@@ -4,16 +4,19 @@ Starts a grpc.aio server in a subprocess with N server-streaming calls open (one
 each, as the coordinator's members have) and sends every stream the same messages in turn,
 printing after each step the server's C heap in use per stream (glibc's mallinfo2, after a
 collection and a malloc_trim). Modes: `none` (the stream sends nothing until the first
-message), `md` (initial metadata sent at open), `empty` (an empty message sent at open).
+message), `md` (initial metadata sent at open), `empty` (an empty message sent at open),
+`twice` (two empty messages sent at open: what the coordinator's round-event streams do).
 
-Measured with grpcio 1.85 (docs/performance.md, "One coordinator, many members", step 15): the
-first message of a stream sets up ~0.3-0.8 KB in gRPC (once); and gRPC's asyncio server keeps
+Measured with grpcio 1.85 (docs/performance.md, "One coordinator, many members", steps 15 and
+19): a stream's first message sets up ~0.8 KB in gRPC and its second ~0.3 KB (once each, kept
+until the stream ends; `empty`: +~280 B per stream at the first message after the opening one,
+`twice`: +~17); and gRPC's asyncio server keeps
 the last message a stream's handler yielded (its `async for response_message` loop) until the
 next one: with a message object of its own per stream ("each"), ~its size per stream stays
 (a 50-byte message after a 1,800-byte one gives ~1.7 KB per stream back); one object shared
 by every stream costs once.
 
-    python scripts/grpc_stream_retention.py [N] [none|md|empty]
+    python scripts/grpc_stream_retention.py [N] [none|md|empty|twice]
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ async def _server(mode: str, port_file: str) -> None:
         if mode == "md":
             await context.send_initial_metadata(())
         elif mode == "empty":
+            yield b""
+        elif mode == "twice":
+            yield b""
             yield b""
         while True:
             yield await q.get()

@@ -185,8 +185,9 @@ async def test_a_joiner_too_busy_to_answer_the_dial_back_once_is_dialled_again()
 async def test_a_round_event_stream_starts_and_ends_each_burst_with_an_empty_event():
     # gRPC keeps a copy of a server stream's last message until the next one: a stream that ends
     # every burst with an empty event holds the same whether its member was ever drawn or not
-    # (docs/performance.md, step 15). Peers skip the empty events.
-    from shoal.coordinator.server import EMPTY_EVENT
+    # (docs/performance.md, step 15). It opens with two (gRPC's setup for a stream's first two
+    # messages, paid at connect, not at the member's first draw). Peers skip the empty events.
+    from shoal.coordinator.server import EMPTY_EVENT, OPENING_EVENTS
     from shoal.peer.rounds import event_of
 
     now = [0.0]
@@ -195,8 +196,9 @@ async def test_a_round_event_stream_starts_and_ends_each_burst_with_an_empty_eve
     stream = svc.WatchRounds(pb.WatchRequest(peer_id="a"), _Context())
     try:
         async with asyncio.timeout(5):
-            first = await anext(stream)
-            assert first == EMPTY_EVENT and first.WhichOneof("event") is None and first.ByteSize() == 0
+            opening = [await anext(stream) for _ in range(OPENING_EVENTS)]
+            assert OPENING_EVENTS == 2 and opening == [EMPTY_EVENT] * 2
+            assert opening[0].WhichOneof("event") is None and opening[0].ByteSize() == 0
             commit = pb.RoundEvent(commit=pb.Commit(round=3, participants=["a", "b"]))
             abort = pb.RoundEvent(abort=pb.Abort(round=4, reason="x"))
             refs = sys.getrefcount(commit), sys.getrefcount(abort)
@@ -215,6 +217,35 @@ async def test_a_round_event_stream_starts_and_ends_each_burst_with_an_empty_eve
     finally:
         await stream.aclose()
     assert event_of(EMPTY_EVENT) is None  # what a peer makes of it: nothing to queue
+
+
+async def test_a_participant_that_reconnects_mid_round_gets_the_plan_then_one_empty_event():
+    # Two messages at a stream's start either way: the running round's plan counts as one.
+    from shoal.coordinator.server import EMPTY_EVENT
+
+    now = [0.0]
+    svc = service(now)
+    for i, p in enumerate("abc"):
+        svc.apply(svc.engine.join(p, KEYS[p], f"10.0.0.{i}:1", 1, 0.0))
+        svc.watchers[p] = asyncio.Queue()
+        svc.apply(svc.engine.connected(p, 0.0))
+    for p in "abc":
+        svc.apply(svc.engine.ready_(p, 0, ReadyInfo(10, pb.FLOAT32, 1, b"", 0, 0.1), 0.1))
+    assert svc.engine.running is not None
+    stream = svc.WatchRounds(pb.WatchRequest(peer_id="b"), _Context())
+    try:
+        async with asyncio.timeout(5):
+            first, second = await anext(stream), await anext(stream)
+            assert first.WhichOneof("event") == "plan" and first.plan.round == 0
+            assert second == EMPTY_EVENT
+            wait = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.01)
+            assert not wait.done()  # nothing more until the next event
+            wait.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await wait
+    finally:
+        await stream.aclose()
 
 
 async def test_a_peer_that_joins_after_the_run_finished_is_told_so_and_not_made_a_member():
