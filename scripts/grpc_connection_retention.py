@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 import sys
-import tempfile
-import time
 
 import grpc
 
-from grpc_stream_retention import _in_use  # this directory is on sys.path when run as a script
+# This directory is on sys.path when the script runs.
+from grpc_stream_retention import _in_use, open_streams, server_in_use, with_server
 
 OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.hpack_table_size.decoder", 0),
            ("grpc.http2.hpack_table_size.encoder", 0)]
@@ -60,20 +57,8 @@ async def _server(port_file: str) -> None:
 
 async def _client(port: int, n: int) -> None:
     addr = f"127.0.0.1:{port}"
-    control = grpc.aio.insecure_channel(addr, options=[("t.k", -1)]).unary_unary("/t.T/C")
-
-    async def in_use() -> int:
-        return json.loads(await control(b"x"))["in_use"]
-
-    channels = [grpc.aio.insecure_channel(addr, options=[("t.k", i)]) for i in range(n)]  # a connection each
-    calls = [ch.unary_stream("/t.T/S")(b"") for ch in channels]
-
-    async def drain(call) -> None:
-        async for _ in call:
-            pass
-
-    tasks = [asyncio.ensure_future(drain(c)) for c in calls]
-    await asyncio.sleep(2)
+    in_use = server_in_use(addr)
+    channels, tasks = await open_streams(addr, n)
 
     async def each(method: str, payload: bytes, k: int = 1) -> None:
         await asyncio.gather(*(ch.unary_unary(f"/t.T/{method}")(payload) for ch in channels for _ in range(k)))
@@ -99,20 +84,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[2] == "--server":
         asyncio.run(_server(sys.argv[3]))
         return
-    port_file = tempfile.mktemp()
-    server = subprocess.Popen([sys.executable, __file__, str(n), "--server", port_file])
-    try:
-        deadline = time.monotonic() + 30
-        while not (os.path.exists(port_file) and open(port_file).read()):
-            if time.monotonic() > deadline or server.poll() is not None:
-                sys.exit("the server did not start")
-            time.sleep(0.1)
-        asyncio.run(_client(int(open(port_file).read()), n))
-    finally:
-        server.kill()
-        server.wait(timeout=10)
-        if os.path.exists(port_file):
-            os.unlink(port_file)
+    with_server([sys.executable, __file__, str(n), "--server"], lambda port: _client(port, n))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -85,14 +86,9 @@ async def _server(mode: str, port_file: str) -> None:
     await server.wait_for_termination()
 
 
-async def _client(port: int, n: int, mode: str) -> None:
-    addr = f"127.0.0.1:{port}"
-    control = grpc.aio.insecure_channel(addr, options=[("t.k", -1)]).unary_unary("/t.T/C")
-
-    async def in_use() -> int:
-        return json.loads(await control(b"stats"))["in_use"]
-
-    before = await in_use()
+async def open_streams(addr: str, n: int) -> tuple[list[grpc.aio.Channel], list[asyncio.Future]]:
+    """`n` connections to `addr` (a channel each), each with a `/t.T/S` server stream open and
+    drained; returns the channels and the draining tasks (cancel them to end)."""
     channels = [grpc.aio.insecure_channel(addr, options=[("t.k", i)]) for i in range(n)]  # a connection each
     calls = [ch.unary_stream("/t.T/S")(b"") for ch in channels]
 
@@ -102,6 +98,44 @@ async def _client(port: int, n: int, mode: str) -> None:
 
     tasks = [asyncio.ensure_future(drain(c)) for c in calls]
     await asyncio.sleep(2)
+    return channels, tasks
+
+
+def server_in_use(addr: str) -> Callable[[], Awaitable[int]]:
+    """An async function reading the server's C heap in use (bytes) over its `/t.T/C` method."""
+    control = grpc.aio.insecure_channel(addr, options=[("t.k", -1)]).unary_unary("/t.T/C")
+
+    async def in_use() -> int:
+        return json.loads(await control(b"stats"))["in_use"]
+
+    return in_use
+
+
+def with_server(argv: list[str], client: Callable[[int], Awaitable[None]]) -> None:
+    """Start `argv` + [a port file] (a server that writes its port there), run `client(port)`,
+    kill the server."""
+    port_file = tempfile.mktemp()
+    server = subprocess.Popen([*argv, port_file])
+    try:
+        deadline = time.monotonic() + 30
+        while not (os.path.exists(port_file) and open(port_file).read()):
+            if time.monotonic() > deadline or server.poll() is not None:
+                sys.exit("the server did not start")
+            time.sleep(0.1)
+        asyncio.run(client(int(open(port_file).read())))
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+        if os.path.exists(port_file):
+            os.unlink(port_file)
+
+
+async def _client(port: int, n: int, mode: str) -> None:
+    addr = f"127.0.0.1:{port}"
+    control = grpc.aio.insecure_channel(addr, options=[("t.k", -1)]).unary_unary("/t.T/C")
+    in_use = server_in_use(addr)
+    before = await in_use()
+    _, tasks = await open_streams(addr, n)
     last = await in_use()
     print(f"{mode}: {(last - before) / n:.0f} B per open stream")
     for how, size in (("send", 700), ("send", 700), ("sendeach", 700), ("sendeach", 1800), ("sendeach", 50)):
@@ -121,20 +155,7 @@ def main() -> None:
     if len(sys.argv) > 3 and sys.argv[3] == "--server":
         asyncio.run(_server(mode, sys.argv[4]))
         return
-    port_file = tempfile.mktemp()
-    server = subprocess.Popen([sys.executable, __file__, str(n), mode, "--server", port_file])
-    try:
-        deadline = time.monotonic() + 30
-        while not (os.path.exists(port_file) and open(port_file).read()):
-            if time.monotonic() > deadline or server.poll() is not None:
-                sys.exit("the server did not start")
-            time.sleep(0.1)
-        asyncio.run(_client(int(open(port_file).read()), n, mode))
-    finally:
-        server.kill()
-        server.wait(timeout=10)
-        if os.path.exists(port_file):
-            os.unlink(port_file)
+    with_server([sys.executable, __file__, str(n), mode, "--server"], lambda port: _client(port, n, mode))
 
 
 if __name__ == "__main__":
