@@ -37,7 +37,6 @@ all-reduce with owner-side reduction (hivemind's AllReduceRunner, Ryabinin et al
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Hashable, Sequence
@@ -57,8 +56,8 @@ from shoal.peer.dataplane import SHARED_POOL, Inbox, Payload, ReplyLane, SenderG
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
 from shoal.peer.result_digest import ResultDigest
-from shoal.peer.stream_end import StreamEnd
 from shoal.peer.shm import MAX_SEGMENT_BYTES, SegmentWriter, release
+from shoal.peer.stream_end import StreamEnd
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
