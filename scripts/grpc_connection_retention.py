@@ -1,15 +1,15 @@
 """How much of a grpc.aio server's C heap a connection keeps after the calls it carried (diagnostic).
 
-Starts a grpc.aio server in a subprocess (the coordinator's HTTP/2 options: no BDP probes, no
-HPACK tables) and N client connections, each with a server stream open that has sent two
+Starts a grpc.aio server in a subprocess (the coordinator's server options,
+`shoal.coordinator.server.grpc_options`) and N client connections, each with a server stream open that has sent two
 messages (as the coordinator's round-event streams do), then makes unary calls on every
 connection and prints after each step the server's C heap in use per connection (glibc's
 mallinfo2, after a collection and a malloc_trim): k calls at once per connection, then calls of
 methods the connection never called before, with larger requests and replies.
 
 Measured with grpcio 1.85 (docs/performance.md, "One coordinator, many members", step 19), 300
-connections, four runs: +24-101 B per connection after 2 calls at once and +91-139 B more after
-3 (150-220 B in all, four streams open on the connection), kept; new methods and 1-4 KB messages add 0-7 B. So a connection's state
+connections, five runs: +24-101 B per connection after 2 calls at once and +77-139 B more after
+3 (140-220 B in all, four streams open on the connection), kept; new methods and 1-4 KB messages add 0-7 B. So a connection's state
 grows with the most streams it has had open at once, and does not shrink: a member's first cohort
 draw (its Ready, Vote or heartbeat beside its stream) pays it once.
 
@@ -27,9 +27,7 @@ import grpc
 # This directory is on sys.path when the script runs.
 from grpc_stream_retention import _in_use, open_streams, server_in_use, with_server
 
-OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.hpack_table_size.decoder", 0),
-           ("grpc.http2.hpack_table_size.encoder", 0)]
-
+from shoal.coordinator.server import grpc_options
 
 async def _server(port_file: str) -> None:
     async def stream(request, context):
@@ -46,7 +44,7 @@ async def _server(port_file: str) -> None:
     handlers = {"S": grpc.unary_stream_rpc_method_handler(stream), "C": grpc.unary_unary_rpc_method_handler(control)}
     for m in ("H", "R", "V", "X"):
         handlers[m] = grpc.unary_unary_rpc_method_handler(unary)
-    server = grpc.aio.server(options=OPTIONS)
+    server = grpc.aio.server(options=grpc_options())
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
