@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import random
 import sys
 
@@ -39,6 +38,7 @@ import grpc
 # This directory is on sys.path when the script runs.
 from grpc_stream_retention import _in_use, with_server
 
+from shoal.bench_coordinator import growth_per_round, growth_stderr
 from shoal.coordinator.server import grpc_options
 
 SERVICE = "t.T"
@@ -89,17 +89,6 @@ async def _server(port_file: str) -> None:
     await server.wait_for_termination()
 
 
-def _slope(pts: list[tuple[int, int]]) -> tuple[float, float]:
-    """(slope, standard error) of a least-squares line through `pts` (shoal.bench_coordinator's)."""
-    n = len(pts)
-    mx = sum(x for x, _ in pts) / n
-    my = sum(y for _, y in pts) / n
-    var = sum((x - mx) ** 2 for x, _ in pts)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / var
-    residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in pts)
-    return slope, math.sqrt(residual / (n - 2) / var)
-
-
 async def _client(port: int, args: argparse.Namespace, seed: int) -> dict:
     addr = f"127.0.0.1:{port}"
     rng = random.Random(seed)
@@ -147,14 +136,13 @@ async def _client(port: int, args: argparse.Namespace, seed: int) -> dict:
             heap.append((r, json.loads(await control(b"heap"))["in_use"]))
     for t in streams:
         t.cancel()
-    half = [p for p in rss if p[0] >= args.rounds // 2]
-    heap_half = [p for p in heap if p[0] >= args.rounds // 2]
-    slope, err = _slope(half)
-    heap_slope, heap_err = _slope(heap_half) if len(heap_half) >= 3 else (float("nan"), float("nan"))
+    half = [v for r, v in rss if r >= args.rounds // 2]
+    slope, err = growth_per_round(rss, args.rounds), growth_stderr(rss, args.rounds)
+    heap_slope, heap_err = growth_per_round(heap, args.rounds), growth_stderr(heap, args.rounds)
     return {"seed": seed, "members": n, "rounds": args.rounds, "cohort": args.cohort,
             "rss_bytes": rss[-1][1], "rss_growth_bytes_per_round": round(slope, 1),
             "rss_growth_stderr_bytes_per_round": round(err, 1),
-            "rss_range_second_half_bytes": max(v for _, v in half) - min(v for _, v in half),
+            "rss_range_second_half_bytes": max(half) - min(half),
             "in_use_growth_bytes_per_round": round(heap_slope, 1), "in_use_growth_stderr_bytes_per_round": round(heap_err, 1)}
 
 
