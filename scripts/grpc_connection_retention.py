@@ -25,7 +25,7 @@ import sys
 import grpc
 
 # This directory is on sys.path when the script runs.
-from grpc_stream_retention import _in_use, open_streams, server_in_use, with_server
+from grpc_stream_retention import _in_use, open_streams, serve, server_in_use, with_server
 
 from shoal.coordinator.server import grpc_options
 
@@ -44,13 +44,7 @@ async def _server(port_file: str) -> None:
     handlers = {"S": grpc.unary_stream_rpc_method_handler(stream), "C": grpc.unary_unary_rpc_method_handler(control)}
     for m in ("H", "R", "V", "X"):
         handlers[m] = grpc.unary_unary_rpc_method_handler(unary)
-    server = grpc.aio.server(options=grpc_options())
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    with open(port_file, "w") as f:
-        f.write(str(port))
-    await server.wait_for_termination()
+    await serve(handlers, port_file, grpc_options())
 
 
 async def _client(port: int, n: int) -> None:

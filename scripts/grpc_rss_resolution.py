@@ -36,17 +36,11 @@ import sys
 import grpc
 
 # This directory is on sys.path when the script runs.
-from grpc_stream_retention import _in_use, with_server
+from grpc_stream_retention import _in_use, open_streams, serve, with_server
 
 from shoal.bench_coordinator import growth_per_round, growth_stderr
+from shoal.collective_job import memory_bytes
 from shoal.coordinator.server import grpc_options
-
-SERVICE = "t.T"
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 async def _server(port_file: str) -> None:
@@ -73,36 +67,22 @@ async def _server(port_file: str) -> None:
                 q.put_nowait(msg)
             return b"ok"
         if words[0] == b"heap":
-            return json.dumps({"in_use": _in_use(), "rss": _rss()}).encode()
-        return json.dumps({"rss": _rss()}).encode()
+            return json.dumps({"in_use": _in_use(), "rss": memory_bytes()[0]}).encode()
+        return json.dumps({"rss": memory_bytes()[0]}).encode()
 
     handlers = {"S": grpc.unary_stream_rpc_method_handler(stream), "C": grpc.unary_unary_rpc_method_handler(control),
                 "Ready": grpc.unary_unary_rpc_method_handler(unary(300)),
                 "Heartbeat": grpc.unary_unary_rpc_method_handler(unary(20)),
                 "Vote": grpc.unary_unary_rpc_method_handler(unary(0))}
-    server = grpc.aio.server(options=grpc_options())
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    with open(port_file, "w") as f:
-        f.write(str(port))
-    await server.wait_for_termination()
+    await serve(handlers, port_file, grpc_options())
 
 
 async def _client(port: int, args: argparse.Namespace, seed: int) -> dict:
     addr = f"127.0.0.1:{port}"
     rng = random.Random(seed)
     n = args.members
-    control = grpc.aio.insecure_channel(addr, options=[("t.k", -1)]).unary_unary(f"/{SERVICE}/C")
-    channels = [grpc.aio.insecure_channel(addr, options=[("t.k", i)]) for i in range(n)]  # a connection each
-
-    async def drain(call) -> None:
-        async for _ in call:
-            pass
-
-    streams = [asyncio.ensure_future(drain(ch.unary_stream(f"/{SERVICE}/S")(str(i).encode())))
-               for i, ch in enumerate(channels)]
-    await asyncio.sleep(2 + n / 1000)
+    control = grpc.aio.insecure_channel(addr, options=[("t.k", -1)]).unary_unary("/t.T/C")
+    channels, streams = await open_streams(addr, n, settle=2 + n / 1000)
 
     gate = asyncio.Semaphore(args.concurrency)
 
@@ -110,7 +90,7 @@ async def _client(port: int, args: argparse.Namespace, seed: int) -> dict:
         async with gate:
             for attempt in range(5):  # thousands of fresh connections: gRPC may cancel a call, as in the benchmark
                 try:
-                    await channels[i].unary_unary(f"/{SERVICE}/{method}")(b"r" * size, timeout=30)
+                    await channels[i].unary_unary(f"/t.T/{method}")(b"r" * size, timeout=30)
                     return
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE) or attempt == 4:

@@ -75,10 +75,16 @@ async def _server(mode: str, port_file: str) -> None:
             return b"ok"
         return json.dumps({"in_use": _in_use()}).encode()
 
-    handlers = grpc.method_handlers_generic_handler("t.T", {
-        "S": grpc.unary_stream_rpc_method_handler(stream), "C": grpc.unary_unary_rpc_method_handler(control)})
-    server = grpc.aio.server(options=[("grpc.http2.bdp_probe", 0)])
-    server.add_generic_rpc_handlers((handlers,))
+    handlers = {"S": grpc.unary_stream_rpc_method_handler(stream), "C": grpc.unary_unary_rpc_method_handler(control)}
+    await serve(handlers, port_file, [("grpc.http2.bdp_probe", 0)])
+
+
+async def serve(handlers: dict[str, grpc.RpcMethodHandler], port_file: str, options: list[tuple[str, object]]) -> None:
+    """Serve `handlers` (method name -> handler) as service `t.T` on a free loopback port with
+    gRPC `options`, write the port to `port_file` (what `with_server` waits for), and run until
+    killed."""
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", handlers),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     with open(port_file, "w") as f:
@@ -86,18 +92,19 @@ async def _server(mode: str, port_file: str) -> None:
     await server.wait_for_termination()
 
 
-async def open_streams(addr: str, n: int) -> tuple[list[grpc.aio.Channel], list[asyncio.Future]]:
-    """`n` connections to `addr` (a channel each), each with a `/t.T/S` server stream open and
-    drained; returns the channels and the draining tasks (cancel them to end)."""
+async def open_streams(addr: str, n: int, settle: float = 2.0) -> tuple[list[grpc.aio.Channel], list[asyncio.Future]]:
+    """`n` connections to `addr` (a channel each), each with a `/t.T/S` server stream open (its
+    request: the connection's index, b"0" .. b"n-1") and drained, then `settle` seconds for them
+    to open; returns the channels and the draining tasks (cancel them to end)."""
     channels = [grpc.aio.insecure_channel(addr, options=[("t.k", i)]) for i in range(n)]  # a connection each
-    calls = [ch.unary_stream("/t.T/S")(b"") for ch in channels]
+    calls = [ch.unary_stream("/t.T/S")(str(i).encode()) for i, ch in enumerate(channels)]
 
     async def drain(call) -> None:
         async for _ in call:
             pass
 
     tasks = [asyncio.ensure_future(drain(c)) for c in calls]
-    await asyncio.sleep(2)
+    await asyncio.sleep(settle)
     return channels, tasks
 
 
