@@ -38,13 +38,22 @@ forwarding). The signals that name the faulty peer are:
 
 A failed vote naming no suspect is a confession (the voter's own collective failed: an
 aggregator error, a bad input) and never reaches this module: the engine aborts at once.
+
+**Evidence.** An accusation alone cannot aim the exclusion at a healthy peer: when every
+participant voted, an accusation counts only with evidence the coordinator can check: the
+accused is silent, or its own vote failed too (its side of the link broke as well), or a second
+voter accuses it. An accuser whose every accusation lacks evidence (the accused voted ok and
+nobody else accuses it) is the one excluded (`unproven_accusers`), and the engine strikes it
+(`Strikes`): repeated strikes bench it for whole rounds. The same holds for a voter whose
+digests disagree with a quorum of identical digests (`digest_dissenters`).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 
 def blame(participants: Sequence[str], accusations: Mapping[str, Sequence[str]], *,
@@ -110,3 +119,71 @@ def _suspects(edges: set[tuple[str, str]]) -> set[str]:
 def _narrow(suspects: set[str], flagged: set[str]) -> set[str]:
     """The stale or unreachable among `suspects`, when there are any; else all of them."""
     return (suspects & flagged) or suspects
+
+
+def unproven_accusers(participants: Sequence[str], accusations: Mapping[str, Sequence[str]],
+                      failed: Collection[str]) -> set[str]:
+    """The voters whose every accusation lacks evidence (module docstring, "Evidence").
+
+    participants: the attempt's; accusations: each voter with the peers its vote blamed (empty
+    for an ok vote); failed: the voters whose vote failed. An accusation voter -> accused has
+    evidence when the accused did not vote, voted failed too, or is accused by another voter.
+    Suspects outside the participants, and the voter itself, are ignored; a voter naming no
+    participant accuses nobody (a confession, never unproven).
+    """
+    members = set(participants)
+    edges = {v: {s for s in suspects if s in members and s != v}
+             for v, suspects in accusations.items() if v in members}
+    witnesses: dict[str, set[str]] = {}
+    for v, accused in edges.items():
+        for s in accused:
+            witnesses.setdefault(s, set()).add(v)
+
+    def evidence(s: str) -> bool:
+        return s not in accusations or s in failed or len(witnesses[s]) >= 2
+
+    return {v for v, accused in edges.items() if accused and not any(evidence(s) for s in accused)}
+
+
+def digest_dissenters(digests: Mapping[str, Hashable]) -> tuple[tuple[str, ...], bool]:
+    """The voters whose digests differ from the most common ones, and whether those most common
+    digests are a quorum (more than half of the voters voted them): then the dissenters alone
+    are at fault; otherwise nobody can tell (the dissenters are still left out of the retry)."""
+    counts = Counter(digests.values())
+    majority, k = counts.most_common(1)[0]
+    return tuple(p for p, d in digests.items() if d != majority), 2 * k > len(digests)
+
+
+@dataclass
+class Strikes:
+    """Faults a peer cannot excuse (an unproven accusation, a digest against a quorum) and the
+    benches they lead to: at `limit` strikes without a commit in between, a peer sits out the
+    next `bench_rounds` rounds, doubled at every further bench (a peer that keeps lying is out
+    for longer each time; an honest peer with a flaky link is back after a while). A commit the
+    peer takes part in clears its strikes (not its bench count). Pure: rounds are passed in.
+    """
+
+    limit: int = 2
+    bench_rounds: int = 8
+    counts: dict[str, int] = field(default_factory=dict)
+    benches: dict[str, int] = field(default_factory=dict)
+    until: dict[str, int] = field(default_factory=dict)  # peer -> first round it may play again
+
+    def strike(self, peer: str, round_: int) -> int | None:
+        """Count one strike against `peer` in round `round_`; the round it is benched until
+        when this strike benches it, else None."""
+        self.counts[peer] = self.counts.get(peer, 0) + 1
+        if self.counts[peer] < self.limit:
+            return None
+        self.benches[peer] = self.benches.get(peer, 0) + 1
+        self.until[peer] = round_ + 1 + self.bench_rounds * 2 ** (self.benches[peer] - 1)
+        return self.until[peer]
+
+    def cleared(self, peers: Iterable[str]) -> None:
+        """`peers` took part in a commit: their strikes are forgiven."""
+        for p in peers:
+            self.counts.pop(p, None)
+
+    def benched(self, round_: int) -> set[str]:
+        """The peers that may not take part in round `round_`."""
+        return {p for p, r in self.until.items() if r > round_}

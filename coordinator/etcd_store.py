@@ -19,6 +19,13 @@ that compare the leader key's create revision with the one this coordinator was 
 coordinator that lost its lease (and so the key) while it still believes it leads can therefore
 write nothing; its writes raise `NotLeader`, and it stops.
 
+Access (`EtcdAccess`, the [coordinator] settings etcd_ca, etcd_cert, etcd_key, etcd_user,
+etcd_password): with a CA the channels are TLS (server certificate checked against it; with a
+client certificate and key, mutual TLS as etcd's --client-cert-auth asks); with a user, every
+call carries the token etcd's Auth.Authenticate gives for the user and password (taken again
+when etcd says it is no longer valid). Without either, plaintext and no authentication: anyone
+who reaches etcd reads and writes the run's state (a warning at start).
+
 Failure semantics: every call is a synchronous gRPC call to etcd (the project's grpcio and the
 etcd v3 API stubs of the `aetcd` package) with `timeout` seconds; an endpoint that does not
 answer is skipped for the next one; when none answers, grpc.RpcError is raised and nothing was
@@ -33,16 +40,19 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TypeVar
 
 import grpc
 from aetcd.rpc import rpc_pb2 as etcd
 from aetcd.rpc import rpc_pb2_grpc as etcd_grpc
 
-from shoal.coordinator.membership import Membership
+from shoal.coordinator.admitted_keys import Membership
 from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
 
 log = logging.getLogger("shoal.coordinator")
+
+T = TypeVar("T")
 
 SCHEME = "etcd://"
 MAX_OPS = 100  # operations per transaction (etcd's --max-txn-ops defaults to 128)
@@ -53,11 +63,53 @@ class NotLeader(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
+class EtcdAccess:
+    """How to reach etcd: TLS files (PEM paths; `ca` turns TLS on, `cert` + `key` present a client
+    certificate) and a user and password for etcd's authentication ("" = none)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str = ""
+    password: str = dataclasses.field(default="", repr=False)
+
+    @property
+    def secured(self) -> bool:
+        return self.ca is not None or bool(self.user)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The TLS credentials of the channels. Raises OSError (a file that cannot be read)."""
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca), private_key=read(self.key),
+                                            certificate_chain=read(self.cert))
+
+    def channel(self, endpoint: str, aio: bool = False):
+        """A channel to `endpoint`: TLS with a CA, plaintext without."""
+        if self.ca is None:
+            return grpc.aio.insecure_channel(endpoint) if aio else grpc.insecure_channel(endpoint)
+        creds = self.credentials()
+        return grpc.aio.secure_channel(endpoint, creds) if aio else grpc.secure_channel(endpoint, creds)
+
+
+def token_stale(exc: grpc.RpcError) -> bool:
+    """etcd refused a call for its auth token (expired, or taken before a restart)."""
+    details = (exc.details() or "") if hasattr(exc, "details") else ""
+    return exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT) and "token" in details
+
+
+@dataclasses.dataclass(frozen=True)
 class EtcdTarget:
-    """Where the state lives: etcd endpoints (HOST:PORT) and the key prefix (no trailing slash)."""
+    """Where the state lives: etcd endpoints (HOST:PORT), the key prefix (no trailing slash), and
+    how to reach them (`access`)."""
 
     endpoints: tuple[str, ...]
     prefix: str
+    access: EtcdAccess = EtcdAccess()
 
     @staticmethod
     def parse(url: str) -> EtcdTarget:
@@ -90,25 +142,36 @@ def prefix_end(prefix: bytes) -> bytes:
     return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
-class EtcdClient:
-    """Synchronous etcd KV calls over one channel per endpoint, moving to the next endpoint when
-    one is unavailable."""
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)  # try the next endpoint
 
-    def __init__(self, endpoints: Sequence[str], timeout: float = 5.0):
-        self.timeout = timeout
-        self._channels = [grpc.insecure_channel(e) for e in endpoints]
-        self._kv = [etcd_grpc.KVStub(c) for c in self._channels]
+
+class Failover:
+    """The endpoint failover of every etcd client here (the store's, the leadership's): one item
+    per endpoint (its stubs), tried in turn from the one that answered last while they are
+    unavailable (RETRYABLE); any other error is raised at once. When none answers, the last
+    endpoint's error is raised. `call` is for synchronous stubs, `acall` for grpc.aio ones."""
+
+    def __init__(self, items: Sequence):
+        self.items = list(items)
         self._at = 0
 
-    def call(self, method: str, request):
-        """`KV.<method>(request)` on the current endpoint, the others in turn when it is unavailable."""
+    def _order(self) -> list[int]:
+        n = len(self.items)
+        return [(self._at + i) % n for i in range(n)]
+
+    @property
+    def current(self):
+        """The item of the endpoint that answered last."""
+        return self.items[self._at]
+
+    def call(self, attempt: Callable[[object], T]) -> T:
+        """`attempt(item)` on each endpoint in turn until one answers."""
         last: grpc.RpcError | None = None
-        for i in range(len(self._kv)):
-            k = (self._at + i) % len(self._kv)
+        for k in self._order():
             try:
-                resp = getattr(self._kv[k], method)(request, timeout=self.timeout)
+                resp = attempt(self.items[k])
             except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if exc.code() not in RETRYABLE:
                     raise
                 last = exc
                 continue
@@ -116,6 +179,56 @@ class EtcdClient:
             return resp
         assert last is not None
         raise last
+
+    async def acall(self, attempt: Callable[[object], Awaitable[T]]) -> T:
+        """`await attempt(item)` on each endpoint in turn until one answers."""
+        last: grpc.RpcError | None = None
+        for k in self._order():
+            try:
+                resp = await attempt(self.items[k])
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE:
+                    raise
+                last = exc
+                continue
+            self._at = k
+            return resp
+        assert last is not None
+        raise last
+
+
+class EtcdClient:
+    """Synchronous etcd KV calls over one channel per endpoint (`Failover`), with `access`'s TLS
+    and authentication."""
+
+    def __init__(self, endpoints: Sequence[str], timeout: float = 5.0, access: EtcdAccess = EtcdAccess()):
+        self.timeout, self.access = timeout, access
+        self._channels = [access.channel(e) for e in endpoints]
+        self._failover = Failover([(etcd_grpc.KVStub(c), etcd_grpc.AuthStub(c)) for c in self._channels])
+        self._token = ""
+
+    def _metadata(self, auth) -> tuple[tuple[str, str], ...] | None:
+        if not self.access.user:
+            return None
+        if not self._token:
+            self._token = auth.Authenticate(etcd.AuthenticateRequest(name=self.access.user,
+                                                                     password=self.access.password),
+                                            timeout=self.timeout).token
+        return (("token", self._token),)
+
+    def call(self, method: str, request):
+        """`KV.<method>(request)` on the current endpoint, the others in turn when it is unavailable
+        (authenticated again once when etcd refuses the token)."""
+        def attempt(stubs):
+            try:
+                return getattr(stubs[0], method)(request, timeout=self.timeout, metadata=self._metadata(stubs[1]))
+            except grpc.RpcError as exc:
+                if not (self.access.user and token_stale(exc)):
+                    raise
+                self._token = ""
+                return getattr(stubs[0], method)(request, timeout=self.timeout, metadata=self._metadata(stubs[1]))
+
+        return self._failover.call(attempt)
 
     def range(self, key: bytes, end: bytes = b"", **kw) -> etcd.RangeResponse:
         return self.call("Range", etcd.RangeRequest(key=key, range_end=end, **kw))
@@ -141,7 +254,7 @@ class EtcdStore:
     def __init__(self, target: EtcdTarget, *, fence: tuple[bytes, int] | None = None, timeout: float = 5.0):
         self.target = target
         self.fence = fence
-        self.client = EtcdClient(target.endpoints, timeout)
+        self.client = EtcdClient(target.endpoints, timeout, target.access)
         self._batch: list[etcd.RequestOp] | None = None
 
     # ------------------------------------------------------------ writes
@@ -269,6 +382,16 @@ class EtcdStore:
             self._batch.clear()
         if not self._txn(ops, [absent]).succeeded:
             raise ValueError(f"round {rec.round} already committed")
+
+    def rewind(self, rounds: int) -> int:
+        """Drop every commit of a round >= `rounds` (one fenced delete of that key range);
+        returns how many were dropped."""
+        prefix = self.target.key("commits", "")
+        start = self.target.key("commits", f"{max(0, rounds):012d}")
+        n = int(self.client.range(start, prefix_end(prefix), count_only=True).count)
+        self._write([etcd.RequestOp(request_delete_range=etcd.DeleteRangeRequest(key=start,
+                                                                                range_end=prefix_end(prefix)))])
+        return n
 
     def count_commits(self) -> int:
         prefix = self.target.key("commits", "")

@@ -27,8 +27,8 @@ After each freeze it also hands the C heap's free pages back to the system (glib
 `malloc_trim`, ~15 ms for a 300 MB fragmented heap): gRPC's threads and protobuf allocate and
 free through malloc, whose arenas keep freed pages resident. Measured at 1,000 members: ~2 MB
 less resident throughout a run; it does not stop the creep of ~4-5 KB per round seen over the
-first ten minutes (docs/performance.md, "Coordinator scale"), which was sent round events kept
-alive and the allocators' warm-up while members take part for the first time (step 15 there).
+first ten minutes (docs/performance.md, "Coordinator scale"), which is the allocators' warm-up
+while members take part in a round for the first time.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def malloc_stats() -> dict[str, int] | None:
     It walks each arena's free lists under the arena's lock: ~0.1-1 ms for a heap of a few
     hundred MB; call it every few seconds, not per call. Tells retention (in_use grows) from
     fragmentation (free grows, in_use flat) in the resident size's growth
-    (docs/performance.md, "One coordinator, many members", step 15)."""
+    (docs/performance.md, "Coordinator scale")."""
     if MALLINFO2 is None:
         return None
     mi = MALLINFO2()

@@ -1,12 +1,15 @@
 """Round planning: which collective to run, in which order, with which tensor shards and chunks.
 
-This module is the pure core of round planning (the design notes (§4)); it opens no sockets,
+This module is the pure core of round planning (docs/concepts.md, "Bandwidth and the lower bound"); it opens no sockets,
 reads no clocks and keeps no state. Two levels:
 
 * The model: given one `LinkSpec` per participant (upload and download bandwidth in bytes/s and
   a typical round-trip time) and the size of the tensor, `plan_collective` shapes one collective
   ("butterfly" or "ring", `shoal.common.plan.COLLECTIVES`): participant order, shard bounds and
   owners, and the time it predicts under an α-β cost model with asymmetric links.
+* The sparse all-gather ("allgather"): with a sparse compression each peer sends its whole
+  sparse contribution to every other (`predict_allgather`); `plan_round` takes it unless the
+  dense all-reduce is predicted clearly faster.
 * The policy: `plan_round` is what the coordinator's round engine calls when a round opens. From
   the participants' *reported* links (noisy, partly unmeasured) and a `PlanPolicy` (the
   coordinator's settings) it decides the collective ("auto": butterfly or ring, whichever the
@@ -34,7 +37,7 @@ in_i/d_i)``. For a payload of ``n`` bytes over ``p`` peers:
   shard fractions ``w`` (Σw = 1). Peer *i* uploads ``n(1-w_i)`` and downloads ``n(p-1)w_i`` in the
   reduce-scatter, uploads ``n(p-1)w_i`` and downloads ``n(1-w_i)`` in the all-gather.
 
-  - phased (``overlap=False``; the LP of the design notes (§4), literally): the all-gather starts after the
+  - phased (``overlap=False``; the LP of docs/concepts.md, literally): the all-gather starts after the
     reduce-scatter, ``T = T_rs + T_ag + 2(p-1)·α_max`` with
     ``T_rs = max_i max(n(1-w_i)/u_i, n(p-1)w_i/d_i)`` and
     ``T_ag = max_i max(n(p-1)w_i/u_i, n(1-w_i)/d_i)``;
@@ -60,7 +63,7 @@ all-reduce obeys (derivation in `allreduce_lower_bound`)::
 
     T ≥ max( n / min_i u_i,  n / min_i d_i,  2(p-1)n / Σ_i u_i,  2(p-1)n / Σ_i d_i )
 
-The first two terms are the design notes' floor ``n / min_i min(u_i, d_i)`` (every peer must send its
+The first two terms are the floor ``n / min_i min(u_i, d_i)`` (every peer must send its
 whole input and receive the whole result at least once); the last two are Patarasuk & Yuan's
 ``2(p-1)/p · n`` bytes per peer, generalised to unequal links by summing over peers. The
 pipelined butterfly with a non-owner slowest peer reaches the floor; with uniform links, ring and
@@ -79,12 +82,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from shoal.common.plan import COLLECTIVES, Plan
+from shoal.coordinator.settings import DEFAULTS as ROUND_DEFAULTS
 
 
 def load_solver() -> types.ModuleType:
     """scipy.optimize, imported on first use: the import takes ~0.5 s of CPU, which every
     process that only parses the command line (`shoal --help`, `shoal peer`, the bench's parser)
-    paid at start. The coordinator calls this before it serves (coordinator.server.serve), so
+    paid at start. The coordinator calls this before it serves (coordinator.daemon.serve), so
     no round's planning waits for the import."""
     import scipy.optimize
 
@@ -109,11 +113,13 @@ __all__ = [
     "plan_collective",
     "plan_layout",
     "plan_round",
+    "predict_allgather",
     "predict_butterfly",
     "predict_ring",
     "ring_link_seconds",
     "shard_bounds_from_fractions",
     "simple_floor",
+    "sparse_payload_bytes",
     "without_outbound_owners",
     "without_untrusted_owners",
 ]
@@ -133,7 +139,7 @@ class LinkSpec:
     for `plan_round`, as reported (0, NaN or negative = not measured yet).
     ``rtt_seconds`` is the peer's typical round trip to the other peers (0 if unknown).
     ``shm_peers``: the participants it reaches through shared memory (same host);
-    ``bulk_peers``: those it reaches through the bulk TCP lane (peer.tcplane).
+    ``bulk_peers``: those it reaches through the bulk TCP lane (peer.lanes.bulk).
     """
 
     peer_id: str
@@ -195,7 +201,7 @@ def _off_diagonal_max(a: np.ndarray) -> float:
 
 
 def simple_floor(up: Sequence[float], down: Sequence[float], n_bytes: float) -> float:
-    """the design notes' floor ``n / min_i min(u_i, d_i)`` (0 for a single participant)."""
+    """the floor ``n / min_i min(u_i, d_i)`` (0 for a single participant)."""
     u, d = _as_rates(up, down)
     if u.size < 2:
         return 0.0
@@ -211,7 +217,7 @@ def allreduce_lower_bound(up: Sequence[float], down: Sequence[float], n_bytes: f
 
     * Cut around one peer *i*: the others' results depend on all of ``x_i``, so ``n`` bytes must
       leave *i* (``T ≥ n/u_i``); *i*'s result depends on all of the others' inputs, so ``n`` bytes
-      must reach *i* (``T ≥ n/d_i``). This is the design notes' floor ``n / min_i min(u_i, d_i)``.
+      must reach *i* (``T ≥ n/d_i``). This is the floor ``n / min_i min(u_i, d_i)``.
     * Whole system (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters
       of workstations"): every element needs ``p-1`` transfers to combine the ``p`` inputs into one
       sum and ``p-1`` more to bring that sum to the other peers, ``2(p-1)n`` bytes in all. With
@@ -401,6 +407,32 @@ def predict_butterfly(
     return t_rs + t_ag + lat
 
 
+def predict_allgather(
+    up: Sequence[float],
+    down: Sequence[float],
+    payload_bytes: float,
+    rtt: Sequence[float] | None = None,
+) -> float:
+    """Sparse all-gather time (the "allgather" collective): every peer sends its whole payload of
+    ``S = payload_bytes`` to each of the ``p-1`` others and receives theirs, all flows at once
+    (fluid model, as the butterfly): ``T = max_i (p-1)·S / min(u_i, d_i) + (p-1)·α_max``.
+    Nothing is reduced on the way, so the bytes per peer grow with p (``(p-1)·S`` up and down)
+    where a dense all-reduce's stay near ``2n``: past some p the dense one wins (`plan_round`).
+    """
+    u, d = _as_rates(up, down)
+    p = u.size
+    if p < 2:
+        return 0.0
+    load = (p - 1) * float(payload_bytes)
+    return max(float(np.max(load / u)), float(np.max(load / d))) + (p - 1) * _off_diagonal_max(_alpha_matrix(rtt, p))
+
+
+def sparse_payload_bytes(num_elements: int, bytes_per_element: float) -> float:
+    """Bytes of one sparse contribution of `num_elements` elements at `bytes_per_element`
+    (peer.sparse's limit for large n) plus its 20-byte header."""
+    return num_elements * bytes_per_element + 20.0
+
+
 def butterfly_fractions(
     up: Sequence[float],
     down: Sequence[float],
@@ -410,7 +442,7 @@ def butterfly_fractions(
 ) -> np.ndarray:
     """Optimal butterfly shard fractions: shape (p,), float64, ≥ 0, summing to 1.
 
-    Phased (``overlap=False``), the design notes (§4) (n = 1 without loss of generality)::
+    Phased (``overlap=False``), the LP of docs/concepts.md (n = 1 without loss of generality)::
 
         min T_rs + T_ag  s.t.  (1-w_i) ≤ T_rs·u_i,  (p-1)w_i ≤ T_rs·d_i,
                                (p-1)w_i ≤ T_ag·u_i,  (1-w_i) ≤ T_ag·d_i,   Σw = 1, w ≥ 0
@@ -477,28 +509,32 @@ def butterfly_fractions(
     if first.status != 0:
         raise RuntimeError(f"butterfly LP failed: {first.message}")
     w_lp = np.clip(np.asarray(first.x[:p], dtype=np.float64), 0.0, 1.0)
-    if pairwise is not None:
-        w = w_lp
-    else:
-        # Second stage: the LP optimum is rarely unique (peers off the critical path have slack),
-        # and a vertex puts the slack anywhere. With the times fixed at the optimum, each peer's
-        # constraints reduce to a box lo_i ≤ w_i ≤ hi_i; fill it in proportion to the peer's
-        # capacity min(u_i, d_i): w_i = clip(λ·c_i, lo_i, hi_i) with Σw = 1. Equal links give
-        # exactly equal shards, and the answer does not depend on the solver's pivoting.
-        slack = 1 + 1e-10
-        if overlap:
-            t = float(first.x[p]) * slack
-            hi = np.minimum(1.0, (t * np.minimum(u, d) - 1.0) / (p - 2)) if p > 2 else np.ones(p)
-            lo = np.zeros(p)
-        else:
-            t_rs, t_ag = float(first.x[p]) * slack, float(first.x[p + 1]) * slack
-            lo = np.maximum.reduce([np.zeros(p), 1.0 - t_rs * u, 1.0 - t_ag * d])
-            hi = np.minimum.reduce([np.ones(p), t_rs * d / (p - 1), t_ag * u / (p - 1)])
-        w = _water_fill(np.minimum(u, d), lo, np.maximum(hi, lo))
-        if abs(w.sum() - 1.0) > 1e-6:  # the boxes did not admit Σw = 1: trust the LP vertex
-            w = w_lp
+    w = w_lp if pairwise is not None else _spread_slack(w_lp, first.x[p:], u, d, overlap=overlap)
     w[w < _FRACTION_EPS] = 0.0
     return w / w.sum()
+
+
+def _spread_slack(w_lp: np.ndarray, times: np.ndarray, u: np.ndarray, d: np.ndarray, *,
+                  overlap: bool) -> np.ndarray:
+    """`butterfly_fractions`' second stage: the LP optimum is rarely unique (peers off the
+    critical path have slack), and a vertex `w_lp` puts the slack anywhere. With the optimal
+    `times` fixed (pipelined: T; phased: T_rs, T_ag), each peer's constraints reduce to a box
+    lo_i ≤ w_i ≤ hi_i; fill it in proportion to the peer's capacity min(u_i, d_i):
+    w_i = clip(λ·c_i, lo_i, hi_i) with Σw = 1. Equal links give exactly equal shards, and the
+    answer does not depend on the solver's pivoting. Falls back to `w_lp` when the boxes do not
+    admit Σw = 1. Shape (p,), float64."""
+    p = u.size
+    slack = 1 + 1e-10
+    if overlap:
+        t = float(times[0]) * slack
+        hi = np.minimum(1.0, (t * np.minimum(u, d) - 1.0) / (p - 2)) if p > 2 else np.ones(p)
+        lo = np.zeros(p)
+    else:
+        t_rs, t_ag = float(times[0]) * slack, float(times[1]) * slack
+        lo = np.maximum.reduce([np.zeros(p), 1.0 - t_rs * u, 1.0 - t_ag * d])
+        hi = np.minimum.reduce([np.ones(p), t_rs * d / (p - 1), t_ag * u / (p - 1)])
+    w = _water_fill(np.minimum(u, d), lo, np.maximum(hi, lo))
+    return w_lp if abs(w.sum() - 1.0) > 1e-6 else w
 
 
 def _water_fill(weight: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -565,7 +601,7 @@ def plan_collective(
     send and receive but own no shard because any shard would raise the time.
     ``predicted_seconds``: model time (with the rounded shards actually published);
     ``bound_seconds``: `allreduce_lower_bound` (no collective can beat it); ``floor_seconds``: the
-    design notes' floor ``n / min_i min(u_i, d_i)`` (≤ bound). Every other field keeps `Plan`'s
+    floor ``n / min_i min(u_i, d_i)`` (≤ bound). Every other field keeps `Plan`'s
     default (the round engine stamps them).
 
     ``overlap`` selects the butterfly cost model (see the module doc) and must match the data
@@ -573,8 +609,9 @@ def plan_collective(
     ValueError for an empty participant list, invalid rates, negative sizes or an unknown
     collective; RuntimeError when the LP solver fails; never returns a partial plan.
     """
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    if collective not in COLLECTIVES or collective == "allgather":
+        raise ValueError(f"unknown collective {collective!r}; expected butterfly or ring (the sparse all-gather: "
+                         "plan_sparse)")
     if num_elements < 0 or itemsize <= 0:
         raise ValueError("num_elements must be ≥ 0 and itemsize > 0")
     u, d = _as_rates([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links])
@@ -618,6 +655,10 @@ ITEMSIZE = {1: 4, 2: 2, 3: 2, 4: 1, 5: 8, 6: 1}
 # chunk per hop, so big chunks on a slow link leave the other links idle at the start and end.
 CHUNK_SECONDS = 0.15
 MIN_CHUNK_BYTES = 64 * 1024
+# On a path whose bandwidth-delay product exceeds a chunk, a shard's stream is cut into at least
+# this many chunks (`pipelined_chunk_bytes`): the bulk lane's largest connection pool (16,
+# peer.lanes.pool) and a stream's send queue (16 chunks) each need that many to fill the path.
+PIPELINE_CHUNKS = 16
 # Between hosts, links whose slowest measured rate reaches this (bytes/s, 1.4 Gbit/s) leave the
 # peers' CPU, not the wire, as the limit: there the butterfly's parallel streams are kept over
 # the ring, whose every hop's processing delay is on the critical path (docs/performance.md:
@@ -634,19 +675,26 @@ ASSUMED_LINK_BYTES_PER_S = 0.5e6
 MAX_DEADLINE_SCALE = 8.0
 # Aggregators that are a plain (weighted) mean: any collective can compute them; every other one
 # runs at the shard owners (the butterfly).
-_MEAN_AGGREGATORS = ("mean", "fedavg")
+_MEAN_AGGREGATORS = ("mean",)
+# Compressions whose payload is a whole sparse contribution (peer.sparse): the sparse all-gather.
+SPARSE_COMPRESSIONS = ("topk", "dct")
+# Seconds per element a peer may spend encoding (or decoding and summing) a sparse contribution,
+# for deadlines: ~3x the 37 ns/element "topk" encodes on one core of the 2-core development
+# machine (scripts/sparse_codec_speed.py --sizes 1e7).
+SPARSE_CODEC_SECONDS_PER_ELEMENT = 1e-7
 
 
 @dataclass(frozen=True)
 class PlanPolicy:
-    """The coordinator's planning settings (built from `shoal.coordinator.rounds.EngineConfig`).
+    """The coordinator's planning settings (`shoal.coordinator.rounds.EngineConfig.plan_policy`
+    fills every field of the same name; the [rounds] ones default to `RoundSettings`').
 
     collective: "auto" (the model's choice, see `plan_layout`), "ring" or "butterfly".
     aggregator, compression: what the plan's shard owners compute and how chunks are encoded; an
         aggregator other than the plain mean runs at the shard owners, which forces the butterfly.
     audit_owners: a second owner recomputes every shard's aggregate (butterfly only; forces it).
-    link_cap: rates above this (bytes/s) count as this (faster than the data plane moves bytes).
-    min_gain: uneven shards (or the butterfly over the ring) only when predicted this fraction faster.
+    link_cap_bytes_per_s: rates above this (bytes/s) count as this (faster than the data plane moves bytes).
+    plan_min_gain: uneven shards (or the butterfly over the ring) only when predicted this fraction faster.
     noise: rates within this factor of the median count as the median.
     chunk_bytes: the largest chunk through sockets, bytes; shm_chunk_bytes: the chunk when every
         participant reaches every other through shared memory (one host); bulk_chunk_bytes: the
@@ -657,22 +705,30 @@ class PlanPolicy:
     assumed_link: bytes/s assumed for a participant that has not reported its links (a slow
         home link: deadlines must hold on it; `chunk_deadline`). Never used to lay out a plan.
     collective_timeout: the least deadline of one attempt, seconds (`attempt_deadline`).
+    sparse_bytes_per_element: with a sparse compression ("topk", "dct"), the bytes per element of
+        one peer's payload (peer.sparse `SparseCodec.bytes_per_element()`): the all-gather's model.
     """
 
-    collective: str = "auto"
+    collective: str = ROUND_DEFAULTS.collective
     aggregator: str = "mean"
     compression: str = "none"
     audit_owners: bool = False
-    link_cap: float = 100e6
-    min_gain: float = 0.25
+    link_cap_bytes_per_s: float = 100e6
+    plan_min_gain: float = 0.25
     noise: float = 1.5
-    chunk_bytes: int = 1 << 20
-    shm_chunk_bytes: int = 4 << 20
-    bulk_chunk_bytes: int = 4 << 20
-    chunk_timeout: float = 2.0
-    chunk_safety: float = 4.0
+    chunk_bytes: int = ROUND_DEFAULTS.chunk_bytes
+    shm_chunk_bytes: int = ROUND_DEFAULTS.shm_chunk_bytes
+    bulk_chunk_bytes: int = ROUND_DEFAULTS.bulk_chunk_bytes
+    chunk_timeout: float = ROUND_DEFAULTS.chunk_timeout
+    chunk_safety: float = ROUND_DEFAULTS.chunk_safety
     assumed_link: float = ASSUMED_LINK_BYTES_PER_S
-    collective_timeout: float = 30.0
+    collective_timeout: float = ROUND_DEFAULTS.collective_timeout
+    sparse_bytes_per_element: float = 0.0
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the run's compression is a sparse codec (sent whole by the sparse all-gather)."""
+        return self.compression in SPARSE_COMPRESSIONS
 
     @property
     def owner_reduces(self) -> bool:
@@ -723,10 +779,11 @@ def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
     ``n·i//p``, participant i owns shard i, "auto" means butterfly, chunks of
     `policy.chunk_bytes`. Otherwise the links, denoised (`_denoised`), go to `plan_collective`:
     "ring"/"butterfly" keep the collective and plan its order and shards; "auto" takes the
-    butterfly with LP shards when it is predicted `min_gain` faster than the ring ordered for the
-    bottleneck, else that ring (or, when every link is at `link_cap` and the CPU is the limit,
-    `_cpu_bound`, the butterfly with equal shards); peers below the floor are demoted to non-owners. Uneven butterfly shards are used
-    only when predicted `min_gain` faster than equal ones on the same links. A planned layout's
+    butterfly with LP shards when it is predicted `plan_min_gain` faster than the ring ordered for
+    the bottleneck, else that ring (or, when every link is at `link_cap_bytes_per_s` and the CPU is
+    the limit, `_cpu_bound`, the butterfly with equal shards); peers below the floor are demoted to
+    non-owners. Uneven butterfly shards are used only when predicted `plan_min_gain` faster than
+    equal ones on the same links. A planned layout's
     chunk is what the slowest link carries in CHUNK_SECONDS (at least MIN_CHUNK_BYTES, at most
     `policy.chunk_bytes`).
 
@@ -739,7 +796,7 @@ def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
     static = Plan(ids, "butterfly" if collective == "auto" else collective,
                   tuple(num_elements * i // p for i in range(p + 1)), tuple(range(p)),
                   num_elements=num_elements, chunk_bytes=policy.chunk_bytes)
-    model = _denoised(links, policy.link_cap, policy.noise) if p >= 2 else None
+    model = _denoised(links, policy.link_cap_bytes_per_s, policy.noise) if p >= 2 else None
     if model is None:
         return static
     up, down = [l.up_bytes_per_s for l in model], [l.down_bytes_per_s for l in model]
@@ -754,8 +811,24 @@ def plan_layout(links: Sequence[LinkSpec], num_elements: int, itemsize: int = 4,
     except (ValueError, RuntimeError):
         return static
     slowest = min(min(l.up_bytes_per_s, l.down_bytes_per_s) for l in model)
-    return dataclasses.replace(plan, chunk_bytes=min(policy.chunk_bytes,
-                                                     max(MIN_CHUNK_BYTES, int(slowest * CHUNK_SECONDS))))
+    chunk = min(policy.chunk_bytes, max(MIN_CHUNK_BYTES, int(slowest * CHUNK_SECONDS)))
+    return dataclasses.replace(plan, chunk_bytes=pipelined_chunk_bytes(chunk, plan, itemsize, model))
+
+
+def pipelined_chunk_bytes(chunk: int, plan: Plan, itemsize: int, links: Sequence[LinkSpec]) -> int:
+    """`chunk`, made smaller on a long path so that one shard's stream holds PIPELINE_CHUNKS
+    chunks: when a link's bandwidth-delay product (its rate times the largest RTT) is larger than
+    what the chunks of the smallest shard keep in flight at a chunk each per connection, the bulk
+    lane's connection pool (peer.lanes.pool) and the stream's queue need that many chunks to fill
+    the path; at least MIN_CHUNK_BYTES. Paths of a short RTT keep `chunk`."""
+    rtt = max((l.rtt_seconds for l in links), default=0.0)
+    fastest = max((min(l.up_bytes_per_s, l.down_bytes_per_s) for l in links), default=0.0)
+    bdp = fastest * rtt
+    sizes = np.diff(np.asarray(plan.shard_bounds, dtype=np.int64))
+    shard = int(sizes[sizes > 0].min()) * itemsize if (sizes > 0).any() else 0
+    if bdp <= chunk or shard <= 0 or shard // chunk >= PIPELINE_CHUNKS:
+        return chunk
+    return max(MIN_CHUNK_BYTES, min(chunk, shard // PIPELINE_CHUNKS))
 
 
 def _model_choice(links: list[LinkSpec], num_elements: int, itemsize: int, collective: str, policy: PlanPolicy,
@@ -769,7 +842,7 @@ def _model_choice(links: list[LinkSpec], num_elements: int, itemsize: int, colle
     if plan.collective == "butterfly":
         equal = predict_butterfly([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links], n_bytes,
                                   None, [l.rtt_seconds for l in links])
-        if plan.shard_bounds != equal_bounds and plan.predicted_seconds > (1 - policy.min_gain) * equal:
+        if plan.shard_bounds != equal_bounds and plan.predicted_seconds > (1 - policy.plan_min_gain) * equal:
             plan = None  # not worth uneven shards
     if collective == "auto":
         # On (nearly) even links the ring moves the same bytes with one flow per direction per
@@ -777,10 +850,11 @@ def _model_choice(links: list[LinkSpec], num_elements: int, itemsize: int, colle
         # (measured in docs/performance.md), also at 1 Gbit/s between hosts on the bulk lane,
         # where the capped rates look "fast". Where the CPU is the limit (one host, or links of
         # CPU_BOUND_LINK_BYTES_PER_S and more) the butterfly's parallel streams win.
-        all_fast = all(l.up_bytes_per_s >= policy.link_cap and l.down_bytes_per_s >= policy.link_cap for l in links)
+        cap = policy.link_cap_bytes_per_s
+        all_fast = all(l.up_bytes_per_s >= cap and l.down_bytes_per_s >= cap for l in links)
         ring = plan_collective(links, num_elements, itemsize, collective="ring")
         best = plan.predicted_seconds if plan is not None else equal
-        if not (all_fast and cpu_bound) and ring.predicted_seconds * (1 - policy.min_gain) <= best:
+        if not (all_fast and cpu_bound) and ring.predicted_seconds * (1 - policy.plan_min_gain) <= best:
             plan = ring
     return plan
 
@@ -972,10 +1046,55 @@ def _one_host(links: Sequence[LinkSpec]) -> bool:
     return _every_pair(links, lambda l: l.shm_peers)
 
 
+def _plan_sparse(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy: PlanPolicy,
+                 outbound: Collection[str], deadline_scale: float) -> Plan | None:
+    """The sparse all-gather's plan for these participants, or None when the dense all-reduce of
+    the same round (float32, the layout `plan_layout` gives) is predicted `plan_min_gain` faster
+    on the measured links, or when a participant is outbound-only (the all-gather dials every
+    participant; the dense butterfly brings results back on streams such a peer opens)."""
+    ids = tuple(l.peer_id for l in links)
+    if outbound and len(links) > 1:
+        return None
+    payload = sparse_payload_bytes(num_elements, policy.sparse_bytes_per_element)
+    model = _denoised(links, policy.link_cap_bytes_per_s, policy.noise) if len(links) >= 2 else None
+    predicted = 0.0
+    if model is not None:
+        up, down, rtt = ([l.up_bytes_per_s for l in model], [l.down_bytes_per_s for l in model],
+                         [l.rtt_seconds for l in model])
+        predicted = predict_allgather(up, down, payload, rtt)
+        dense = plan_layout(links, num_elements, ITEMSIZE.get(dtype, 4),
+                            dataclasses.replace(policy, compression="none"))
+        if dense.predicted_seconds > 0 and dense.predicted_seconds < (1 - policy.plan_min_gain) * predicted:
+            return None
+    chunk = policy.shm_chunk_bytes if _one_host(links) else (
+        policy.bulk_chunk_bytes if _all_bulk(links) else policy.chunk_bytes)
+    dl = deadline_links(links, policy)
+    conservative = predict_allgather([l.up_bytes_per_s for l in dl], [l.down_bytes_per_s for l in dl], payload,
+                                     [l.rtt_seconds for l in dl]) if len(links) >= 2 else 0.0
+    # A first piece leaves only once its sender encoded its whole contribution: the codec's CPU
+    # time is part of every wait, on one host too.
+    codec = SPARSE_CODEC_SECONDS_PER_ELEMENT * num_elements
+    expected = (0.0 if _one_host(links) else max(predicted, conservative)) + codec
+    largest = int(min(chunk, payload))
+    per_chunk = chunk_deadline(links, policy, largest, expected_seconds=expected, scale=deadline_scale)
+    return Plan(ids, "allgather", (0, num_elements), (0,), num_elements=num_elements, dtype=dtype,
+                chunk_bytes=chunk, chunk_timeout_seconds=per_chunk,
+                deadline_seconds=attempt_deadline(policy, expected, per_chunk, deadline_scale),
+                aggregator=policy.aggregator, compression=policy.compression, predicted_seconds=predicted,
+                bound_seconds=(len(links) - 1) * payload / max(min(min(l.up_bytes_per_s, l.down_bytes_per_s)
+                                                                   for l in model), 1.0) if model else 0.0)
+
+
 def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy: PlanPolicy, *,
                untrusted: Collection[str] = frozenset(), deadline_scale: float = 1.0,
                outbound_only: Collection[str] = frozenset()) -> Plan | NoPlan:
     """The plan of one round's collective over these participants (in the engine's order). Pure.
+
+    With a sparse compression (`policy.sparse`: "topk", "dct") the plan is the sparse all-gather
+    (`_plan_sparse`: one shard, `predict_allgather`'s time), unless the dense float32 all-reduce is
+    predicted `plan_min_gain` faster on the measured links (many peers: the all-gather's bytes
+    per peer grow as (p-1)·S) or an outbound-only participant is among them; then the dense plan
+    below, with compression "none", and every peer sends its whole error-fed accumulator.
 
     `links` as reported by the peers; `num_elements` and `dtype` (a `shoal.v1.DType` code) of the
     tensor. The layout is `plan_layout`'s. On a butterfly, `untrusted` peers (failed owner audits)
@@ -997,6 +1116,13 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
     the participants' addresses, sample counts and keys are the engine's to stamp.
     """
     outbound = set(outbound_only) & {l.peer_id for l in links}
+    if policy.sparse:
+        sparse = _plan_sparse(links, num_elements, dtype, policy, outbound, deadline_scale)
+        if sparse is not None:
+            return sparse
+        # The dense all-reduce is predicted faster (or an outbound-only peer needs the
+        # butterfly): each peer sends its whole error-fed accumulator in float32 (peer.rounds).
+        policy = dataclasses.replace(policy, compression="none")
     if outbound and len(links) > 1:
         policy = dataclasses.replace(policy, collective="butterfly")
     if _all_bulk(links):
@@ -1005,12 +1131,12 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
         policy = dataclasses.replace(policy, chunk_bytes=policy.bulk_chunk_bytes)
     plan = plan_layout(links, num_elements, ITEMSIZE.get(dtype, 4), policy)
     if outbound and len(links) > 1:
-        model = _denoised(links, policy.link_cap, policy.noise)
+        model = _denoised(links, policy.link_cap_bytes_per_s, policy.noise)
         capacity = [min(l.up_bytes_per_s, l.down_bytes_per_s) for l in model] if model is not None else None
         kept = without_outbound_owners(plan, outbound, untrusted, capacity)
         if kept is None:
             return NoPlan("no reachable, trusted shard owner among the ready peers (the others are outbound-only; "
-                          "relays are not built yet)")
+                          "a peer behind NAT owns shards through a relay: shoal peer --relay, docs/nat.md)")
         plan = kept
         if model is not None:
             plan = dataclasses.replace(plan, predicted_seconds=_predicted(plan, model, ITEMSIZE.get(dtype, 4)))

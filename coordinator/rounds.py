@@ -3,8 +3,16 @@
 This module is pure: `RoundEngine` holds the coordinator's in-memory state and every method takes
 the current time explicitly and returns the `Action`s the server must carry out (persist a
 commit, send an event to some peers). It never touches sockets, clocks or files, and imports
-neither grpc nor the data plane, so the whole protocol of the design notes (§3) is tested
+neither grpc nor the data plane, so the whole round protocol (docs/concepts.md, "Rounds") is tested
 without a network (tests/test_rounds.py).
+
+`RoundEngine` is the one entry point; its parts are small classes of their own: the member
+table (`coordinator.member_table`: members, leases, whom a round waits for), the sync orders
+(`coordinator.sync_orders`: who fetches the committed state from whom, and the orders owed
+until an attempt ends) and the running attempt (`coordinator.attempt`: votes, blame, the
+commit record). The engine decides when rounds open and what each event leads to; its
+settings are `EngineConfig`, the [rounds] settings (`coordinator.settings`) plus the few it
+takes from elsewhere.
 
 It is not responsible for moving tensors (peers do that), for laying out the collective
 (`shoal.coordinator.planner.plan_round`: the engine picks the participants and stamps the plan
@@ -17,6 +25,10 @@ Protocol summary:
   state and its transitions.
 - A peer says *ready* for round r with the digest of the committed state it holds. A peer whose
   state is not the last committed one gets a `SyncOrder` instead of a place in the round.
+  Round 0 has no committed state: the first peer ready for it defines the initial state (its
+  digest); a peer ready with another one (a model built from another seed) gets a `SyncOrder`
+  for that initial state from the peers ready with it, so every participant of round 0 starts
+  from the same parameters (torchft's `init_sync`). Not with cohorts: their pool takes any state.
 - Round r opens when at least `min_peers` peers are ready and either every live member is ready
   or the ready deadline (`ready_timeout`, started by the first ready) has passed. Stragglers are
   left out and keep their lease. While it does not open, `RoundEngine.waiting` says why.
@@ -43,220 +55,76 @@ import dataclasses
 import enum
 import logging
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from shoal.common.plan import Plan, auditor_positions
-from shoal.coordinator.blame import blame
+from shoal.common.plan import Plan
+from shoal.common.privacy import DpSettings, PrivacyAccountant
+from shoal.coordinator.attempt import Abort, Attempt, CommitRecord, DeadlineGrowth, Tally, Vote
+from shoal.coordinator.blame import Strikes
 from shoal.coordinator.cohorts import Cohort, draw_cohort
 from shoal.coordinator.leases import LeaseSchedule
-from shoal.coordinator.planner import MAX_DEADLINE_SCALE, LinkSpec, NoPlan, PlanPolicy, plan_round, relay_links
+from shoal.coordinator.member_table import Member, MemberState, MemberTable
+from shoal.coordinator.member_table import waited_on as waited_on_member
+from shoal.coordinator.planner import NoPlan, PlanPolicy, plan_round, relay_links
+from shoal.coordinator.settings import RoundSettings
+from shoal.coordinator.sync_orders import SYNC_PERMIT_BOUNDS, SYNC_PERMIT_SECONDS, Head, SendSync, SyncOrders, sync_plan
 
-__all__ = ["draw_cohort"]  # re-exported: the draw is part of the engine's rules
+# Re-exported: the engine's events, records and rules, importable from the engine's module.
+__all__ = ["SYNC_PERMIT_BOUNDS", "SYNC_PERMIT_SECONDS", "CommitRecord", "DeadlineGrowth", "Member", "MemberState",
+           "SendSync", "Vote", "draw_cohort", "sync_plan"]
 
 log = logging.getLogger("shoal.coordinator")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Timing and quorum settings (seconds). See docs/fault-tolerance.md for how they relate.
+_POLICY = PlanPolicy()
 
-    lease_seconds: a peer that has not heartbeated for this long is dropped.
-    ready_timeout: after the first ready of a round, wait at most this long for the other
-        members (the straggler timeout) before opening the round with those ready.
-    collective_timeout: least deadline of one collective attempt, from plan to the last vote
-        (longer when the links are slow: planner.attempt_deadline).
-    chunk_timeout: floor of the per-chunk deadline; the plan's deadline is
-        max(chunk_timeout, chunk_safety * chunk_bytes / slowest link + 2 * max RTT + expected
-        collective time), an unreported link counting as slow (planner.chunk_deadline). A round
-        that keeps timing out grows both (`DeadlineGrowth`).
-    max_attempts: attempts of one round (first try + retries) before it is given up.
-    blame_window: after a failed vote that accuses other peers, wait this long (at least twice
-        the plan's chunk deadline) for the other participants' votes before deciding whom to
-        exclude (`coordinator.blame`); healthy peers vote within a chunk deadline of a failure.
-    retry_backoff: delay before retry k is planned is retry_backoff * 2**(k-1).
-    total_rounds: stop (Finished) after this many committed rounds; 0 = run forever.
-    history_window: committed rounds (and aborted attempts) kept in memory; the store keeps all
-        of them. Bounds the coordinator's memory however long it runs.
-    cohort_size: participants per round, drawn from the ready peers (`coordinator.cohorts`); also
-        the least number of ready peers a round waits for. 0 = every ready peer (no draw).
-    cohort_seed: seeds the draws (with the round and draw), so a run's cohorts are reproducible.
-    cohort_timeout: a drawn peer that holds an older state has this long to fetch the committed
-        state, train and say ready; then its place is drawn again. Longer than one state sync plus
-        one round of local work.
-    sync_hold: the most a round waits for a peer downloading the committed state (`sync_plan`:
-        its expected download time, from its measured rate, when known); past it the swarm goes
-        on and the peer catches up from the state it fetched with a second order.
-    The planning settings (collective .. compression) are `PlanPolicy`'s (`plan_policy`).
+
+@dataclass(frozen=True)
+class EngineConfig(RoundSettings):
+    """The engine's settings: every [rounds] setting (`RoundSettings`, where each is declared and
+    explained once), plus what the engine takes from elsewhere. See docs/fault-tolerance.md for how
+    the timeouts relate.
+
+    rounds: here 0 by default (run forever): an engine stops only when told how many rounds to
+        commit, whatever the [rounds] table's default.
+    aggregator, compression, audit_owners: the [run] settings the plans carry;
+    sparse_bytes_per_element: the sparse codec's payload size (the [run] sparse_* settings).
+    fragments: the [run] fragments F; round r's plan says it carries fragment r mod F.
+    cohort_seed: seeds the cohort draws (with the round and draw): the [run] seed.
+    privacy: the [run] differential-privacy settings: the engine accounts ε after every commit
+        and opens no round that would spend more than the budget (`shoal.common.privacy`).
+    history_window: committed rounds (and aborted attempts) kept in memory (the [coordinator]
+        setting); the store keeps all of them.
+    link_cap_bytes_per_s, plan_min_gain: the planner's (`PlanPolicy`), not user settings.
+    Every field whose name is a `PlanPolicy` field reaches the planner (`plan_policy`).
     """
 
-    min_peers: int = 2
-    initial_peers: int = 0  # round 0 waits for this many ready peers (0 = min_peers)
-    lease_seconds: float = 10.0
-    ready_timeout: float = 5.0
-    collective_timeout: float = 30.0
-    chunk_timeout: float = 2.0
-    chunk_safety: float = 4.0
-    max_attempts: int = 5
-    blame_window: float = 3.0
-    retry_backoff: float = 0.05
-    total_rounds: int = 0
-    history_window: int = 100
-    cohort_size: int = 0
+    rounds: int = 0
+    aggregator: str = _POLICY.aggregator
+    compression: str = _POLICY.compression
+    audit_owners: bool = _POLICY.audit_owners
+    fragments: int = 1
     cohort_seed: int = 0
-    cohort_timeout: float = 60.0
-    sync_hold: float = 60.0  # longest a round waits for a catching-up peer's state download (seconds)
-    chunk_bytes: int = 1 << 20  # largest chunk through sockets; see planner.plan_layout
-    # Chunk size when every participant reaches every other through shared memory (peer.shm):
-    # no socket to keep busy, and every chunk costs CPU on both sides.
-    shm_chunk_bytes: int = 4 << 20
-    # Largest chunk when every participant reaches every other through the bulk TCP lane (or
-    # shared memory): per chunk one frame, one wake-up and one check, no gRPC message.
-    bulk_chunk_bytes: int = 4 << 20
-    collective: str = "auto"  # "auto" (planner), "ring" or "butterfly"; see planner.plan_layout
-    link_cap_bytes_per_s: float = 100e6  # measured rates above this count as this (plan_layout)
-    plan_min_gain: float = 0.25  # uneven shards only when predicted this much faster (plan_layout)
-    aggregator: str = "mean"
-    audit_owners: bool = False  # a second owner recomputes every shard's aggregate (butterfly)
-    compression: str = "none"
+    privacy: DpSettings = DpSettings()
+    history_window: int = 100
+    link_cap_bytes_per_s: float = _POLICY.link_cap_bytes_per_s
+    plan_min_gain: float = _POLICY.plan_min_gain
+    sparse_bytes_per_element: float = _POLICY.sparse_bytes_per_element
+
+    @classmethod
+    def from_settings(cls, settings: RoundSettings, **others: object) -> EngineConfig:
+        """The engine config holding every field of `settings`, with `others` (any field of this
+        class) set on top."""
+        values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(RoundSettings)}
+        return cls(**{**values, **others})  # type: ignore[arg-type]
 
     def plan_policy(self) -> PlanPolicy:
-        """The planner's view of these settings."""
-        return PlanPolicy(collective=self.collective, aggregator=self.aggregator, compression=self.compression,
-                          audit_owners=self.audit_owners, link_cap=self.link_cap_bytes_per_s,
-                          min_gain=self.plan_min_gain, chunk_bytes=self.chunk_bytes,
-                          shm_chunk_bytes=self.shm_chunk_bytes, bulk_chunk_bytes=self.bulk_chunk_bytes,
-                          chunk_timeout=self.chunk_timeout,
-                          chunk_safety=self.chunk_safety, collective_timeout=self.collective_timeout)
-
-
-SYNC_PERMIT_SECONDS = 300.0  # a sync permit when the peer's download rate is unknown
-SYNC_PERMIT_BOUNDS = (60.0, 900.0)  # seconds; a permit sized from a measured rate stays within
-
-
-def sync_plan(state_bytes: int, bytes_per_s: float, config: EngineConfig, *,
-              joining: bool = False) -> tuple[float, float]:
-    """(hold, permit) seconds for a peer about to download `state_bytes` at `bytes_per_s` (its
-    last state download, else its measured download link; 0 = unknown).
-
-    hold: how long rounds wait for it: 1.5x the expected download plus the ready timeout, at most
-    `config.sync_hold` (when the rate is unknown: all of it for a peer `joining` (holding no
-    committed state yet: it says ready once done, which ends the wait), the ready timeout for a
-    member that fell behind, which may still be busy elsewhere). permit: how long its sync permit lasts,
-    which is how long donors keep that state for it: 3x the expected download, within
-    SYNC_PERMIT_BOUNDS (SYNC_PERMIT_SECONDS when unknown). Pure.
-    """
-    if state_bytes <= 0 or bytes_per_s <= 0:
-        return config.sync_hold if joining else config.ready_timeout, SYNC_PERMIT_SECONDS
-    expected = state_bytes / bytes_per_s
-    hold = min(config.sync_hold, 1.5 * expected + config.ready_timeout)
-    lo, hi = SYNC_PERMIT_BOUNDS
-    return hold, min(hi, max(lo, 3.0 * expected))
-
-
-class MemberState(enum.Enum):
-    """Where a peer stands in the membership, and whether the next round waits for it.
-
-    A round waits (up to the ready timeout) for every connected peer in a state that is
-    `waited_on`: a joiner before the first commit, a syncing peer that has shown it is alive (so
-    a fast swarm never outruns a joiner), and a member. It does not wait for a peer that must
-    sync and has not said ready, nor for a straggler that missed a ready deadline (so it delays
-    at most one round) until it says ready again.
-
-    Transitions (RoundEngine): join -> PENDING (no commit yet) | SYNCING | MEMBER (same member
-    process, same address); `after_ready` when it says ready; `after_missed_deadline` when a
-    round opens without it; MEMBER when it plays a round. The store keeps `label` (pending,
-    syncing, member), which `from_label` reads back.
-    """
-
-    PENDING = "pending"  # joined before the first commit: waited on
-    PENDING_LAGGING = "pending_lagging"  # a pending joiner that missed a ready deadline: not waited on
-    SYNCING = "syncing"  # must fetch the committed state (or missed a deadline syncing): not waited on
-    CATCHING_UP = "catching_up"  # a syncing peer that said ready (alive): waited on
-    MEMBER = "member"  # has played a round: waited on
-    LAGGING = "lagging"  # a member that missed a ready deadline: not waited on
-
-    @property
-    def is_member(self) -> bool:
-        return self in (MemberState.MEMBER, MemberState.LAGGING)
-
-    @property
-    def waited_on(self) -> bool:
-        return self in (MemberState.PENDING, MemberState.CATCHING_UP, MemberState.MEMBER)
-
-    @property
-    def label(self) -> str:
-        """The coarse state operators see and the store keeps: "pending", "syncing" or "member"."""
-        if self.is_member:
-            return "member"
-        return "pending" if self in (MemberState.PENDING, MemberState.PENDING_LAGGING) else "syncing"
-
-    @staticmethod
-    def from_label(label: str) -> MemberState:
-        """Read a stored state (a `label`, or any value of this enum); unknown -> SYNCING."""
-        try:
-            return MemberState(label)
-        except ValueError:
-            return MemberState.SYNCING
-
-    def after_ready(self, in_sync: bool) -> MemberState:
-        """The state after the peer said ready, holding the last committed state (`in_sync`) or
-        not (it gets a sync order, and is waited on while it downloads)."""
-        if not in_sync:
-            return MemberState.CATCHING_UP
-        if self.is_member:
-            return MemberState.MEMBER
-        if self in (MemberState.PENDING, MemberState.PENDING_LAGGING):
-            return MemberState.PENDING
-        return MemberState.CATCHING_UP
-
-    def after_missed_deadline(self) -> MemberState:
-        """The state of a peer a round opened without (it was waited on and did not say ready)."""
-        return {MemberState.MEMBER: MemberState.LAGGING, MemberState.PENDING: MemberState.PENDING_LAGGING,
-                MemberState.CATCHING_UP: MemberState.SYNCING}.get(self, self)
-
-
-@dataclass
-class Member:
-    peer_id: str
-    public_key: bytes
-    address: str
-    num_samples: int
-    # Engine time its lease ends. Renewals move it later freely; moving it earlier must go
-    # through the engine (`leave`), which notes it in `RoundEngine.leases`, or the tick misses it.
-    lease_expiry: float
-    state: MemberState = MemberState.PENDING
-    up_bytes_per_s: float = 0.0
-    down_bytes_per_s: float = 0.0
-    rtt_seconds: float = 0.0
-    connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
-    streamed: bool = False  # its stream was open at some point since it joined (see `_waited_on`)
-    shm_peers: frozenset[str] = frozenset()  # reached through shared memory (LinkReport.shm_peers)
-    bulk_peers: frozenset[str] = frozenset()  # reached through the bulk TCP lane (LinkReport.bulk_peers)
-    links_at: float | None = None  # engine time of its last link report (None: never reported)
-    # The state round of this peer's last out-of-date Ready (None: none since it was last in sync).
-    # A later out-of-date Ready holding no newer state shows no progress (a backlog of old
-    # messages, a peer still busy elsewhere): it gets the sync order again, nothing else.
-    stale_state_round: int | None = None
-    # Whether its advertised data address answered the coordinator's dial-back (None: not
-    # checked). A peer nobody can dial takes part outbound-only (below).
-    reachable: bool | None = None
-    # Nobody dials it (unreachable, or it joined with --outbound-only): placed in rounds as a
-    # participant that owns no shard and is never a state donor (docs/nat.md).
-    outbound_only: bool = False
-    # The relay it is reached through (joined with --relay; `address` is on that relay), "" if
-    # dialled directly. The planner prefers direct owners (`_outbound_in`).
-    relay: str = ""
-    relay_bytes_per_s: float = 0.0  # that relay's declared capacity each way (0 = not declared)
-    state_bytes: int = 0  # size of its serialized state (its Ready): what a sync downloads
-    sync_bytes_per_s: float = 0.0  # rate of its last state download (its Ready; 0 = unknown)
-    sync_until: float = 0.0  # rounds wait for its download until then (set with each sync order)
-
-    def link(self) -> LinkSpec:
-        """Its reported links, as the planner reads them."""
-        return LinkSpec(self.peer_id, self.up_bytes_per_s, self.down_bytes_per_s, self.rtt_seconds, self.shm_peers,
-                        self.bulk_peers)
+        """The planner's view of these settings: every `PlanPolicy` field this config has."""
+        mine = {f.name for f in dataclasses.fields(self)}
+        return PlanPolicy(**{f.name: getattr(self, f.name) for f in dataclasses.fields(PlanPolicy)
+                             if f.name in mine})
 
 
 @dataclass(frozen=True)
@@ -272,49 +140,13 @@ class ReadyInfo:
     training: bool = False  # a notice, not a Ready: it just synced and runs its local update now
     local_steps: int = 0  # inner steps of the local phase behind this Ready (0 = not said)
     local_seconds: float = 0.0  # wall seconds of that local phase (0 = not said)
+    checkpoint_round: int = 0  # committed rounds of the newest checkpoint the peer holds (0 = none)
+    checkpoint_digest: bytes = b""  # its state digest
 
     @property
     def step_seconds(self) -> float:
         """This peer's pace: seconds per inner step of its last local phase (0 = unknown)."""
         return self.local_seconds / self.local_steps if self.local_steps and self.local_seconds > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class Vote:
-    """One participant's vote on an attempt (shoal.v1.VoteRequest).
-
-    ok: the collective succeeded. result_digest: `shoal.common.tensors.result_digest` of the
-    all-reduced result (BLAKE3-256 over its 1 MiB blocks' digests); state_digest: BLAKE3-256 of
-    the state it leads to. loss: mean inner training loss (may be non-finite: never
-    recorded). suspects: peers the failure points at. flagged: contributions rejected by the
-    aggregator. error: why it failed. audit: the failure is a failed owner audit.
-    """
-
-    ok: bool
-    result_digest: bytes = b""
-    state_digest: bytes = b""
-    loss: float = 0.0
-    suspects: tuple[str, ...] = ()
-    flagged: tuple[str, ...] = ()
-    error: str = ""
-    audit: bool = False
-
-    @property
-    def digests(self) -> tuple[bytes, bytes]:
-        return self.result_digest, self.state_digest
-
-
-@dataclass(frozen=True)
-class CommitRecord:
-    round: int
-    attempt: int
-    result_digest: bytes
-    state_digest: bytes
-    participants: tuple[str, ...]
-    train_loss: float
-    seconds: float
-    flagged: tuple[str, ...] = ()
-    at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -331,7 +163,7 @@ class WaitReason(enum.Enum):
     """Why the next round is not open (`Waiting.reason`)."""
 
     RUNNING = "running"  # an attempt is in flight
-    FINISHED = "finished"  # total_rounds committed
+    FINISHED = "finished"  # config.rounds committed
     BACKOFF = "backoff"  # after an abort: the retry (or the fresh start) waits a moment
     NO_TRUSTED_OWNER = "no_trusted_owner"  # every ready peer lost shard ownership in owner audits
     QUORUM = "quorum"  # fewer ready peers than the quorum
@@ -385,23 +217,14 @@ class SendCommit:
     synced: frozenset[str] = frozenset()
     to: tuple[str, ...] | None = None
     step_seconds: float = 0.0
+    epsilon: float = 0.0  # ε spent by the committed rounds so far (0 without DP)
+    checkpointers: tuple[str, ...] = ()  # elected to upload a due checkpoint (`elect_checkpointers`)
 
 
 @dataclass(frozen=True)
 class SendAbort:
     record: AbortRecord
     to: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class SendSync:
-    """A sync order; permit_seconds: how long its permit lasts (donors keep the state that long)."""
-
-    peer_id: str
-    round: int
-    state_digest: bytes
-    donors: tuple[str, ...]
-    permit_seconds: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -426,6 +249,37 @@ class PersistEpoch:
 
 
 @dataclass(frozen=True)
+class Durable:
+    """The newest committed round a checkpoint holds: `round` committed rounds, the state digest
+    the coordinator committed for it, and the peers that said (in their Ready) they hold it."""
+
+    round: int
+    state_digest: bytes
+    peers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PersistDurable:
+    """Record `durable` in the store (`shoal status` shows it; a restarted coordinator keeps it)."""
+
+    durable: Durable
+
+
+@dataclass(frozen=True)
+class Rewind:
+    """Roll the commit log back: keep the first `rounds` committed rounds, drop the `lost` after
+    them (the store drops every commit of a round >= `rounds`), because no live member holds the
+    last committed state and `holders` hold the state of round `rounds` (digest `state_digest`,
+    the one the coordinator recorded at that commit): a whole swarm restarted from its checkpoints
+    (`RoundEngine.rewind_target`, docs/checkpoints.md)."""
+
+    rounds: int
+    lost: int
+    state_digest: bytes
+    holders: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class PersistUntrusted:
     """Peers that may never own a shard again (failed owner audits): kept across restarts."""
 
@@ -433,7 +287,7 @@ class PersistUntrusted:
 
 
 Action = (SendPlan | SendCommit | SendAbort | SendSync | SendFinished | PersistMember | ForgetMember | PersistEpoch
-          | PersistUntrusted)
+          | PersistUntrusted | PersistDurable | Rewind)
 
 
 class ErrorKind(enum.Enum):
@@ -450,15 +304,6 @@ class RoundError(Exception):
     def __init__(self, kind: ErrorKind, message: str):
         super().__init__(message)
         self.kind = kind
-
-
-@dataclass
-class _Running:
-    plan: Plan
-    started: float
-    votes: dict[str, Vote] = field(default_factory=dict)
-    blame_at: float | None = None  # a failed vote accused others: decide whom to exclude by then
-    voted_at: dict[str, float] = field(default_factory=dict)  # when each vote arrived (blame's order)
 
 
 @dataclass(frozen=True)
@@ -481,44 +326,6 @@ class _Draw:
     ready: int = 0
 
 
-# An abort reason that says a deadline passed: a chunk that did not come (peer.collectives) or
-# the attempt's deadline (the peer's or the engine's own `tick`).
-_TIMEOUT_MARKERS = ("no chunk from", "deadline")
-
-
-@dataclass
-class DeadlineGrowth:
-    """How much longer than planned the next attempt's deadlines are (`scale`, 1..MAX_DEADLINE_SCALE).
-
-    One timeout abort may be a stalled peer (excluded on the retry); a round that times out
-    again is more likely held by links slower than their estimates: from the second consecutive
-    timeout abort of a round on, every further one doubles the scale, up to the cap. Another
-    abort breaks the streak (the scale stays); a commit halves the scale (a link that needed it
-    may still be slow), down to 1. `on_abort` returns the line to log when the scale grows.
-    """
-
-    scale: float = 1.0
-    streak: int = 0  # consecutive timeout aborts of `round`
-    round: int = -1
-
-    def on_abort(self, round_: int, reason: str) -> str | None:
-        if round_ != self.round:
-            self.round, self.streak = round_, 0
-        if not any(m in reason for m in _TIMEOUT_MARKERS):
-            self.streak = 0
-            return None
-        self.streak += 1
-        if self.streak < 2 or self.scale >= MAX_DEADLINE_SCALE:
-            return None
-        self.scale = min(MAX_DEADLINE_SCALE, 2 * self.scale)
-        return (f"round {round_} timed out {self.streak} times in a row ({reason}): the links are slower "
-                f"than their estimates; deadlines of its next attempts x{self.scale:g} (at most "
-                f"x{MAX_DEADLINE_SCALE:g})")
-
-    def on_commit(self) -> None:
-        self.scale, self.streak, self.round = max(1.0, self.scale / 2), 0, -1
-
-
 class RoundEngine:
     """The coordinator's state and the protocol's rules; see the module docstring.
 
@@ -531,22 +338,17 @@ class RoundEngine:
 
     def __init__(self, config: EngineConfig, *, committed: list[CommitRecord] | None = None,
                  members: list[Member] | None = None, epoch: int = 0, aborted: int = 0, now: float = 0.0,
-                 attempt_base: int = 0, untrusted: tuple[str, ...] = ()):
+                 attempt_base: int = 0, untrusted: tuple[str, ...] = (), durable: Durable | None = None):
         self.config = config
         self.policy = config.plan_policy()
-        self.members: dict[str, Member] = {}
-        self.unreachable: set[str] = set()  # members whose address failed the dial-back (Member.reachable)
-        # Lease deadlines in time order: a tick looks at the expiring ones only. A lease that moves
-        # earlier (`leave`, `join`) is noted there; renewals need not be (coordinator.leases).
-        self.leases = LeaseSchedule()
+        self.table = MemberTable()
         for m in members or []:
             # A restarted coordinator (or a standby taking over) gives every known member a fresh
             # lease to reconnect, and counts its stream as open until it is seen closed: the first
             # round waits (up to the ready deadline) for the members to come back, instead of
             # opening with the first two and leaving the others to chase it.
-            self.members[m.peer_id] = dataclasses.replace(m, lease_expiry=now + config.lease_seconds,
-                                                          connected=True)
-            self.leases.note(m.peer_id, now + config.lease_seconds)
+            self.table.add(dataclasses.replace(m, lease_expiry=now + config.lease_seconds, connected=True))
+        self.syncs = SyncOrders(config, self.table)
         self.epoch = epoch
         window = max(1, config.history_window)
         self.commits: deque[CommitRecord] = deque(committed or [], maxlen=window)
@@ -554,7 +356,10 @@ class RoundEngine:
         self._committed = self.commits[-1].round + 1 if self.commits else 0
         self.rounds_aborted = aborted
         self.rounds_retried = 0
-        self.ready: dict[str, ReadyInfo] = {}
+        self.said_ready: dict[str, ReadyInfo] = {}  # peer id -> its Ready for the round being prepared
+        # Round 0, before any commit: the initial state's digest (the first Ready's) and who holds it.
+        self.initial_digest: bytes | None = None
+        self.initial_holders: list[str] = []
         self.first_ready_at: float | None = None
         # Attempt ids are never reused within a round, not even across a coordinator restart
         # (attempt_base = 1000 x restarts), so no chunk of an old attempt can join a new one.
@@ -562,28 +367,67 @@ class RoundEngine:
         self.attempt = attempt_base
         self.tries = 0  # attempts in the current try cycle (bounded by max_attempts)
         self.excluded: set[str] = set()
-        # Members a round waits for that have not said ready (connected, waited_on, not excluded,
-        # not ready; lease not checked): kept up to date at every change (`_refresh`), so that a
-        # Ready or a tick decides in O(1) whether the round may open instead of scanning every
-        # member (10,000 members: 20,000 Ready calls a round).
-        self._unready: set[str] = set()
         self.cohort: Cohort | None = None  # drawn for the round being prepared (cohort_size > 0)
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
-        self.running: _Running | None = None
-        # Peers whose sync order waits for the attempt in flight to end (`join_sync`, `ready_`):
-        # peer id -> the state round it holds.
-        self.sync_owed: dict[str, int] = {}
+        self.strikes = Strikes()  # unproven accusations, lying digests: benched for whole rounds (see vote)
+        self.running: Attempt | None = None
         self.local_seconds = 0.0  # last local phase: last commit -> first Ready after it (`_pool`)
         self.not_before = 0.0
         self._held = Waiting(WaitReason.BACKOFF, "backoff")  # why not_before is in the future
         self._last_wait: WaitReason | None = None  # for logging changes only
         self._no_trusted_logged = False
         self.finished = False
-        self._donor_rotation = 0
         self.growth = DeadlineGrowth()
+        # Privacy accounting: rounds committed before a restart count as sampled at rate 1 (their
+        # rates are not persisted; an upper bound on ε).
+        self.accountant = PrivacyAccountant(config.privacy)
+        for _ in range(self._committed):
+            self.accountant.add_round(1.0)
+        self._sampling = 1.0  # sampling rate of the round being prepared (cohort / ready pool)
+        self._epsilon = self.accountant.epsilon()  # cached: the accountant takes milliseconds
+        self._next_epsilon = self.accountant.epsilon_after(1.0)  # ε once the next round commits
+        self._budget_warned = False
+        # Peers whose Ready held an older state than the last committed one while no live member
+        # held that one (nobody to sync from): peer id -> (its round, its Ready). The candidates
+        # of a rewind (`rewind_target`); emptied by a commit or a rewind.
+        self.behind: dict[str, tuple[int, ReadyInfo]] = {}
+        self.first_behind_at: float | None = None
+        # After a rewind, until the next commit: who holds the state rewound to (the donors).
+        self._rewound: tuple[str, ...] | None = None
+        self.durable = durable  # the newest committed round a peer's checkpoint holds (`_note_checkpoint`)
+        self._durable_dirty = False
         self._refresh_all()
 
     # ------------------------------------------------------------ queries
+
+    @property
+    def members(self) -> dict[str, Member]:
+        """Every joined peer by id (the member table's)."""
+        return self.table.members
+
+    @property
+    def unreachable(self) -> set[str]:
+        """The members whose address failed the dial-back (`Member.reachable`)."""
+        return self.table.unreachable
+
+    @property
+    def leases(self) -> LeaseSchedule:
+        return self.table.leases
+
+    @property
+    def sync_owed(self) -> dict[str, int]:
+        """Peers whose sync order waits for the attempt in flight to end: peer id -> the state
+        round it holds (`join_sync`, `ready`)."""
+        return self.syncs.owed
+
+    @property
+    def epsilon(self) -> float:
+        """ε of the (ε, δ = privacy.delta) guarantee of the committed rounds (0 without DP)."""
+        return self._epsilon
+
+    def _budget_spent(self) -> bool:
+        dp = self.config.privacy
+        return bool(dp.enabled and dp.epsilon_budget and self._next_epsilon > dp.epsilon_budget)
 
     @property
     def committed_rounds(self) -> int:
@@ -596,37 +440,58 @@ class RoundEngine:
     def pooled(self, peer_id: str) -> bool:
         """With cohorts: this peer's Ready waits in the pool, not in the cohort being prepared nor
         in the running attempt (it need not announce itself again until an event comes)."""
-        return (bool(self.config.cohort_size) and peer_id in self.ready
+        return (bool(self.config.cohort_size) and peer_id in self.said_ready
                 and not (self.cohort is not None and peer_id in self.cohort.members)
                 and not (self.running is not None and peer_id in self.running.plan.participants))
 
     def holds_ready(self, peer_id: str) -> bool:
         """Whether this peer's Ready for the current round is recorded, or it plays the running attempt."""
-        return peer_id in self.ready or (self.running is not None and peer_id in self.running.plan.participants)
+        return peer_id in self.said_ready or (self.running is not None and peer_id in self.running.plan.participants)
 
     def live(self, now: float) -> list[Member]:
-        return [m for m in self.members.values() if m.lease_expiry > now]
+        return self.table.live(now)
 
     def donors(self, now: float, exclude: str = "") -> tuple[str, ...]:
         """Live, connected peers that took part in the last commit (they hold the committed state),
         rotated by one position per call so that simultaneous joiners start at different donors."""
-        alive = self._holders(now, exclude)
-        if not alive:
-            return ()
-        k = self._donor_rotation % len(alive)
-        self._donor_rotation += 1
-        return tuple(alive[k:] + alive[:k])
+        return self.table.donors(self._head().holders, now, exclude)
 
-    def _holders(self, now: float, exclude: str = "") -> list[str]:
-        """The donor candidates of `donors`, sorted, not rotated."""
-        if not self.commits:
-            return []
-        last = set(self.commits[-1].participants)
-        # A participant that joined again from another address since is a new process: it no
-        # longer holds the committed state (its state is no longer a member's).
-        return sorted(p for p in last if p != exclude and p in self.members and self.members[p].lease_expiry > now
-                      and self.members[p].connected and self.members[p].state.is_member
-                      and not self.members[p].outbound_only)
+    def _head(self) -> Head:
+        """The last committed state; before the first commit the initial state (see `_initial`)."""
+        if not self.commits and self.initial_digest is not None:
+            return Head(0, self.initial_digest, tuple(self.initial_holders))
+        holders = self._rewound if self._rewound is not None else self.commits[-1].participants if self.commits else ()
+        return Head(self.committed_rounds, self.last_state_digest, holders)
+
+    def _initial(self, peer_id: str, info: ReadyInfo, now: float) -> None:
+        """Round 0, no commit yet: the first Ready's state is the initial one (again when none of
+        its holders is live any more); a later Ready with the same digest holds it too. A Ready
+        that names no digest (a client that does not say its state) takes no part in the rule."""
+        if self.commits or self.config.cohort_size or info.state_round != 0 or info.training or not info.state_digest:
+            return
+        if info.state_digest != self.initial_digest and peer_id in self.initial_holders:
+            self.initial_holders.remove(peer_id)  # a new process of that key: it holds another state now
+        if self.initial_digest is None or not self._initial_donors(now):
+            self.initial_digest, self.initial_holders = info.state_digest, []
+        if info.state_digest == self.initial_digest and peer_id not in self.initial_holders:
+            self.initial_holders.append(peer_id)
+
+    def _initial_donors(self, now: float, exclude: str = "") -> tuple[str, ...]:
+        """The live, connected, dialable peers ready with the initial state (not members yet:
+        `MemberTable.holders` counts only members)."""
+        ms = self.members
+        return tuple(p for p in self.initial_holders if p != exclude and p in ms and ms[p].lease_expiry > now
+                     and ms[p].connected and not ms[p].outbound_only)
+
+    def _initial_sync(self, m: Member, now: float) -> list[Action]:
+        """The order for a peer ready for round 0 with another initial state than the first
+        Ready's: download that state (its digest) from the peers holding it; it is waited on."""
+        m.state = m.state.after_ready(in_sync=False)
+        m.sync_until = max(m.sync_until, now + self.config.sync_hold)
+        self._refresh(m.peer_id)
+        log.info("peer %s starts from other parameters than the first peer ready for round 0: it syncs to "
+                 "their initial state", m.peer_id[:8])
+        return [SendSync(m.peer_id, 0, self.initial_digest, self._initial_donors(now, exclude=m.peer_id))]
 
     def waiting(self, now: float) -> Waiting:
         """Why the next round is not open at `now` (RUNNING while an attempt is in flight;
@@ -655,15 +520,8 @@ class RoundEngine:
             return
         m.reachable = reachable
         m.outbound_only = m.outbound_only or not reachable
-        self._note_reachable(peer_id, reachable)
+        self.table.note_reachable(peer_id, reachable)
         self._refresh(peer_id)
-
-    def _note_reachable(self, peer_id: str, reachable: bool | None) -> None:
-        """Keep `unreachable` (the members whose dial-back failed) in step with a member's result."""
-        if reachable is False:
-            self.unreachable.add(peer_id)
-        else:
-            self.unreachable.discard(peer_id)
 
     def join(self, peer_id: str, public_key: bytes, address: str, num_samples: int, now: float,
              up: float = 0.0, down: float = 0.0, *, reachable: bool | None = None,
@@ -695,15 +553,17 @@ class RoundEngine:
             # first deadline: one sync_hold per catch-up, not one per join, or rounds never resume.
             again = old is not None and old.state is MemberState.CATCHING_UP and old.sync_until > now
             m.state, m.sync_until = MemberState.CATCHING_UP, old.sync_until if again else now + self.config.sync_hold
-        self.members[peer_id] = m
-        self.leases.note(peer_id, m.lease_expiry)
-        self._note_reachable(peer_id, reachable)
+        self.table.add(m)
         # A restarted peer's previous stream/participation is void.
-        self.ready.pop(peer_id, None)
+        self.said_ready.pop(peer_id, None)
         self._refresh(peer_id)
         actions: list[Action] = [PersistMember(m)]
         if self.running is not None and peer_id in self.running.plan.participants and old is not None and old.address != address:
-            actions += self._abort(now, f"participant {peer_id[:8]} restarted", (peer_id,))
+            if old.relay and relay and old.relay != relay:
+                # The same peer moved to another relay (its relay died): the path changed, the peer did not.
+                actions += self._abort(now, f"participant {peer_id[:8]} moved from relay {old.relay} to {relay}", ())
+            else:
+                actions += self._abort(now, f"participant {peer_id[:8]} restarted", (peer_id,))
         return actions
 
     def resumed(self, now: float, paused: float) -> list[Action]:
@@ -726,9 +586,8 @@ class RoundEngine:
     def heartbeat(self, peer_id: str, now: float) -> Member:
         m = self.members.get(peer_id)
         if m is None or m.lease_expiry <= now:
-            self.members.pop(peer_id, None)
-            self.unreachable.discard(peer_id)
-            self.ready.pop(peer_id, None)
+            self.table.drop(peer_id)
+            self.said_ready.pop(peer_id, None)
             self._refresh(peer_id)
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
@@ -746,23 +605,22 @@ class RoundEngine:
         if m is None or not self.commits or self.config.cohort_size:
             return None
         if self.running is not None:
-            self.sync_owed[peer_id] = 0
+            self.syncs.owe_joiner(peer_id)
             return None
         return SendSync(peer_id, self.committed_rounds, self.last_state_digest, self.donors(now, exclude=peer_id))
 
     def _owed_orders(self, now: float, skip: Iterable[str] = ()) -> list[SendSync]:
-        """The sync orders put off while the attempt ran (`join_sync`, `ready_`), now that it
-        ended (the owed set empties)."""
-        owed, self.sync_owed, skip = self.sync_owed, {}, set(skip)
-        orders = [self._order_sync(self.members[p], held, now) for p, held in sorted(owed.items())
-                  if p in self.members and p not in skip]
-        return [o for o in orders if o is not None]
+        """The sync orders put off while the attempt ran (`join_sync`, `ready`), now that it
+        ended (the owed set empties); `skip`: peers already ordered."""
+        orders = self.syncs.settle(now, self._head(), skip)
+        for o in orders:
+            self._refresh(o.peer_id)
+        return orders
 
     def leave(self, peer_id: str, now: float) -> list[Action]:
         if peer_id not in self.members:
             return []
-        self.members[peer_id].lease_expiry = now
-        self.leases.note(peer_id, now)
+        self.table.end_lease(peer_id, now)
         return self._expire(now)
 
     def report_links(self, peer_id: str, up: float, down: float, rtt: float,
@@ -801,7 +659,7 @@ class RoundEngine:
         if m is None:
             return []
         m.connected = False
-        self.ready.pop(peer_id, None)
+        self.said_ready.pop(peer_id, None)
         self._refresh(peer_id)
         if self.running is not None and peer_id in self.running.plan.participants and peer_id not in self.running.votes:
             return self._abort(now, f"participant {peer_id[:8]} disconnected", (peer_id,))
@@ -809,7 +667,7 @@ class RoundEngine:
 
     # ------------------------------------------------------------ rounds
 
-    def ready_(self, peer_id: str, round_: int, info: ReadyInfo, now: float) -> list[Action]:
+    def ready(self, peer_id: str, round_: int, info: ReadyInfo, now: float) -> list[Action]:
         """Record that `peer_id` is ready for `round_` holding the state `info.state_digest`.
 
         Returns a SendSync when the peer's state is not the last committed one (it must
@@ -828,12 +686,16 @@ class RoundEngine:
         if m is None or m.lease_expiry <= now:
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: no live lease for {peer_id[:8]}; join again")
         m.lease_expiry = now + self.config.lease_seconds
+        self._note_checkpoint(peer_id, info)
         m.num_samples = info.num_samples
         m.state_bytes = info.state_bytes or m.state_bytes
         m.sync_bytes_per_s = info.sync_bytes_per_s or m.sync_bytes_per_s
+        self._initial(peer_id, info, now)
         in_sync = self._in_sync(info)
         if info.training and in_sync:
             return self._training(m, now)
+        if not in_sync and not self.commits and self.initial_digest is not None and not self.config.cohort_size:
+            return self._initial_sync(m, now)
         if not in_sync and self.config.cohort_size and not (self.cohort and peer_id in self.cohort.members):
             # A cohort's pool: it waits, with the state it has, until a draw picks it.
             self._check_size(info)
@@ -845,13 +707,18 @@ class RoundEngine:
                 # at that attempt's commit (seen: a peer excluded at a link cut downloaded the
                 # state three times, 8 s each, while 0.7 s rounds committed). Its order follows
                 # when the attempt ends (`_owed_orders`); until then it holds what it holds.
-                self.sync_owed[peer_id] = max(self.sync_owed.get(peer_id, 0), info.state_round)
+                self.syncs.owe(peer_id, info.state_round)
                 return []
             order = self._order_sync(m, info.state_round, now)
             if order is None:
+                # Nobody to sync from: this peer may hold a state a rewind goes back to.
+                rewound = self._fell_behind(m, round_, info, now)
+                if rewound:
+                    return rewound
                 raise RoundError(ErrorKind.PRECONDITION, f"state_round: no live member holds the committed state of round "
                                                          f"{self.committed_rounds - 1} to sync from; retry later")
             return [order]
+        self.behind.pop(peer_id, None)
         m.stale_state_round = None
         m.sync_until = 0.0
         if round_ != self.committed_rounds:
@@ -861,26 +728,129 @@ class RoundEngine:
         self._pool(peer_id, info, now)
         return self._maybe_open(now)
 
+    def _note_checkpoint(self, peer_id: str, info: ReadyInfo) -> None:
+        """Make the checkpoint this Ready names the durable one when it is a committed round (its
+        digest the one committed for it, within the in-memory window) newer than the durable one,
+        or add the peer to the durable one's holders; `durable_changed` then says so once."""
+        r, digest = info.checkpoint_round, info.checkpoint_digest
+        if r <= 0 or not digest or not self.commits or not 0 <= r - 1 - self.commits[0].round < len(self.commits):
+            return
+        rec = self.commits[r - 1 - self.commits[0].round]
+        if rec.round != r - 1 or rec.state_digest != digest:
+            return
+        cur = self.durable
+        if cur is not None and (r < cur.round or (r == cur.round and peer_id in cur.peers)):
+            return
+        peers = (*cur.peers, peer_id) if cur is not None and r == cur.round else (peer_id,)
+        self.durable = Durable(r, digest, tuple(sorted(peers)))
+        self._durable_dirty = True
+
+    def durable_changed(self) -> list[Action]:
+        """[PersistDurable] once after a Ready changed the durable round (`_note_checkpoint`; the
+        server asks after every Ready, whatever its answer), else []."""
+        if not self._durable_dirty or self.durable is None:
+            return []
+        self._durable_dirty = False
+        return [PersistDurable(self.durable)]
+
+    def _fell_behind(self, m: Member, round_: int, info: ReadyInfo, now: float) -> list[Action]:
+        """Note that `m` holds the older state `info` while no live member holds the last committed
+        one (it is no donor of that state from now on: a restarted process whose address did not
+        change was still counted as one); the rewind's actions when this makes one due, else []."""
+        if m.state.is_member:
+            m.state = m.state.after_ready(in_sync=False)
+            self._refresh(m.peer_id)
+        self.behind[m.peer_id] = (round_, info)
+        if self.first_behind_at is None:
+            self.first_behind_at = now
+        return self._maybe_rewind(now)
+
+    def rewind_target(self, now: float) -> tuple[int, bytes, tuple[str, ...]] | None:
+        """The round to roll the commit log back to, now: (rounds kept, the state digest of that
+        round, the peers holding it), or None while no rewind is due.
+
+        The rule: a rewind is due when no attempt runs, no live member holds the last committed
+        state (`MemberTable.holders`: live, connected members that took part in the last commit
+        and have not said they hold another state), at least `min_peers` live peers said ready
+        holding an older state (`behind`), and either every live, connected member has or the
+        ready timeout passed since the first of them. It goes back to the newest state among
+        theirs whose round and digest are a commit the coordinator recorded (its in-memory window
+        of `history_window` rounds): a checkpoint a restarted peer resumed from. A state no
+        commit recorded (another run's, or a round past the window) never is a target; a peer
+        holding it syncs from the holders afterwards. Changes nothing."""
+        if self.running is not None or not self.behind or not self.commits:
+            return None
+        if self.table.holders(self._head().holders, now):
+            return None
+        live = {m.peer_id for m in self.live(now) if m.connected}
+        behind = {p: info for p, (_, info) in self.behind.items() if p in live}
+        if len(behind) < max(1, self.config.min_peers):
+            return None
+        late = self.first_behind_at is not None and now - self.first_behind_at >= self.config.ready_timeout
+        if not late and any(p not in behind and waited_on_member(self.members[p]) for p in live):
+            return None
+        recorded = {c.round + 1: c.state_digest for c in self.commits}
+        held = [(info.state_round, p) for p, info in behind.items()
+                if info.state_round < self.committed_rounds and recorded.get(info.state_round) == info.state_digest]
+        if not held:
+            return None
+        target = max(r for r, _ in held)
+        return target, recorded[target], tuple(sorted(p for r, p in held if r == target))
+
+    def _maybe_rewind(self, now: float) -> list[Action]:
+        target = self.rewind_target(now)
+        return self._rewind(now, *target) if target is not None else []
+
+    def _rewind(self, now: float, rounds: int, digest: bytes, holders: tuple[str, ...]) -> list[Action]:
+        """Roll back to `rounds` committed rounds (`rewind_target`): the holders take part in the
+        next round with the state they hold, the other peers that were behind sync from them."""
+        lost = self.committed_rounds - rounds
+        log.warning("rewinding the run from %d to %d committed rounds: no live member holds the state of round %d; "
+                    "%s hold the state of round %d (digest %s); %d committed rounds are lost", self.committed_rounds,
+                    rounds, self.committed_rounds - 1, _plural(len(holders), "peer"), rounds, digest.hex()[:16], lost)
+        while self.commits and self.commits[-1].round >= rounds:
+            self.commits.pop()
+        self._committed = rounds
+        self.finished = False
+        self._rewound = holders
+        if self.durable is None or self.durable.round > rounds:
+            self.durable = Durable(rounds, digest, holders)
+        self._durable_dirty = False
+        behind, self.behind, self.first_behind_at = self.behind, {}, None
+        self._reset_round()
+        self.not_before = 0.0
+        actions: list[Action] = [Rewind(rounds, lost, digest, holders), PersistDurable(self.durable)]
+        for p in holders:
+            m = self.members[p]
+            m.state, m.stale_state_round, m.sync_until = MemberState.MEMBER, None, 0.0
+            actions.append(PersistMember(m))
+            round_, info = behind[p]
+            if round_ == rounds:
+                self._pool(p, info, now)
+        for p, (_, info) in sorted(behind.items()):
+            if p not in holders and self.table.is_live(p, now):
+                order = self._order_sync(self.members[p], info.state_round, now)
+                if order is not None:
+                    actions.append(order)
+        self._refresh_all()
+        return actions + self._maybe_open(now)
+
     def _training(self, m: Member, now: float) -> list[Action]:
-        """A peer that just downloaded the committed state says so before its local update: the
-        next round waits for it about as long as the others' last local phase took (twice that,
-        plus the ready timeout, at most sync_hold). Without this notice its download's hold ended
-        with the download and the round opened while it trained (a slow joiner chased the head,
-        one full download per round)."""
-        m.stale_state_round = None
-        m.state = m.state.after_ready(in_sync=False)  # waited on, as while it downloaded
-        local = self.local_seconds if self.local_seconds > 0 else self.config.ready_timeout
-        m.sync_until = now + min(self.config.sync_hold, 2.0 * local + self.config.ready_timeout)
+        """A peer that just downloaded the committed state trains now: the next round waits for
+        it about as long as the others' last local phase took (`SyncOrders.hold_for_training`)."""
+        self.syncs.hold_for_training(m, now, self.local_seconds)
         self._refresh(m.peer_id)
         return []
 
     def _in_sync(self, info: ReadyInfo) -> bool:
-        """Whether a Ready's state is the last committed one."""
+        """Whether a Ready's state is the last committed one (before any commit: the initial one)."""
+        if not self.commits and self.initial_digest is not None and not self.config.cohort_size and info.state_digest:
+            return info.state_round == 0 and info.state_digest == self.initial_digest
         return info.state_round == self.committed_rounds and (
             not self.commits or info.state_digest == self.last_state_digest)
 
     def _check_size(self, info: ReadyInfo) -> None:
-        other = next(iter(self.ready.values()), None)  # any other: they all agree
+        other = next(iter(self.said_ready.values()), None)  # any other: they all agree
         if other is not None and (other.num_elements != info.num_elements or other.dtype != info.dtype):
             raise RoundError(
                 ErrorKind.INVALID,
@@ -889,7 +859,7 @@ class RoundEngine:
             )
 
     def _pool(self, peer_id: str, info: ReadyInfo, now: float) -> None:
-        self.ready[peer_id] = info
+        self.said_ready[peer_id] = info
         self._refresh(peer_id)
         if self.first_ready_at is None:
             self.first_ready_at = now
@@ -899,28 +869,10 @@ class RoundEngine:
 
     def _order_sync(self, m: Member, held_round: int, now: float) -> SendSync | None:
         """The sync order for member `m`, which holds the state of round `held_round` (not the
-        last committed one), or None when no up-to-date donor is live."""
-        self.sync_owed.pop(m.peer_id, None)
-        donors = self.donors(now, exclude=m.peer_id)
-        if not donors:
-            return None
-        # Holding no committed state yet (round 0 after a commit), it is a joiner whatever it played.
-        hold, permit = sync_plan(m.state_bytes, m.sync_bytes_per_s or m.down_bytes_per_s, self.config,
-                                 joining=held_round == 0)
-        if m.stale_state_round is None or held_round > m.stale_state_round:
-            # Progress (first word since it fell behind, or a newer state than last time): wait
-            # for it while it syncs (up to `hold`), so a fast swarm does not outrun it for ever.
-            if m.stale_state_round is not None:
-                # It downloaded a state since its last order and the head moved on meanwhile: it
-                # is catching up, not busy elsewhere, and its Ready ends the wait. A hold sized
-                # from its rate ended just before its download did (a slow joiner chased the head
-                # for minutes, one full download per round): wait all of sync_hold.
-                hold = max(hold, self.config.sync_hold)
-            m.state = m.state.after_ready(in_sync=False)
-            m.sync_until = max(m.sync_until, now + hold)
-        m.stale_state_round = held_round
+        last committed one), or None when no up-to-date donor is live (`SyncOrders.order`)."""
+        order = self.syncs.order(m, held_round, now, self._head())
         self._refresh(m.peer_id)
-        return SendSync(m.peer_id, self.committed_rounds, self.last_state_digest, donors, permit)
+        return order
 
     def vote(self, peer_id: str, round_: int, attempt: int, ok: bool, result_digest: bytes,
              state_digest: bytes, now: float, *, loss: float = 0.0, suspects: tuple[str, ...] = (),
@@ -931,7 +883,10 @@ class RoundEngine:
         A late vote for an attempt already decided is ignored. A failed vote naming no suspect
         among the participants blames the voter and aborts at once; one that accuses others opens
         the blame window: the attempt is aborted when every participant voted or the window
-        passed (`tick`), excluding whom `coordinator.blame.blame` names. A failed owner audit (`audit`)
+        passed (`tick`), excluding whom `coordinator.blame.blame` names; an accusation without
+        evidence (the accused voted ok and nobody else accuses it) excludes its accuser, and so do
+        digests against a quorum of identical ones: such a voter is struck, and benched for whole
+        rounds after repeated strikes (`coordinator.blame.Strikes`). A failed owner audit (`audit`)
         also costs the accused owner and the accusing auditor their shard ownership for the rest
         of the run (`untrusted`): a lying owner is caught once, not every round, and a false
         accuser pays as much as its victim. A failed vote blaming a relay (`relay_failure`: a chunk
@@ -946,86 +901,46 @@ class RoundEngine:
             raise RoundError(ErrorKind.PRECONDITION,
                              f"peer_id: {peer_id[:8]} is not a participant of round {round_}.{attempt}")
         v = Vote(ok, result_digest, state_digest, loss, suspects, flagged, error, audit)
-        run.votes[peer_id] = v
-        run.voted_at[peer_id] = now
-        if not v.ok and relay_failure and relay_failure in run.plan.relays:
-            return self._abort(now, f"relay {relay_failure} altered a chunk ({peer_id[:8]}: "
-                                    f"{v.error or 'chunk signature'})", ())
-        if not v.ok:
-            accused = self._audited_owner(run.plan, peer_id, v.suspects) if v.audit else None
-            if accused is not None:
-                self.untrusted.update((accused, peer_id))
-                return [PersistUntrusted(tuple(sorted(self.untrusted))),
-                        *self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}",
-                                     (accused, peer_id))]
-            if not any(s in run.plan.participants and s != peer_id for s in v.suspects) \
-                    or self._cut_off_outbound(run.plan, peer_id, v.suspects):
-                return self._abort(now, f"{peer_id[:8]} failed: {v.error or 'collective error'}", (peer_id,))
-            if run.blame_at is None:
-                window = max(self.config.blame_window, 2.0 * run.plan.chunk_timeout_seconds)
-                run.blame_at = now + window
-        if run.blame_at is not None:
-            return self._blame(now) if len(run.votes) == len(run.plan.participants) else []
-        if len(run.votes) < len(run.plan.participants):
+        verdict = run.record(peer_id, v, now, blame_window=self.config.blame_window, relay_failure=relay_failure)
+        if verdict is Tally.PENDING:
             return []
-        digests = Counter(v.digests for v in run.votes.values())
-        if len(digests) > 1:
-            majority, _ = digests.most_common(1)[0]
-            dissent = tuple(p for p, v in run.votes.items() if v.digests != majority)
-            return self._abort(now, "digest mismatch", dissent)
-        return self._commit(now)
+        if verdict is Tally.BLAME:
+            return self._blame(now)
+        if verdict is Tally.COMMIT:
+            return self._commit(now)
+        return self._fail(now, verdict)
 
-    @staticmethod
-    def _cut_off_outbound(plan: Plan, voter: str, suspects: tuple[str, ...]) -> bool:
-        """Whether a failed vote is an outbound-only participant's own link failing (docs/nat.md):
-        it names every shard owner (at least two), as when all the calls it opened broke at once
-        (its NAT forgot the mapping). It then sits out the retry alone, at once: the owners cannot
-        see its link break (their side of each call just goes quiet) and would accuse it and each
-        other a chunk deadline later. An owner that really died is silent, and its lease or the
-        retry's blame excludes it; the outbound-only peer is back in the round after."""
-        if voter not in plan.participants or plan.dialable(plan.position(voter)):
-            return False
-        owners = {plan.participants[o] for o in plan.owners()}
-        return len(owners) >= 2 and owners <= set(suspects)
-
-    @staticmethod
-    def _audited_owner(plan: Plan, voter: str, suspects: tuple[str, ...]) -> str | None:
-        """The owner a failed audit vote accuses, if the claim fits the plan: an audited plan, one
-        accused peer besides the voter, and the voter audits a shard that peer owns. Otherwise
-        None: the vote counts as an ordinary failure (no peer loses ownership on a peer's say-so
-        beyond what the plan lets that peer check)."""
-        if not plan.audit_owners or voter not in plan.participants:
-            return None
-        accused = [s for s in dict.fromkeys(suspects) if s != voter]
-        if len(accused) != 1 or accused[0] not in plan.participants:
-            return None
-        me, owner = plan.position(voter), plan.position(accused[0])
-        audits = auditor_positions(plan.shard_owner)
-        if any(o == owner and a == me for o, a in zip(plan.shard_owner, audits)):
-            return accused[0]
-        return None
+    def _fail(self, now: float, verdict: Abort) -> list[Action]:
+        """Abort the running attempt as `verdict` says; peers it makes untrusted are persisted first;
+        a peer it strikes for the `Strikes.limit`-th time sits out the next rounds (benched)."""
+        actions: list[Action] = []
+        for p in verdict.struck:
+            until = self.strikes.strike(p, self.committed_rounds)
+            if until is not None:
+                log.warning("peer %s is benched until round %d: %d faults of its own without a commit between "
+                            "(%s)", p[:8], until, self.strikes.counts[p], verdict.reason)
+        if verdict.untrusted:
+            self.untrusted.update(verdict.untrusted)
+            actions.append(PersistUntrusted(tuple(sorted(self.untrusted))))
+        actions += self._abort(now, verdict.reason, verdict.excluded)
+        if verdict.relay and self.not_before < now + self.config.relay_backoff:
+            self._hold(now + self.config.relay_backoff, Waiting(
+                WaitReason.BACKOFF, f"relay backoff: {verdict.reason}", self._held.peers))
+        return actions
 
     def _blame(self, now: float) -> list[Action]:
         """Abort the running attempt after a failed vote that accused others, excluding whom
-        `coordinator.blame.blame` names from the votes so far and what the engine knows."""
+        `coordinator.blame.blame` names from the votes so far and what the engine knows: whose
+        lease renewals are late, and whom others had to dial but the dial-back did not reach."""
         run = self.running
         assert run is not None
-        accusations = {p: (v.suspects if not v.ok else ()) for p, v in run.votes.items()}
         renewed_by = now - self.config.lease_seconds / 2  # heartbeats come every lease / 4
         stale = [p for p in run.plan.participants
                  if p in self.members and self.members[p].lease_expiry - self.config.lease_seconds < renewed_by]
         # Outbound-only participants were planned as such: nobody had to dial them.
         unreachable = [p for i, p in enumerate(run.plan.participants) if p in self.members
                        and self.members[p].reachable is False and run.plan.dialable(i)]
-        blamed = blame(run.plan.participants, accusations, voted_at=run.voted_at,
-                       cascade=run.plan.chunk_timeout_seconds, stale=stale, unreachable=unreachable)
-        failed = [(p, v) for p, v in run.votes.items() if not v.ok]
-        first, vote = failed[0]
-        silent = [p for p in run.plan.participants if p not in run.votes]
-        why = f"{first[:8]} failed: {vote.error or 'collective error'}"
-        if silent:
-            why += f"; no vote from {[p[:8] for p in silent]}"
-        return self._abort(now, why, blamed)
+        return self._fail(now, run.blame(stale, unreachable))
 
     def tick(self, now: float) -> list[Action]:
         """Apply deadlines: lease expiry, the blame window, the ready deadline, the collective
@@ -1035,26 +950,21 @@ class RoundEngine:
         if run is not None and run.blame_at is not None and now >= run.blame_at:
             actions += self._blame(now)
         run = self.running
-        if run is not None and now - run.started > run.plan.deadline_seconds:
-            silent = tuple(p for p in run.plan.participants if p not in run.votes)
-            actions += self._abort(now, "collective deadline passed", silent)
+        if run is not None and run.timed_out(now):
+            actions += self._abort(now, "collective deadline passed", run.silent())
+        if self.behind:
+            actions += self._maybe_rewind(now)
         actions += self._maybe_open(now)
         return actions
 
     # ------------------------------------------------------------ internals
 
-    def _lease_of(self, peer_id: str) -> float | None:
-        m = self.members.get(peer_id)
-        return m.lease_expiry if m is not None else None
-
     def _expire(self, now: float) -> list[Action]:
         """Drop the members whose lease ran out (O(expiring), coordinator.leases)."""
-        gone = self.leases.expired(now, self._lease_of)
+        gone = self.table.expired(now)
         actions: list[Action] = []
         for p in gone:
-            del self.members[p]
-            self.unreachable.discard(p)
-            self.ready.pop(p, None)
+            self.said_ready.pop(p, None)
             self._refresh(p)
             actions.append(ForgetMember(p))
         if gone and self.running is not None:
@@ -1072,29 +982,35 @@ class RoundEngine:
                                                f"{_plural(plan.size, 'participant')}",
                            plan.participants, self.running.started + plan.deadline_seconds)
         done = Waiting(WaitReason.FINISHED, f"run finished: {_plural(self.committed_rounds, 'round')} committed")
+        spent = self._budget_spent() and self.config.privacy.on_budget == "stop"
+        if spent:
+            done = Waiting(WaitReason.FINISHED, f"run finished: privacy budget spent (epsilon {self._epsilon:.3f} "
+                                                f"after {_plural(self.committed_rounds, 'round')}; the next round "
+                                                f"would make it {self._next_epsilon:.3f} > "
+                                                f"{self.config.privacy.epsilon_budget})")
         if self.finished:
             return done
         if now < self.not_before:
             return self._held
-        if self.config.total_rounds and self.committed_rounds >= self.config.total_rounds:
+        if spent or (self.config.rounds and self.committed_rounds >= self.config.rounds):
             return done
         if self.cohort is not None:
             return self._decide_drawn(now, self.cohort)
         live = {m.peer_id for m in self.live(now)}
-        candidates = tuple(sorted(p for p in self.ready if p in live and p not in self.excluded))
+        candidates = tuple(sorted(p for p in self.said_ready if p in live and p not in self.excluded))
         quorum = self._quorum()
         if len(candidates) < quorum:
             why = " = cohort size" if quorum == self.config.cohort_size else ""
             # The committed state lives on the peers: with none of its holders live, nobody can sync.
             lost = (f"; no live member holds the committed state of round {self.committed_rounds - 1}: "
-                    f"a peer that took part in it must rejoin") if self.commits and not self._holders(now) else ""
+                    f"a peer that took part in it must rejoin") if self.commits and not self.table.holders(self._head().holders, now) else ""
             return Waiting(WaitReason.QUORUM, f"waiting for {_plural(quorum - len(candidates), 'more ready peer')} "
                                               f"({len(candidates)}/{len(live)} ready, quorum {quorum}{why}){lost}",
                            tuple(sorted(live - set(candidates))))
         # Every live peer is waited on (syncing joiners included, or a fast swarm would outrun a
         # joiner forever); the ready timeout bounds the wait for a straggler. A retry waits for
         # nobody: its participants are the survivors.
-        waiting_on = tuple(sorted(p for p in self._unready if p in live))
+        waiting_on = tuple(sorted(p for p in self.table.unready if p in live))
         until = (self.first_ready_at if self.first_ready_at is not None else now) + self.config.ready_timeout
         # A peer downloading the committed state is waited on while its download should last.
         until = max([until] + [self.members[p].sync_until for p in waiting_on
@@ -1114,13 +1030,9 @@ class RoundEngine:
         return Waiting(WaitReason.STRAGGLERS, f"waiting up to {until - now:.1f} s for "
                                               f"{_plural(len(waiting_on), 'straggler')}", waiting_on, until)
 
-    def _live(self, peer_id: str, now: float) -> bool:
-        m = self.members.get(peer_id)
-        return m is not None and m.lease_expiry > now
-
     def _ready_in_sync(self, peer_id: str, now: float) -> bool:
         """Said ready holding the last committed state, is live and not excluded."""
-        info = self.ready.get(peer_id)
+        info = self.said_ready.get(peer_id)
         m = self.members.get(peer_id)
         return (info is not None and m is not None and m.lease_expiry > now and peer_id not in self.excluded
                 and self._in_sync(info))
@@ -1139,7 +1051,7 @@ class RoundEngine:
             return Waiting(WaitReason.SYNCING, f"waiting up to {until - now:.1f} s for "
                                                 f"{_plural(len(missing), 'drawn peer')} to fetch the committed state "
                                                 f"and say ready", missing, until)
-        pool = [p for p in self.ready if self._live(p, now) and p not in self.excluded]
+        pool = [p for p in self.said_ready if self.table.is_live(p, now) and p not in self.excluded]
         refill = cohort.refill(ready, pool, self.config.cohort_size, seed=self.config.cohort_seed,
                                round_=self.committed_rounds, now=now)
         if set(refill.members) != set(cohort.members) and len(refill.members) >= quorum:
@@ -1157,27 +1069,13 @@ class RoundEngine:
             quorum = max(quorum, self.config.initial_peers)
         return quorum
 
-    @staticmethod
-    def _waited_on(m: Member) -> bool:
-        """Whether a round waits (up to the ready timeout) for this live peer to say ready
-        (`MemberState.waited_on` and its round-event stream is open; a joiner catching up is
-        waited on from its Join, before its stream opens: the fast peers' Readys for the next
-        round came first, that round committed during its download, and it downloaded twice)."""
-        return m.state.waited_on and (m.connected or (m.state is MemberState.CATCHING_UP and not m.streamed))
-
     def _refresh(self, peer_id: str) -> None:
-        """Put `peer_id` in `_unready` or take it out, after any change of its membership, state,
-        stream, readiness or exclusion."""
-        m = self.members.get(peer_id)
-        if (m is not None and self._waited_on(m) and peer_id not in self.ready
-                and peer_id not in self.excluded):
-            self._unready.add(peer_id)
-        else:
-            self._unready.discard(peer_id)
+        """Keep `peer_id`'s place in the member table's `unready` after any change of its
+        membership, state, stream, readiness or exclusion."""
+        self.table.refresh(peer_id, counted=peer_id not in self.said_ready and peer_id not in self.excluded)
 
     def _refresh_all(self) -> None:
-        self._unready = {p for p, m in self.members.items()
-                         if self._waited_on(m) and p not in self.ready and p not in self.excluded}
+        self.table.refresh_all(self.said_ready.keys() | self.excluded)
 
     def _cannot_open(self, now: float) -> bool:
         """A cheap, exact "no": True only when `_decide` would certainly not open a round now
@@ -1185,17 +1083,17 @@ class RoundEngine:
         the common case; False means "ask `_decide`"."""
         if self.running is not None or self.finished or now < self.not_before:
             return True
-        if self.config.total_rounds and self.committed_rounds >= self.config.total_rounds:
+        if self.config.rounds and self.committed_rounds >= self.config.rounds:
             return False  # `_decide` says FINISHED
         if self.cohort is not None:
             return False  # `_decide_drawn` looks at the cohort only: O(K)
-        if len(self.ready) < self._quorum():
+        if len(self.said_ready) < self._quorum():
             return True
         if self.tries > 0:
             return False
         if self.first_ready_at is not None and now - self.first_ready_at >= self.config.ready_timeout:
             return False
-        return any(self.members[p].lease_expiry > now for p in self._unready)
+        return any(self.members[p].lease_expiry > now for p in self.table.unready)
 
     def _maybe_open(self, now: float) -> list[Action]:
         if self._cannot_open(now):
@@ -1210,7 +1108,10 @@ class RoundEngine:
             log.debug("round %d not open: %s", self.committed_rounds, decision.message)
         if decision.reason is WaitReason.FINISHED and not self.finished:
             self.finished = True
-            return [SendFinished(self.committed_rounds, "run complete")]
+            reason = "privacy budget spent" if self._budget_spent() else "run complete"
+            if self._budget_spent():
+                log.warning("%s", decision.message)
+            return [SendFinished(self.committed_rounds, reason)]
         return []
 
     def _draw(self, now: float, d: _Draw) -> list[Action]:
@@ -1221,17 +1122,19 @@ class RoundEngine:
             if m is not None:
                 m.state = m.state.after_missed_deadline()
             if self.cohort is not None and p in self.cohort.members:
-                self.ready.pop(p, None)  # a drawn peer that did not come: back to the pool when it says ready
+                self.said_ready.pop(p, None)  # a drawn peer that did not come: back to the pool when it says ready
             self._refresh(p)
         self.cohort = d.cohort
         if d.cohort is None:
             return self._maybe_open(now)
+        if d.cohort.draws == 1 and d.ready:
+            self._sampling = min(1.0, len(d.cohort.members) / d.ready)
         log.info("round %d: a cohort of %d drawn from %d ready peers%s", self.committed_rounds, len(d.cohort.members),
                  d.ready, f" (replacing {len(d.left_out)})" if d.left_out else "")
         actions: list[Action] = []
         for p in d.cohort.members:
             if not self._ready_in_sync(p, now) and p in self.members:
-                info = self.ready.get(p)
+                info = self.said_ready.get(p)
                 order = self._order_sync(self.members[p], info.state_round if info else -1, now)
                 if order is not None:
                     actions.append(order)
@@ -1241,7 +1144,7 @@ class RoundEngine:
         """Plan the round, apply the membership boundary, start the attempt; or hold when it
         cannot be planned (no trusted shard owner: no round until a trusted peer is among them)."""
         participants = opening.participants
-        info = self.ready[participants[0]]
+        info = self.said_ready[participants[0]]
         links = relay_links([self.members[p].link() for p in participants],
                             [(self.members[p].relay, self.members[p].relay_bytes_per_s) for p in participants])
         planned = plan_round(links, info.num_elements, info.dtype,
@@ -1272,18 +1175,19 @@ class RoundEngine:
             planned, round=self.committed_rounds, attempt=self.attempt, epoch=self.epoch,
             deadline_seconds=planned.deadline_seconds,
             addresses=tuple(self.members[p].address for p in planned.participants),
-            num_samples=tuple(self.ready[p].num_samples for p in planned.participants),
+            num_samples=tuple(self.said_ready[p].num_samples for p in planned.participants),
             public_keys=tuple(self.members[p].public_key for p in planned.participants),
             relays=tuple(self.members[p].relay for p in planned.participants)
-            if any(self.members[p].relay for p in planned.participants) else ())
-        self.running = _Running(plan, now)
+            if any(self.members[p].relay for p in planned.participants) else (),
+            fragments=max(1, self.config.fragments), fragment=self.committed_rounds % max(1, self.config.fragments))
+        self.running = Attempt(plan, now)
         actions.append(SendPlan(plan))
         return actions
 
     def _unplannable(self, now: float, planned: NoPlan, participants: tuple[str, ...]) -> None:
         """`_open` could not plan a round of `participants`: hold the next opening, with the peers
         this round's aborts excluded taken back when there are any, else until another peer."""
-        if self.excluded & self.ready.keys():
+        if self.excluded & self.said_ready.keys():
             # What the round lacks may be the peers its aborts excluded (e.g. its only reachable
             # owners); they come back only in the next round, which this one would then never
             # reach. Let them back in; the attempt limit still bounds the round.
@@ -1309,43 +1213,66 @@ class RoundEngine:
     def _commit(self, now: float) -> list[Action]:
         run = self.running
         assert run is not None
-        votes = run.votes
-        any_vote = next(iter(votes.values()))
-        # A peer may report a non-finite loss (diverged, or lying): it never reaches the record.
-        losses = [v.loss for v in votes.values() if math.isfinite(v.loss)]
-        flagged = tuple(sorted({f for v in votes.values() for f in v.flagged}))
-        rec = CommitRecord(
-            round=run.plan.round,
-            attempt=run.plan.attempt,
-            result_digest=any_vote.result_digest,
-            state_digest=any_vote.state_digest,
-            participants=run.plan.participants,
-            train_loss=float(sum(losses) / len(losses)) if losses else 0.0,
-            seconds=now - run.started,
-            flagged=flagged,
-            at=now,
-        )
+        rec = run.commit_record(now)
         self.commits.append(rec)
         self._committed += 1
+        self._rewound = None
+        self.behind, self.first_behind_at = {}, None
         self.growth.on_commit()
+        self.strikes.cleared(rec.participants)
         pace = self._fastest_pace(rec.participants)
+        epsilon = self._account(rec.round)
+        elected = self.elect_checkpointers(rec.participants)
         if self.config.cohort_size:
             # The pool stays; the participants re-enter it when they say ready with the new state.
             for p in rec.participants:
-                self.ready.pop(p, None)
+                self.said_ready.pop(p, None)
             self._reset_round(keep_pool=True)
-            if self.ready:
+            if self.said_ready:
                 self.first_ready_at = now  # the pool is ready already: the ready deadline runs
-            return [SendCommit(rec, self.epoch, to=rec.participants, step_seconds=pace), *self._owed_orders(now)]
+            return [SendCommit(rec, self.epoch, to=rec.participants, step_seconds=pace, epsilon=epsilon,
+                               checkpointers=elected),
+                    *self._owed_orders(now)]
         # The ready peers that did not take part (peers excluded on a retry, stragglers whose
         # Ready came during the attempt) hold the previous state: order their sync now, as their
         # next Ready would.
-        orders = [self._order_sync(self.members[p], rec.round, now) for p in self.ready
+        orders = [self._order_sync(self.members[p], rec.round, now) for p in self.said_ready
                   if p not in set(rec.participants) and p in self.members]
         syncs = [o for o in orders if o is not None]
         syncs += self._owed_orders(now, skip=[o.peer_id for o in syncs])
         self._reset_round()
-        return [SendCommit(rec, self.epoch, frozenset(o.peer_id for o in syncs), step_seconds=pace), *syncs]
+        return [SendCommit(rec, self.epoch, frozenset(o.peer_id for o in syncs), step_seconds=pace, epsilon=epsilon,
+                           checkpointers=elected), *syncs]
+
+    def _account(self, round_: int) -> float:
+        """Record the committed round with the privacy accountant; returns ε so far. Caches ε
+        after one more round at the same sampling rate (what `_decide` compares with the budget)
+        and warns once when that exceeds the budget with on_budget = "warn"."""
+        dp = self.config.privacy
+        if not dp.enabled:
+            return 0.0
+        q, self._sampling = self._sampling, 1.0
+        self.accountant.add_round(q)
+        epsilon = self._epsilon = self.accountant.epsilon()
+        self._next_epsilon = self.accountant.epsilon_after(q)
+        log.info("round %d: privacy spent epsilon %.4f at delta %g (sigma %g, sampling %.3f, %s noise)",
+                 round_, epsilon, dp.delta, dp.sigma, q, dp.mode)
+        if self._budget_spent() and dp.on_budget == "warn" and not self._budget_warned:
+            self._budget_warned = True
+            log.warning("privacy budget: the next round makes epsilon %.3f > %g; going on (dp_on_budget = warn)",
+                        self._next_epsilon, dp.epsilon_budget)
+        return epsilon
+
+    def elect_checkpointers(self, participants: tuple[str, ...]) -> tuple[str, ...]:
+        """The participants that upload this round's checkpoint to the shared store when one is
+        due: the `checkpointers` setting's count (0 = all) with the best reported upload rate
+        (ties and unknown rates by peer id), never an outbound-only one while another is there.
+        Psyche elects a share of its clients as checkpointers per epoch; here each commit does."""
+        k = self.config.checkpointers or len(participants)
+        def rank(p: str):
+            m = self.members.get(p)
+            return (m is None or m.outbound_only, -(m.up_bytes_per_s if m is not None else 0.0), p)
+        return tuple(sorted(sorted(participants, key=rank)[:k]))
 
     def _fastest_pace(self, participants: tuple[str, ...]) -> float:
         """The fast participants' seconds per inner step (`ReadyInfo.step_seconds`), 0 when none
@@ -1353,7 +1280,7 @@ class RoundEngine:
         about its pace cannot shrink everybody's local phase). Not a mean: with local_work =
         "time" the next local phase lasts H of these steps, so the fast peers run about H steps
         and nobody waits for a slow one."""
-        paces = sorted(s for s in (self.ready[p].step_seconds for p in participants if p in self.ready) if s > 0)
+        paces = sorted(s for s in (self.said_ready[p].step_seconds for p in participants if p in self.said_ready) if s > 0)
         return paces[1] if len(paces) >= 3 else paces[0] if paces else 0.0
 
     def _outbound_in(self, participants) -> set[str]:
@@ -1377,7 +1304,7 @@ class RoundEngine:
         if grew is not None:  # the reason once, at the streak's first growth; the later ones quieter
             log.log(logging.WARNING if self.growth.streak == 2 else logging.INFO, "%s", grew)
         self.rounds_aborted += 1
-        survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.ready]
+        survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.said_ready]
         will_retry = self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
         rec = AbortRecord(run.plan.round, run.plan.attempt, reason, tuple(sorted(excluded)), will_retry, now)
         self.aborts.append(rec)
@@ -1385,12 +1312,12 @@ class RoundEngine:
         if cohort is not None:  # the pool is not told: only the cohort waits on this round
             to = tuple(sorted(set(run.plan.participants) | set(cohort.members)))
         else:
-            to = tuple(sorted(set(run.plan.participants) | set(self.ready)))
+            to = tuple(sorted(set(run.plan.participants) | set(self.said_ready)))
         self.attempt += 1
         if will_retry and cohort is not None:
             # The retry keeps the survivors and fills the excluded places from the pool's peers
             # that hold the last state (they can start at once; fewer than K if there are none).
-            in_sync = [p for p in self.ready if self._ready_in_sync(p, now)]
+            in_sync = [p for p in self.said_ready if self._ready_in_sync(p, now)]
             self.cohort = cohort.refill(survivors, in_sync, self.config.cohort_size, seed=self.config.cohort_seed,
                                         round_=run.plan.round, now=now)
         if will_retry:
@@ -1403,7 +1330,7 @@ class RoundEngine:
             # Give the round up: everyone (the excluded included) starts it over by saying ready.
             if cohort is not None:
                 for p in to:
-                    self.ready.pop(p, None)
+                    self.said_ready.pop(p, None)
             self._reset_round(next_attempt=self.attempt, keep_pool=cohort is not None)
             self._hold(now + self.config.retry_backoff, Waiting(
                 WaitReason.BACKOFF, f"retry backoff: round {run.plan.round} given up after an abort ({reason}); "
@@ -1411,14 +1338,14 @@ class RoundEngine:
         return [SendAbort(rec, to), *self._owed_orders(now)]
 
     def _reset_round(self, next_attempt: int | None = None, *, keep_pool: bool = False) -> None:
-        """A new round (or a round started over): nobody excluded, no cohort, no Ready kept
-        (with cohorts, `keep_pool`: the pool's Readys stay)."""
+        """A new round (or a round started over): nobody excluded but the benched peers
+        (`Strikes`), no cohort, no Ready kept (with cohorts, `keep_pool`: the pool's Readys stay)."""
         self.running = None
         if not keep_pool:
-            self.ready = {}
+            self.said_ready = {}
         self.first_ready_at = None
         self.attempt = self.attempt_base if next_attempt is None else next_attempt
         self.tries = 0
-        self.excluded = set()
+        self.excluded = self.strikes.benched(self.committed_rounds)
         self.cohort = None
         self._refresh_all()

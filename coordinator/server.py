@@ -1,8 +1,9 @@
-"""The coordinator's gRPC server: translates between shoal.v1.Coordinator and `RoundEngine`.
+"""The coordinator's gRPC service: translates between shoal.v1.Coordinator and `RoundEngine`.
 
 Thin by design: every decision is made by the pure `coordinator.rounds.RoundEngine`; this module
 validates requests, carries out the engine's actions (durable writes first, then events to the
-peers' WatchRounds streams) and runs one ticker task that applies deadlines.
+peers' WatchRounds streams) and runs one ticker task that applies deadlines. The daemon around it
+(opening the state, binding, serving, shutting down) is `coordinator.daemon`.
 
 Time: the engine runs on `shoal.common.pauses.RunClock`, the coordinator's own time (a stall of
 the coordinator is left out of every lease and deadline); after a detected pause the ticker
@@ -22,78 +23,55 @@ Security (docs/security.md): TLS or explicit plaintext (`shoal.common.security.S
 handler, undecodable requests get INVALID_ARGUMENT, callers are rate limited per host (joins
 more strictly) and every call but GetStatus must carry a valid request signature
 (`shoal.common.security.SignedCalls`); Join then applies admission (join token and/or allow-list) once per
-key: the admitted key is a membership that joins again without a token (`coordinator.membership`),
+key: the admitted key is a membership that joins again without a token (`coordinator.admitted_keys`),
 one process per identity. Every other call of a peer is refused once its membership is revoked or
 another process of its key took over (`MemberCalls`). Every plan carries a round ticket signed with
 the coordinator's Ed25519 key, every sync order a permit. The operator's calls (ListMembers,
 RevokeMember) must be signed with that same key.
-Operations: the server also carries gRPC health checking (grpc.health.v1; NOT_SERVING from the
-moment shutdown starts) and server reflection, and records shoal.metrics.CoordinatorMetrics,
-served on `metrics_port` when it is set (0 = off).
+Operations: the service records shoal.metrics.CoordinatorMetrics; the daemon serves them on
+`metrics_port` when it is set (0 = off) and carries gRPC health checking (grpc.health.v1;
+NOT_SERVING from the moment shutdown starts).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import errno
-import functools
+import contextlib
+import ipaddress
 import json
 import logging
 import math
-import pathlib
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 import grpc
 
+from shoal.common.attempts import shown_attempt
+from shoal.common.errors import (Aborted, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ShoalError,
+                                 grpc_errors, require)
+from shoal.common.identity import MD_INSTANCE, MD_PUBKEY, peer_id_of, public_bytes
+from shoal.common.limits import (CONTROL_MAX_RECEIVE_BYTES, LINK_BYTES_PER_S_BOUNDS, LINK_RTT_MAX_SECONDS, RateLimiter,
+                                 host_of)
+from shoal.common.metrics import CoordinatorMetrics
 from shoal.common.plan import Plan
-from shoal.coordinator.rounds import (
-    AbortRecord,
-    Action,
-    CommitRecord,
-    EngineConfig,
-    ErrorKind,
-    ForgetMember,
-    PersistEpoch,
-    PersistMember,
-    PersistUntrusted,
-    ReadyInfo,
-    RoundEngine,
-    RoundError,
-    SendAbort,
-    SendCommit,
-    SendFinished,
-    SendPlan,
-    SendSync,
-    WaitReason,
-)
-from shoal.coordinator.admission import Admission, AllowList, load_secret
-from shoal.coordinator import planner
-from shoal.coordinator.heap import HeapPolicy, limit_arenas
-from shoal.coordinator.loopwatch import CallTimer, LoopWatch
-from shoal.coordinator.membership import Membership, Memberships
-from shoal.coordinator.etcd_store import EtcdStore, EtcdTarget, is_etcd
-from shoal.coordinator.leadership import Leadership
-from shoal.common.pauses import RunClock
-from shoal.coordinator.store import SQLiteStore, StateFileError, Store
-from shoal.common.attempts import ATTEMPT_STRIDE, shown_attempt
-from shoal.common.errors import (DecodeErrors, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                                 ShoalError, grpc_errors, require)
-from shoal.common.identity import MD_INSTANCE, MD_PUBKEY, RequestVerifier, load_or_create_key, peer_id_of, public_bytes
-from shoal.common.reach import Reachability, dial_back
-from shoal.common.limits import (CONTROL_MAX_RECEIVE_BYTES, CONTROL_MAX_SEND_BYTES, COORDINATOR_MAX_CONCURRENT_RPCS,
-                         RateLimiter, host_of)
-from shoal.common.security import Security, SignedCalls, add_port
-from shoal.coordinator.ca import DEFAULT_LIFETIME_S, CertificateAuthority, Issued
+from shoal.common.reach import Reachability
 from shoal.common.throttle import Throttle, more
 from shoal.common.tickets import SYNC_ATTEMPT, issue_ticket, plan_digest
-from shoal.common.health import COORDINATOR_SERVICE, attach
-from shoal.common.metrics import CoordinatorMetrics
+from shoal.coordinator.admission import Admission
+from shoal.coordinator.ca import CertificateAuthority, Issued
+from shoal.coordinator.etcd_store import NotLeader
+from shoal.coordinator.admitted_keys import Membership, Memberships
+from shoal.coordinator.rounds import (AbortRecord, Action, CommitRecord, ErrorKind, ForgetMember, PersistEpoch,
+                                      PersistDurable, PersistMember, PersistUntrusted, ReadyInfo, Rewind, RoundEngine, RoundError, SendAbort,
+                                      SendCommit, SendFinished, SendPlan, SendSync, WaitReason)
+from shoal.relay.protocol import issue_relay_ticket
+from shoal.coordinator.store import DURABLE_META, REWINDS_META, Store, durable_json, recorded_rewinds
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
+REDIAL_SECONDS = 10.0  # a member suspected by failed votes is dialled back at most this often
+# A relay ticket's life (a member joins again for a fresh one; a revoked member's lasts at most this).
+RELAY_TICKET_SECONDS = 3600.0
 log = logging.getLogger("shoal.coordinator")
 
 MAX_MESSAGE_BYTES = CONTROL_MAX_RECEIVE_BYTES
@@ -102,7 +80,6 @@ SERVICE_PREFIX = "/shoal.v1.Coordinator/"
 JOIN = SERVICE_PREFIX + "Join"
 GET_STATUS = SERVICE_PREFIX + "GetStatus"
 HEARTBEAT = SERVICE_PREFIX + "Heartbeat"
-HEARTBEAT_TIMEOUT_SECONDS = 10.0  # the benchmark's members' heartbeat timeout: --trace-dir's core wait (loopwatch)
 # Unsigned: the operator view (read-only; protect it with mTLS or a firewall).
 UNSIGNED_METHODS = frozenset({GET_STATUS})
 # A member's calls after its Join: refused once it is revoked or fenced (MemberCalls).
@@ -116,18 +93,20 @@ RUN_OVER_POLL_SECONDS = 0.2
 # A coordinator Probe moves at most this much each way (a joiner's first estimate; below the
 # control plane's 1 MiB message limit).
 PROBE_MAX_BYTES = 512 << 10
+# Dial-backs of joiners per caller host: a burst (a swarm's peers on one machine start together),
+# then a steady rate; past it a Join is refused with RESOURCE_EXHAUSTED (peers retry it).
+DIAL_BACK_BURST = 32
+DIAL_BACKS_PER_S = 2.0
+RESOLVE_SECONDS = 2.0  # resolving an advertised host name, before a dial-back
 COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
-# Request nonces remembered for the signature window (30 s): above the calls of 10,000 members in
-# that window (heartbeats every lease/4, Readys), ~200 bytes each; past it, RESOURCE_EXHAUSTED.
-NONCE_MEMORY = 1_000_000
 # An event with nothing set: what a round-event stream sends when it opens and after each burst of
 # events. gRPC's asyncio server keeps the last message a stream's handler yielded (its
 # `async for response_message in ...` loop) until the next one, and so did the handler's own
 # variable: a commit event, one object shared by the round's cohort (~1-2 KB of protobuf in C,
 # unseen by tracemalloc), lived as long as any of its participants had no newer event, i.e. until
 # the last of them was drawn again (hundreds of rounds with N/K in the tens): the resident size
-# grew with the rounds until that many commits were held (docs/performance.md, "One coordinator,
-# many members", step 15). Ending every burst with this one (0 bytes on the wire) lets each event
+# grew with the rounds until that many commits were held (docs/performance.md, "Coordinator
+# scale"). Ending every burst with this one (0 bytes on the wire) lets each event
 # go once sent. Receivers skip it (peer.rounds.event_of).
 EMPTY_EVENT = pb.RoundEvent()
 # Messages a round-event stream sends when it opens (empty events, or a running round's plan
@@ -140,35 +119,9 @@ _ERROR_KINDS = {ErrorKind.NOT_FOUND: NotFound, ErrorKind.INVALID: InvalidArgumen
                 ErrorKind.PRECONDITION: FailedPrecondition}
 
 
-@dataclasses.dataclass(frozen=True)
-class CoordinatorConfig:
-    """Settings of `shoal coordinator` (see docs/configuration.md)."""
-
-    listen: str = "127.0.0.1:7070"
-    state_path: str = "shoal-coordinator.db"
-    engine: EngineConfig = EngineConfig()
-    run_config: dict = dataclasses.field(default_factory=dict)
-    ready_file: str | None = None
-    key_path: str | None = None
-    security: Security = Security(insecure=True)
-    join_token_secret: str | None = None  # path of the HMAC secret (`shoal token create`)
-    allow_list: str | None = None         # path of the allow-list (hex Ed25519 public keys)
-    join_rate: float = 5.0                # joins per second per host (token bucket)
-    join_burst: int = 50
-    request_rate: float = 500.0           # any call, per second per host
-    request_burst: int = 1000
-    metrics_port: int = 0
-    metrics_host: str = "0.0.0.0"
-    finish_linger: float = 10.0  # after the run finished and every member left: answer status this long, then exit
-    reach_timeout: float = 2.0  # dial-back of a joiner's data address (shoal.common.reach); 0 = not checked
-    cert_lifetime: float = DEFAULT_LIFETIME_S  # issued data-plane certificates, seconds (coordinator.ca)
-    member_retention: float = MEMBER_RETENTION_SECONDS  # an admitted key unused this long needs admission again
-    trace_dir: str | None = None  # write loop.csv (coordinator.loopwatch) here; None: no trace
-    accept_loops: int = 1  # gRPC servers on the listen port, each taking calls from gRPC core (_bind_servers)
-
-
 # The actions that write to the store.
-_WRITES = (PersistMember, ForgetMember, PersistEpoch, PersistUntrusted, SendCommit, SendAbort)
+_WRITES = (PersistMember, ForgetMember, PersistEpoch, PersistUntrusted, SendCommit, SendAbort, Rewind, PersistDurable)
+
 
 
 def advertised_address(data_address: str, context) -> str:
@@ -189,6 +142,12 @@ def _give(resp: pb.JoinResponse | pb.RenewCertificateResponse, issued: Issued | 
     """Put an issued data-plane certificate (if any) into a Join or RenewCertificate answer."""
     if issued is not None:
         resp.tls_certificate, resp.tls_ca, resp.tls_not_after = issued.certificate, issued.ca, issued.not_after
+
+
+class StoreFailed(ShoalError):
+    """A write of the state store failed: this leader's term ends; callers retry (UNAVAILABLE)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 def _raise(exc: RoundError) -> ShoalError:
@@ -224,11 +183,36 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.finished_event: pb.RoundEvent | None = None
         self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
         self.commit_lines = Throttle(COMMIT_LOG_SECONDS)  # INFO "round N committed" lines
+        self.dial_backs = RateLimiter(DIAL_BACKS_PER_S, DIAL_BACK_BURST)  # per caller host (`_dial_back_of`)
         self.refusal_lines = Throttle(10.0)  # WARNING lines for Joins of peers too old
+        self.redialled: dict[str, float] = {}  # suspect -> when it was last dialled back (`_suspected`)
+        self.redials: set[asyncio.Task] = set()
         self.finished_at: float | None = None  # when the run finished (clock)
+        # Set when a store write failed (etcd unreachable, or fenced): this term ends (serve steps down).
+        self.store_lost = asyncio.Event()
+        self.store_lost_why = ""
         self.settled_at: float | None = None  # when, after that, no member was left
+        self.rounds_lost = sum(int(rw["lost"]) for rw in recorded_rewinds(store)) if store is not None else 0
 
     # ------------------------------------------------------------ actions
+
+    @contextlib.contextmanager
+    def _writing(self, durable: bool = True) -> Iterator[None]:
+        """A store batch. When it fails (an etcd store unreachable, or a fenced write refused)
+        nothing is written, `store_lost` is set (this leader's term ends: `serve` steps down and
+        stands by again) and StoreFailed (UNAVAILABLE to the caller) is raised; so are all later
+        writes of this term, whose engine may be ahead of its store."""
+        if self.store_lost.is_set():
+            raise StoreFailed(self.store_lost_why)
+        try:
+            with self.store.batch(durable=durable):
+                yield
+        except (grpc.RpcError, NotLeader) as exc:
+            what = exc.code().name if isinstance(exc, grpc.RpcError) else str(exc)
+            self.store_lost_why = f"the coordinator's state store failed ({what}); it steps down as leader"
+            log.error("%s", self.store_lost_why)
+            self.store_lost.set()
+            raise StoreFailed(self.store_lost_why) from None
 
     def _send(self, peer_id: str, event: pb.RoundEvent) -> None:
         q = self.watchers.get(peer_id)
@@ -253,7 +237,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         writes = [a for a in actions if isinstance(a, _WRITES)]
         if writes:
             lazy = all(isinstance(a, (PersistMember, ForgetMember)) for a in actions)
-            with self.store.batch(durable=not lazy):
+            with self._writing(durable=not lazy):
                 for a in writes:
                     self._persist(a)
         for a in actions:
@@ -276,6 +260,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.store.save_commit(a.record)
         elif isinstance(a, SendAbort):
             self.store.save_abort(a.record)
+        elif isinstance(a, PersistDurable):
+            self.store.set_meta(DURABLE_META, durable_json(a.durable))
+        elif isinstance(a, Rewind):
+            # Before the engine's next commit is written: the rounds it plays again are free.
+            self.store.rewind(a.rounds)
+            done = recorded_rewinds(self.store) + [{"from": a.rounds + a.lost, "to": a.rounds, "lost": a.lost,
+                                           "digest": a.state_digest.hex(), "holders": list(a.holders),
+                                           "wall": self.wall()}]
+            self.store.set_meta(REWINDS_META, json.dumps(done))
+            self.rounds_lost += a.lost
 
     def _notify(self, a: Action, replying_to: str) -> None:
         if isinstance(a, SendPlan):
@@ -291,7 +285,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         elif isinstance(a, SendCommit):
             r = a.record
             self.metrics.on_commit(r.seconds, self.vote_bytes.pop((r.round, r.attempt), 0),
-                                   rounds_committed=self.engine.committed_rounds)
+                                   rounds_committed=self.engine.committed_rounds, epsilon=a.epsilon)
             self.vote_bytes = {k: v for k, v in self.vote_bytes.items() if k[0] > r.round}
             held = self.commit_lines.due()
             log.log(logging.DEBUG if held is None else logging.INFO,
@@ -299,7 +293,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     shown_attempt(r.attempt), len(r.participants), r.seconds, r.train_loss, more(held or 0))
             ev = pb.RoundEvent(commit=pb.Commit(
                 round=r.round, attempt=r.attempt, result_digest=r.result_digest, state_digest=r.state_digest,
-                epoch=a.epoch, participants=r.participants, flagged=r.flagged, step_seconds=a.step_seconds))
+                epoch=a.epoch, participants=r.participants, flagged=r.flagged, step_seconds=a.step_seconds,
+                epsilon=a.epsilon, checkpointers=a.checkpointers))
             for p in list(self.watchers) if a.to is None else a.to:
                 if p not in a.synced:  # those get their sync order (a following action) instead
                     self._send(p, ev)
@@ -312,6 +307,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                               excluded=r.excluded, will_retry=r.will_retry))
             for p in a.to:  # the participants and the ready peers: nobody else waits on it
                 self._send(p, ev)
+        elif isinstance(a, Rewind):
+            self.metrics.on_rewind(a.lost, rounds_committed=self.engine.committed_rounds)
+            self.finished_event = None
+            self.finished_at = None
         elif isinstance(a, SendSync):
             self.metrics.on_sync()
             if a.peer_id != replying_to:  # a Ready's own order travels in its reply
@@ -365,9 +364,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         while True:
             now = self.clock()
             paused = take_pause() if take_pause is not None else 0.0
-            if paused:
-                self.apply(self.engine.resumed(now, paused))
-            self.apply(self.engine.tick(now))
+            try:
+                if paused:
+                    self.apply(self.engine.resumed(now, paused))
+                self.apply(self.engine.tick(now))
+            except StoreFailed:
+                return  # serve ends this term (store_lost)
             if now >= next_gauges:
                 self.observe()
                 next_gauges = now + max(METRICS_EVERY_SECONDS, len(self.engine.members) / 1000)
@@ -391,6 +393,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             require(":" in request.data_address, "data_address", "must be HOST:PORT")
             require(math.isfinite(request.relay_bytes_per_s) and request.relay_bytes_per_s >= 0, "relay_bytes_per_s",
                     "must be a finite rate >= 0 (bytes/s)")
+            _check_rate(request.up_bytes_per_s, "up_bytes_per_s")
+            _check_rate(request.down_bytes_per_s, "down_bytes_per_s")
             try:
                 _check_version(request.version)
             except FailedPrecondition:
@@ -409,12 +413,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 log.info("peer %s joined after the run finished; told so", peer_id[:8])
                 return pb.JoinResponse(peer_id=peer_id, coordinator_public_key=public_bytes(self.key),
                                        finished=self.finished_event.finished)
-            fenced = self.memberships.claim(peer_id, _instance(context), self._live(peer_id, asked))
+            instance = _instance(context)
+            fenced = self.memberships.claim(peer_id, instance, self._live(peer_id, asked))
             issued = self._issue(peer_id, request.tls_csr)  # a bad CSR refuses the join before it counts
             # Without an fsync, like the member row (a 10,000-member start must not fsync each join):
             # a machine crash (not a process crash) may lose a fresh admission; that peer then needs
             # its token once more. A revocation is written durably.
-            with self.store.batch(durable=False):
+            with self._writing(durable=False):
                 self.store.save_membership(rec)
             if fenced is not None:
                 # A restart after a crash is routine (info); a holder that still had a lease is worth a look.
@@ -424,8 +429,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self._close_watch(peer_id, f"peer {peer_id}: another process with this key took over the identity; "
                                            f"this one is fenced")
             # A peer that says it is outbound-only is not dialled: nobody will dial it anyway.
-            reach = await self._dial_back(request.data_address, request.public_key) \
+            reach = await self._dial_back_of(request, context) \
                 if self.reach is not None and not request.outbound_only else None
+            if not self.memberships.holds(peer_id, instance):
+                # Another process of this key joined during the dial-back: it holds the identity,
+                # and this stale Join must not overwrite its address.
+                raise Aborted(f"peer {peer_id[:8]}: another process with this key took over the identity while "
+                              f"this Join was dialled back; this Join is void")
             if reach is not None and not reach.reachable:
                 log.warning("peer %s cannot be reached at its data address: %s; it takes part outbound-only",
                             peer_id[:8], reach.reason)
@@ -452,6 +462,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 unreachable=reach.reason if reach is not None and not reach.reachable else "",
             )
             _give(resp, issued)
+            if request.relay:  # a relay started with this coordinator's key registers only ticket holders
+                resp.relay_ticket = issue_relay_ticket(self.key, request.public_key, RELAY_TICKET_SECONDS)
             # With cohorts a joiner fetches the state when a draw picks it (coordinator.cohorts);
             # while an attempt is in flight, its order comes when the attempt ends (on the stream).
             order = self.engine.join_sync(peer_id, now)
@@ -479,7 +491,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.memberships.check(peer_id, instance)
         rec = self.memberships.touch(peer_id, self.clock())
         if rec is not None:
-            with self.store.batch(durable=False):
+            with self._writing(durable=False):
                 self.store.save_membership(rec)
 
     def _operator(self, context) -> None:
@@ -513,7 +525,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 rec = self.memberships.revoke(request.member, now)
             except ValueError as exc:
                 raise NotFound(str(exc)) from None
-            with self.store.batch():
+            with self._writing():
                 self.store.save_membership(rec)
             log.warning("membership of peer %s (%s) revoked by the operator", rec.peer_id[:8], rec.label)
             self._close_watch(rec.peer_id, f"peer {rec.peer_id}: membership revoked by the operator")
@@ -544,11 +556,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     "must be a finite number of seconds >= 0")
             info = ReadyInfo(request.num_elements, request.dtype, request.num_samples, request.state_digest,
                              request.state_round, self.clock(), request.state_bytes, request.sync_bytes_per_s,
-                             request.training, request.local_steps, request.local_seconds)
+                             request.training, request.local_steps, request.local_seconds,
+                             request.checkpoint_round, request.checkpoint_digest)
             try:
-                actions = self.engine.ready_(request.peer_id, request.round, info, self.clock())
+                actions = self.engine.ready(request.peer_id, request.round, info, self.clock())
             except RoundError as exc:
+                self.apply(self.engine.durable_changed())
                 raise _raise(exc) from None
+            actions += self.engine.durable_changed()
             self.apply(actions, replying_to=request.peer_id)
             resp = pb.ReadyResponse(round=self.engine.committed_rounds, pooled=self.engine.pooled(request.peer_id))
             for a in actions:
@@ -575,6 +590,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             _give(resp, self._issue(request.peer_id, request.tls_csr))
             return resp
 
+    async def _dial_back_of(self, request: pb.JoinRequest, context) -> Reachability:
+        """The joiner's reachability, dialling back only the address it advertises for itself:
+        one on the host its Join came from (or on its relay's host, for a relayed address). Any
+        other address is not dialled (the dial-back must not tell anyone whether some host's port
+        is open) and counts as unreachable: the joiner takes part outbound-only. Dial-backs are
+        rate limited per caller host (RESOURCE_EXHAUSTED past DIAL_BACK_BURST, DIAL_BACKS_PER_S)."""
+        caller = host_of(context.peer() or "") if context is not None and hasattr(context, "peer") else ""
+        if caller and caller != (context.peer() or ""):
+            self.dial_backs.check(caller)
+            host = request.data_address.rpartition(":")[0].strip("[]")
+            relay_host = request.relay.rpartition(":")[0].strip("[]") if request.relay else ""
+            if not await _same_host(host, caller) and not (relay_host and await _same_host(host, relay_host)):
+                return Reachability(False, f"the data address is not on the host this Join came from ({caller}); "
+                                           f"it was not dialled back")
+        return await self._dial_back(request.data_address, request.public_key)
+
     async def _dial_back(self, address: str, public_key: bytes) -> Reachability:
         """Whether `public_key`'s peer answers at `address` (`self.reach`, which must be set): a
         dial-back that timed out is made once more before the answer counts, so this takes up to
@@ -596,6 +627,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self.reach is None or m is None or m.reachable is not None or m.outbound_only:
             return
         reach = await self._dial_back(m.address, m.public_key)
+        if self.engine.members.get(peer_id) is not m:
+            return  # the member joined again meanwhile (another address, maybe): its own Join dialled it
         self.engine.set_reachable(peer_id, reach.reachable)
         if not reach.reachable:
             log.warning("peer %s (restored member) cannot be reached at its data address: %s; it takes part "
@@ -639,8 +672,36 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     log.info("peer %s disconnected (round-event stream closed)", request.peer_id[:8])
                     self.apply(self.engine.disconnected(request.peer_id, self.clock()))
 
+    def _suspected(self, suspects: Iterable[str]) -> None:
+        """Dial back the members a failed vote names (in tasks of their own; each at most once per
+        REDIAL_SECONDS): reachability is followed during the run, not only at Join."""
+        if self.reach is None:
+            return
+        now = self.clock()
+        for p in suspects:
+            m = self.engine.members.get(p)
+            if m is None or m.outbound_only or m.relay or m.reachable is False \
+                    or self.redialled.get(p, -REDIAL_SECONDS) > now - REDIAL_SECONDS:
+                continue
+            self.redialled[p] = now
+            t = asyncio.get_running_loop().create_task(self._redial(p, m))
+            self.redials.add(t)
+            t.add_done_callback(self.redials.discard)
+
+    async def _redial(self, peer_id: str, m) -> None:
+        """A suspect's dial-back: unreachable (its data address stopped answering: a firewall, a
+        black hole) makes it outbound-only from the next plan on, with a warning naming it."""
+        reach = await self._dial_back(m.address, m.public_key)
+        if self.engine.members.get(peer_id) is not m or reach.reachable:
+            return  # it joined again meanwhile, or it answers: the failure was elsewhere
+        self.engine.set_reachable(peer_id, False)
+        log.warning("peer %s stopped answering at its data address %s (%s): it takes part outbound-only from "
+                    "the next round on", peer_id[:8], m.address, reach.reason)
+
     async def Vote(self, request: pb.VoteRequest, context) -> pb.VoteResponse:
         async with grpc_errors(context):
+            if not request.ok and request.suspects:
+                self._suspected(s for s in request.suspects[:64] if s != request.peer_id)
             key = (request.round, request.attempt)
             self.vote_bytes[key] = self.vote_bytes.get(key, 0) + request.bytes_sent
             try:
@@ -655,6 +716,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     async def ReportLinks(self, request: pb.LinkReport, context) -> pb.LinkReportResponse:
         async with grpc_errors(context):
+            check_link_report(request)
             rtts = [l.rtt_seconds for l in request.links if l.rtt_seconds > 0]
             try:
                 require(len(request.shm_peers) <= 4096, "shm_peers", "at most 4096 peers")
@@ -728,9 +790,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         w = e.waiting(now)
         waiting = pb.Waiting(reason=w.reason.value, message=w.message, peers=w.peers,
                              seconds_left=max(0.0, w.until - now) if w.until is not None else 0.0)
+        d = e.durable
         return pb.StatusResponse(epoch=e.epoch, round=e.committed_rounds, members=members, rounds=rounds[-k:],
                                  rounds_committed=e.committed_rounds, rounds_aborted=e.rounds_aborted,
-                                 run_config_json=self.run_config_json, waiting=waiting)
+                                 run_config_json=self.run_config_json, waiting=waiting, epsilon=e.epsilon,
+                                 dp_delta=e.config.privacy.delta if e.config.privacy.enabled else 0.0,
+                                 durable_round=d.round if d else 0, durable_digest=d.state_digest if d else b"",
+                                 durable_peers=d.peers if d else (), rounds_lost=self.rounds_lost)
 
 
 def _instance(context) -> str:
@@ -783,9 +849,62 @@ class MemberCalls(grpc.aio.ServerInterceptor):
         return handler
 
 
+async def _same_host(host: str, other: str) -> bool:
+    """Whether `host` and `other` (IPs or names, resolved within RESOLVE_SECONDS each) share an IP;
+    any two loopback addresses are the same host."""
+    a, b = await _ips(host), await _ips(other)
+    return bool(a & b) or (any(ip.is_loopback for ip in a) and any(ip.is_loopback for ip in b))
+
+
+async def _ips(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IPs `host` names (itself when it is one; empty when it does not resolve in time)."""
+    try:
+        return {_ip(host)}
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None), RESOLVE_SECONDS)
+    except (OSError, asyncio.TimeoutError):
+        return set()
+    out = set()
+    for info in infos:
+        with contextlib.suppress(ValueError):
+            out.add(_ip(str(info[4][0]).split("%")[0]))
+    return out
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The IP `text` names (an IPv4-mapped IPv6 address as its IPv4 one); ValueError if none."""
+    ip = ipaddress.ip_address(text)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return mapped if mapped is not None else ip
+
+
+def _check_rate(value: float, field: str) -> None:
+    """Raise InvalidArgument naming `field` unless `value` is 0 (not measured) or a physical rate
+    (bytes/s within LINK_BYTES_PER_S_BOUNDS)."""
+    lo, hi = LINK_BYTES_PER_S_BOUNDS
+    require(value == 0 or (math.isfinite(value) and lo <= value <= hi), field,
+            f"must be 0 (not measured) or a rate of {lo:g} to {hi:g} bytes/s, got {value!r}")
+
+
+def check_link_report(report: pb.LinkReport) -> None:
+    """Raise InvalidArgument naming the first field of `report` outside physical bounds: each
+    rate 0 (not measured) or within LINK_BYTES_PER_S_BOUNDS, each round trip 0 (not measured) or
+    in (0, LINK_RTT_MAX_SECONDS] seconds; nothing is recorded from a refused report."""
+    _check_rate(report.up_bytes_per_s, "up_bytes_per_s")
+    _check_rate(report.down_bytes_per_s, "down_bytes_per_s")
+    for i, link in enumerate(report.links):
+        _check_rate(link.up_bytes_per_s, f"links[{i}].up_bytes_per_s")
+        _check_rate(link.down_bytes_per_s, f"links[{i}].down_bytes_per_s")
+        rtt = link.rtt_seconds
+        require(rtt == 0 or (math.isfinite(rtt) and 0 < rtt <= LINK_RTT_MAX_SECONDS), f"links[{i}].rtt_seconds",
+                f"must be 0 (not measured) or in (0, {LINK_RTT_MAX_SECONDS:g}] seconds, got {rtt!r}")
+
+
 # The oldest peer version whose votes this coordinator's peers can agree with: 0.2.0 changed the
 # result digest (shoal.common.tensors.result_digest, over 1 MiB block digests) and 0.3.0 the
-# all-reduce job's state digest (shoal.peer.workload.array_state_digest), so an older peer would
+# all-reduce job's state digest (shoal.peer.workloads.base.array_state_digest), so an older peer would
 # dissent on every round it shares with newer ones.
 MIN_PEER_VERSION = (0, 3)
 
@@ -804,294 +923,3 @@ def _check_version(version: str) -> None:
             f"upgrade the peer to the coordinator's version")
 
 
-def grpc_options(reuseport: bool = False) -> list[tuple[str, int]]:
-    """The coordinator's server options; `reuseport`: SO_REUSEPORT on its listening socket (the
-    accept loops of `_bind_servers` share one port)."""
-    return [
-        ("grpc.max_receive_message_length", CONTROL_MAX_RECEIVE_BYTES),
-        ("grpc.max_send_message_length", CONTROL_MAX_SEND_BYTES),
-        ("grpc.so_reuseport", int(reuseport)),
-        # Peers ping every 10 s (peer.dataplane.channel_options) while their WatchRounds stream is
-        # quiet; a round longer than a minute on a slow link must not end with "too_many_pings".
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        # No bandwidth-delay-product probes: control-plane messages are small, so a larger flow
-        # control window buys nothing, and each probe is a ping that the member must answer
-        # within the server's ping timeout (1 min, as the server's keepalive is on) or the server
-        # ends the connection with GOAWAY "ping_timeout": seen by 10,000 simulated members on a
-        # host at load 60 (docs/performance.md, "Coordinator scale"); none since.
-        ("grpc.http2.bdp_probe", 0),
-        # No HPACK dynamic tables on members' connections (SETTINGS_HEADER_TABLE_SIZE 0 for the
-        # headers members send, none for ours): a table lives per connection (up to 4 KiB), and
-        # at 1,000 members the C heap in use was 1.3 MiB smaller without them (59.1-59.2 against
-        # 60.4-60.7 MiB, three runs each; docs/performance.md, "Coordinator scale", step 18).
-        # Headers then go literal: ~0.2 KB more per call, no change in the coordinator's CPU.
-        ("grpc.http2.hpack_table_size.decoder", 0),
-        ("grpc.http2.hpack_table_size.encoder", 0),
-    ]
-
-
-def _port_free(address: str) -> bool:
-    """Whether a listener without SO_REUSEPORT can bind `address` (HOST:PORT) now: nobody listens
-    there, not even with SO_REUSEPORT (a listener that shares its port would take a share of the
-    connections). True for port 0 and for addresses it cannot resolve (the bind then says why)."""
-    host, _, port = address.rpartition(":")
-    if int(port) == 0:
-        return True
-    try:
-        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return True
-    for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(sockaddr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return False
-    return True
-
-
-def _bind_servers(config: CoordinatorConfig, service: CoordinatorService,
-                  interceptors: list) -> tuple[list[grpc.aio.Server], list, int]:
-    """`config.accept_loops` gRPC servers of `service` on one port (SO_REUSEPORT when more than
-    one: the kernel spreads the connections over their listening sockets); returns (servers,
-    their health reporters, the port).
-
-    Why several: a grpc.aio server asks gRPC core for the next call only once the last one was
-    handed to the event loop (one request outstanding), so it takes one call per turn of the
-    loop; when a burst of calls arrives (a member process that stalled 50-100 ms sends its
-    heartbeats at once) they wait in gRPC core, one loop turn each, while the loop itself is on
-    time. Each server has its own outstanding request: k servers take up to k calls per turn.
-    All of them run in this process and its one event loop, with the same service and engine.
-
-    Raises:
-        OSError: the address cannot be bound, or (with several loops) another process already
-            listens on the port.
-    """
-    loops = max(1, config.accept_loops)
-    if loops > 1 and not _port_free(config.listen):
-        # A plain bind would fail here; with SO_REUSEPORT it would share the port with that listener.
-        raise OSError(f"listen: cannot bind {config.listen}: address already in use")
-    servers, healths = [], []
-    address, port = config.listen, 0
-    for _ in range(loops):
-        # The concurrency bound is each server's: a server holds the streams of the connections the
-        # kernel gave it (about 1/loops of them), so each keeps the whole swarm's bound.
-        server = grpc.aio.server(options=grpc_options(reuseport=loops > 1), interceptors=interceptors,
-                                 maximum_concurrent_rpcs=COORDINATOR_MAX_CONCURRENT_RPCS)
-        pb_grpc.add_CoordinatorServicer_to_server(service, server)
-        healths.append(attach(server, (COORDINATOR_SERVICE,)))
-        bound = add_port(server, address, config.security, "coordinator")
-        if port == 0:
-            port = bound  # the first server's (port 0: the one the system picked): the others share it
-            address = f"{config.listen.rsplit(':', 1)[0]}:{port}"
-        servers.append(server)
-    return servers, healths, port
-
-
-def open_state(config: CoordinatorConfig, now: float, store: Store | None = None) -> tuple[RoundEngine, Store, str]:
-    """Open (or create) the durable state (`store`, default the SQLite file `config.state_path`)
-    and rebuild the engine from it.
-
-    The run configuration stored on first start wins over the one passed on a restart, so a
-    restarted coordinator (or a standby taking over) resumes the same run.
-    """
-    store = store if store is not None else SQLiteStore(config.state_path)
-    stored = store.get_meta("run_config")
-    if stored is None:
-        stored = json.dumps(config.run_config, sort_keys=True)
-        store.set_meta("run_config", stored)
-    elif json.loads(stored) != config.run_config and config.run_config:
-        log.warning("state file holds a run configuration that differs from the flags; keeping the stored one")
-    commits = store.recent_commits(config.engine.history_window)
-    # Each start is a new incarnation; its attempt ids start at ATTEMPT_STRIDE x incarnation, so a plan of
-    # this incarnation never shares an id with one a crashed predecessor had sent.
-    incarnation = int(store.get_meta("incarnation") or -1) + 1
-    store.set_meta("incarnation", str(incarnation))
-    engine = RoundEngine(config.engine, committed=commits, members=store.load_members(),
-                         epoch=store.load_epoch(), aborted=store.count_aborts(), now=now,
-                         attempt_base=(incarnation % 4000) * ATTEMPT_STRIDE,
-                         untrusted=tuple(json.loads(store.get_meta("untrusted") or "[]")))
-    if commits:
-        log.info("resumed from %s: %d committed rounds, %d members, epoch %d", config.state_path,
-                 engine.committed_rounds, len(engine.members), engine.epoch)
-    return engine, store, stored
-
-
-def load_admission(config: CoordinatorConfig) -> Admission:
-    """The admission policy from the configured secret / allow-list files; warns when open.
-
-    Raises:
-        FileNotFoundError, ValueError: a configured file is missing or malformed (or the secret
-            file is readable by others).
-    """
-    secret = load_secret(config.join_token_secret) if config.join_token_secret else None
-    allow = AllowList.from_file(config.allow_list) if config.allow_list else None
-    admission = Admission(secret, allow)
-    if admission.open:
-        log.warning("open admission: any key may join (pass --join-token-secret and/or --allow-list)")
-    else:
-        log.info("admission: %s", " and ".join(
-            x for x in ("join token" if secret else "", f"allow-list of {len(allow)} keys" if allow else "") if x))
-    return admission
-
-
-def load_memberships(config: CoordinatorConfig, store: Store, engine: RoundEngine) -> Memberships:
-    """The admitted keys from the store; those unused beyond `member_retention` are forgotten."""
-    ms = Memberships(store.load_memberships(), retention=config.member_retention,
-                     live_seconds=engine.config.lease_seconds / 2)
-    gone = ms.prune(time.time())
-    if gone:
-        with store.batch():
-            for p in gone:
-                store.forget_membership(p)
-        log.info("forgot %d members unused for more than %.0f s (member_retention)", len(gone),
-                 config.member_retention)
-    if ms.records:
-        log.info("%d admitted members (%d revoked)", len(ms.records), sum(r.revoked for r in ms.records.values()))
-    return ms
-
-
-class LostLeadership(Exception):
-    """This coordinator's etcd lease expired while it led: another may lead now. The process
-    must stop (its supervisor restarts it, as a standby)."""
-
-
-def _key_path(config: CoordinatorConfig) -> str:
-    if config.key_path:
-        return config.key_path
-    if is_etcd(config.state_path):
-        return "shoal-coordinator.key"  # every coordinator of a prefix must sign with the same key
-    return str(pathlib.Path(config.state_path).with_suffix(".key"))
-
-
-async def serve(config: CoordinatorConfig, *, stop: asyncio.Event | None = None) -> None:
-    """Run the coordinator until `stop` is set, the task is cancelled, or the run is over (it
-    finished, every member was told and left, `finish_linger` passed: CoordinatorService
-    .run_over); shuts down in order.
-
-    With `state_path` an etcd:// URL (coordinator.etcd_store) it first stands by until elected
-    (coordinator.leadership). A standby binds no port: peers given every coordinator's address
-    (or a DNS name with one record per coordinator) reach only the leader and move to the next
-    one when its connection breaks. A leader whose lease expires stops serving and raises
-    LostLeadership.
-
-    Raises:
-        StateFileError: the state file is damaged, foreign or newer (nothing was served), or the
-            etcd state was signed by another ticket key (coordinators of a prefix share `--key`).
-        LostLeadership: see above.
-    """
-    stop = stop or asyncio.Event()
-    limit_arenas()  # before gRPC's threads (the server's, etcd's client) start allocating: coordinator.heap
-    planner.load_solver()  # scipy's import (~0.5 s) before the first round, not inside its planning
-    key = load_or_create_key(_key_path(config))
-    clock = RunClock()
-    if not is_etcd(config.state_path):
-        engine, store, run_config_json = open_state(config, clock())
-        await _serve(config, engine, store, run_config_json, key, stop, clock=clock)
-        return
-    target = EtcdTarget.parse(config.state_path)
-    leadership = Leadership(target, config.listen)
-    try:
-        if not await _until_first(leadership.campaign(), stop.wait()) or stop.is_set():
-            return
-        store = EtcdStore(target, fence=leadership.fence)
-        _check_ticket_key(store, key, config.state_path)
-        engine, store, run_config_json = open_state(config, clock(), store=store)
-        await _serve(config, engine, store, run_config_json, key, stop, lost=leadership.keep, clock=clock)
-    finally:
-        await leadership.resign()
-        await leadership.close()
-
-
-async def _until_first(work, stopping) -> bool:
-    """Run both; True when `work` finished first (the other is cancelled)."""
-    tasks = [asyncio.ensure_future(work), asyncio.ensure_future(stopping)]
-    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for t in pending:
-        t.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-    for t in done:
-        t.result()  # an error of either surfaces
-    return tasks[0] in done
-
-
-def _check_ticket_key(store: Store, key, where: str) -> None:
-    """Peers verify round tickets with the key they got at join: every coordinator of one etcd
-    prefix must sign with the same one. The first leader records it; a later one with another
-    key refuses to lead."""
-    mine = public_bytes(key).hex()
-    stored = store.get_meta("coordinator_public_key")
-    if stored is None:
-        store.set_meta("coordinator_public_key", mine)
-    elif stored != mine:
-        raise StateFileError(where, f"is led with another ticket key (public key {stored[:16]}..., this "
-                                    f"coordinator's is {mine[:16]}...)",
-                             "give every coordinator of the prefix the same --key file")
-
-
-async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, run_config_json: str, key,
-                 stop: asyncio.Event, lost=None, clock: RunClock | None = None) -> None:
-    """Bind, serve until `stop` (or until `lost()` returns: LostLeadership), shut down in order."""
-    admission = load_admission(config)
-    reach = (functools.partial(dial_back, security=config.security, timeout=config.reach_timeout)
-             if config.reach_timeout > 0 else None)
-    service = CoordinatorService(engine, store, run_config_json, key, admission=admission,
-                                 clock=clock or RunClock(), wall=time.time, reach=reach,
-                                 ca=CertificateAuthority.from_dir(config.security.tls_dir, config.cert_lifetime),
-                                 memberships=load_memberships(config, store, engine))
-    interceptors = [
-        DecodeErrors(),
-        SignedCalls(SERVICE_PREFIX, RequestVerifier(max_nonces=NONCE_MEMORY), unsigned=UNSIGNED_METHODS,
-                    default_limit=RateLimiter(config.request_rate, config.request_burst),
-                    limits={JOIN: RateLimiter(config.join_rate, config.join_burst)}),
-        MemberCalls(service),
-    ]
-    watch = LoopWatch(config.trace_dir) if config.trace_dir else None
-    if watch is not None:
-        interceptors.insert(0, CallTimer(watch, HEARTBEAT, {HEARTBEAT: HEARTBEAT_TIMEOUT_SECONDS}))
-    servers, healths, port = _bind_servers(config, service, interceptors)
-    host = config.listen.rsplit(":", 1)[0]
-    for server in servers:
-        await server.start()
-    for health in healths:
-        await health.serving()
-    service.observe()
-    service.metrics.serve(config.metrics_port, config.metrics_host)
-    address = f"{host}:{port}"
-    sec = config.security
-    log.info("coordinator listening on %s (%s; state %s)", address,
-             ("mutual TLS" if sec.mtls else "TLS") if sec.tls_dir else "PLAINTEXT", config.state_path)
-    if config.ready_file:
-        tmp = pathlib.Path(config.ready_file + ".tmp")
-        tmp.write_text(address)
-        tmp.rename(config.ready_file)
-    deposed = False
-    try:
-        async with asyncio.TaskGroup() as tg:
-            ticker = tg.create_task(service.ticker())
-            heap = tg.create_task(HeapPolicy(size=lambda: len(engine.members)).run())
-            watching = tg.create_task(watch.run()) if watch is not None else None
-            over = tg.create_task(service.until_run_over(config.finish_linger))
-            stopped = tg.create_task(stop.wait())
-            waits = {over, stopped}
-            deposing = None
-            if lost is not None:
-                deposing = tg.create_task(lost())  # the lease went first: LostLeadership below
-                waits.add(deposing)
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            deposed = deposing is not None and deposing in done and not stopped.done()
-            for task in (ticker, heap, watching, *waits):
-                if task is not None:
-                    task.cancel()
-    finally:
-        for health in healths:
-            await health.shutdown()
-        await asyncio.gather(*(server.stop(grace=0.0 if deposed else 1.0) for server in servers))
-        service.metrics.close()
-        store.close()
-    if deposed:
-        raise LostLeadership(f"lost the leadership of {config.state_path}: another coordinator may lead now")

@@ -22,7 +22,7 @@ import pathlib
 import sqlite3
 from collections.abc import Iterator
 
-from shoal.coordinator.store import TABLES, SQLiteStore, StateFileError, check_state_file
+from shoal.coordinator.store import TABLES, SQLiteStore, StateFileError, check_state_file, create_private
 
 log = logging.getLogger("shoal.coordinator")
 
@@ -102,6 +102,7 @@ def backup_state(src: str, dst: str) -> StateSummary:
     try:
         with _open_source(src, salvage=False) as source:
             check_state_file(source, src)
+            create_private(str(tmp))
             target = sqlite3.connect(tmp)
             try:
                 source.backup(target, pages=256)  # steps of 256 pages: the writer is never held up long

@@ -20,6 +20,9 @@ schema version): a damaged file, a file of another application or of a newer sch
 can do. A coordinator never starts afresh over a file it cannot read. Backup and recovery of the
 file are in `coordinator.state_file`.
 
+`rewind(rounds)` drops the commits of the rounds a whole-swarm restart lost (RoundEngine's
+`Rewind`): the rounds after the newest checkpoint a peer came back with are played again.
+
 The whole commit history stays in the store; the coordinator keeps only a recent window in memory
 and reads older rounds with `recent_commits` / `recent_aborts`.
 """
@@ -28,14 +31,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import sqlite3
 import threading
 from collections.abc import Iterator
 from typing import ContextManager, Protocol
 
-from shoal.coordinator.membership import Membership
-from shoal.coordinator.rounds import AbortRecord, CommitRecord, Member, MemberState
+from shoal.coordinator.admitted_keys import Membership
+from shoal.coordinator.rounds import AbortRecord, CommitRecord, Durable, Member, MemberState
 
 
 PAGE_CACHE_KIB = 256  # SQLite's page cache of a writing coordinator (below)
@@ -58,6 +62,30 @@ class StateFileError(Exception):
         super().__init__(f"state file {self.path} {self.problem}; {self.options}")
 
 
+REWINDS_META = "rewinds"  # meta key: the run's rewinds (`recorded_rewinds`)
+DURABLE_META = "durable"  # meta key: the newest committed round a peer's checkpoint holds (`recorded_durable`)
+
+
+def durable_json(d: Durable) -> str:
+    return json.dumps({"round": d.round, "digest": d.state_digest.hex(), "peers": list(d.peers)})
+
+
+def recorded_durable(store: Store) -> Durable | None:
+    """The durable round `store` recorded (RoundEngine.durable), None before any."""
+    raw = store.get_meta(DURABLE_META)
+    if not raw:
+        return None
+    d = json.loads(raw)
+    return Durable(int(d["round"]), bytes.fromhex(d["digest"]), tuple(d["peers"]))
+
+
+def recorded_rewinds(store: Store) -> list[dict]:
+    """The rewinds `store` recorded, oldest first, each {"from", "to", "lost", "digest",
+    "holders", "wall"}: committed rounds before and after, the rounds lost, the hex state digest
+    gone back to, the peers that held it, unix time of the rewind."""
+    return json.loads(store.get_meta(REWINDS_META) or "[]")
+
+
 class Store(Protocol):
     def load_members(self) -> list[Member]: ...
     def save_member(self, m: Member) -> None: ...
@@ -71,6 +99,7 @@ class Store(Protocol):
     def recent_commits(self, n: int) -> list[CommitRecord]: ...
     def recent_aborts(self, n: int) -> list[AbortRecord]: ...
     def save_commit(self, rec: CommitRecord) -> None: ...
+    def rewind(self, rounds: int) -> int: ...
     def count_commits(self) -> int: ...
     def last_commit(self) -> CommitRecord | None: ...
     def count_aborts(self) -> int: ...
@@ -125,6 +154,11 @@ class MemoryStore:
         if any(c.round == rec.round for c in self.commits):
             raise ValueError(f"round {rec.round} already committed")
         self.commits.append(rec)
+
+    def rewind(self, rounds: int) -> int:
+        kept = [c for c in self.commits if c.round < rounds]
+        dropped, self.commits = len(self.commits) - len(kept), kept
+        return dropped
 
     def recent_commits(self, n: int) -> list[CommitRecord]:
         return sorted(self.commits, key=lambda c: c.round)[-n:] if n > 0 else []
@@ -211,6 +245,16 @@ def check_state_file(db: sqlite3.Connection, path: str) -> bool:
     return not tables
 
 
+def create_private(path: str) -> None:
+    """Create the state file `path` empty and readable by its owner only (0600: it holds the
+    members' keys and addresses, the admissions) when it does not exist; SQLite gives its -wal
+    and -shm files the same mode. An existing file keeps its mode; ":memory:" is no file."""
+    if path == ":memory:" or path.startswith("file:") or os.path.exists(path):
+        return
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+
+
 class SQLiteStore:
     """`Store` on a SQLite file in WAL mode; each write is one durable transaction.
 
@@ -228,6 +272,7 @@ class SQLiteStore:
             self._db = sqlite3.connect(f"{pathlib.Path(path).absolute().as_uri()}?mode=ro", uri=True,
                                        isolation_level=None, check_same_thread=False)
             return
+        create_private(self.path)
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
             check_state_file(self._db, self.path)
@@ -310,7 +355,7 @@ class SQLiteStore:
         self._write("DELETE FROM members WHERE peer_id = ?", (peer_id,))
 
     def load_memberships(self) -> list[Membership]:
-        """Every admitted key (coordinator.membership); none in a file of schema 1."""
+        """Every admitted key (coordinator.admitted_keys); none in a file of schema 1."""
         try:
             rows = self._db.execute("SELECT peer_id, public_key, label, admitted_at, last_seen, revoked_at "
                                     "FROM memberships").fetchall()
@@ -364,6 +409,14 @@ class SQLiteStore:
             if "UNIQUE" in str(exc) or "PRIMARY KEY" in str(exc):
                 raise ValueError(f"round {rec.round} already committed") from exc
             raise ValueError(f"commit of round {rec.round} refused by the store: {exc}") from exc
+
+    def rewind(self, rounds: int) -> int:
+        """Drop every commit of a round >= `rounds` (the run goes back to `rounds` committed
+        rounds, RoundEngine's `Rewind`); returns how many were dropped. Aborts stay."""
+        with self._lock:
+            n = int(self._db.execute("SELECT COUNT(*) FROM commits WHERE round >= ?", (rounds,)).fetchone()[0])
+        self._write("DELETE FROM commits WHERE round >= ?", (rounds,))
+        return n
 
     def count_commits(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM commits").fetchone()[0])

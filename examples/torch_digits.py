@@ -8,10 +8,14 @@ or one peer against a coordinator elsewhere (start it with `shoal coordinator --
 
     python examples/torch_digits.py worker --coordinator HOST:7070 --data-shard 0 --num-data-shards 3
 
-The only Shoal-specific lines of the worker are the optimizer wrapper and the `opt.finished`
-loop condition (see `train`). Every peer builds its model after `torch.manual_seed(seed)`, so
-all start from the same parameters, as DiLoCo and FedAvg require. The launcher prints (and with
---json writes) every peer's held-out accuracy; exit code 0 when every peer finished.
+The only Shoal-specific lines of the worker are the optimizer (`shoal.torch`) and the
+`opt.finished` loop condition (see `train`). Every peer builds its model after
+`torch.manual_seed(seed)`; with `--different-seeds` peer i seeds with seed + i, and round 0
+starts every peer from the first ready peer's parameters anyway (the coordinator's step-0 sync).
+The launcher prints (and with --json writes) every peer's held-out accuracy and the digest of
+its final parameters; exit code 0 when every peer finished. The local demo is plaintext on
+loopback (`insecure=True`); against a TLS coordinator pass `--tls-dir DIR` (and the token in
+$SHOAL_JOIN_TOKEN).
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ def train(a: argparse.Namespace) -> dict:
     """One peer: an ordinary PyTorch loop plus the swarm optimizer wrapper."""
     import torch
 
-    import shoal.peer.torch_integration as shoal_torch
-    from shoal.peer.data import load_digits_split, partition
+    import hashlib
+
+    import shoal.torch
+    from shoal.peer.workloads.digits import load_digits_split, partition
 
     torch.set_num_threads(1)
     train_set, test_set = load_digits_split(a.seed)
@@ -57,18 +63,19 @@ def train(a: argparse.Namespace) -> dict:
     x, y = torch.from_numpy(mine.x), torch.from_numpy(mine.y)
     x_test, y_test = torch.from_numpy(test_set.x), torch.from_numpy(test_set.y)
 
-    torch.manual_seed(a.seed)  # the same initial parameters on every peer
+    torch.manual_seed(a.seed + (a.data_shard if a.different_seeds else 0))
     model = make_model()
     probe = make_model()  # evaluates committed parameters for the events/metrics, off the training model
 
     def evaluate(params) -> float:
-        shoal_torch.unflatten_into(probe, params)
+        shoal.torch.unflatten_into(probe, params)
         return accuracy(probe, x_test, y_test)
 
     inner = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
-    wrapper = shoal_torch.DiLoCoOptimizer if a.algorithm == "diloco" else shoal_torch.FedAvgOptimizer
+    wrapper = shoal.torch.DiLoCoOptimizer if a.algorithm == "diloco" else shoal.torch.FedAvgOptimizer
     opt = wrapper(model, inner, coordinator=a.coordinator, inner_steps=a.inner_steps, num_samples=len(mine),
-                  evaluate=evaluate, events_path=a.events)
+                  tls_dir=a.tls_dir, insecure=a.tls_dir is None, key_path=a.key, evaluate=evaluate,
+                  events_path=a.events)
     gen = torch.Generator().manual_seed(1000 + a.data_shard)
     loss_fn = torch.nn.CrossEntropyLoss()
     t0 = time.monotonic()
@@ -79,8 +86,9 @@ def train(a: argparse.Namespace) -> dict:
             loss.backward()
             opt.step(loss=loss.item())
             opt.zero_grad()
-    result = {"data_shard": a.data_shard, "rounds": opt.rounds, "test_accuracy": accuracy(model, x_test, y_test),
-              "seconds": round(time.monotonic() - t0, 2), "peer": opt.agent.peer_id}
+    result = {"data_shard": a.data_shard, "rounds": opt.committed_rounds, "test_accuracy": accuracy(model, x_test, y_test),
+              "seconds": round(time.monotonic() - t0, 2), "peer": opt.agent.peer_id,
+              "params_digest": hashlib.blake2b(shoal.torch.flatten(model).tobytes(), digest_size=16).hexdigest()}
     if a.out:
         pathlib.Path(a.out).write_text(json.dumps(result))
     return result
@@ -118,7 +126,8 @@ def launch(a: argparse.Namespace) -> int:
                 start([sys.executable, __file__, "worker", "--coordinator", address, "--data-shard", str(i),
                        "--num-data-shards", str(a.peers), "--algorithm", a.algorithm, "--inner-steps", str(a.inner_steps),
                        "--lr", str(a.lr), "--seed", str(a.seed), "--out", str(wd / f"peer-{i}.json"),
-                       "--events", str(wd / f"peer-{i}.jsonl")], f"peer-{i}")
+                       "--events", str(wd / f"peer-{i}.jsonl"), "--key", str(wd / f"peer-{i}.key")]
+                      + (["--different-seeds"] if a.different_seeds else []), f"peer-{i}")
             end = time.monotonic() + a.timeout
             workers = procs[1:]
             while any(p.poll() is None for p in workers):
@@ -130,6 +139,12 @@ def launch(a: argparse.Namespace) -> int:
                     raise RuntimeError(f"peer-{i} failed:\n" + (wd / f"peer-{i}.log").read_text()[-3000:])
                 time.sleep(0.1)
             results = [json.loads((wd / f"peer-{i}.json").read_text()) for i in range(a.peers)]
+            for i, r in enumerate(results):  # the committed state's digest after each round, per peer
+                events = [json.loads(line) for line in (wd / f"peer-{i}.jsonl").read_text().splitlines()]
+                r["commit_digests"] = {e["round"]: e["state_digest"] for e in events if e["event"] == "commit"}
+                r["round0_participants"] = next((len(e["participants"]) if isinstance(e["participants"], list)
+                                                 else e["participants"] for e in events
+                                                 if e["event"] == "commit" and e["round"] == 0), 0)
         finally:
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):
@@ -158,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=25)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--different-seeds", action="store_true", help="peer i seeds its model with seed + i")
     if worker:
         p.add_argument("--coordinator", required=True)
         p.add_argument("--data-shard", type=int, default=0)
@@ -165,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--batch-size", type=int, default=32)
         p.add_argument("--out")
         p.add_argument("--events")
+        p.add_argument("--key", help="identity key file (default: the CLI's ~/.local/share/shoal/peer-N.key)")
+        p.add_argument("--tls-dir", help="a directory holding the coordinator's ca.pem (default: plaintext)")
         a = p.parse_args(argv[1:])
         import logging
 

@@ -20,9 +20,9 @@ run is finished (or raises if the peer cannot continue). Failure semantics:
   loop that stopped): the agent leaves the swarm cleanly and `run()` returns.
 
 What is trained is pluggable: `PeerAgent(config, workload_factory=...)` takes any
-peer.workload.Workload (default: peer.training.DigitsWorkload on the peer's data shard), and
+peer.workloads.base.Workload (default: peer.workloads.digits.DigitsWorkload on the peer's data shard), and
 `contribution=` what it sends (default: FedAvg's weighted mean, peer.contribution). The
-all-reduce benchmark job (shoal.collective_job) runs this same agent with an ArrayWorkload and
+all-reduce benchmark job (shoal.bench.collective_job) runs this same agent with an ArrayWorkload and
 the plain sum. Metrics (shoal.common.metrics.PeerMetrics) are always recorded and served when
 `metrics_port` is set; the data-plane server also carries gRPC health checking and reflection.
 """
@@ -52,25 +52,28 @@ from shoal.common.pauses import RunClock, keep_reading
 from shoal.common.retry import RetryPolicy
 from shoal.common.security import Security, open_channel, signing_interceptors
 from shoal.common.throttle import Throttle, more
-from shoal.peer import faults
-from shoal.peer.byzantine import OWNER_ATTACKS, tamper
+from shoal.peer.testing import faults
+from shoal.peer.testing.byzantine import OWNER_ATTACKS, VOTE_ATTACKS, forge_ballot, tamper
+from shoal.peer.checkpoints import Checkpointer, resume
 from shoal.peer.contribution import Contribution, FedAvgContribution, Forgery
 from shoal.peer.control import CoordinatorClient
 from shoal.common.certs import PeerTLS
 from shoal.peer.certificates import keep_renewed, legacy_mode, take_join_certificate
 from shoal.peer.dataplane import Inbox, PeerService, StateSource, Transport, channel_options, serve_data_plane
-from shoal.peer.relay_link import RelayLink
+from shoal.peer.lanes.relay import RelayLink
 from shoal.peer.links import COORDINATOR, COORDINATOR_PROBE_BYTES, LinkMeter, probe_missing, probe_peer
 from shoal.peer.rounds import (Aborted, CollectiveRecord, EventMailbox, Outcome, Reconnected, RoundClient,
                                RoundListener, RoundOutcome, RunFinished, SyncRecord, SyncSettings, Traffic,
                                VoteRecord, event_of)
 from shoal.peer.state_sync import HELD_STATES, HeldStates, SyncError
-from shoal.peer.training import DigitsWorkload, LocalUpdate, RunConfig
-from shoal.peer.workload import Workload, WorkloadClosed
+from shoal.peer.training import LocalUpdate, RunConfig
+from shoal.peer.workloads.digits import DigitsWorkload
+from shoal.peer.workloads.base import Workload, WorkloadClosed
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("shoal.peer")
+UPLOAD_GRACE_SECONDS = 60.0  # at the run's end, how long a peer waits for its last checkpoint upload
 
 LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
 COORDINATOR_PROBE_TRIES = 3  # before the first plan (see PeerAgent._probe_coordinator)
@@ -115,13 +118,18 @@ class PeerConfig:
     advertise: str | None = None
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
-    shared_memory: bool = True  # the shared-memory lane to peers on this host (peer.shm)
-    tcp_lane: bool = True  # the bulk lane to peers on other hosts (peer.tcplane; mutual TLS when TLS is on)
+    shared_memory: bool = True  # the shared-memory lane to peers on this host (peer.lanes.shm)
+    tcp_lane: bool = True  # the bulk lane to peers on other hosts (peer.lanes.bulk; mutual TLS when TLS is on)
+    bulk_connections: int = 16  # most connections of the bulk lane's pool to one peer (peer.lanes.pool)
     outbound_only: bool = False  # take part without being dialled, as behind NAT (docs/nat.md)
-    relay: str | None = None  # HOST:PORT of a relay to be reached through (peer.relay_link; docs/nat.md)
-    attack: str = ""  # testing only: send forged updates (peer.byzantine); "" = honest
+    relay: str | None = None  # HOST:PORT of a relay to be reached through (peer.lanes.relay; docs/nat.md)
+    attack: str = ""  # testing only: send forged updates (peer.testing.byzantine); "" = honest
     attack_scale: float | None = None
     freeze_heap: bool = False
+    checkpoint_dir: str | None = None  # peer.checkpoints: a checkpoint every checkpoint_every rounds, keep the last K
+    checkpoint_every: int = 10
+    checkpoint_keep: int = 3
+    checkpoint_url: str | None = None  # peer.checkpoint_store: the swarm's shared store (file:// or s3://)
 
 
 def freeze_heap() -> None:
@@ -130,7 +138,7 @@ def freeze_heap() -> None:
     Instagram's servers and this project's coordinator, `coordinator.heap`, do). They live as long
     as the process, and every full collection scanned them again: measured in a benchmark job
     (4 x 64 MB), two per run of 50-157 ms each, a peer's event loop stopped mid-round, against
-    under 1.2 ms after the freeze (docs/performance.md, session 12). Objects frozen here are
+    under 1.2 ms after the freeze. Objects frozen here are
     still freed by reference counting; only ones that end in a reference cycle stay."""
     gc.collect()
     gc.freeze()
@@ -146,7 +154,7 @@ class _Journal(RoundListener):
         self.commit_lines = Throttle(COMMIT_LOG_SECONDS)
         self.collective_bytes = (0, 0)  # (sent, received) by the last collective
 
-    def on_plan(self, plan: Plan) -> None:  # the swarm's per-attempt table (shoal.scenario.rounds_report)
+    def on_plan(self, plan: Plan) -> None:  # the swarm's per-attempt table (shoal.testbeds.scenario.rounds_report)
         self.agent.emit("plan", round=plan.round, attempt=plan.attempt, collective=plan.collective,
                         participants=list(plan.participants), demoted=list(plan.demoted),
                         predicted_seconds=plan.predicted_seconds,
@@ -155,6 +163,10 @@ class _Journal(RoundListener):
     def on_collective(self, rec: CollectiveRecord) -> None:
         self.agent.metrics.on_collective(rec.seconds, rec.bytes_sent, rec.bytes_received)
         self.collective_bytes = (rec.bytes_sent, rec.bytes_received)
+        # The traffic of each attempt in time (the summary's peak bytes per second, bytes per round).
+        self.agent.emit("collective", round=rec.plan.round, attempt=rec.plan.attempt, fragment=rec.plan.fragment,
+                        bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received,
+                        started_at=rec.started_at, ended_at=rec.ended_at)
         # Much slower than predicted: probe these links again before the next Ready (a re-plan).
         # Peers reached through shared memory are left out: no network link held that round up.
         plan, a = rec.plan, self.agent
@@ -174,7 +186,7 @@ class _Journal(RoundListener):
         acc = a.workload.evaluate()
         a.emit("commit", round=o.round, attempt=o.attempt, loss=o.loss, test_accuracy=acc,
                state_digest=o.state_digest.hex(), participants=o.participants, bytes_sent=a.traffic.bytes_sent,
-               flagged=list(o.flagged))
+               flagged=list(o.flagged), **({"epsilon": o.epsilon} if o.epsilon else {}))
         a.metrics.on_commit(o.round + 1, o.participants, o.seconds, o.loss, acc)
         held = self.commit_lines.due()  # one line per committed round, at most one a second at INFO
         sent, received = self.collective_bytes
@@ -213,7 +225,8 @@ class PeerAgent(StateSource):
         self.config = config
         self.workload_factory = workload_factory or (lambda cfg: DigitsWorkload(cfg, config.data_shard))
         self.contribution = contribution or FedAvgContribution(
-            lambda: self.workload.cfg.reduction_spec(), Forgery(config.attack, config.attack_scale))
+            lambda: self.workload.cfg.reduction_spec(), Forgery(config.attack, config.attack_scale),
+            dp=lambda: self.workload.cfg.dp_settings())
         self.metrics = metrics or PeerMetrics()
         held = hold_key(config.key_path) if config.key_path else \
             hold_default_key(config.name, int(config.listen.rsplit(":", 1)[1]))  # KeyInUse: one process per key
@@ -224,8 +237,10 @@ class PeerAgent(StateSource):
         self.peer_tls = PeerTLS(peer_id_of(self.public_key)) \
             if config.security.tls_dir and not legacy_mode(config.security) else None
         self.transport = Transport(config.security, self.key, shared_memory=config.shared_memory,
-                                   peer_tls=self.peer_tls, tcp_lane=config.tcp_lane)
+                                   peer_tls=self.peer_tls, tcp_lane=config.tcp_lane,
+                                   bulk_connections=config.bulk_connections)
         self.relay_link: RelayLink | None = None  # set in run() with --relay
+        self.ticket_join = False  # joining outbound-only for a relay ticket (before registering at the relay)
         self.links = LinkMeter()  # passive from the collectives' streams, probes when no history
         self.retry = RetryPolicy(config.backoff_initial, config.backoff_max, config.connect_timeout)
         self.events = EventMailbox()  # coalesced: the newest state of the world, never a backlog
@@ -244,6 +259,9 @@ class PeerAgent(StateSource):
         self.leaving = False  # stop was set: no new round (run's graceful leave)
         self.playing = False  # inside RoundClient.play
         self.service: PeerService | None = None
+        self._uploading: asyncio.Future | None = None  # the running upload to the shared checkpoint store
+        self.checkpointer = Checkpointer(config.checkpoint_dir, config.checkpoint_every, config.checkpoint_keep,
+                                         url=config.checkpoint_url) if config.checkpoint_dir else None
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
 
     @property
@@ -283,10 +301,13 @@ class PeerAgent(StateSource):
         return pb.JoinRequest(public_key=self.public_key, data_address=self.address, num_samples=samples,
                               version=shoal.__version__, join_token=self.config.join_token,
                               tls_csr=self.peer_tls.csr() if self.peer_tls is not None else b"",
-                              outbound_only=self.config.outbound_only, relay=self.config.relay or "",
+                              outbound_only=self.config.outbound_only or self.ticket_join,
+                              relay=self.relay_link.relay if self.relay_link is not None else "",
                               relay_bytes_per_s=self.relay_link.capacity if self.relay_link is not None else 0.0)
 
     def _joined(self, resp: pb.JoinResponse) -> None:
+        if self.relay_link is not None and resp.relay_ticket:
+            self.relay_link.ticket = resp.relay_ticket
         if self.peer_tls is not None:
             take_join_certificate(self.peer_tls, resp, self.config.coordinator)
         if self.service is not None:
@@ -299,6 +320,13 @@ class PeerAgent(StateSource):
         elif not resp.unreachable and self.unreachable:
             log.info("data address %s is reachable again", self.address)
         self.unreachable = resp.unreachable
+
+    async def _renew_lease_while_starting(self) -> None:
+        """Heartbeat every heartbeat interval until cancelled (between Join and the round protocol;
+        the answers carry nothing the peer needs yet)."""
+        while True:
+            await asyncio.sleep(self.control.heartbeat_interval)
+            await self.control.heartbeat()
 
     async def _heartbeat_loop(self) -> None:
         """Renew the lease every heartbeat interval; each answer goes to the RoundClient (the
@@ -345,7 +373,8 @@ class PeerAgent(StateSource):
             tcp_lane=self.config.tcp_lane)
         self.address = self.config.advertise or bound
         # Behind NAT with a relay: reachable through it (a reverse tunnel into `bound`).
-        relay = self.relay_link = RelayLink(self.config.relay, self.key, bound) if self.config.relay else None
+        relay = self.relay_link = RelayLink(self.config.relay, self.key, bound, on_registered=self._advertise_relayed,
+                                            on_ticket=self._relay_ticket) if self.config.relay else None
         health = health_box[0]
         await health.serving()
         self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
@@ -397,10 +426,38 @@ class PeerAgent(StateSource):
             self.metrics.close()
 
     async def _register_and_join(self, relay: RelayLink | None) -> None:
-        """Register at the relay (with --relay: RelayRefused, OSError), then `_start`."""
+        """With --relay: join outbound-only for a relay ticket (a relay started with the
+        coordinator's key admits only its members), register at the relay (RelayRefused,
+        OSError); then `_start`, which joins with the relayed address."""
         if relay is not None:
+            await self._relay_ticket()
+            if self.too_late is not None:
+                return
             self.address = await relay.start(self.config.connect_timeout)
         await self._start()
+
+    async def _relay_ticket(self) -> None:
+        """Join outbound-only (nobody dials this peer back meanwhile): the answer carries a fresh
+        relay ticket (`_joined`)."""
+        self.ticket_join = True
+        try:
+            resp = await self.control.join()
+        finally:
+            self.ticket_join = False
+        if resp.HasField("finished"):
+            self.too_late = resp.finished
+
+    async def _advertise_relayed(self, moved: bool) -> None:
+        """Registered at a relay again. When the relayed address moved (another relay, a port the
+        restarted relay could not bind again), a fresh ticket was taken, or the coordinator could
+        not dial this peer meanwhile (its last join answer said so): join again with the address,
+        dialled back through the relay."""
+        assert self.relay_link is not None
+        if self.rounds is None or not (moved or self.unreachable):  # not joined yet: `_start` joins
+            return
+        self.address = self.relay_link.address
+        log.info("advertising the relayed address %s (relay %s)", self.address, self.relay_link.relay)
+        await self.control.join()
 
     async def _start(self) -> None:
         """Join, build the workload from the run's configuration, and the round protocol."""
@@ -409,15 +466,32 @@ class PeerAgent(StateSource):
             self.too_late = resp.finished
             return
         cfg = RunConfig.from_json(resp.run_config_json)
-        self.workload = await asyncio.to_thread(self.workload_factory, cfg)
+        # Building a workload (a dataset, a model) can outlast a lease on a busy machine: the
+        # lease is renewed meanwhile, or the coordinator would drop a member that did nothing wrong.
+        renewing = asyncio.create_task(self._renew_lease_while_starting())
+        try:
+            self.workload = await asyncio.to_thread(self.workload_factory, cfg)
+        finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
         owner_attack = functools.partial(tamper, scale=self.config.attack_scale) \
             if self.config.attack in OWNER_ATTACKS else None
+        vote_attack = functools.partial(forge_ballot, self.config.attack, rng=np.random.default_rng()) \
+            if self.config.attack in VOTE_ATTACKS else None
         self.rounds = RoundClient(
             self.control, self.workload, self.contribution, inbox=self.inbox, transport=self.transport,
             links=self.links, events=self.events, round_silence=self.config.round_silence,
             finish_linger=self.config.finish_linger,
             sync=SyncSettings(self.config.sync_donors, self.config.sync_range_bytes), listeners=self.listeners,
-            traffic=self.traffic, tamper=owner_attack, clock=self.clock)
+            traffic=self.traffic, tamper=owner_attack, clock=self.clock, forge_vote=vote_attack,
+            sparse=cfg.sparse_settings())
+        if self.checkpointer is not None:  # a restart resumes from its newest verified checkpoint
+            await asyncio.to_thread(self.checkpointer.fetch_from_store)  # a newer one from the shared store
+            ckpt = await asyncio.to_thread(resume, self.workload, self.checkpointer.directory)
+            if ckpt is not None:
+                self.checkpointer.last_round = ckpt.round
+                self.rounds.checkpoint = (ckpt.round, ckpt.digest)
+                self.emit("resumed", round=ckpt.round, digest=ckpt.manifest["digest"], path=str(ckpt.path))
         self.held.hold()
         if self.config.freeze_heap:
             freeze_heap()
@@ -483,7 +557,47 @@ class PeerAgent(StateSource):
             finally:
                 self.playing = False
             if outcome.kind is Outcome.FINISHED:
-                return
+                break
+            if outcome.kind is Outcome.COMMITTED:
+                await self._checkpoint()
+        if self._uploading is not None and not self._uploading.done():  # the last upload, bounded
+            await asyncio.wait({self._uploading}, timeout=UPLOAD_GRACE_SECONDS)
+
+    async def _checkpoint(self) -> None:
+        """A checkpoint of the committed state when one is due (peer.checkpoints; a worker thread,
+        never raises: a failed write is a warning and is retried at the next commit)."""
+        if self.checkpointer is None:
+            return
+        c = self.checkpointer
+        failures = c.failures
+        ckpt = await asyncio.to_thread(c.committed, self.workload)
+        if c.failures > failures:
+            self.metrics.on_checkpoint_failed()
+        if ckpt is not None:
+            self.rounds.checkpoint = (ckpt.round, ckpt.digest)
+            self.metrics.on_checkpoint(c.last_round, c.last_seconds, c.last_bytes)
+            self.emit("checkpoint", round=c.last_round, seconds=c.last_seconds, bytes=c.last_bytes,
+                      path=str(ckpt.path), digest=ckpt.manifest["digest"])
+            if c.url and self.rounds.elected:
+                self._upload(ckpt)
+
+    def _upload(self, ckpt) -> None:
+        """Upload `ckpt` to the shared checkpoint store in a worker thread, off the round's path
+        (the next local phase does not wait for it); one upload at a time: while the previous one
+        still runs, this checkpoint is not uploaded (the next elected one is)."""
+        c = self.checkpointer
+        if self._uploading is not None and not self._uploading.done():
+            log.warning("checkpoint of round %d not uploaded: the upload of an earlier one still runs", ckpt.round)
+            return
+
+        async def run() -> None:
+            failures = c.failures
+            if await asyncio.to_thread(c.upload, ckpt):
+                self.emit("checkpoint_uploaded", round=c.uploaded_round, seconds=c.upload_seconds, url=c.url)
+            elif c.failures > failures:
+                self.metrics.on_checkpoint_failed()
+
+        self._uploading = asyncio.ensure_future(run())
 
     async def _train(self) -> LocalUpdate | None:
         """Local training (a worker thread) with the link probes alongside, both owned here;
@@ -503,7 +617,7 @@ class PeerAgent(StateSource):
                 return None
 
     async def _local_work(self, seconds: float) -> None:
-        """A scenario's long local update (shoal.peer.faults.local_work): busy for `seconds`
+        """A scenario's long local update (shoal.peer.testing.faults.local_work): busy for `seconds`
         while the process stays up and connected, then an event "local_work" (its end)."""
         log.info("local work of %.1fs asked for (scenario)", seconds)
         await asyncio.to_thread(time.sleep, seconds)

@@ -643,7 +643,7 @@ AGGREGATORS: dict[str, type] = {
 def make_aggregator(name: str, **params: object) -> Aggregator:
     """Build the aggregator named in the plan (`Plan.aggregator`).
 
-    Names and parameters: "mean" (none; "fedavg" is a deprecated alias), "median" (none), "trimmed-mean"
+    Names and parameters: "mean" (none; "fedavg", removed in 0.3, is refused naming it), "median" (none), "trimmed-mean"
     (beta=0.2), "centered-clip" (tau=1.0, iterations=5), "krum" (f=1), "multi-krum" (f=1,
     m=None), "bulyan" (f=1).
 

@@ -12,7 +12,8 @@ coordinator-signed round ticket naming the sender, this round attempt and the pl
 holds; every chunk must then match the plan (dtype, 1-D shape within the shard bounds, chunk
 size) and the first chunk's sender/round/attempt. Anything else is refused before a single value
 reaches the inbox. FetchState needs a signed request and a ticket or sync permit naming the
-requester (proof of membership); Probe a signed request. Reach (the coordinator's reachability
+requester (proof of membership) for the round it asks for (a permit serves only the state of
+the sync it was issued for: a member revoked since cannot fetch a newer one); Probe a signed request. Reach (the coordinator's reachability
 dial-back, shoal.common.reach) is unsigned: it only signs a nonce under its own context. With a
 certificate issued at join
 (`shoal.common.certs.PeerTLS`) the server is mutual TLS and every call's client certificate must
@@ -53,15 +54,17 @@ import grpc
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from shoal.peer import faults, shm, tcplane
-from shoal.peer.compression import BLOCK, Encoded
+from shoal.peer.lanes import bulk, pool, shm
+from shoal.peer.testing import faults
+from shoal.peer.compression import FP4, Encoded, data_bytes, scale_bytes
+from shoal.peer.sparse import HEADER_BYTES as SPARSE_HEADER_BYTES
+from shoal.peer.sparse import SPARSE_CODECS
 from shoal.common.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
                          ResourceExhausted, ShoalError, grpc_errors, require)
 from shoal.common.identity import MD_PUBKEY, RequestVerifier, peer_id_of, public_bytes, sign_metadata
-from shoal.peer.pooled import Pooled, anonymous, take_pooled
-from shoal.peer.shm import SegmentReader
+from shoal.peer.lanes.shm import SHARED_POOL, SegmentReader
 from shoal.common import reach
-from shoal.common.relaying import RELAY_ALTERED, chunk_signature_ok, sign_chunk
+from shoal.relay.protocol import RELAY_ALTERED, chunk_signature_ok, sign_chunk
 from shoal.common.limits import DATA_MAX_MESSAGE_BYTES, PEER_MAX_CONCURRENT_RPCS, RateLimiter
 from shoal.common.certs import PeerTLS
 from shoal.common.security import (MD_TICKET, PUSH_CHUNKS, Security, SignedCalls, add_port, open_peer_channel,
@@ -83,7 +86,6 @@ MAX_SHM_SENDERS = 64  # senders whose shared-memory segments stay mapped (least 
 EXCHANGE = "/shoal.v1.Peer/Exchange"  # an outbound-only participant signs its first chunk for this
 EXCHANGE_REPLY = "/shoal.v1.Peer/Exchange#reply"  # and the owner its first reply for this
 REPLY_QUEUE_CHUNKS = 16  # an owner's replies waiting for the outbound-only participant's stream
-SHARED_POOL = ""  # Transport.take_writer: the writers whose slabs every co-located receiver reads
 IDLE_RESULT_SEGMENTS = 2  # result segments kept for reuse once their arrays are gone (Transport.take_result)
 IDLE_RESULT_BUFFERS = 1  # the same for result buffers in this process's memory (Transport.take_buffer)
 
@@ -91,6 +93,9 @@ ChunkKey = tuple[int, int, int, int, int, int, str]  # round, attempt, phase, st
 # What the inbox holds per chunk: the raw values (codec 0, a read-only view) or the still-encoded
 # payload (codecs 1-3), which the collective decodes, and forwards verbatim where it relays.
 Payload = np.ndarray | Encoded
+
+
+SPARSE_CODEC_IDS = frozenset(SPARSE_CODECS.values())
 
 
 def payload_nbytes(v: Payload) -> int:
@@ -102,10 +107,10 @@ def check_encoded(codec: int, count: int, data: bytes, scale: bytes) -> Encoded:
 
     Raises InvalidArgument naming the field.
     """
-    require(codec in (1, 2, 3), "codec", f"unknown codec id {codec}")
-    item = 1 if codec == 3 else 2
-    require(len(data) == count * item, "data", f"{len(data)} bytes, expected {count} x {item}")
-    want_scale = 4 * (-(-count // BLOCK)) if codec == 3 else 0
+    require(codec in (1, 2, 3, FP4), "codec", f"unknown codec id {codec}")
+    want = data_bytes(codec, count)
+    require(len(data) == want, "data", f"{len(data)} bytes, expected {want} for {count} elements")
+    want_scale = scale_bytes(codec, count)
     require(len(scale) == want_scale, "scale", f"{len(scale)} bytes, expected {want_scale}")
     return Encoded(codec, data, scale, count)
 
@@ -154,7 +159,7 @@ class Session:
 
         A chunk on the shared-memory lane (`shm_name` set) has its bytes read from the sender's
         segment through `shm` only after every structural check passed, and only as many as
-        the checked shape needs. A chunk of the bulk lane (peer.tcplane) carries no `data`: its
+        the checked shape needs. A chunk of the bulk lane (peer.lanes.bulk) carries no `data`: its
         bytes are `body` (a buffer), held to the same length checks.
 
         Raises:
@@ -184,6 +189,8 @@ class Session:
             require(count == p * p, "shape", f"[{count}] is not a {p}x{p} distance matrix")
             return decode_chunk(data(8 * count), c.dtype, count)
         require(c.dtype == self.dtype, "dtype", f"{c.dtype} differs from the plan's {self.dtype}")
+        if c.codec in SPARSE_CODEC_IDS:
+            return self._sparse_piece(c, count, data)
         require(c.phase in (pb.REDUCE_SCATTER, pb.ALL_GATHER), "phase", f"unknown phase {c.phase}")
         require(c.step < max(1, len(self.participants) - 1), "step", f"{c.step} past the plan's steps")
         if self.chunk_elems:
@@ -198,9 +205,27 @@ class Session:
             require(not c.scale, "scale", "must be empty for raw chunks")
             return decode_chunk(data(count * to_numpy_dtype(c.dtype).itemsize), c.dtype, count)
         require(c.dtype == pb.FLOAT32, "dtype", "compressed chunks carry float32 tensors")
-        require(c.codec in (1, 2, 3), "codec", f"unknown codec id {c.codec}")
+        require(c.codec in (1, 2, 3, FP4), "codec", f"unknown codec id {c.codec}")
         # Compressed bytes are relayed verbatim on the ring: copied out of a shared segment (small).
-        return check_encoded(c.codec, count, bytes(data(count * (1 if c.codec == 3 else 2))), c.scale)
+        return check_encoded(c.codec, count, bytes(data(data_bytes(c.codec, count))), c.scale)
+
+
+    def _sparse_piece(self, c: pb.Chunk, count: int, data: Callable[[int], bytes]) -> Encoded:
+        """A piece of a sparse payload (peer.sparse wire form; the sparse all-gather of
+        peer.collectives): `count` bytes at byte `offset` of the sender's whole payload, in the
+        all-gather phase, step 0, shard 0. Its contents are checked once the payload is whole."""
+        require(c.dtype == pb.FLOAT32, "dtype", "sparse payloads carry float32 tensors")
+        require(c.phase == pb.ALL_GATHER and c.step == 0 and c.shard == 0, "phase",
+                "a sparse payload travels in the all-gather, step 0, shard 0")
+        require(not c.scale, "scale", "must be empty for sparse payloads (their scales are inside)")
+        if self.chunk_elems:
+            require(0 < count <= 4 * self.chunk_elems, "shape",
+                    f"[{count}] bytes outside 1..{4 * self.chunk_elems} per piece")
+        if self.shard_bounds:  # no sparse payload is larger than 5 bytes per element (peer.sparse)
+            most = 5 * self.shard_bounds[-1] + SPARSE_HEADER_BYTES
+            require(c.offset + count <= most, "shape",
+                    f"[{count}] bytes at offset {c.offset} exceed the {most} bytes a sparse payload can have")
+        return Encoded(c.codec, bytes(data(count)), b"", count)
 
 
 class SenderGone(Exception):
@@ -333,7 +358,7 @@ class Inbox:
     def post(self, key: ChunkKey, dest: np.ndarray) -> None:
         """Offer `dest` (a C-contiguous array the collective owns, e.g. its slice of the result)
         as the place where chunk `key`'s raw bytes may be read when they come on a lane that
-        reads in place (peer.tcplane): the collective then finds the chunk already there
+        reads in place (peer.lanes.bulk): the collective then finds the chunk already there
         (`get` returns a view of `dest`) and copies nothing. Only for an attempt not older than
         the running one; dropped with its attempt."""
         if (key[0], key[1]) >= self.floor:
@@ -429,7 +454,7 @@ class PeerService(pb_grpc.PeerServicer):
         self.session_wait = session_wait
         self.tls_identity = False  # set by serve_data_plane with an issued certificate
         self.peer_id = peer_id_of(public_bytes(key)) if key is not None else ""
-        self.bulk: tcplane.BulkServer | None = None  # the bulk lane's listener (TLS when the data plane is)
+        self.bulk: bulk.BulkServer | None = None  # the bulk lane's listener (TLS when the data plane is)
 
     def _coordinator_key(self) -> bytes:
         if len(self.coordinator_public_key) != 32:
@@ -564,7 +589,7 @@ class PeerService(pb_grpc.PeerServicer):
     async def _receive(self, first: pb.Chunk, it: AsyncIterator[pb.Chunk], s: Session,
                        signer: bytes | None = None, body: Callable[[], object] | None = None) -> int:
         """Check and deliver an authenticated stream's chunks (`first`, then the rest of `it`)
-        into the inbox; returns how many. On the bulk lane (peer.tcplane) `body()` is the
+        into the inbox; returns how many. On the bulk lane (peer.lanes.bulk) `body()` is the
         payload of the chunk last yielded. A refused chunk (wrong shape, dtype...) delivers
         nothing and does not count as a broken stream: the sender is alive, and if it never
         sends valid chunks the chunk deadline blames it. Anything else that ends the stream early
@@ -656,6 +681,11 @@ class PeerService(pb_grpc.PeerServicer):
             if not permit:
                 raise PermissionDenied(f"{MD_TICKET}: missing; FetchState needs a round ticket or sync permit")
             ticket = verify_membership(self._coordinator_key(), permit, peer_id=request.peer_id)
+            if ticket.round != request.round:
+                # A permit (or ticket) is for the sync (or round) it was issued for: a member that
+                # was revoked since cannot fetch a newer state with the last one it got.
+                raise PermissionDenied(f"round: the ticket is for round {ticket.round}, not {request.round}; "
+                                       f"a newer state needs the coordinator's permit for it")
             if self.state is None:
                 raise FailedPrecondition("round: this peer serves no state")
             # The state stays held for the requester while its permit lasts (peer.state_sync).
@@ -740,7 +770,7 @@ async def serve_data_plane(service: PeerService, listen: str, security: Security
     issued at join) the server presents its newest installed certificate, demands the client's
     and checks that it names the signer. With `tcp_lane` (plaintext, or TLS with `peer_tls`: the
     lane is then mutual TLS with the same certificate and checks) it also listens for the bulk
-    lane (peer.tcplane) on an ephemeral port of the same host, advertised by Probe. Raises
+    lane (peer.lanes.bulk) on an ephemeral port of the same host, advertised by Probe. Raises
     OSError when `listen` cannot be bound."""
     bound = security.tls_dir is not None and peer_tls is not None
     service.tls_identity = bound
@@ -753,7 +783,7 @@ async def serve_data_plane(service: PeerService, listen: str, security: Security
         before_start(server)  # e.g. add the health and reflection services
     port = add_port(server, listen, security, "peer", peer_tls if bound else None)
     if tcp_lane and (security.tls_dir is None or bound):  # a legacy shared peer.key: TLS gRPC only
-        service.bulk = tcplane.BulkServer(service, peer_tls if bound else None)
+        service.bulk = bulk.BulkServer(service, peer_tls if bound else None)
         await service.bulk.start(listen.rsplit(":", 1)[0].strip("[]"))
     await server.start()
     return server, f"{listen.rsplit(':', 1)[0]}:{port}"
@@ -785,7 +815,8 @@ class Transport:
     """
 
     def __init__(self, security: Security | None = None, key: Ed25519PrivateKey | None = None, *,
-                 shared_memory: bool = True, peer_tls: PeerTLS | None = None, tcp_lane: bool = False):
+                 shared_memory: bool = True, peer_tls: PeerTLS | None = None, tcp_lane: bool = False,
+                 bulk_connections: int = pool.POOL_MAX):
         self.security = security or Security(insecure=True)
         self.peer_tls = peer_tls if self.security.tls_dir else None
         self._opened: dict[str, tuple[str, int]] = {}  # per address: (peer id, certificate generation)
@@ -797,30 +828,47 @@ class Transport:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._lanes: dict[str, asyncio.Task[bool]] = {}  # probe result per address
         self._chosen: dict[str, str] = {}  # lane chosen per address
-        self._writers: dict[str, list[shm.SegmentWriter]] = {}  # idle writers per address
-        self._results: list[Pooled] = []  # result segments (shared memory, named)
-        self._buffers: list[Pooled] = []  # result buffers in this process's memory
+        self.writers = shm.WriterPool(self.peer_id)  # idle shared-memory writers per address
+        self._writers = self.writers.idle
+        self.results = shm.ResultPool(self.peer_id, IDLE_RESULT_SEGMENTS, IDLE_RESULT_BUFFERS)
+        self._results = self.results.segments
         self.bytes_sent = 0
         self.relayed_bytes_sent = 0  # chunk bytes sent to relayed participants (sign_relayed)
         self.created = time.monotonic()
         self.reply_verifier = RequestVerifier()  # owners' signed first replies on Exchange streams
         if self.shared_memory:
             shm.remove_stale(self.peer_id)  # slabs a killed predecessor with this identity left
-        # The bulk lane (peer.tcplane) between hosts: an identity, and with TLS an issued certificate.
-        self.bulk = tcplane.BulkClient(self._probe_bulk, self.peer_tls) \
+        # The bulk lane (peer.lanes.bulk) between hosts: an identity, and with TLS an issued certificate.
+        self.bulk = bulk.BulkClient(self._probe_bulk, self.peer_tls, bulk_connections) \
             if tcp_lane and key is not None and (self.security.tls_dir is None or self.peer_tls is not None) else None
 
-    async def bulk_lane(self, address: str, peer_id: str = "") -> tcplane.BulkConnection | None:
+    async def bulk_lane(self, address: str, peer_id: str = "") -> bulk.BulkConnection | None:
         """A connection to the bulk lane of the peer at `address` (chosen when the shared-memory
         lane is not), or None: PushChunks then."""
         conn = await self.bulk.connect(address, peer_id) if self.bulk is not None else None
         self._chosen[address] = "socket" if conn is None else conn.lane
         return conn
 
+    async def bulk_pool(self, address: str, peer_id: str = "") -> list[bulk.BulkConnection]:
+        """The connections of the next stream to the bulk lane of the peer at `address`: as many
+        as its pool size (peer.lanes.pool; the first as `bulk_lane` gives it, the others opened
+        or reused alongside; those that fail are left out), or [] when it has no bulk lane."""
+        first = await self.bulk_lane(address, peer_id)
+        if first is None or self.bulk is None:
+            return [] if first is None else [first]
+        more = self.bulk.pool_size(address) - 1
+        extra = await asyncio.gather(*(self.bulk.connect(address, peer_id) for _ in range(more)))
+        return [first, *(c for c in extra if c is not None)]
+
+    def observe_bulk(self, address: str, conns: list, nbytes: int, seconds: float) -> pool.TcpPath | None:
+        """A bulk stream's outcome, for the next stream's pool size (`BulkClient.observe_stream`);
+        returns the path the kernel measured (None: unknown)."""
+        return self.bulk.observe_stream(address, conns, nbytes, seconds) if self.bulk is not None else None
+
     async def _probe_bulk(self, address: str, peer_id: str) -> int:
         return (await self.stub(address, peer_id).Probe(pb.ProbeRequest(), timeout=5.0)).bulk_port
 
-    def give_back_bulk(self, address: str, conn: tcplane.BulkConnection) -> None:
+    def give_back_bulk(self, address: str, conn: bulk.BulkConnection) -> None:
         """Return a bulk connection after its stream (closed when broken, else reused)."""
         if self.bulk is not None:
             self.bulk.give_back(address, conn)
@@ -830,10 +878,10 @@ class Transport:
     def bulk_metadata(self, first_chunk: pb.Chunk) -> tuple[tuple[str, str], ...]:
         """Signature metadata of a bulk-lane stream opening with `first_chunk` (its header)."""
         assert self.key is not None
-        return sign_metadata(self.key, tcplane.BULK_METHOD, first_chunk)
+        return sign_metadata(self.key, bulk.BULK_METHOD, first_chunk)
 
     async def shm_lane(self, address: str, peer_id: str = "") -> bool:
-        """Whether chunks to `address` go through shared memory (peer.shm): true once a probe
+        """Whether chunks to `address` go through shared memory (peer.lanes.shm): true once a probe
         showed that the receiver reads this peer's segments. Cached per address; an RPC error
         answers false without caching (the stream will tell what is wrong)."""
         ok = False
@@ -892,49 +940,26 @@ class Transport:
     def take_writer(self, address: str, slab_bytes: int = 0) -> shm.SegmentWriter:
         """An idle shared-memory writer towards `address` (its slabs already touched), or a new
         one: with `slab_bytes`, one whose slabs have that size (a reduce-scatter lap's writer,
-        peer.collectives `_Laps`: one slab holds a lap), else one whose slabs grow."""
-        pool = self._writers.get(address)
-        i = next((i for i in range(len(pool or ()) - 1, -1, -1) if pool[i].fixed == slab_bytes), None)
-        if i is not None:
-            w = pool.pop(i)
-        elif slab_bytes:
-            w = shm.SegmentWriter(self.peer_id, slab_bytes=slab_bytes, first_slab_bytes=slab_bytes)
-        else:
-            w = shm.SegmentWriter(self.peer_id)
-        w.rewind()
-        return w
+        peer.lanes.shm `Laps`: one slab holds a lap), else one whose slabs grow."""
+        return self.writers.take(address, slab_bytes)
 
     def give_back_writer(self, address: str, writer: shm.SegmentWriter) -> None:
         """Return a writer whose stream completed (the receiver copied every chunk out); for
-        `SHARED_POOL`, one whose every receiver did (a shard owner's reduced chunks). Idle lap
-        writers of another size towards `address` are closed (the laps changed: a new chunk or
-        shard size), so that an address keeps the writers of one lap size only."""
-        if address in self._lanes or (address == SHARED_POOL and self.shared_memory):
-            writer.trim()
-            pool = self._writers.setdefault(address, [])
-            if writer.fixed:
-                for w in [w for w in pool if w.fixed and w.fixed != writer.fixed]:
-                    pool.remove(w)
-                    w.close()
-            pool.append(writer)
-        else:
-            writer.close()
+        `SHARED_POOL`, one whose every receiver did (a shard owner's reduced chunks). Kept for
+        an address that was probed (or the shared pool while the lane is on), else closed; idle
+        lap writers of another size towards `address` are closed (peer.lanes.shm `WriterPool`)."""
+        keep = address in self._lanes or (address == SHARED_POOL and self.shared_memory)
+        self.writers.give_back(address, writer, keep)
 
     def take_result(self, n: int, dtype) -> tuple[str, np.ndarray]:
         """A writable `(n,)` array of `dtype` in a shared-memory segment of this peer (co-located
         receivers read chunks of it by name: a collective's result buffer) and the segment's name.
-        A segment is reused once no array on it is alive any more (the last one and every view of
-        it gone: a committed state that was replaced, a failed attempt's buffer), because a fresh
-        tmpfs page costs a fault and a zeroing (~60 ms per 64 MB here, where anonymous memory with
+        A segment is reused once no array on it is alive any more, because a fresh tmpfs page
+        costs a fault and a zeroing (~60 ms per 64 MB here, where anonymous memory with
         transparent huge pages costs ~7 ms), and rewriting touched pages is cheap; at most
         IDLE_RESULT_SEGMENTS idle ones are kept, the others unlinked. Raises OSError when
         /dev/shm is full (the caller uses its own memory then)."""
-        def segment(nbytes: int) -> Pooled:
-            name, mm = shm.create_segment(self.peer_id, nbytes)
-            return Pooled(mm, name)
-
-        entry, arr = take_pooled(self._results, n, dtype, IDLE_RESULT_SEGMENTS, segment, self._drop_result)
-        return entry.name, arr
+        return self.results.take_result(n, dtype)
 
     def take_buffer(self, n: int, dtype) -> np.ndarray:
         """A writable `(n,)` array of `dtype` in this process's memory (a collective's result
@@ -944,16 +969,7 @@ class Transport:
         10 Gbit/s all-reduce here, docs/performance.md), rewriting a touched one does not. At
         most IDLE_RESULT_BUFFERS idle ones are kept. Anonymous memory (`mmap`): its pages are
         the process's own and go with the mapping."""
-        # A dropped buffer is unmapped by the garbage collector once nothing refers to it.
-        return take_pooled(self._buffers, n, dtype, IDLE_RESULT_BUFFERS, anonymous, self._buffers.remove)[1]
-
-    def _drop_result(self, entry: Pooled) -> None:
-        self._results.remove(entry)
-        shm.unlink(entry.name)
-        try:
-            entry.mm.close()
-        except BufferError:  # an array on it is still alive: unmapped when it goes
-            pass
+        return self.results.take_buffer(n, dtype)
 
     async def _probe_lane(self, address: str, peer_id: str) -> bool:
         name, nonce, seg = shm.make_probe(self.peer_id)
@@ -1007,8 +1023,7 @@ class Transport:
         self._opened.pop(address, None)
         if self.bulk is not None:
             self.bulk.forget(address)
-        for w in self._writers.pop(address, []):
-            w.close()
+        self.writers.forget(address)
         ch = self._channels.pop(address, None)
         if ch is not None:
             await ch.close(grace=None)
@@ -1016,12 +1031,8 @@ class Transport:
     async def close(self) -> None:
         if self.bulk is not None:
             self.bulk.close()
-        for pool in self._writers.values():
-            for w in pool:
-                w.close()
-        self._writers.clear()
-        for e in list(self._results):
-            self._drop_result(e)
+        self.writers.close()
+        self.results.close()
         for ch in [*self._channels.values(), *self._retired]:
             await ch.close(grace=None)
         self._channels.clear()

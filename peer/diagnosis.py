@@ -145,15 +145,15 @@ def diagnose(exc: grpc.aio.AioRpcError, target: str, *,
         return Diagnosis("tls", f"TLS handshake failed: the certificate is not valid for "
                                 f"{_dialled(target)!r} ({holds})", _FIXES["name"])
     if "expired" in low:
-        return Diagnosis("tls", f"TLS handshake failed: the coordinator's certificate has "
-                                f"expired", _FIXES["expired"])
+        return Diagnosis("tls", "TLS handshake failed: the coordinator's certificate has "
+                                "expired", _FIXES["expired"])
     if "local issuer" in low or "self signed" in low or "self-signed" in low or "unknown ca" in low or \
             "certificate_verify_failed" in low:
-        return Diagnosis("tls", f"TLS handshake failed: certificate signed by an unknown CA "
-                                f"(not by --tls-dir's ca.pem)", _FIXES["unknown-ca"])
+        return Diagnosis("tls", "TLS handshake failed: certificate signed by an unknown CA "
+                                "(not by --tls-dir's ca.pem)", _FIXES["unknown-ca"])
     if "wrong_version_number" in low or "wrong version number" in low or "http_request" in low or \
             "packet_length_too_long" in low:
-        return Diagnosis("tls", f"TLS handshake failed: the server does not speak TLS",
+        return Diagnosis("tls", "TLS handshake failed: the server does not speak TLS",
                          _FIXES["plaintext"])
     if "handshake" in low or "ssl" in low or "tls" in low:
         return Diagnosis("tls", f"TLS handshake failed: {text}", _FIXES["tls"])

@@ -1,4 +1,6 @@
-"""Link measurement: what this peer knows of its links to the other peers (the design notes, §4).
+"""Link measurement: what this peer knows of its links to the other peers.
+
+The planner's use of them: docs/concepts.md, "Bandwidth and the lower bound".
 
 `LinkMeter` keeps, per remote peer, estimates of the throughput this → remote ("up") and
 remote → this ("down") in bytes/s and of the round-trip time, from two sources:
@@ -41,10 +43,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
+from shoal.common.limits import LINK_BYTES_PER_S_BOUNDS, LINK_RTT_MAX_SECONDS
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.links")
@@ -129,6 +132,7 @@ class _Link:
     up_: _Direction
     down_: _Direction
     rtt: _Ewma
+    loss: _Ewma = field(default_factory=lambda: _Ewma())
     probed_at: float = float("-inf")
     updated_at: float = float("-inf")  # last sample of any kind
     due: bool = False  # a slow collective asked for a probe (`LinkMeter.after_collective`)
@@ -207,6 +211,22 @@ class LinkMeter:
         """A stream from `peer_id` delivered `nbytes` in `seconds` (first to last chunk)."""
         if self._usable(nbytes, seconds):
             self._link(peer_id).down_.passive.add(nbytes / seconds, self.alpha)
+
+    def observe_path(self, peer_id: str, rtt: float, loss: float) -> None:
+        """What the kernel measured on the bulk lane's connections to `peer_id` (peer.lanes.pool):
+        `rtt` the smallest round trip seen (seconds; the path's propagation delay, so the planner's
+        α does not count the queues a busy stream builds) and `loss` the retransmitted share of
+        its data segments. The RTT joins the probes' estimate; the loss is kept per link."""
+        link = self._link(peer_id)
+        if rtt > 0:
+            link.rtt.add(rtt, self.alpha)
+        if 0 <= loss <= 1:
+            link.loss.add(loss, self.alpha)
+
+    def loss(self, peer_id: str) -> float:
+        """The link's loss estimate (share of data segments retransmitted; 0 when unknown)."""
+        link = self._links.get(peer_id)
+        return link.loss.value if link is not None and link.loss.samples else 0.0
 
     def observe_collective(self, sent: int, received: int, seconds: float) -> None:
         """This peer sent and received these totals during one collective of `seconds`."""
@@ -297,14 +317,25 @@ class LinkMeter:
         return max(ups), max(downs), (sum(rtts) / len(rtts) if rtts else 0.0)
 
     def report(self, peer_id: str) -> pb.LinkReport:
-        """The shoal.v1.LinkReport for the coordinator."""
+        """The shoal.v1.LinkReport for the coordinator, each estimate clamped into the physical
+        bounds the coordinator accepts (shoal.common.limits; 0 stays "not measured")."""
         up, down, _ = self.aggregate()
         return pb.LinkReport(
-            peer_id=peer_id, up_bytes_per_s=up, down_bytes_per_s=down,
-            links=[pb.LinkEstimate(peer_id=v.peer_id, up_bytes_per_s=v.up_bytes_per_s,
-                                   down_bytes_per_s=v.down_bytes_per_s, rtt_seconds=v.rtt_seconds, samples=v.samples)
+            peer_id=peer_id, up_bytes_per_s=_rate(up), down_bytes_per_s=_rate(down),
+            links=[pb.LinkEstimate(peer_id=v.peer_id, up_bytes_per_s=_rate(v.up_bytes_per_s),
+                                   down_bytes_per_s=_rate(v.down_bytes_per_s),
+                                   rtt_seconds=min(v.rtt_seconds, LINK_RTT_MAX_SECONDS) if v.rtt_seconds > 0 else 0.0,
+                                   samples=v.samples)
                    for v in self.links()],
         )
+
+
+def _rate(bytes_per_s: float) -> float:
+    """A rate estimate within LINK_BYTES_PER_S_BOUNDS (0 or less, or not finite: 0, not measured)."""
+    if not bytes_per_s > 0 or bytes_per_s == float("inf"):
+        return 0.0
+    lo, hi = LINK_BYTES_PER_S_BOUNDS
+    return min(hi, max(lo, bytes_per_s))
 
 
 async def probe_peer(meter: LinkMeter, stub, peer_id: str, *, nbytes: int = PROBE_BYTES,

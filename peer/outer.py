@@ -322,7 +322,7 @@ OUTER_OPTIMIZERS: dict[str, type] = {
 
 
 def make_outer(name: str, **params: object) -> OuterOptimizer:
-    """Build an outer optimizer by name: "sgd" ("fedavg" is a deprecated alias), "fedavgm", "fedadam",
+    """Build an outer optimizer by name: "sgd" ("fedavg", removed in 0.3, is refused naming it), "fedavgm", "fedadam",
     "fedyogi", "fedadagrad", "diloco"; `params` are the class's keyword arguments.
 
     Raises:

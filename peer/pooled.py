@@ -36,8 +36,8 @@ class Pooled:
 
 
 _takes = itertools.count(1)
-# One lock for every pool: agents on threads of their own (peer.torch_integration runs each on its
-# own event loop) share a process's payload pool (peer.tcplane), and two takes of one idle entry
+# One lock for every pool: agents on threads of their own (peer.torch_optimizer runs each on its
+# own event loop) share a process's payload pool (peer.lanes.bulk), and two takes of one idle entry
 # would put two live arrays on one mapping.
 _lock = threading.Lock()
 

@@ -27,7 +27,8 @@ Norm bound: the whole-vector L2 bound `max_norm` applies to a slice as
 element of its aggregate, once, before the all-gather: the Gaussian mechanism with noise
 multiplier `dp_sigma` for the mean of `p` contributions clipped to `max_norm` (DP-FedAvg,
 McMahan et al. 2018). For the robust aggregators that sensitivity is a heuristic (their output
-is not a plain mean). Privacy accounting over rounds is not done here.
+is not a plain mean). The accounting over rounds is the coordinator's (`shoal.common.privacy`);
+with contributor noise (dp_mode distributed or local) the owners neither bound nor add noise.
 """
 
 from __future__ import annotations

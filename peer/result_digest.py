@@ -10,9 +10,9 @@ releases the GIL), so the event loop never blocks on a hash, and what is left wh
 lands is the blocks it completed (one or two for a chunk of up to 1 MiB) and the outer hash of
 the block digests.
 
-Before (issue 16) the vote digest was BLAKE3 of the whole buffer, fed in order from element 0: in
-the ring, the peer whose all-gather brings shard 0 last then hashed 3/4 of the tensor after its
-last chunk, 10-35 ms of a 0.83 s all-reduce at 1 Gbit/s (docs/performance.md).
+Hashing the whole buffer in order from element 0 instead would leave the ring's peer whose
+all-gather brings shard 0 last hashing 3/4 of the tensor after its last chunk: 10-35 ms of a
+0.83 s all-reduce at 1 Gbit/s.
 
 Pure bookkeeping plus hashing; no I/O. Tested alone (tests/test_result_digest.py).
 """

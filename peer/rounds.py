@@ -15,7 +15,8 @@
    refusing its input) becomes a "failed" ballot carrying the reason.
 4. `vote`: deliver the ballot (success + digests, or failure + reason + suspects).
 5. `commit` / `abort`: apply the tentative state of the committed attempt (and its compression
-   residuals), or drop the aborted attempt's.
+   residuals; with sparse compression, commit its SparseLoCo accumulator proposal), or drop
+   the aborted attempt's (the accumulator is untouched: the retry proposes from the same e).
 6. `sync`: adopt the committed state named by a sync order, from a matching tentative copy or
    downloaded from donors and verified (peer.state_sync).
 
@@ -53,16 +54,17 @@ from shoal.common.pauses import RunClock
 from shoal.common.plan import Plan
 from shoal.common.tensors import dtype_code
 from shoal.common.throttle import Throttle, more
-from shoal.peer import faults
-from shoal.peer.collectives import CollectiveError, OwnerReducer, all_reduce
+from shoal.peer.testing import faults
+from shoal.peer.collectives import CollectiveError, OwnerReducer, SparseRound, all_reduce
 from shoal.peer.compression import ErrorFeedback
 from shoal.peer.contribution import Contribution
 from shoal.peer.control import CoordinatorClient
 from shoal.peer.dataplane import Inbox, Session, Transport
 from shoal.peer.links import LinkMeter
 from shoal.peer.result_digest import off_loop
+from shoal.peer.sparse import ErrorAccumulator, SparseSettings
 from shoal.peer.state_sync import Download, SyncError, SyncResult, download_state
-from shoal.peer.workload import State, Workload
+from shoal.peer.workloads.base import State, Workload
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.rounds")
@@ -87,8 +89,8 @@ class Outcome(enum.Enum):
 class RoundOutcome:
     """How one `play` ended. round: the round played (the committed round count at its start);
     rounds: committed rounds held afterwards. COMMITTED only: attempt, participants (count),
-    flagged (peers whose contribution owners rejected), state_digest, loss. seconds: from the
-    first Ready to the outcome."""
+    flagged (peers whose contribution owners rejected), state_digest, loss, epsilon (DP spent so
+    far, the coordinator's accountant; 0 without DP). seconds: from the first Ready to the outcome."""
 
     kind: Outcome
     round: int
@@ -99,6 +101,7 @@ class RoundOutcome:
     flagged: tuple[str, ...] = ()
     state_digest: bytes = b""
     loss: float = 0.0
+    epsilon: float = 0.0
 
 
 # ------------------------------------------------------------------------------ events
@@ -118,6 +121,8 @@ class Committed:
     participants: tuple[str, ...]
     flagged: tuple[str, ...]
     step_seconds: float = 0.0  # the swarm's pace (pb.Commit.step_seconds)
+    epsilon: float = 0.0  # DP: epsilon spent by the committed rounds (pb.Commit.epsilon; 0 without DP)
+    checkpointers: tuple[str, ...] = ()  # elected to upload a due checkpoint (pb.Commit.checkpointers)
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,7 @@ def event_of(msg: pb.RoundEvent) -> RoundEvent | None:
     if kind == "commit":
         c = msg.commit
         return Committed(c.round, c.attempt, c.state_digest, tuple(c.participants), tuple(c.flagged),
-                         c.step_seconds)
+                         c.step_seconds, c.epsilon, tuple(c.checkpointers))
     if kind == "abort":
         a = msg.abort
         return Aborted(a.round, a.attempt, a.reason, tuple(a.excluded), a.will_retry)
@@ -328,6 +333,7 @@ class Tentative:
 
     state: State
     feedback: tuple
+    sparse_attempt: object = None  # the accumulator proposal to commit (sparse all-gather), or None
 
 
 @dataclass
@@ -408,7 +414,9 @@ class RoundClient:
     this peer's data plane; events: the queue the agent's watch and heartbeat feed.
     round_silence: seconds without any event after which the peer announces itself again.
     finish_linger: seconds peers keep serving the final state after the run (bounds final_sync).
-    tamper: testing only (peer.byzantine "owner"): what a malicious shard owner publishes.
+    tamper: testing only (peer.testing.byzantine "owner"): what a malicious shard owner publishes.
+    forge_vote: testing only (peer.testing.byzantine "false-blame", "lying-digest"): forges each ballot in
+    place before it is sent.
     clock: this process's `RunClock` (read continually by the agent); a failed attempt during
     which this peer itself did not run for a chunk deadline is voted as its own fault.
     """
@@ -417,7 +425,9 @@ class RoundClient:
                  inbox: Inbox, transport: Transport, links: LinkMeter | None, events: EventMailbox | asyncio.Queue,
                  round_silence: float = 15.0, finish_linger: float = 1.0, sync: SyncSettings = SyncSettings(),
                  listeners: Sequence[RoundListener] = (), traffic: Traffic | None = None,
-                 tamper: Callable[[np.ndarray], np.ndarray] | None = None, clock: RunClock | None = None):
+                 tamper: Callable[[np.ndarray], np.ndarray] | None = None, clock: RunClock | None = None,
+                 forge_vote: Callable[[pb.VoteRequest, Plan], None] | None = None,
+                 sparse: SparseSettings | None = None):
         self.control, self.workload, self.contribution = control, workload, contribution
         self.clock = clock
         self.inbox, self.transport, self.links = inbox, transport, links
@@ -428,7 +438,10 @@ class RoundClient:
         self.listeners = list(listeners)
         self.traffic = traffic or Traffic()
         self.tamper = tamper
+        self.forge_vote = forge_vote
         self.feedback = ErrorFeedback()  # compression residuals, updated only on commit
+        self.sparse = sparse  # the run's sparse codec and decay (compression topk / dct), or None
+        self.accumulator: ErrorAccumulator | None = None  # SparseLoCo's e, made at the first sparse round
         self.last_plan: Plan | None = None  # the last plan received (link probes, shm peers)
         self.last_announce = 0.0  # monotonic time of the last Ready sent
         self._asked_at = 0.0  # monotonic time the last Ready left (before its reply)
@@ -441,6 +454,10 @@ class RoundClient:
         self._sync_lines = Throttle(SYNC_LOG_SECONDS)
         self.sync_rate = 0.0  # bytes/s of the last state download (told to the coordinator: its hold)
         self._state_bytes = 0  # size of the serialized state (`_state_size`)
+        # (committed rounds, state digest) of the newest checkpoint this peer wrote or resumed
+        # from (peer.checkpoints; (0, b"") = none): each Ready says it, the coordinator records it.
+        self.checkpoint: tuple[int, bytes] = (0, b"")
+        self.elected = False  # named a checkpointer by the last commit it applied (pb.Commit.checkpointers)
 
     @property
     def me(self) -> str:
@@ -527,7 +544,8 @@ class RoundClient:
                                dtype=dtype_code(rs.update.dtype), num_samples=rs.num_samples or self.workload.num_samples,
                                state_digest=st.digest(), state_round=st.rounds,
                                state_bytes=self._state_size(st), sync_bytes_per_s=self.sync_rate,
-                               local_steps=rs.local_steps, local_seconds=rs.local_seconds)
+                               local_steps=rs.local_steps, local_seconds=rs.local_seconds,
+                               checkpoint_round=self.checkpoint[0], checkpoint_digest=self.checkpoint[1])
 
     def _state_size(self, st: State) -> int:
         """Bytes of the serialized state, measured once (the layout does not change between
@@ -581,6 +599,8 @@ class RoundClient:
         if self.me not in ev.plan.participants:
             return
         ballot, failed_at = await self.run_collective(rs, ev)
+        if self.forge_vote is not None:
+            self.forge_vote(ballot, ev.plan)
         rs.voting = True
         try:
             await self.vote(ballot, failed_at)
@@ -616,18 +636,20 @@ class RoundClient:
         received, cpu0 = self.traffic.bytes_received, time.process_time()
         paused0 = self._paused()
         try:
-            prepared = self.contribution.prepare(rs.update, plan, self.me)
+            self._check_fragment(plan)
+            update, sparse_attempt = self._error_fed(rs.update, plan)
+            prepared = self.contribution.prepare(update, plan, self.me)
             reducer = prepared.reducer
             if reducer is not None and faults.armed("reduce"):
                 reducer = _FaultyReducer(reducer, plan.round)
             started_at = time.time()
             res = await all_reduce(prepared.values, ev.plan, me=self.me, transport=self.transport,
                                    inbox=self.inbox, reducer=reducer, feedback=self.feedback, links=self.links,
-                                   tamper=self.tamper)
+                                   tamper=self.tamper, sparse=self._sparse_round(plan, prepared))
             ended_at = time.time()
             self.contribution.check(res.values)
             st = self.workload.tentative(res.values, res.digest)
-            rs.tentative[plan.attempt] = Tentative(st, res.feedback)
+            rs.tentative[plan.attempt] = Tentative(st, res.feedback, sparse_attempt)
         except Exception as exc:  # noqa: BLE001 - every failure before the vote is voted, with its reason
             ballot = self._failed_ballot(rs, plan, exc)
             stalled = self._paused() - paused0
@@ -655,6 +677,47 @@ class RoundClient:
         return pb.VoteRequest(peer_id=self.me, round=plan.round, attempt=plan.attempt, train_loss=rs.loss, ok=True,
                               result_digest=res.digest, state_digest=state_digest, bytes_sent=res.bytes_sent,
                               collective_seconds=res.seconds, flagged=res.flagged), 0.0
+
+    def _check_fragment(self, plan: Plan) -> None:
+        """Refuse a plan whose fragment is not the one this peer's run carries in that round
+        (Streaming DiLoCo: round r carries fragment r mod F; peer.fragments)."""
+        frags = max(1, int(getattr(getattr(self.workload, "cfg", None), "fragments", 1)))
+        if plan.fragments != frags or plan.fragment != plan.round % frags:
+            raise InvalidArgument(f"fragment: the plan carries fragment {plan.fragment} of {plan.fragments}, this "
+                                  f"run's round {plan.round} carries {plan.round % frags} of {frags}")
+    def _accumulator_for(self, n: int) -> ErrorAccumulator:
+        """This peer's accumulator for an `(n,)` pseudo-gradient (made at the first round, e = 0)."""
+        assert self.sparse is not None
+        if self.accumulator is None or self.accumulator.accumulator.size != n:
+            self.accumulator = self.sparse.accumulator(n)
+        return self.accumulator
+
+    def _error_fed(self, update: np.ndarray, plan: Plan) -> tuple[np.ndarray, object]:
+        """What goes into this attempt, and the accumulator proposal its commit commits (None
+        without sparse compression). A sparse all-gather encodes C(β·e + Δ) itself
+        (`_sparse_round`); a dense plan in a sparse run (the planner found the dense all-reduce
+        faster) sends the whole β·e + Δ, and its commit sets e to 0."""
+        if self.sparse is None:
+            return update, None
+        key = (plan.round, plan.attempt)
+        if plan.collective == "allgather":
+            return update, key
+        try:
+            acc = self._accumulator_for(update.size)
+            return acc.propose_dense(np.ascontiguousarray(update, dtype=np.float32), attempt=key), key
+        except InvalidArgument as exc:
+            raise CollectiveError(f"this peer's contribution: {exc}", []) from None
+
+    def _sparse_round(self, plan: Plan, prepared) -> SparseRound | None:
+        """This peer's part of a sparse all-gather: its accumulator and the contributions'
+        weights; None for dense collectives. Raises CollectiveError when the run has no sparse
+        codec (the plan and the run disagree)."""
+        if plan.collective != "allgather":
+            return None
+        if self.sparse is None:
+            raise CollectiveError(f"plan: compression {plan.compression} needs the run's sparse codec, "
+                                  "which this peer's run configuration does not name", [])
+        return SparseRound(self._accumulator_for(prepared.values.size), prepared.weights)
 
     def _paused(self) -> float:
         """Seconds this process did not run so far (0 without a clock)."""
@@ -720,13 +783,17 @@ class RoundClient:
         rs.tentative.clear()
         if self.me not in ev.participants or t is None or t.state.digest() != ev.state_digest:
             return None
+        self.elected = self.me in ev.checkpointers  # uploads this round's checkpoint when one is due
         self.workload.pace(ev.step_seconds)  # before apply: a time-budgeted phase starts with it
         self.workload.apply(t.state)
         self.feedback.reset()  # keep exactly the residuals of the committed attempt
         for key, compensated, decoded in t.feedback:
             self.feedback.update(key, compensated, decoded)
+        if t.sparse_attempt is not None and self.accumulator is not None:
+            self.accumulator.commit(t.sparse_attempt)  # e <- β·e + Δ - decode(sent), once per committed round
         outcome = RoundOutcome(Outcome.COMMITTED, rs.round, t.state.rounds, time.monotonic() - rs.started,
-                               ev.attempt, len(ev.participants), ev.flagged, ev.state_digest, rs.loss)
+                               ev.attempt, len(ev.participants), ev.flagged, ev.state_digest, rs.loss,
+                               ev.epsilon)
         self._tell("on_outcome", outcome)
         return outcome
 
@@ -831,6 +898,7 @@ class RoundClient:
         for t in (rs.tentative.values() if rs is not None else ()):
             if t.state.rounds == order.round and t.state.digest() == order.state_digest:
                 self.workload.apply(t.state)
+                self._reset_accumulator()
                 rs.tentative.clear()
                 log.info("state for round %d adopted from the local tentative copy", order.round)
                 return True
@@ -847,6 +915,7 @@ class RoundClient:
         except InvalidArgument as exc:  # bytes that hash to the committed digest but are no state
             raise SyncError(f"the assembled state does not parse ({exc})", res.donors_used) from None
         self.workload.apply(st)
+        self._reset_accumulator()
         if rs is not None:
             rs.tentative.clear()
         self.traffic.state_syncs += 1
@@ -858,6 +927,12 @@ class RoundClient:
         self._tell("on_sync", SyncRecord(st.rounds, len(res.blob), time.monotonic() - t0, res.donors_used,
                                          res.donors_failed))
         return True
+
+    def _reset_accumulator(self) -> None:
+        """A peer that adopted the committed state from elsewhere starts its error feedback at
+        e = 0 (SparseLoCo: the accumulator is the peer's own unsent mass, never a donor's)."""
+        if self.accumulator is not None:
+            self.accumulator.reset()
 
     async def _on_finished(self, rs: RoundState, rounds_committed: int) -> RoundOutcome:
         if self.workload.state.rounds < rounds_committed:

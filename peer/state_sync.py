@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from shoal.peer.dataplane import StateSource, Transport
-from shoal.peer.workload import State, state_blob_digest
+from shoal.peer.workloads.base import State, state_blob_digest
 from shoal.common.security import MD_TICKET
 from shoal.v1 import shoal_pb2 as pb
 

@@ -19,16 +19,17 @@ import copy
 import dataclasses
 import json
 import struct
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from shoal.peer.data import NUM_CLASSES, NUM_FEATURES, Dataset, load_digits_split, partition
 from shoal.common.errors import InvalidArgument
-from shoal.peer.model import Adam, MLPShape, init_params, loss_and_grad, predict
+from shoal.common.privacy import DpSettings, PrivacyError
 from shoal.peer.compression import codec_id
-from shoal.peer.outer import OuterOptimizer, fedprox_grad, make_outer
+from shoal.peer.fragments import FRAGMENT_MODES, FragmentedOuter, Fragments, fragment_of
+from shoal.peer.sparse import DEFAULT_CHUNK, SparseCodec, SparseSettings, is_sparse
+from shoal.peer.outer import OuterOptimizer, make_outer
 from shoal.peer.reduction import ReductionSpec
 from shoal.common.tensors import digest
 
@@ -46,13 +47,25 @@ class RunConfig:
     Aggregation (docs/aggregation.md): aggregator / aggregator_params: what shard owners run
     ("mean" = FedAvg; any other forces the butterfly collective); max_norm: whole-vector L2 bound
     on each contribution, 0 = none; on_norm: "clip" or "reject" beyond it; dp_sigma: Gaussian
-    noise multiplier added once by each owner (needs max_norm); compression: per-hop wire codec
-    ("none", "fp16", "bf16", "int8"); fedprox_mu: FedProx proximal term of the inner loss.
+    noise multiplier (needs max_norm); dp_mode: who adds the noise, "owner" (each shard owner,
+    once), "distributed" (each participant its share) or "local" (each participant all of it;
+    shoal.common.privacy); compression: per-hop wire codec ("none", "fp16", "bf16", "int8",
+    "fp4") or a sparse codec of the whole error-fed pseudo-gradient ("topk", "dct": peer.sparse,
+    the sparse all-gather; sparse_chunk C, sparse_k kept per chunk, sparse_bits per value,
+    sparse_beta the accumulator's decay; mean aggregation only); fedprox_mu: FedProx proximal
+    term of the inner loss.
     local_work: "steps" (every local phase runs inner_steps steps) or "time" (it lasts inner_steps
     of the fast peers' steps in seconds, the swarm's pace, and the update is weighted by the
     samples it processed; the PyTorch integration, docs/training.md; the digits workload always
     runs inner_steps). overlap: the next local phase starts while the round's all-reduce runs and
     the committed update is folded in when it arrives (the PyTorch integration, docs/training.md).
+    Streaming DiLoCo (docs/training.md, peer.fragments): fragments F splits the parameters
+    (fragment_partition "contiguous" or "strided"), round r carries fragment r mod F and local
+    phases last inner_steps / F steps, so each fragment is synchronised every inner_steps steps;
+    fragment_overlap tau: inner steps the trainer runs while its round is in flight before it
+    merges the committed fragment (0 = it waits); fragment_alpha: the merge
+    `alpha * local + (1 - alpha) * committed` of that fragment. With fragments > 1, `overlap` is
+    refused (fragment_overlap says how far rounds overlap).
     """
 
     algorithm: str = "diloco"
@@ -72,8 +85,17 @@ class RunConfig:
     max_norm: float = 0.0
     on_norm: str = "clip"
     dp_sigma: float = 0.0
+    dp_mode: str = "owner"
     local_work: str = "steps"
     overlap: bool = False
+    fragments: int = 1
+    fragment_partition: str = "contiguous"
+    fragment_overlap: int = 0
+    fragment_alpha: float = 0.5
+    sparse_chunk: int = DEFAULT_CHUNK
+    sparse_k: int = 64
+    sparse_bits: int = 2
+    sparse_beta: float = 0.95
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "fedavg"):
@@ -94,12 +116,63 @@ class RunConfig:
             raise InvalidArgument("num_data_shards: must be >= 1")
         if not (self.fedprox_mu >= 0):
             raise InvalidArgument("fedprox_mu: must be >= 0")
+        if self.fragments < 1 or self.inner_steps % self.fragments:
+            raise InvalidArgument(f"fragments: must be >= 1 and divide inner_steps {self.inner_steps}, "
+                                  f"got {self.fragments}")
+        if self.fragment_partition not in FRAGMENT_MODES:
+            raise InvalidArgument(f"fragment_partition: {self.fragment_partition!r} is not one of {FRAGMENT_MODES}")
+        if not 0 <= self.fragment_overlap <= self.phase_steps:
+            raise InvalidArgument(f"fragment_overlap: must be in 0..inner_steps / fragments = {self.phase_steps}, "
+                                  f"got {self.fragment_overlap}")
+        if not 0 <= self.fragment_alpha <= 1:
+            raise InvalidArgument(f"fragment_alpha: must be in [0, 1], got {self.fragment_alpha}")
+        if self.fragments > 1 and self.overlap:
+            raise InvalidArgument("overlap: not with fragments > 1 (fragment_overlap sets how far rounds overlap)")
         self.reduction_spec().check()
-        codec_id(self.compression)
+        try:
+            self.dp_settings().check(accounting=False)
+        except PrivacyError as e:
+            raise InvalidArgument(str(e)) from None
+        if self.dp_settings().at_contributor and self.aggregator != "mean":
+            raise InvalidArgument(f"dp_mode: {self.dp_mode} noise needs aggregator mean, got {self.aggregator!r}")
+        if is_sparse(self.compression):
+            self.sparse_settings()
+            spec = self.reduction_spec()
+            if spec.aggregator != "mean" or spec.max_norm > 0 or spec.dp_sigma > 0 or self.dp_settings().at_contributor:
+                raise InvalidArgument(f"compression: {self.compression} (sparse payloads) combines only with "
+                                      f"aggregator = mean, max_norm = 0 and dp_sigma = 0; got aggregator = "
+                                      f"{spec.aggregator}, max_norm = {spec.max_norm}, dp_sigma = {self.dp_sigma}")
+        else:
+            codec_id(self.compression)
         make_outer(self.outer_name, **self.outer_params)
 
+    def sparse_settings(self) -> SparseSettings | None:
+        """The sparse codec and error-feedback decay when `compression` is "topk" or "dct", else
+        None. Raises InvalidArgument naming a setting out of range."""
+        if not is_sparse(self.compression):
+            return None
+        try:
+            return SparseSettings(SparseCodec(self.compression, self.sparse_chunk, self.sparse_k, self.sparse_bits),
+                                  self.sparse_beta)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"sparse_{exc}") from None
+
     def reduction_spec(self) -> ReductionSpec:
-        return ReductionSpec(self.aggregator, dict(self.aggregator_params), self.max_norm, self.on_norm, self.dp_sigma)
+        """What the shard owners run. With contributor noise (dp_mode distributed or local) the
+        participants clip and add noise themselves, so the owners neither bound nor add noise."""
+        if self.dp_settings().at_contributor:
+            return ReductionSpec(self.aggregator, dict(self.aggregator_params))
+        sigma = self.dp_sigma if self.dp_mode == "owner" else 0.0
+        return ReductionSpec(self.aggregator, dict(self.aggregator_params), self.max_norm, self.on_norm, sigma)
+
+    def dp_settings(self) -> DpSettings:
+        """The peer's view of the run's DP settings (the budget is the coordinator's)."""
+        return DpSettings(sigma=self.dp_sigma, clip=self.max_norm, mode=self.dp_mode)
+
+    @property
+    def phase_steps(self) -> int:
+        """Inner steps per local phase: inner_steps, or inner_steps / fragments when streaming."""
+        return self.inner_steps // max(1, self.fragments)
 
     @property
     def outer_name(self) -> str:
@@ -115,6 +188,9 @@ class RunConfig:
 
 
 def make_outer_for(cfg: RunConfig) -> OuterOptimizer:
+    """The run's outer optimizer; with fragments > 1 one per fragment (`FragmentedOuter`)."""
+    if cfg.fragments > 1:
+        return FragmentedOuter(lambda: make_outer(cfg.outer_name, **cfg.outer_params), cfg.fragments)
     return make_outer(cfg.outer_name, **cfg.outer_params)
 
 
@@ -130,6 +206,9 @@ class CommittedState:
     params: np.ndarray
     outer: OuterOptimizer
     rounds: int
+    # The fragment the round that made this state carried (streaming, set by `tentative`); -1 for
+    # a whole state (the initial one, a download): the trainer then takes every parameter.
+    fragment: int = field(default=-1, compare=False)
     _blob: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -153,8 +232,9 @@ class CommittedState:
         return self._digest
 
     @staticmethod
-    def from_bytes(blob: bytes, cfg: RunConfig) -> "CommittedState":
-        """Inverse of `to_bytes`. Raises InvalidArgument on a malformed blob."""
+    def from_bytes(blob: bytes, cfg: RunConfig, outer: Callable[[], OuterOptimizer] | None = None) -> "CommittedState":
+        """Inverse of `to_bytes`; `outer` builds the outer optimizer whose state the blob holds
+        (default: the run's, `make_outer_for(cfg)`). Raises InvalidArgument on a malformed blob."""
         if blob[:8] != _MAGIC or len(blob) < 12:
             raise InvalidArgument("state: bad magic")
         (hl,) = struct.unpack("<I", blob[8:12])
@@ -171,7 +251,7 @@ class CommittedState:
                 raise InvalidArgument(f"state: truncated at {name}")
             arrays[name] = np.frombuffer(blob[off:off + nbytes], dtype=dt).reshape(shape).copy()
             off += nbytes
-        outer = make_outer_for(cfg)
+        outer = outer() if outer is not None else make_outer_for(cfg)
         outer.load_state({k[6:]: v for k, v in arrays.items() if k.startswith("outer.")})
         return CommittedState(arrays["params"], outer, int(header["rounds"]))
 
@@ -186,15 +266,35 @@ class LocalUpdate:
 
 
 class FlatStateWorkload:
-    """Committed state as one float32 vector + the run's outer optimizer; subclasses train."""
+    """Committed state as one float32 vector + the run's outer optimizer; subclasses train.
+
+    With the run's fragments F > 1 (streaming) `partition` is the `Fragments` of the parameters
+    (set by the subclass, which knows the layout) and round r's aggregate is fragment
+    `r mod F`'s pseudo-gradient `(sizes[f],)`: `tentative` steps that fragment's outer optimizer
+    and leaves the other parameters as they are."""
 
     cfg: RunConfig
     state: CommittedState
+    partition: Fragments | None = None
+
+    def fragment(self) -> int:
+        """The fragment the round in play carries (-1 without fragments)."""
+        return fragment_of(self.state.rounds, self.cfg.fragments) if self.partition is not None else -1
 
     def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"") -> CommittedState:
+        """The state after round `state.rounds`'s outer step on `aggregate` (float32), on copies.
+
+        Raises:
+            InvalidArgument: the aggregate's size is not the round's fragment's (or the model's).
+        """
         outer = copy.deepcopy(self.state.outer)
-        params = outer.step(self.state.params, aggregate.astype(np.float32, copy=False))
-        return CommittedState(params, outer, self.state.rounds + 1)
+        g = aggregate.astype(np.float32, copy=False)
+        f = self.fragment()
+        if f < 0:
+            return CommittedState(outer.step(self.state.params, g), outer, self.state.rounds + 1)
+        part = self.partition
+        new = outer.step_fragment(f, part.take(self.state.params, f), g)
+        return CommittedState(part.put(self.state.params, f, new), outer, self.state.rounds + 1, fragment=f)
 
     def apply(self, state: CommittedState) -> None:
         self.state = state
@@ -208,56 +308,3 @@ class FlatStateWorkload:
     @property
     def num_params(self) -> int:
         return int(self.state.params.size)
-
-
-class DigitsWorkload(FlatStateWorkload):
-    """The default workload (a peer.workload.Workload): an MLP on one part of the UCI digits
-    training set."""
-
-    def __init__(self, cfg: RunConfig, data_shard: int):
-        self.cfg = cfg
-        self.shape = MLPShape((NUM_FEATURES, cfg.hidden, NUM_CLASSES))
-        train, self.test = load_digits_split(cfg.seed)
-        self.data: Dataset = partition(train, cfg.num_data_shards, data_shard % cfg.num_data_shards, non_iid=cfg.non_iid, seed=cfg.seed)
-        self.state = CommittedState(init_params(self.shape, cfg.seed), make_outer_for(cfg), 0)
-        self.inner = Adam(self.shape.num_params, lr=cfg.lr)
-        self.rng = np.random.default_rng(cfg.seed * 1000 + 17 + data_shard)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.data)
-
-    def local_update(self) -> LocalUpdate:
-        """Run `inner_steps` local steps from the committed parameters; returns the pseudo-gradient."""
-        t0 = time.monotonic()
-        start = self.state.params
-        w = start.copy()
-        losses = []
-        for _ in range(self.cfg.inner_steps):
-            b = self.rng.integers(0, len(self.data), self.cfg.batch_size)
-            loss, g = loss_and_grad(self.shape, w, self.data.x[b], self.data.y[b])
-            if self.cfg.fedprox_mu > 0:
-                g = g + fedprox_grad(w, start, self.cfg.fedprox_mu)
-            self.inner.step(w, g)
-            losses.append(loss)
-        return LocalUpdate((start - w).astype(np.float32), float(np.mean(losses)), len(self.data),
-                           self.cfg.inner_steps, time.monotonic() - t0)
-
-    def evaluate(self) -> float:
-        """Held-out accuracy of the committed parameters, in [0, 1]."""
-        return float((predict(self.shape, self.state.params, self.test.x) == self.test.y).mean())
-
-
-def baseline_accuracy(cfg: RunConfig, total_steps: int) -> float:
-    """Single-process baseline: the same MLP and inner optimizer on the whole training set for
-    `total_steps` steps (the swarm's total optimizer steps)."""
-    shape = MLPShape((NUM_FEATURES, cfg.hidden, NUM_CLASSES))
-    train, test = load_digits_split(cfg.seed)
-    w = init_params(shape, cfg.seed)
-    opt = Adam(shape.num_params, lr=cfg.lr)
-    rng = np.random.default_rng(cfg.seed + 99)
-    for _ in range(total_steps):
-        b = rng.integers(0, len(train), cfg.batch_size)
-        _, g = loss_and_grad(shape, w, train.x[b], train.y[b])
-        opt.step(w, g)
-    return float((predict(shape, w, test.x) == test.y).mean())

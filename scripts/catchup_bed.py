@@ -1,4 +1,4 @@
-"""A slow joiner catching up, on kernel-shaped links (needs root: shoal.netbed).
+"""A slow joiner catching up, on kernel-shaped links (needs root: shoal.testbeds.netbed).
 
     python scripts/catchup_bed.py [--hidden 16384] [--joiner-mbit 4] [--join-at 8] [--timeout 150]
 
@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from shoal.netbed import NetBed
+from shoal.testbeds.netbed import NetBed
 
 
 def _events(path: pathlib.Path) -> list[dict]:

@@ -2,7 +2,7 @@
 
 docs/configuration.md (entirely) from shoal.config's dataclasses, and the metric tables of
 docs/observability.md (between the `metrics:begin` / `metrics:end` markers) from shoal.common.metrics.
-tests/test_docs.py fails when either is stale: run `python scripts/gen_config_docs.py`.
+tests/unit/test_config.py fails when either is stale: run `python scripts/gen_config_docs.py`.
 """
 
 from __future__ import annotations

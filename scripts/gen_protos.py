@@ -1,7 +1,7 @@
 """Regenerate the Python gRPC code in shoal/v1/ from protos/shoal/v1/*.proto.
 
 Usage: python scripts/gen_protos.py [--out DIR]
-The generated files are committed; tests/test_protos.py fails when they are stale.
+The generated files are committed; tests/unit/test_protos.py fails when they are stale.
 """
 
 from __future__ import annotations

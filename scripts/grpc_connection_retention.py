@@ -1,13 +1,13 @@
 """How much of a grpc.aio server's C heap a connection keeps after the calls it carried (diagnostic).
 
 Starts a grpc.aio server in a subprocess (the coordinator's server options,
-`shoal.coordinator.server.grpc_options`) and N client connections, each with a server stream open that has sent two
+`shoal.coordinator.daemon.grpc_options`) and N client connections, each with a server stream open that has sent two
 messages (as the coordinator's round-event streams do), then makes unary calls on every
 connection and prints after each step the server's C heap in use per connection (glibc's
 mallinfo2, after a collection and a malloc_trim): k calls at once per connection, then calls of
 methods the connection never called before, with larger requests and replies.
 
-Measured with grpcio 1.85 (docs/performance.md, "One coordinator, many members", step 19), 300
+Measured with grpcio 1.85, 300
 connections, five runs: +24-101 B per connection after 2 calls at once and +77-139 B more after
 3 (140-220 B in all, four streams open on the connection), kept; new methods and 1-4 KB messages add 0-7 B. So a connection's state
 grows with the most streams it has had open at once, and does not shrink: a member's first cohort
@@ -27,7 +27,7 @@ import grpc
 # This directory is on sys.path when the script runs.
 from grpc_stream_retention import _in_use, open_streams, serve, server_in_use, with_server
 
-from shoal.coordinator.server import grpc_options
+from shoal.coordinator.daemon import grpc_options
 
 async def _server(port_file: str) -> None:
     async def stream(request, context):

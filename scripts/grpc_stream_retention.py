@@ -7,8 +7,7 @@ collection and a malloc_trim). Modes: `none` (the stream sends nothing until the
 message), `md` (initial metadata sent at open), `empty` (an empty message sent at open),
 `twice` (two empty messages sent at open: what the coordinator's round-event streams do).
 
-Measured with grpcio 1.85 (docs/performance.md, "One coordinator, many members", steps 15 and
-19): a stream's first message sets up ~0.8 KB in gRPC and its second ~0.3 KB (once each, kept
+Measured with grpcio 1.85: a stream's first message sets up ~0.8 KB in gRPC and its second ~0.3 KB (once each, kept
 until the stream ends; `empty`: +~280 B per stream at the first message after the opening one,
 `twice`: +~17); and gRPC's asyncio server keeps
 the last message a stream's handler yielded (its `async for response_message` loop) until the

@@ -1,7 +1,7 @@
 """Reproduce the slow- and changing-link cases of docs/performance.md ("Links") on shaped links.
 
 A coordinator in the root namespace and ``--peers`` `shoal peer` processes, each in its own
-network namespace behind ``tc tbf`` shaping (shoal.netbed.NetBed), train ``--rounds`` rounds;
+network namespace behind ``tc tbf`` shaping (shoal.testbeds.netbed.NetBed), train ``--rounds`` rounds;
 ``--shape-at T --shape-peer I --shape-mbit M`` re-shapes peer I's upload and download to M
 Mbit/s T seconds after the coordinator started (``--shape-after-round R`` instead: once R rounds
 committed, for a machine where peers take long to start). Prints one JSON object: rounds committed and
@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from shoal.netbed import NetBed
+from shoal.testbeds.netbed import NetBed
 
 _PLANNED = re.compile(r"round (\d+)\.(\d+) planned: (\d+) participants, (\w+), predicted ([\d.]+)s"
                       r"(?: \(bound [\d.]+s\))?(?:, non-owners \[(.*?)\])?")

@@ -1,4 +1,4 @@
-"""CPU per byte of the ways the bulk lane (peer/tcplane.py) could carry TLS, on loopback.
+"""CPU per byte of the ways the bulk lane (peer/bulk.py) could carry TLS, on loopback.
 
     python scripts/tls_lane_speed.py [--mb 512] [--chunk-mb 1] [--repeat K] [VARIANT ...]
 
@@ -37,7 +37,7 @@ import uvloop
 
 from shoal.common.certs import PeerTLS, init_certs, load_ca, peer_dns_name
 from shoal.coordinator.ca import CertificateAuthority
-from shoal.peer import tcplane
+from shoal.peer.lanes import bulk
 
 VARIANTS = ("plain", "loop-ssl", "thread-ssl", "asyncio-ssl", "bio-ssl")
 
@@ -107,12 +107,12 @@ async def receiver(variant: str, port_out, tls_dir: str, total: int, chunk: int)
     if variant == "plain":
         raw.setblocking(False)
         for _ in range(total // chunk):
-            await tcplane.recv_into(loop, raw, buf)
+            await bulk.recv_into(loop, raw, buf)
     elif variant == "loop-ssl":
         raw.setblocking(False)
-        s = await tcplane.tls_wrap(loop, raw, ctx, server_side=True)
+        s = await bulk.tls_wrap(loop, raw, ctx, server_side=True)
         for _ in range(total // chunk):
-            await tcplane.recv_into(loop, s, buf)
+            await bulk.recv_into(loop, s, buf)
     elif variant == "bio-ssl":
         raw.setblocking(False)
         s, inc, out = await _bio_handshake(loop, raw, ctx, True)
@@ -168,10 +168,10 @@ async def sender(variant: str, port: int, tls_dir: str, total: int, chunk: int) 
         raw.close()
     elif variant == "loop-ssl":
         raw.setblocking(False)
-        s = await tcplane.tls_wrap(loop, raw, ctx, server_hostname=name)
+        s = await bulk.tls_wrap(loop, raw, ctx, server_hostname=name)
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(total // chunk):
-            await tcplane.tls_sendall(loop, s, src)
+            await bulk.tls_sendall(loop, s, src)
         s.close()
     else:
         s = ctx.wrap_socket(raw, server_hostname=name)

@@ -2,7 +2,8 @@
 
 Responsible for: the settings of `shoal coordinator`, `shoal peer`, `shoal swarm` and
 `shoal status`, their defaults, types and meaning (the single source docs/configuration.md is
-generated from), and merging the layers in this order, each overriding the previous one:
+generated from; the [rounds] table is `shoal.coordinator.settings.RoundSettings`, declared next
+to the engine that reads it), and merging the layers in this order, each overriding the previous one:
 
     built-in defaults  <  TOML file (--config)  <  environment (SHOAL_<SECTION>_<KEY>)  <  flags
 
@@ -28,24 +29,19 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from shoal.common.attempts import ATTEMPT_STRIDE
 from shoal.common.limits import MAX_BULK_CHUNK_BYTES
+from shoal.common.privacy import DpSettings
+from shoal.common.settings import setting
+from shoal.coordinator.rounds import EngineConfig
+from shoal.coordinator.settings import RoundSettings
 
 log = logging.getLogger("shoal.config")
 
 ENV_PREFIX = "SHOAL_"
-# Settings renamed so that one name means one thing (tensor shard vs data shard, collective vs
-# training algorithm, one name for the ready deadline). The old key, environment variable and flag
-# keep working until 0.3 with a warning: (section, old key) -> new key.
-RENAMED: dict[tuple[str, str], str] = {
-    ("coordinator", "num_shards"): "num_data_shards",
-    ("rounds", "straggler_timeout"): "ready_timeout",
-    ("rounds", "algorithm_collective"): "collective",
-    ("peer", "shard"): "data_shard",
-}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -113,17 +109,6 @@ def check_address(section: str, key: str, value: str, *, port_zero: bool = True)
     _check(bool(sep) and bool(host) and port.isdigit() and lo <= int(port) <= 65535, section, key, rule, value)
 
 
-def setting(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None,
-            negate: bool = False) -> Any:
-    """A dataclass field with the metadata the parser and the docs need.
-
-    flag: the command-line flag (default: --key-with-dashes). negate: a boolean whose flag turns
-    it off (e.g. `--no-progress` for `progress = true`).
-    """
-    meta = {"help": help, "flag": flag, "choices": choices, "negate": negate}
-    return field(default=default, metadata=meta)
-
-
 # ---------------------------------------------------------------------------------- sections
 
 
@@ -148,6 +133,10 @@ class CoordinatorSection:
                                                  "or etcd://HOST:PORT[,HOST:PORT...]/PREFIX: the state in etcd, shared "
                                                  "by standby coordinators (one leads; docs/deploy.md)")
     key: str | None = setting(None, "Ed25519 key file that signs round tickets (default: the state file with .key)")
+    resume_from: str | None = setting(None, "with a new state file: start the run at the newest checkpoint in this "
+                                            "directory (a peer's checkpoint_dir, or file://DIR) that passes its digest "
+                                            "check: its round, state digest and run configuration; peers resume from "
+                                            "their copies of it (docs/checkpoints.md)")
     ready_file: str | None = setting(None, "write the bound address to this file once serving")
     metrics_port: int = setting(0, "serve Prometheus /metrics on this port (0 = off)")
     metrics_host: str = setting("0.0.0.0", "address the /metrics server binds")
@@ -168,7 +157,7 @@ class CoordinatorSection:
     rate_limit: float = setting(500.0, "control-plane calls per second per host (burst 2x)")
     finish_linger: float = setting(10.0, "once the run finished (rounds.rounds committed) and every member left: "
                                          "keep answering `shoal status` this long, then exit 0")
-    history_window: int = setting(100, "committed rounds and aborted attempts kept in memory (the state file keeps "
+    history_window: int = setting(EngineConfig.history_window, "committed rounds and aborted attempts kept in memory (the state file keeps "
                                        "all of them; `shoal status --recent N` reads older ones from it)")
     reach_timeout: float = setting(2.0, "dial a joiner's advertised data address back within this many seconds "
                                         "(nonce challenge; once more after a timeout); a peer that does not answer "
@@ -182,10 +171,29 @@ class CoordinatorSection:
     accept_loops: int = setting(4, "gRPC servers sharing the listen port (SO_REUSEPORT), each taking calls from gRPC "
                                    "core one at a time: a burst of calls waits less (docs/performance.md, "
                                    "\"Coordinator scale\")")
+    store_unreachable_limit: float = setting(600.0, "with --state etcd://: seconds the etcd store may stay "
+                                                    "unreachable (the coordinator steps down, retries with backoff, "
+                                                    "campaigns again) before the process ends with a line naming "
+                                                    "this setting (0 = never)")
+    etcd_ca: str | None = setting(None, "with --state etcd://: the CA (PEM) that signed etcd's server certificate: "
+                                        "TLS to etcd (https client URLs); unset = plaintext")
+    etcd_cert: str | None = setting(None, "with etcd_ca: this coordinator's client certificate (PEM) for etcd's "
+                                          "--client-cert-auth")
+    etcd_key: str | None = setting(None, "with etcd_cert: its private key (PEM)")
+    etcd_user: str = setting("", "with --state etcd://: the etcd user (etcd's authentication); empty = none")
+    etcd_password: str = setting("", "the etcd user's password (better in $SHOAL_COORDINATOR_ETCD_PASSWORD than "
+                                     "on the command line)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         c = "coordinator"
+        _check((self.etcd_cert is None) == (self.etcd_key is None), c, "etcd_cert",
+               "given together with etcd_key", self.etcd_cert)
+        _check(self.etcd_cert is None or self.etcd_ca is not None, c, "etcd_cert", "given with etcd_ca (TLS)",
+               self.etcd_cert)
+        _check(bool(self.etcd_user) or not self.etcd_password, c, "etcd_password", "given with etcd_user", "***")
+        _check(self.store_unreachable_limit >= 0 and _finite(self.store_unreachable_limit), c,
+               "store_unreachable_limit", ">= 0", self.store_unreachable_limit)
         _check(1 <= self.accept_loops <= 64, c, "accept_loops", "in 1..64", self.accept_loops)
         _check(self.history_window >= 1, c, "history_window", ">= 1", self.history_window)
         _check(self.reach_timeout >= 0 and _finite(self.reach_timeout), c, "reach_timeout", ">= 0", self.reach_timeout)
@@ -205,45 +213,8 @@ class CoordinatorSection:
 
 
 @dataclass(frozen=True)
-class RoundsSection:
+class RoundsSection(RoundSettings):  # the settings: shoal.coordinator.settings, next to the engine
     """[rounds]: quorum and timing of rounds, decided by the coordinator."""
-
-    rounds: int = setting(20, "committed rounds to run, then finish: peers are told and leave, the coordinator "
-                              "exits 0 (0 = run forever)")
-    min_peers: int = setting(2, "quorum: fewest participants of a round")
-    initial_peers: int = setting(0, "round 0 waits for this many ready peers (0 = min_peers)")
-    lease_seconds: float = setting(10.0, "a peer silent (no heartbeat) this long is dropped; heartbeats every lease/4")
-    ready_timeout: float = setting(5.0, "after the first ready of a round, wait at most this long for the other "
-                                        "members (stragglers), then open the round with those ready")
-    collective_timeout: float = setting(30.0, "least deadline of one collective attempt, plan to last vote (longer "
-                                              "on slow links: chunk_safety * expected time + one chunk deadline)")
-    chunk_timeout: float = setting(2.0, "floor of the per-chunk deadline: max(this, chunk_safety * chunk_bytes / "
-                                        "slowest link + 2 * max RTT + expected collective time), an unreported link "
-                                        "counting as 4 Mbit/s (detects a silent peer)")
-    chunk_safety: float = setting(4.0, "safety factor of the per-chunk deadline over the measured transfer time")
-    chunk_bytes: int = setting(1 << 20, "largest tensor chunk through sockets, bytes (the planner sends ~0.15 s "
-                                        "of the slowest measured link per chunk)")
-    shm_chunk_bytes: int = setting(4 << 20, "tensor chunk when all participants reach each other through shared "
-                                            "memory (one host), bytes")
-    bulk_chunk_bytes: int = setting(4 << 20, "largest tensor chunk when all participants reach each other through "
-                                             "the bulk TCP lane or shared memory, bytes (in place of chunk_bytes)")
-    collective: str = setting("auto", "collective algorithm of the all-reduce (auto: chosen by the planner from the "
-                                      "peers' measured links; butterfly with equal tensor shards until links are "
-                                      "known)", choices=("ring", "butterfly", "auto"))
-    cohort_size: int = setting(0, "participants per round: a cohort drawn uniformly at random (seeded by run.seed) "
-                                  "from the ready peers, also the fewest ready peers a round opens with; only "
-                                  "drawn peers fetch the committed state, the others keep theirs until drawn "
-                                  "(0 = every ready peer)")
-    cohort_timeout: float = setting(60.0, "a drawn peer holding an older state has this long to fetch the committed "
-                                          "state, train and say ready, then its place is drawn again (seconds)")
-    sync_hold: float = setting(60.0, "longest a round waits for a joiner (or a peer that fell behind) downloading "
-                                     "the committed state, seconds; the wait is 1.5x its expected download time "
-                                     "when its rate is known, and ends when it says ready")
-    max_attempts: int = setting(5, "attempts of one round (first try + retries) before it is given up")
-    retry_backoff: float = setting(0.05, "retry k of a round is planned after retry_backoff * 2**(k-1) seconds")
-    blame_window: float = setting(3.0, "after a failed vote that accuses other peers, wait this long (at least "
-                                       "twice the chunk deadline) for every participant's vote before choosing whom "
-                                       "to exclude (silent peers first; docs/fault-tolerance.md)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
@@ -268,22 +239,16 @@ class RoundsSection:
                self.max_attempts)
         _check(self.cohort_size >= 0, r, "cohort_size", ">= 0 (0 = every ready peer)", self.cohort_size)
 
-    def to_engine_config(self, run: "RunSection | None" = None):
-        """The engine's settings; `run` adds the aggregator and codec the plans carry."""
-        from shoal.coordinator.rounds import EngineConfig
-
+    def to_engine_config(self, run: RunSection | None = None) -> EngineConfig:
+        """The engine's settings: every [rounds] setting as it is, and from `run` the aggregator
+        and codec the plans carry and the seed of the cohort draws."""
         run = run or RunSection()
         collective = "butterfly" if run.needs_butterfly() else self.collective
-        return EngineConfig(aggregator=run.aggregator, compression=run.compression, audit_owners=run.audit_owners,
-                            min_peers=self.min_peers, initial_peers=self.initial_peers,
-                            lease_seconds=self.lease_seconds, ready_timeout=self.ready_timeout,
-                            collective_timeout=self.collective_timeout, chunk_timeout=self.chunk_timeout,
-                            chunk_safety=self.chunk_safety, chunk_bytes=self.chunk_bytes,
-                            shm_chunk_bytes=self.shm_chunk_bytes, bulk_chunk_bytes=self.bulk_chunk_bytes,
-                            max_attempts=self.max_attempts, retry_backoff=self.retry_backoff,
-                            blame_window=self.blame_window,
-                            total_rounds=self.rounds, collective=collective, cohort_size=self.cohort_size,
-                            cohort_seed=run.seed, cohort_timeout=self.cohort_timeout, sync_hold=self.sync_hold)
+        return EngineConfig.from_settings(self, collective=collective, aggregator=run.aggregator,
+                                          compression=run.compression, audit_owners=run.audit_owners,
+                                          cohort_seed=run.seed, privacy=run.dp_settings(),
+                                          fragments=run.fragments,
+                                          sparse_bytes_per_element=run.sparse_bytes_per_element())
 
 
 @dataclass(frozen=True)
@@ -303,7 +268,7 @@ class RunSection:
     fedprox_mu: float = setting(0.0, "FedProx proximal term weight (0 = off)")
     aggregator: str = setting("mean", "what shard owners compute (docs/aggregation.md); anything but mean runs on "
                                       "the butterfly collective",
-                              choices=("mean", "fedavg", "median", "trimmed-mean", "centered-clip", "krum",
+                              choices=("mean", "median", "trimmed-mean", "centered-clip", "krum",
                                        "multi-krum", "bulyan"))
     trim_beta: float | None = setting(None, "trimmed-mean: fraction trimmed from each side (default 0.2)")
     krum_f: int | None = setting(None, "krum / multi-krum / bulyan: Byzantine peers tolerated (default 1)")
@@ -312,13 +277,34 @@ class RunSection:
     clip_iters: int | None = setting(None, "centered-clip: iterations (default 5)")
     max_norm: float = setting(0.0, "L2 bound on each contribution, applied by the shard owners (0 = none)")
     on_norm: str = setting("clip", "what happens to a contribution beyond max_norm", choices=("clip", "reject"))
-    dp_sigma: float = setting(0.0, "DP noise multiplier: owners add N(0, (sigma * max_norm / p)^2) once "
-                                   "(needs max_norm)")
+    dp_sigma: float = setting(0.0, "DP noise multiplier sigma of the Gaussian mechanism on the mean of the "
+                                   "contributions clipped to max_norm (needs max_norm; docs/aggregation.md)")
+    dp_mode: str = setting("owner", "who adds the DP noise: owner (each shard owner adds N(0, (sigma * max_norm / "
+                                    "p)^2) once), distributed (each participant clips its contribution and adds "
+                                    "its share N(0, sigma^2 max_norm^2 / p)), local (each participant adds "
+                                    "N(0, (sigma * max_norm)^2))", choices=("owner", "distributed", "local"))
+    dp_delta: float = setting(1e-5, "delta of the (epsilon, delta) the accountant reports after every committed "
+                                    "round")
+    dp_epsilon_budget: float = setting(0.0, "epsilon budget of the run (0 = none): no round opens that would "
+                                            "spend more (or only a warning, with dp_on_budget = warn)")
+    dp_on_budget: str = setting("stop", "what happens when the next round would spend more than "
+                                        "dp_epsilon_budget: stop the run, or warn in the log and go on",
+                                choices=("stop", "warn"))
     outer_lr: float | None = setting(None, "outer learning rate (default per outer optimizer)")
     outer_params: str = setting("", "other outer optimizer parameters, KEY=VALUE[,KEY=VALUE] (momentum, beta1, "
                                     "beta2, tau)")
-    compression: str = setting("none", "per-hop wire codec (int8: blockwise absmax with error feedback)",
-                               choices=("none", "fp16", "bf16", "int8"))
+    compression: str = setting("none", "wire codec: per hop (fp16, bf16, int8: blockwise absmax; fp4: 4-bit float "
+                                       "E2M1 with a float32 scale per 256 elements; int8 and fp4 with error "
+                                       "feedback) or sparse (topk: chunked top-k, dct: top-k of each chunk's DCT, "
+                                       "both of a SparseLoCo error-feedback accumulator, sent whole by the sparse "
+                                       "all-gather; mean aggregation only; docs/training.md)",
+                               choices=("none", "fp16", "bf16", "int8", "fp4", "topk", "dct"))
+    sparse_chunk: int = setting(4096, "topk / dct: elements per chunk C (indices take bit_length(C - 1) bits)")
+    sparse_k: int = setting(64, "topk / dct: elements (DCT coefficients) kept per chunk; density k / C")
+    sparse_bits: int = setting(2, "topk / dct: bits per kept value (2..8; sign + level, one float32 scale per "
+                                  "chunk)")
+    sparse_beta: float = setting(0.95, "topk / dct: decay beta of the error-feedback accumulator "
+                                       "(e <- beta * e + delta; SparseLoCo)")
     local_work: str = setting("steps", "each local phase: steps (inner_steps inner steps) or time (as long as "
                                        "inner_steps steps of the fast peers, the coordinator's pace; updates weighted "
                                        "by the samples they processed; the PyTorch integration and --workload lm, "
@@ -326,6 +312,18 @@ class RunSection:
     overlap: bool = setting(False, "the next local phase starts while the round's all-reduce runs; the committed "
                                    "update is folded in when it arrives (one-step-delayed outer update; the "
                                    "PyTorch integration and --workload lm, docs/training.md)")
+    fragments: int = setting(1, "Streaming DiLoCo: the parameters split into F fragments, round r carries fragment "
+                                "r mod F and local phases last inner_steps / F steps, so each fragment is "
+                                "synchronised every inner_steps steps (1 = the whole model every round; the "
+                                "PyTorch integration and --workload lm, docs/training.md)")
+    fragment_partition: str = setting("contiguous", "how the fragments split the parameters: contiguous (F equal "
+                                                    "ranges of the flat vector) or strided (layer j in fragment j mod "
+                                                    "F)", choices=("contiguous", "strided"))
+    fragment_overlap: int = setting(0, "Streaming DiLoCo's tau: inner steps the trainer runs while its fragment's "
+                                       "round is in flight before it merges the committed fragment (0 = it waits; "
+                                       "at most inner_steps / fragments)")
+    fragment_alpha: float = setting(0.5, "Streaming DiLoCo's mixing factor: a committed fragment is merged as "
+                                         "alpha * local + (1 - alpha) * committed")
     audit_owners: bool = setting(False, "a second shard owner recomputes every shard's aggregate and blames an "
                                         "owner that publishes another one (butterfly; doubles the reduce-scatter "
                                         "bytes; not with dp_sigma)")
@@ -353,11 +351,48 @@ class RunSection:
         _check(self.max_norm >= 0 and _finite(self.max_norm), r, "max_norm", ">= 0 (0 = none)", self.max_norm)
         _check(self.dp_sigma >= 0 and _finite(self.dp_sigma), r, "dp_sigma", ">= 0", self.dp_sigma)
         _check(self.dp_sigma == 0 or self.max_norm > 0, r, "dp_sigma", "0 unless max_norm is set", self.dp_sigma)
-        _check(not (self.audit_owners and self.dp_sigma > 0), r, "audit_owners",
-               "false when dp_sigma > 0 (an owner's noise cannot be recomputed)", self.audit_owners)
+        _check(not (self.audit_owners and self.dp_sigma > 0 and self.dp_mode == "owner"), r, "audit_owners",
+               "false when dp_sigma > 0 with dp_mode owner (an owner's noise cannot be recomputed)",
+               self.audit_owners)
+        _check(0 < self.dp_delta < 1, r, "dp_delta", "in (0, 1)", self.dp_delta)
+        _check(self.dp_epsilon_budget >= 0 and _finite(self.dp_epsilon_budget), r, "dp_epsilon_budget",
+               ">= 0 (0 = none)", self.dp_epsilon_budget)
+        _check(self.dp_epsilon_budget == 0 or self.dp_sigma > 0, r, "dp_epsilon_budget",
+               "0 unless dp_sigma > 0 (without noise no epsilon is finite)", self.dp_epsilon_budget)
+        _check(self.dp_mode == "owner" or self.dp_sigma == 0 or self.aggregator in ("mean", "fedavg"), r,
+               "dp_mode", f"owner when aggregator is {self.aggregator} (contributor noise is for the mean)",
+               self.dp_mode)
         if self.outer_lr is not None:
             _check(self.outer_lr > 0 and _finite(self.outer_lr), r, "outer_lr", "> 0", self.outer_lr)
+        _check(self.fragments >= 1 and self.inner_steps % self.fragments == 0, r, "fragments",
+               f">= 1 and a divisor of inner_steps ({self.inner_steps})", self.fragments)
+        phase = self.inner_steps // max(1, self.fragments)
+        _check(0 <= self.fragment_overlap <= phase, r, "fragment_overlap", f"in 0..inner_steps / fragments = {phase}",
+               self.fragment_overlap)
+        _check(0 <= self.fragment_alpha <= 1, r, "fragment_alpha", "in [0, 1]", self.fragment_alpha)
+        _check(self.fragments == 1 or not self.overlap, r, "overlap",
+               "false with fragments > 1 (fragment_overlap sets how far rounds overlap)", self.overlap)
         self.outer_param_dict()
+        _check(2 <= self.sparse_chunk <= 65536, r, "sparse_chunk", "in 2..65536", self.sparse_chunk)
+        _check(1 <= self.sparse_k <= self.sparse_chunk, r, "sparse_k", f"in 1..sparse_chunk ({self.sparse_chunk})",
+               self.sparse_k)
+        _check(2 <= self.sparse_bits <= 8, r, "sparse_bits", "in 2..8", self.sparse_bits)
+        _check(0 <= self.sparse_beta <= 1, r, "sparse_beta", "in [0, 1]", self.sparse_beta)
+        if self.compression in ("topk", "dct"):
+            for key, bad in (("aggregator", self.aggregator not in ("mean", "fedavg")), ("max_norm", self.max_norm > 0),
+                             ("dp_sigma", self.dp_sigma > 0), ("audit_owners", self.audit_owners)):
+                if bad:
+                    raise ConfigError(f"{getattr(self, key)!r} does not combine with run.compression = "
+                                      f"{self.compression!r} (sparse payloads are summed by every peer: mean only)",
+                                      setting=f"run.{key}")
+
+    def sparse_bytes_per_element(self) -> float:
+        """Bytes per element of one peer's sparse payload (0 for a dense compression)."""
+        if self.compression not in ("topk", "dct"):
+            return 0.0
+        from shoal.peer.sparse import SparseCodec
+
+        return SparseCodec(self.compression, self.sparse_chunk, self.sparse_k, self.sparse_bits).bytes_per_element()
 
     def aggregator_params(self) -> dict:
         names = {"trim_beta": ("trimmed-mean", "beta"), "clip_tau": ("centered-clip", "tau"),
@@ -386,8 +421,14 @@ class RunSection:
 
     def needs_butterfly(self) -> bool:
         """Robust aggregators, norm bounds and DP noise need an owner that sees every contribution."""
-        return (self.aggregator not in ("mean", "fedavg") or self.max_norm > 0 or self.dp_sigma > 0
+        owner_dp = self.dp_mode == "owner" or self.dp_sigma == 0  # else the participants clip and add noise
+        return (self.aggregator not in ("mean", "fedavg") or (owner_dp and (self.max_norm > 0 or self.dp_sigma > 0))
                 or self.audit_owners)
+
+    def dp_settings(self) -> DpSettings:
+        """The run's differential-privacy settings."""
+        return DpSettings(sigma=self.dp_sigma, clip=self.max_norm, mode=self.dp_mode, delta=self.dp_delta,
+                          epsilon_budget=self.dp_epsilon_budget, on_budget=self.dp_on_budget)
 
     def to_run_config(self, num_data_shards: int):
         from shoal.peer.training import RunConfig
@@ -398,7 +439,10 @@ class RunSection:
                          aggregator=self.aggregator, aggregator_params=self.aggregator_params(),
                          outer_params=self.outer_param_dict(), compression=self.compression,
                          max_norm=self.max_norm, on_norm=self.on_norm, dp_sigma=self.dp_sigma,
-                         local_work=self.local_work, overlap=self.overlap)
+                         dp_mode=self.dp_mode, local_work=self.local_work, overlap=self.overlap, fragments=self.fragments,
+                         fragment_partition=self.fragment_partition, fragment_overlap=self.fragment_overlap,
+                         fragment_alpha=self.fragment_alpha, sparse_chunk=self.sparse_chunk,
+                         sparse_k=self.sparse_k, sparse_bits=self.sparse_bits, sparse_beta=self.sparse_beta)
 
 
 @dataclass(frozen=True)
@@ -433,34 +477,56 @@ class PeerSection:
     tcp_lane: bool = setting(True, "move tensor chunks to peers on other hosts on a raw TCP connection (the bulk "
                                    "lane, authorised like PushChunks; mutual TLS with the certificate issued at join when "
                                    "TLS is on) instead of gRPC", flag="--no-tcp-lane", negate=True)
+    bulk_connections: int = setting(16, "most TCP connections the bulk lane opens to one peer: a stream is striped "
+                                        "over several when the kernel's RTT and loss show that one connection "
+                                        "holds it back (peer.lanes.pool; 1 = one connection per peer)")
     outbound_only: bool = setting(False, "take part without being dialled, as behind NAT: never a shard owner nor a "
                                          "state donor; contributions go out and results come back on streams this "
                                          "peer opens (a peer the coordinator cannot dial back is so by itself; "
                                          "docs/nat.md)")
     relay: str | None = setting(None, "relay HOST:PORT (`shoal relay`) to be reached through when nobody can dial "
                                       "this peer (behind NAT): it registers there and advertises the relayed "
-                                      "address it gets (docs/nat.md, Relays)")
+                                      "address it gets; several, comma-separated: the next one when a relay "
+                                      "stops answering (docs/nat.md, Relays)")
     tls_dir: str | None = setting(None, "TLS directory holding ca.pem (the CA that signed the coordinator's "
                                         "certificate); the data-plane certificate is issued at join")
     mtls: bool = setting(False, "mutual TLS on the data plane (always so with the certificate issued at join); "
                                 "with a legacy shared peer.key, also present peer.pem to the coordinator")
     insecure: bool = setting(False, "plaintext gRPC (logs a warning); required when there is no tls_dir")
     join_token: str = setting("", "join token from the operator (also read from $SHOAL_JOIN_TOKEN)")
-    attack: str = setting("", "testing only: send forged updates, or corrupt owned aggregates with owner "
-                              "(shoal.peer.byzantine); empty = honest",
-                          choices=("", "sign-flip", "scale", "nan", "random", "owner"))
+    attack: str = setting("", "testing only: send forged updates, corrupt owned aggregates with owner, or "
+                              "forge votes with false-blame / lying-digest (shoal.peer.testing.byzantine); empty = honest",
+                          choices=("", "sign-flip", "scale", "nan", "random", "owner", "false-blame", "lying-digest"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
+    checkpoint_dir: str | None = setting(None, "write checkpoints of the committed state here (safetensors and a "
+                                               "JSON manifest per checkpoint; docs/checkpoints.md); unset = none")
+    checkpoint_every: int = setting(10, "with checkpoint_dir: a checkpoint every this many committed rounds")
+    checkpoint_keep: int = setting(3, "with checkpoint_dir: keep this many newest checkpoints")
+    checkpoint_url: str | None = setting(None, "with checkpoint_dir: the swarm's shared checkpoint store, file://DIR or "
+                                               "s3://BUCKET/PREFIX (credentials and endpoint from AWS_ACCESS_KEY_ID, "
+                                               "AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL or ~/.aws; s3 needs the s3 "
+                                               "extra): elected checkpointers upload there, a restarted peer takes a "
+                                               "newer checkpoint from there")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         p = "peer"
+        _check(self.checkpoint_dir is None or bool(self.checkpoint_dir), p, "checkpoint_dir", "a directory path",
+               self.checkpoint_dir)
+        _check(self.checkpoint_every >= 1, p, "checkpoint_every", ">= 1", self.checkpoint_every)
+        _check(self.checkpoint_keep >= 1, p, "checkpoint_keep", ">= 1", self.checkpoint_keep)
+        _check(self.checkpoint_url is None or self.checkpoint_url.startswith(("file://", "s3://")), p,
+               "checkpoint_url", "file://DIR or s3://BUCKET/PREFIX", self.checkpoint_url)
+        _check(self.checkpoint_url is None or bool(self.checkpoint_dir), p, "checkpoint_url",
+               "only with checkpoint_dir (the local copy)", self.checkpoint_url)
         for address in self.coordinator.split(","):
             check_address(p, "coordinator", address, port_zero=False)
         check_address(p, "listen", self.listen)
         if self.advertise is not None:
             check_address(p, "advertise", self.advertise, port_zero=False)
         if self.relay is not None:
-            check_address(p, "relay", self.relay, port_zero=False)
+            for address in self.relay.split(","):
+                check_address(p, "relay", address, port_zero=False)
             _check(self.advertise is None and not self.outbound_only, p, "relay",
                    "given without --advertise and --outbound-only (the relay's address for this peer is what it "
                    "advertises)", self.relay)
@@ -474,6 +540,7 @@ class PeerSection:
             v = getattr(self, key)
             _check(v > 0 and _finite(v), p, key, "> 0", v)
         _check(self.sync_donors >= 1, p, "sync_donors", ">= 1", self.sync_donors)
+        _check(1 <= self.bulk_connections <= 256, p, "bulk_connections", "in 1..256", self.bulk_connections)
         _check(self.sync_range_bytes >= 1024, p, "sync_range_bytes", ">= 1024", self.sync_range_bytes)
         if self.attack_scale is not None:
             _check(_finite(self.attack_scale), p, "attack_scale", "a finite number", self.attack_scale)
@@ -492,12 +559,28 @@ class SwarmSection:
     chaos: bool = setting(False, "kill -9 and restart random peers, SIGSTOP one, kill -9 and restart the coordinator "
                                  "(rounds default to 150 unless set)")
     chaos_interval: float = setting(2.0, "seconds between chaos actions")
+    checkpoint_every: int = setting(0, "give every peer a checkpoint directory under the workdir "
+                                       "(peer-N.checkpoints) and a checkpoint every this many rounds (0 = none)")
+    crash_all_after: int = setting(0, "with checkpoint_every: kill -9 every process (the peers and the coordinator) "
+                                      "at once after this many committed rounds, then restart them all on their state "
+                                      "file and checkpoint directories; the run goes on from the newest checkpoint "
+                                      "(the summary gains rewinds and rounds_lost; 0 = never)")
+    crash_disk: str = setting("", "with crash_all_after, what the crash does to the peers' checkpoint directories "
+                                  "before the restart: truncate (cut every peer's newest checkpoint file to half its "
+                                  "size, a write the crash cut short: the restart skips it for the previous one, "
+                                  "naming the file) or lose (remove them all, new machines: with checkpoint_url the "
+                                  "peers resume from the shared store)", choices=("", "truncate", "lose"))
+    checkpoint_url: str | None = setting(None, "with checkpoint_every: every peer's checkpoint_url (file://DIR or "
+                                               "s3://BUCKET/PREFIX; credentials from the environment)")
     coordinators: int = setting(1, "coordinator processes; 2 or more share their state in a local etcd (one leads, "
                                    "the others stand by; --chaos then kills the leader; needs the etcd binary)")
-    timeout: float = setting(600.0, "give up (exit 1) when the run has not finished after this many seconds")
+    timeout: float = setting(600.0, "stop (exit 1) when the run has not finished after this many seconds; the summary "
+                                     "still says what was done (timed_out, rounds_committed, the last committed model's "
+                                     "test_accuracy, a baseline for the steps done)")
     byzantine: int = setting(0, "how many peers (the last K) send forged updates; needs attack")
-    attack: str = setting("", "what the Byzantine peers send (owner: honest updates, corrupted owned aggregates)",
-                          choices=("", "sign-flip", "scale", "nan", "random", "owner"))
+    attack: str = setting("", "what the Byzantine peers send (owner: honest updates, corrupted owned aggregates; "
+                              "false-blame, lying-digest: honest updates, forged votes)",
+                          choices=("", "sign-flip", "scale", "nan", "random", "owner", "false-blame", "lying-digest"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
     scenario: str | None = setting(None, "TOML scenario: late joiners, faults, timed events, shaped links (in network "
                                          "namespaces, root) (examples/scenarios/, docs/fault-tolerance.md); the summary "
@@ -514,6 +597,8 @@ class SwarmSection:
                                  "start the NATed peers with --relay; on by itself when a scenario leaves no peer "
                                  "reachable (every peer nat or outbound-only, at least one nat); the summary gains "
                                  "relayed_bytes; not with workload lm")
+    relays: int = setting(1, "with relay: how many relays to start; every relayed peer is given all of them (peer "
+                             "i prefers relay i mod N) and fails over to the next when its relay stops answering")
     peer_speed: str = setting("", "with workload lm: comma-separated compute speed per peer, e.g. 1,1,1,0.33 (a peer "
                                   "at s sleeps (1/s - 1) x its step time after each inner step: an emulation; peers beyond the "
                                   "list run at 1)")
@@ -529,7 +614,16 @@ class SwarmSection:
         w = "swarm"
         _check(self.peers >= 1, w, "peers", ">= 1", self.peers)
         _check(1 <= self.coordinators <= 5, w, "coordinators", "in 1..5", self.coordinators)
+        _check(1 <= self.relays <= 8, w, "relays", "in 1..8", self.relays)
         _check(self.timeout > 0 and _finite(self.timeout), w, "timeout", "> 0 seconds", self.timeout)
+        _check(self.checkpoint_every >= 0, w, "checkpoint_every", ">= 0", self.checkpoint_every)
+        _check(self.crash_all_after >= 0, w, "crash_all_after", ">= 0", self.crash_all_after)
+        _check(not self.crash_all_after or self.checkpoint_every > 0, w, "crash_all_after",
+               "only with checkpoint_every > 0", self.crash_all_after)
+        _check(not self.crash_disk or self.crash_all_after > 0, w, "crash_disk", "only with crash_all_after",
+               self.crash_disk)
+        _check(self.checkpoint_url is None or self.checkpoint_every > 0, w, "checkpoint_url",
+               "only with checkpoint_every > 0", self.checkpoint_url)
         _check(self.chaos_interval > 0 and _finite(self.chaos_interval), w, "chaos_interval", "> 0 seconds",
                self.chaos_interval)
         _check(0 <= self.byzantine <= self.peers, w, "byzantine", f"in 0..peers ({self.peers})", self.byzantine)
@@ -599,10 +693,22 @@ class RelaySection:
     metrics_host: str = setting("0.0.0.0", "address the /metrics server binds")
     capacity_mbit: float = setting(0.0, "what the relay's link carries each way, Mbit/s (0 = not declared): told to "
                                         "the peers, the planner counts the relay as a link they share")
+    coordinator_key: str | None = setting(None, "the coordinator's public key (64 hex digits, as `shoal coordinator` "
+                                                "logs it at start; or a file holding them): only keys with its relay "
+                                                "ticket may register; unset = an open relay (a warning)")
+    max_peers: int = setting(4096, "registered peers at most (one relayed port each)")
+    per_client_connections: int = setting(256, "open connections to the relay's own port from one client address")
+    per_peer_connections: int = setting(128, "spliced connections to one peer's relayed port")
+    per_dialler_connections: int = setting(32, "of those, from one dialling address")
+    idle_seconds: float = setting(120.0, "forget a registration whose control connection stayed closed this long")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting."""
         check_address("relay", "listen", self.listen)
+        for key in ("max_peers", "per_client_connections", "per_peer_connections", "per_dialler_connections"):
+            _check(getattr(self, key) >= 1, "relay", key, ">= 1", getattr(self, key))
+        _check(self.idle_seconds > 0 and _finite(self.idle_seconds), "relay", "idle_seconds", "> 0 seconds",
+               self.idle_seconds)
         _check(self.capacity_mbit >= 0 and _finite(self.capacity_mbit), "relay", "capacity_mbit", "a finite number >= 0",
                self.capacity_mbit)
         _check(0 <= self.metrics_port <= 65535, "relay", "metrics_port", "in 0..65535", self.metrics_port)
@@ -700,46 +806,33 @@ def flag_name(section: str, name: str) -> str:
 # ---------------------------------------------------------------------------------- layers
 
 
-def _renamed(section: str, old: str, spelled: str, instead: str) -> str:
-    """Warn that `spelled` (an old name of `section.old`) is deprecated; return the new key."""
-    log.warning("%s is deprecated and will be removed in 0.3; use %s", spelled, instead)
-    return RENAMED[section, old]
-
-
-class _DeprecatedFlag(argparse.Action):
-    """An old flag name: stores into the new setting's destination and warns once used."""
-
-    def __init__(self, option_strings, dest, *, instead: str, **kw):
-        self.instead = instead
-        super().__init__(option_strings, dest, **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        log.warning("%s is deprecated and will be removed in 0.3; use %s", option_string, self.instead)
-        setattr(namespace, self.dest, values)
-
-
 def suggest(section: str, key: str) -> tuple[str, str] | None:
     """The setting (section, key) a misspelt `section.key` most likely means, or None: a key of
-    that name in another table first, then the closest key of the table (an old name's
-    closeness counts for its new name)."""
+    that name in another table first, then the closest key of the table."""
     for other, cls in SECTIONS.items():
         if other != section and key in {f.name for f in dataclasses.fields(cls)}:
             return other, key
-    names = {f.name: f.name for f in dataclasses.fields(SECTIONS[section])}
-    names.update({old: new for (s, old), new in RENAMED.items() if s == section})
+    names = [f.name for f in dataclasses.fields(SECTIONS[section])]
     close = difflib.get_close_matches(key, names, n=1)
-    return (section, names[close[0]]) if close else None
+    return (section, close[0]) if close else None
+
+
+def read_toml(path: str, flag: str, error: type[ValueError] = ConfigError) -> dict[str, Any]:
+    """The TOML file `path` as parsed tables; every file a command reads (its --config, a swarm's
+    --scenario) is read here. Raises `error` "<flag> <path>: <why>" when the file cannot be read
+    or is not TOML."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise error(f"{flag} {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise error(f"{flag} {path}: {exc}") from None
 
 
 def read_file(path: str) -> dict[str, dict[str, Any]]:
     """The overrides of a TOML file, checked: {section: {key: value}}. Raises ConfigError."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config {path}: {exc}") from None
+    raw = read_toml(path, "--config")
     out: dict[str, dict[str, Any]] = {}
     for section, table in raw.items():
         if section not in SECTIONS or not isinstance(table, dict):
@@ -748,8 +841,6 @@ def read_file(path: str) -> dict[str, dict[str, Any]]:
             raise ConfigError(f"{path}: unknown table [{section}] ({hint})")
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key, value in table.items():
-            if (section, key) in RENAMED:
-                key = _renamed(section, key, f"{path}: {section}.{key}", f"{section}.{RENAMED[section, key]}")
             if key not in known:
                 near = suggest(section, key)
                 hint = f" (did you mean {near[0]}.{near[1]}?)" if near else ""
@@ -762,18 +853,12 @@ def read_env(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """The overrides found in `environ` (SHOAL_<SECTION>_<KEY>). Unknown SHOAL_ names are errors
     only when they start with a known section (so SHOAL_HOME and the like stay usable)."""
     out: dict[str, dict[str, Any]] = {}
-    for (section, old), new in RENAMED.items():
-        name = env_name(section, old)
-        if name in environ and env_name(section, new) not in environ:
-            _renamed(section, old, f"env {name}", env_name(section, new))
-            out.setdefault(section, {})[new] = _coerce(section, new, environ[name], f"env {name}")
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             name = env_name(section, f.name)
             if name in environ:
                 out.setdefault(section, {})[f.name] = _coerce(section, f.name, environ[name], f"env {name}")
     known = {env_name(s, f.name) for s, c in SECTIONS.items() for f in dataclasses.fields(c)}
-    known |= {env_name(s, old) for s, old in RENAMED}
     for name in environ:
         if name.startswith(ENV_PREFIX) and name not in known and \
                 any(name.startswith(f"{ENV_PREFIX}{s.upper()}_") for s in SECTIONS):
@@ -869,12 +954,6 @@ def add_flags(parser: argparse.ArgumentParser, command: str) -> None:
                     kw.update(choices=meta["choices"])
                     del kw["metavar"]
             group.add_argument(flag_name(section, f.name), **kw)
-        for (sec, old), new in RENAMED.items():
-            if sec == section:
-                t, _ = _base_type(cls, new)
-                group.add_argument("--" + old.replace("_", "-"), dest=_dest(section, new), type=t,
-                                   default=argparse.SUPPRESS, help=argparse.SUPPRESS, action=_DeprecatedFlag,
-                                   instead=flag_name(section, new))
 
 
 def flags_from_args(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -913,7 +992,8 @@ def render_markdown() -> str:
     lines = [
         "# Configuration",
         "",
-        "<!-- Generated by scripts/gen_config_docs.py from shoal/config.py; do not edit by hand. -->",
+        ("<!-- Generated by scripts/gen_config_docs.py from shoal/config.py and coordinator/settings.py; "
+         "do not edit by hand. -->"),
         "",
         "Every command reads its settings from four layers, each overriding the previous one:",
         "",
@@ -947,13 +1027,7 @@ def render_markdown() -> str:
                 meaning += f" (one of: {', '.join(f.metadata['choices'])})"
             flag = flag_name(section, f.name)
             lines.append(f"| `{f.name}` | `{env_name(section, f.name)}` | `{flag}` | {default} | {meaning} |")
-    lines += ["", "## Renamed settings", "",
-              "These old names still work until 0.3 and log a deprecation warning when used:", "",
-              "| old | new |", "| --- | --- |"]
-    for (section, old), new in RENAMED.items():
-        lines.append(f"| `{section}.{old}` (`--{old.replace('_', '-')}`, `{env_name(section, old)}`) | "
-                     f"`{section}.{new}` (`{flag_name(section, new)}`) |")
-    lines += ["", "Exit codes of every command are listed in `shoal --help` and in `shoal/cli.py`.", ""]
+    lines += ["", "Exit codes of every command are listed in `shoal --help` and in `shoal/cli/__init__.py`.", ""]
     return "\n".join(lines)
 
 

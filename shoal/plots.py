@@ -86,7 +86,7 @@ def plot_lm(summary: dict, path: str, *, title: str = "shoal swarm --workload lm
     """Validation loss of the LM workload against bytes sent (all peers together, log scale) and
     against wall time, for Shoal (`summary["val_curve"]`) and, when present, the synchronous
     baseline (`summary["baseline_curve"]`); each point of a curve is a dict with `seconds`,
-    `bytes_sent_total`, `val_loss` (shoal.lm_job). Raises ImportError without matplotlib and
+    `bytes_sent_total`, `val_loss` (shoal.bench.lm_job). Raises ImportError without matplotlib and
     OSError when `path` cannot be written."""
     import matplotlib
 

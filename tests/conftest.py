@@ -11,7 +11,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 _ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
 os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH", "")])])
 
-from procs import Procs  # noqa: E402
+from kits.procs import Procs  # noqa: E402
 
 
 def _byte_compile_tree() -> None:
@@ -33,7 +33,7 @@ _byte_compile_tree()
 def netbed_available():
     """Skips the test unless network namespaces can be built here. Probed when a test first needs
     it, not at import: the probe runs `ip netns`, which collecting the fast tier must not."""
-    from shoal.netbed import NetBed
+    from shoal.testbeds.netbed import NetBed
 
     ok, why = NetBed.available()
     if not ok:
@@ -68,6 +68,11 @@ def procs(tmp_path):
         ps.close()
 
 
+# The tiers (README, "Tests"): tests/unit (no sockets, no processes), tests/component (in-process
+# gRPC and loopback sockets), tests/system (real processes, namespaces, containers, etcd).
+SYSTEM = pathlib.Path(__file__).resolve().parent / "system"
+
+
 # Fixtures that start real OS processes: a test using one belongs to the integration tier.
 PROCESS_FIXTURES = frozenset({"procs"})
 
@@ -80,12 +85,16 @@ LONG_FILES = ("test_compose.py",)
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects anything
 def pytest_collection_modifyitems(config, items):
-    """Safety net for the tiers (explicit marks are still required, hence the warning): a test
-    that asks for a process fixture, or a soak test, is `integration` even where its mark was
-    forgotten, so `-m "not integration"` never starts processes or runs a soak. Then LONG_FILES
-    first (a stable sort: every worker collects the same order)."""
+    """The tiers are folders: every test under tests/system is `integration`, so
+    `-m "not integration"` never starts processes. Safety net for the other folders (a warning,
+    since such a test is in the wrong folder): a test that asks for a process fixture, or a soak
+    test, is `integration` too. Then LONG_FILES first (a stable sort: every worker collects the
+    same order)."""
     items.sort(key=lambda item: item.path.name not in LONG_FILES)
     for item in items:
+        if SYSTEM in item.path.parents:
+            item.add_marker(pytest.mark.integration)
+            continue
         if item.get_closest_marker("integration") is not None:
             continue
         why = sorted(PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())))

@@ -393,7 +393,7 @@ class PeerTLS:
                                                 certificate_chain=self._cert_pem)
 
     def ssl_context(self, *, server: bool) -> ssl.SSLContext:
-        """An `ssl` context for the bulk lane (peer.tcplane) with the current certificate: mutual
+        """An `ssl` context for the bulk lane (peer.lanes.bulk) with the current certificate: mutual
         TLS 1.3 trusting the peer CA only. The server side demands a client certificate; the
         client side checks the server's name, which the caller sets to `peer_dns_name(id)` of
         the peer the plan names (`server_hostname`). The same trust as `server_credentials` /
@@ -418,7 +418,7 @@ class PeerTLS:
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(cadata=ca_pem.decode())
         if server:
-            ctx.num_tickets = 0  # no resumption; and nothing arrives unasked between streams (tcplane `alive`)
+            ctx.num_tickets = 0  # no resumption; and nothing arrives unasked between streams (peer.lanes.bulk `alive`)
         fd = os.memfd_create("shoal-peer-tls", os.MFD_CLOEXEC)
         try:
             os.write(fd, key_pem + cert_pem)

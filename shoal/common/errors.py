@@ -15,7 +15,6 @@ limit, message too large, buffers full), FAILED_PRECONDITION (wrong round/state)
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TypeVar
 
@@ -149,19 +148,18 @@ def require(condition: bool, field: str, why: str) -> None:
         raise InvalidArgument(f"{field}: {why}")
 
 
-def construct(registry: Mapping[str, Callable[..., T]], name: str, field: str, aliases: Mapping[str, str] | None = None,
+def construct(registry: Mapping[str, Callable[..., T]], name: str, field: str, removed: Mapping[str, str] | None = None,
               **params: object) -> T:
-    """`registry[name](**params)`, with `aliases` applied to `name` first.
+    """`registry[name](**params)`.
 
-    `aliases` are deprecated spellings (e.g. aggregator "fedavg" for "mean": FedAvg names the
-    training algorithm); using one logs a warning. Raises InvalidArgument naming `field`: unknown
-    name, or parameters the constructor refuses (a TypeError: unknown keyword) — the class raises
-    InvalidArgument itself for bad values.
+    `removed` maps spellings that 0.3 removed to their names (e.g. aggregator "fedavg" for "mean":
+    FedAvg names the training algorithm); a removed one is refused with the name to use. Raises
+    InvalidArgument naming `field`: a removed or unknown name, or parameters the constructor refuses
+    (a TypeError: unknown keyword) — the class raises InvalidArgument itself for bad values.
     """
-    if aliases and name in aliases:
-        logging.getLogger("shoal.config").warning("%s %r is deprecated and will be removed in 0.3; use %r",
-                                                  field, name, aliases[name])
-    cls = registry.get((aliases or {}).get(name, name))
+    if removed and name in removed:
+        raise InvalidArgument(f"{field}: {name!r} was removed in 0.3; use {removed[name]!r}")
+    cls = registry.get(name)
     if cls is None:
         raise InvalidArgument(f"{field}: unknown {name!r}; expected one of {sorted(registry)}")
     try:

@@ -218,7 +218,7 @@ def hold_default_key(name: str | None, listen_port: int, *, slots: int = 1000) -
 SIG_DOMAIN = b"shoal.v1\x00"
 MD_PUBKEY = "x-shoal-pubkey"
 # A peer process's random instance id (hex), on every control-plane call: one process per identity
-# (coordinator.membership). Not signed: it guards against accidents, not against the key's holder.
+# (coordinator.admitted_keys). Not signed: it guards against accidents, not against the key's holder.
 MD_INSTANCE = "x-shoal-instance"
 MD_TS = "x-shoal-ts"
 MD_NONCE = "x-shoal-nonce"

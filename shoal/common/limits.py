@@ -27,6 +27,11 @@ MAX_BULK_CHUNK_BYTES = DATA_MAX_MESSAGE_BYTES - (1 << 20)
 # one long-lived WatchRounds stream per peer, so its bound must exceed the swarm size.
 COORDINATOR_MAX_CONCURRENT_RPCS = 20_000
 PEER_MAX_CONCURRENT_RPCS = 512
+# Physical bounds of a link estimate (LinkReport, JoinRequest): a rate below 1 kB/s or above
+# 1 TB/s, or a round trip above a minute, is no measurement (a planner fed one plans deadlines of
+# hours or chunks of nothing). The coordinator refuses a report outside them; 0 = "not measured".
+LINK_BYTES_PER_S_BOUNDS = (1e3, 1e12)
+LINK_RTT_MAX_SECONDS = 60.0
 
 
 def host_of(grpc_peer: str) -> str:

@@ -39,11 +39,16 @@ COORDINATOR_METRICS = (
     MetricSpec("shoal_coordinator_rounds_retried_total", "counter", (), "Aborted attempts that were retried with the survivors"),
     MetricSpec("shoal_coordinator_round_duration_seconds", "histogram", (), "Plan-to-commit time of committed rounds"),
     MetricSpec("shoal_coordinator_round_bytes_sent_total", "counter", (), "Data-plane bytes sent by participants of committed rounds, as voted"),
+    MetricSpec("shoal_coordinator_dp_epsilon", "gauge", (), "Differential privacy: epsilon (at the run's dp_delta) spent by the committed rounds, from the accountant (0 without DP)"),
     MetricSpec("shoal_coordinator_state_syncs_total", "counter", (), "State-sync orders sent to joiners or stale peers"),
+    MetricSpec("shoal_coordinator_rounds_rewound_total", "counter", (), "Committed rounds lost to rewinds: the run went back to the newest checkpoint a restarted peer held"),
     MetricSpec("shoal_coordinator_round_waiting", "gauge", ("reason",), "Why the next round is not open: 1 for the current reason, 0 for the others (`shoal status` says it in words)"),
     MetricSpec("shoal_coordinator_link_up_bytes_per_second", "gauge", ("peer",), "Upload estimate reported by each member"),
     MetricSpec("shoal_coordinator_link_down_bytes_per_second", "gauge", ("peer",), "Download estimate reported by each member"),
     MetricSpec("shoal_coordinator_link_rtt_seconds", "gauge", ("peer",), "Round-trip estimate reported by each member"),
+    MetricSpec("shoal_coordinator_store_reachable", "gauge", (), "0 while the etcd state store (--state etcd://) is unreachable, else 1"),
+    MetricSpec("shoal_coordinator_store_unreachable_total", "counter", (), "Times the etcd state store stopped answering"),
+    MetricSpec("shoal_coordinator_leader", "gauge", (), "1 while this coordinator serves (with --state etcd://: while it leads its prefix), 0 while it stands by"),
 )
 
 PEER_METRICS = (
@@ -62,6 +67,10 @@ PEER_METRICS = (
     MetricSpec("shoal_peer_state_sync_bytes_total", "counter", (), "Bytes of state downloaded"),
     MetricSpec("shoal_peer_train_loss", "gauge", (), "Mean inner training loss of the last committed round"),
     MetricSpec("shoal_peer_test_accuracy", "gauge", (), "Held-out accuracy of the committed state (NaN when the workload has none)"),
+    MetricSpec("shoal_peer_last_checkpoint_round", "gauge", (), "Committed rounds of the newest checkpoint this peer wrote (--checkpoint-dir)"),
+    MetricSpec("shoal_peer_checkpoint_seconds", "gauge", (), "Seconds the newest checkpoint took to write (fsync included)"),
+    MetricSpec("shoal_peer_checkpoint_bytes", "gauge", (), "Bytes of the newest checkpoint"),
+    MetricSpec("shoal_peer_checkpoint_failures_total", "counter", (), "Checkpoints that failed to write (full disk, unwritable directory); retried at the next commit"),
 )
 
 RELAY_METRICS = (
@@ -117,10 +126,15 @@ class CoordinatorMetrics(_Metrics):
     def __init__(self) -> None:
         super().__init__()
         self._link_labels: set[str] = set()  # peers with link series now
+        self._store_reachable = True
+        self.m["shoal_coordinator_store_reachable"].set(1)
 
-    def on_commit(self, seconds: float, bytes_sent: int = 0, *, rounds_committed: int | None = None) -> None:
+    def on_commit(self, seconds: float, bytes_sent: int = 0, *, rounds_committed: int | None = None,
+                  epsilon: float = 0.0) -> None:
         """A round committed; `rounds_committed` (the engine's count) moves the round gauge at once
-        instead of at the next `observe_members`."""
+        instead of at the next `observe_members`; `epsilon`: DP spent so far (0 without DP)."""
+        if epsilon:
+            self.m["shoal_coordinator_dp_epsilon"].set(epsilon)
         self.m["shoal_coordinator_rounds_committed_total"].inc()
         if rounds_committed is not None:
             self.m["shoal_coordinator_round"].set(rounds_committed)
@@ -135,6 +149,21 @@ class CoordinatorMetrics(_Metrics):
 
     def on_sync(self) -> None:
         self.m["shoal_coordinator_state_syncs_total"].inc()
+
+    def on_rewind(self, lost: int, *, rounds_committed: int) -> None:
+        """The run went back `lost` committed rounds, to `rounds_committed`."""
+        self.m["shoal_coordinator_rounds_rewound_total"].inc(lost)
+        self.m["shoal_coordinator_round"].set(rounds_committed)
+
+    def on_store(self, reachable: bool) -> None:
+        """The etcd store answered (True) or stopped answering (False)."""
+        if not reachable and self._store_reachable:
+            self.m["shoal_coordinator_store_unreachable_total"].inc()
+        self._store_reachable = reachable
+        self.m["shoal_coordinator_store_reachable"].set(1 if reachable else 0)
+
+    def on_leading(self, leading: bool) -> None:
+        self.m["shoal_coordinator_leader"].set(1 if leading else 0)
 
     def observe_members(self, epoch: int, round_: int, counts: dict[str, int]) -> None:
         """counts: live members per state label ("pending", "syncing", "member")."""
@@ -207,6 +236,15 @@ class PeerMetrics(_Metrics):
         self.m["shoal_peer_state_syncs_total"].inc()
         self.m["shoal_peer_state_sync_bytes_total"].inc(nbytes)
         self.m["shoal_peer_round"].set(round_)
+
+    def on_checkpoint(self, round_: int, seconds: float, nbytes: int) -> None:
+        """A checkpoint of `round_` written in `seconds`, `nbytes` bytes."""
+        self.m["shoal_peer_last_checkpoint_round"].set(round_)
+        self.m["shoal_peer_checkpoint_seconds"].set(seconds)
+        self.m["shoal_peer_checkpoint_bytes"].set(nbytes)
+
+    def on_checkpoint_failed(self) -> None:
+        self.m["shoal_peer_checkpoint_failures_total"].inc()
 
     def _ewma(self, old: float, new: float) -> float:
         return new if old == 0.0 or not math.isfinite(old) else (1 - self.EWMA) * old + self.EWMA * new

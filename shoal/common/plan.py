@@ -7,7 +7,9 @@ engine stamps it with the round, attempt, epoch and deadlines, the server render
 and every peer reads it back with `from_proto`. Nothing else describes a plan.
 
 Vocabulary: the *collective* (collective algorithm) is "butterfly" (direct reduce-scatter to
-shard owners + all-gather, hivemind's butterfly all-reduce) or "ring" (Patarasuk & Yuan 2009);
+shard owners + all-gather, hivemind's butterfly all-reduce), "ring" (Patarasuk & Yuan 2009) or
+"allgather" (the sparse all-gather: every participant sends its whole sparse contribution to
+every other, each decodes and sums them in participant order; one shard, `(0, num_elements)`);
 never to be confused with the *training* algorithm (DiLoCo, FedAvg). A *tensor shard* is the
 element range ``[shard_bounds[k], shard_bounds[k+1])`` reduced by its *shard owner*
 ``participants[shard_owner[k]]``; a *data shard* is the part of the training data a peer holds
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from shoal.v1 import shoal_pb2 as pb
 
-COLLECTIVES = ("butterfly", "ring")  # what the data plane runs (shoal.peer.collectives)
+COLLECTIVES = ("butterfly", "ring", "allgather")  # what the data plane runs (shoal.peer.collectives)
 
 
 def auditor_positions(shard_owner: Sequence[int]) -> tuple[int, ...]:
@@ -45,7 +47,7 @@ class Plan:
 
     participants: peer ids in collective order (ring order for "ring"). addresses, num_samples,
     public_keys: per participant, same order (empty until the engine fills them in).
-    collective: "butterfly" | "ring". shard_bounds: element offsets ``(0, ..., num_elements)``,
+    collective: "butterfly" | "ring" | "allgather". shard_bounds: element offsets ``(0, ..., num_elements)``,
     one tensor shard per owner. shard_owner: per shard, the owner's position in `participants`.
     demoted: participants that own no shard. chunk_bytes: largest chunk on the wire, bytes.
     deadline_seconds: the whole attempt; chunk_timeout_seconds: one chunk (derived from the
@@ -59,7 +61,9 @@ class Plan:
     (behind NAT, or `--outbound-only`; docs/nat.md): never shard owners, only in a butterfly; each
     opens a stream to every owner and gets the reduced shards back on it. relays: per participant,
     the relay it is reached through ("" = dialled directly; empty tuple: nobody is relayed);
-    chunks sent to a relayed participant are signed one by one (shoal.common.relaying).
+    chunks sent to a relayed participant are signed one by one (shoal.relay.protocol).
+    fragments / fragment: the run's Streaming DiLoCo fragments F (1 = the whole model) and the
+    one this round carries (round mod F; docs/training.md).
     """
 
     participants: tuple[str, ...]
@@ -87,6 +91,8 @@ class Plan:
     ticket: bytes = b""
     outbound_only: tuple[int, ...] = ()
     relays: tuple[str, ...] = ()
+    fragment: int = 0
+    fragments: int = 1
 
     @property
     def size(self) -> int:
@@ -131,7 +137,8 @@ class Plan:
                        num_elements=self.num_elements, dtype=self.dtype, deadline_seconds=self.deadline_seconds,
                        chunk_timeout_seconds=self.chunk_timeout_seconds, chunk_bytes=self.chunk_bytes,
                        ticket=self.ticket, aggregator=self.aggregator, compression=self.compression,
-                       predicted_seconds=self.predicted_seconds, audit_owners=self.audit_owners)
+                       predicted_seconds=self.predicted_seconds, audit_owners=self.audit_owners,
+                       fragment=self.fragment, fragments=self.fragments if self.fragments > 1 else 0)
 
     @staticmethod
     def from_proto(msg: pb.Plan) -> Plan:
@@ -155,4 +162,5 @@ class Plan:
             ticket=msg.ticket,
             outbound_only=tuple(i for i, p in enumerate(msg.participants) if p.outbound_only),
             relays=tuple(p.relay for p in msg.participants) if any(p.relay for p in msg.participants) else (),
+            fragment=msg.fragment, fragments=max(1, msg.fragments),
         )

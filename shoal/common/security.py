@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import pathlib
 from collections.abc import Collection
 
 import grpc
@@ -80,8 +79,24 @@ def open_channel(target: str, security: Security, options: list, interceptors: l
     directory has it), or plaintext for an insecure `security`."""
     if security.tls_dir:
         creds = channel_credentials(security.tls_dir, client_cert=security.client_cert())
+        name = list_tls_name(target)
+        if name:
+            options = [*options, ("grpc.ssl_target_name_override", name)]
         return grpc.aio.secure_channel(target, creds, options=options, interceptors=interceptors)
     return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+
+
+def list_tls_name(target: str) -> str:
+    """The name a TLS channel to a list of coordinators (`ipv4:A,B` / `ipv6:[A],[B]`, as
+    shoal.config.grpc_target makes) verifies every coordinator's certificate against: the first
+    address's host ("" for any other target, whose own host is checked). gRPC would check the
+    whole list as one name, which no certificate holds: each coordinator of a list must hold a
+    certificate (signed by ca.pem) valid for the first one's host, e.g. one certificate naming
+    every coordinator address (`shoal certs init --host A --host B`)."""
+    scheme, _, rest = target.partition(":")
+    if scheme not in ("ipv4", "ipv6") or "," not in rest:
+        return ""
+    return rest.split(",", 1)[0].rsplit(":", 1)[0].strip("[]")
 
 
 def open_peer_channel(address: str, peer_id: str, security: Security, peer_tls: PeerTLS | None, options: list,

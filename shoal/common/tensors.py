@@ -5,7 +5,7 @@ shape. Every collective result and every committed state is fingerprinted with B
 (O'Connor, Aumasson, Neves, Wilcox-O'Hearn 2020; the `blake3` package): the digest peers vote
 with and joiners verify downloads against.
 
-Why not BLAKE2b (DESIGN.md §3 names it): every participant must hash all of its result (a peer
+Why not BLAKE2b (the peer id's hash): every participant must hash all of its result (a peer
 attests only bytes it read), so the digest costs p x n bytes of hashing per round. BLAKE2b runs
 at 0.93 GB/s on this project's reference machine (69 ms per 64 MB, per peer), more than the
 whole shared-memory all-reduce of 64 MB; BLAKE3, the same family's successor with the same
@@ -74,7 +74,7 @@ def result_digest(a: np.ndarray) -> bytes:
     chunk (`peer.result_digest.ResultDigest`): a one-level Merkle tree (BLAKE3's own tree is not
     exposed by its Python binding). Result digests are compared only with one another (votes,
     commits); a training state's digest is `digest` of its serialization, the all-reduce job's
-    state's is derived from its tensor's result digest (`shoal.peer.workload.array_state_digest`)."""
+    state's is derived from its tensor's result digest (`shoal.peer.workloads.base.array_state_digest`)."""
     data = memoryview(np.ascontiguousarray(a)).cast("B")
     return combine_result_blocks(len(data), (result_block_digest(data[lo:lo + RESULT_BLOCK_BYTES])
                                              for lo in range(0, len(data), RESULT_BLOCK_BYTES)))

@@ -62,7 +62,7 @@ class JoinRequest(_message.Message):
     def __init__(self, public_key: _Optional[bytes] = ..., data_address: _Optional[str] = ..., join_token: _Optional[str] = ..., num_samples: _Optional[int] = ..., version: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., tls_csr: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., relay_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable", "tls_certificate", "tls_ca", "tls_not_after", "finished")
+    __slots__ = ("peer_id", "lease_seconds", "heartbeat_interval_seconds", "epoch", "next_round", "run_config_json", "sync", "coordinator_public_key", "unreachable", "tls_certificate", "tls_ca", "tls_not_after", "finished", "relay_ticket")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class JoinResponse(_message.Message):
     TLS_CA_FIELD_NUMBER: _ClassVar[int]
     TLS_NOT_AFTER_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RELAY_TICKET_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     lease_seconds: float
     heartbeat_interval_seconds: float
@@ -89,7 +90,8 @@ class JoinResponse(_message.Message):
     tls_ca: bytes
     tls_not_after: float
     finished: Finished
-    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., coordinator_public_key: _Optional[bytes] = ..., unreachable: _Optional[str] = ..., tls_certificate: _Optional[bytes] = ..., tls_ca: _Optional[bytes] = ..., tls_not_after: _Optional[float] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    relay_ticket: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., heartbeat_interval_seconds: _Optional[float] = ..., epoch: _Optional[int] = ..., next_round: _Optional[int] = ..., run_config_json: _Optional[str] = ..., sync: _Optional[_Union[SyncOrder, _Mapping]] = ..., coordinator_public_key: _Optional[bytes] = ..., unreachable: _Optional[str] = ..., tls_certificate: _Optional[bytes] = ..., tls_ca: _Optional[bytes] = ..., tls_not_after: _Optional[float] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., relay_ticket: _Optional[bytes] = ...) -> None: ...
 
 class RenewCertificateRequest(_message.Message):
     __slots__ = ("peer_id", "tls_csr")
@@ -140,7 +142,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReadyRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s", "training", "local_steps", "local_seconds")
+    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s", "training", "local_steps", "local_seconds", "checkpoint_round", "checkpoint_digest")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +155,8 @@ class ReadyRequest(_message.Message):
     TRAINING_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     num_elements: int
@@ -165,7 +169,9 @@ class ReadyRequest(_message.Message):
     training: bool
     local_steps: int
     local_seconds: float
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ..., training: _Optional[bool] = ..., local_steps: _Optional[int] = ..., local_seconds: _Optional[float] = ...) -> None: ...
+    checkpoint_round: int
+    checkpoint_digest: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ..., training: _Optional[bool] = ..., local_steps: _Optional[int] = ..., local_seconds: _Optional[float] = ..., checkpoint_round: _Optional[int] = ..., checkpoint_digest: _Optional[bytes] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
     __slots__ = ("round", "sync", "pooled")
@@ -202,7 +208,7 @@ class Participant(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners")
+    __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners", "fragment", "fragments")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +226,8 @@ class Plan(_message.Message):
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AUDIT_OWNERS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     round: int
     attempt: int
     epoch: int
@@ -237,10 +245,12 @@ class Plan(_message.Message):
     compression: str
     predicted_seconds: float
     audit_owners: bool
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., collective: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ...) -> None: ...
+    fragment: int
+    fragments: int
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., collective: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
 
 class Commit(_message.Message):
-    __slots__ = ("round", "attempt", "result_digest", "state_digest", "epoch", "participants", "flagged", "step_seconds")
+    __slots__ = ("round", "attempt", "result_digest", "state_digest", "epoch", "participants", "flagged", "step_seconds", "epsilon", "checkpointers")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RESULT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +259,8 @@ class Commit(_message.Message):
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     FLAGGED_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTERS_FIELD_NUMBER: _ClassVar[int]
     round: int
     attempt: int
     result_digest: bytes
@@ -257,7 +269,9 @@ class Commit(_message.Message):
     participants: _containers.RepeatedScalarFieldContainer[str]
     flagged: _containers.RepeatedScalarFieldContainer[str]
     step_seconds: float
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    epsilon: float
+    checkpointers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., result_digest: _Optional[bytes] = ..., state_digest: _Optional[bytes] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[str]] = ..., flagged: _Optional[_Iterable[str]] = ..., step_seconds: _Optional[float] = ..., epsilon: _Optional[float] = ..., checkpointers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("round", "attempt", "reason", "excluded", "will_retry")
@@ -452,7 +466,7 @@ class Waiting(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., peers: _Optional[_Iterable[str]] = ..., seconds_left: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("epoch", "round", "members", "rounds", "rounds_committed", "rounds_aborted", "run_config_json", "waiting")
+    __slots__ = ("epoch", "round", "members", "rounds", "rounds_committed", "rounds_aborted", "run_config_json", "waiting", "epsilon", "dp_delta", "durable_round", "durable_digest", "durable_peers", "rounds_lost")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
@@ -461,6 +475,12 @@ class StatusResponse(_message.Message):
     ROUNDS_ABORTED_FIELD_NUMBER: _ClassVar[int]
     RUN_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    EPSILON_FIELD_NUMBER: _ClassVar[int]
+    DP_DELTA_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_LOST_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     members: _containers.RepeatedCompositeFieldContainer[MemberInfo]
@@ -469,7 +489,13 @@ class StatusResponse(_message.Message):
     rounds_aborted: int
     run_config_json: str
     waiting: Waiting
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., rounds_committed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., run_config_json: _Optional[str] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ...) -> None: ...
+    epsilon: float
+    dp_delta: float
+    durable_round: int
+    durable_digest: bytes
+    durable_peers: _containers.RepeatedScalarFieldContainer[str]
+    rounds_lost: int
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., rounds: _Optional[_Iterable[_Union[RoundInfo, _Mapping]]] = ..., rounds_committed: _Optional[int] = ..., rounds_aborted: _Optional[int] = ..., run_config_json: _Optional[str] = ..., waiting: _Optional[_Union[Waiting, _Mapping]] = ..., epsilon: _Optional[float] = ..., dp_delta: _Optional[float] = ..., durable_round: _Optional[int] = ..., durable_digest: _Optional[bytes] = ..., durable_peers: _Optional[_Iterable[str]] = ..., rounds_lost: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("round", "attempt", "sender", "phase", "step", "shard", "offset", "dtype", "shape", "data", "ticket", "scale", "codec", "shm_name", "shm_offset", "chunk_signature")

@@ -1,0 +1,75 @@
+"""peer.lanes.pool: the one-connection bound and the pool size rule (pure), and TCP_INFO read
+from a real loopback connection."""
+
+from __future__ import annotations
+
+import math
+import socket
+
+import pytest
+
+from shoal.peer.lanes import pool
+from shoal.peer.lanes.pool import TcpPath, connection_bound, next_pool_size
+
+MB = 1e6 / 8  # bytes/s per Mbit/s
+WINDOW = 3 << 20
+
+
+def test_the_bound_is_the_window_or_the_mathis_rate_whichever_is_lower():
+    lossy = TcpPath(rtt_seconds=0.1, loss=0.001, mss_bytes=1448)
+    assert connection_bound(lossy, WINDOW) == pytest.approx(1.2247 * 1448 / (0.1 * math.sqrt(0.001)), rel=1e-3)
+    assert connection_bound(lossy, WINDOW) / MB == pytest.approx(4.49, abs=0.01)  # the issue's 4.5 Mbit/s
+    clean = TcpPath(0.1, 0.0, 1448)
+    assert connection_bound(clean, WINDOW) == pytest.approx(WINDOW / 0.1)
+    assert connection_bound(TcpPath(0.0, 0.01, 1448), WINDOW) == math.inf
+    bbr = TcpPath(0.1, 0.001, 1448, congestion="bbr")  # not loss-bound: the window only
+    assert connection_bound(bbr, WINDOW) == pytest.approx(WINDOW / 0.1)
+
+
+def test_a_pool_held_back_by_its_connections_grows_and_a_lan_keeps_one():
+    lossy = TcpPath(0.1, 0.001, 1448)  # ~4.5 Mbit/s per connection
+    assert next_pool_size(1, 20 * MB, lossy, WINDOW, 16) == 4
+    assert next_pool_size(4, 60 * MB, lossy, WINDOW, 16) == 16
+    assert next_pool_size(16, 300 * MB, lossy, WINDOW, 16) == 16  # capped by the setting
+    assert next_pool_size(4, 60 * MB, lossy, WINDOW, 1) == 1
+    lan = TcpPath(0.0002, 0.0, 1448)
+    assert next_pool_size(1, 900 * MB, lan, WINDOW, 16) == 1
+
+
+def test_a_pool_the_path_holds_back_shrinks_to_what_reaches_the_same_goodput():
+    clean = TcpPath(0.1, 0.0, 1448)  # ~250 Mbit/s per connection (3 MiB window)
+    assert next_pool_size(16, 100 * MB, clean, WINDOW, 16) == 1
+    lossy = TcpPath(0.1, 0.001, 1448)
+    assert next_pool_size(16, 10 * MB, lossy, WINDOW, 16) == 4
+    assert next_pool_size(8, 20 * MB, lossy, WINDOW, 16) == 8  # in between: unchanged
+    assert next_pool_size(3, 0.0, lossy, WINDOW, 16) == 3 and next_pool_size(3, 5 * MB, None, WINDOW, 16) == 3
+
+
+def test_tcp_path_reads_the_kernels_measurement_of_a_real_connection():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+        with a, b:
+            a.sendall(b"x" * 200_000)
+            got = 0
+            while got < 200_000:
+                got += len(b.recv(1 << 16))
+            path = pool.tcp_path([a])
+    assert path is not None
+    assert 0 < path.rtt_seconds < 0.05 and path.loss == 0.0 and path.mss_bytes > 500
+    assert 0 < path.min_rtt_seconds <= path.rtt_seconds and path.congestion
+    assert pool.tcp_path([]) is None
+    assert pool.window_bytes() >= 64 << 10
+
+
+def test_the_bulk_lanes_path_measurement_feeds_the_link_meters_rtt_and_loss():
+    from shoal.peer.links import LinkMeter
+
+    meter = LinkMeter(alpha=0.5, clock=lambda: 0.0)
+    meter.observe_path("b" * 32, rtt=0.1, loss=0.002)
+    meter.observe_path("b" * 32, rtt=0.2, loss=0.0)
+    [view] = meter.links()
+    assert view.rtt_seconds == pytest.approx(0.15)
+    assert meter.loss("b" * 32) == pytest.approx(0.001)
+    assert meter.loss("c" * 32) == 0.0
+    assert meter.report("a" * 32).links[0].rtt_seconds == pytest.approx(0.15)  # what the planner's α gets
