@@ -80,8 +80,9 @@ def run_outages(wd: Path, outages: tuple[float, ...], rounds: int) -> dict:
         argv = _argv(min(_pids(etcd_pattern)))
         endpoint = argv[argv.index("--listen-client-urls") + 1].removeprefix("http://")
         target = EtcdTarget.parse(f"etcd://{endpoint}/shoal-swarm")
+        # The swarm starts its second coordinator after the first has taken the lead.
+        _wait("two coordinators", lambda: len(_pids(str(wd / "coordinator-"))) == 2, 60, swarm)
         coordinators = _pids(str(wd / "coordinator-"))
-        assert len(coordinators) == 2
         for down in outages:
             done = len(_committed(target))
             _wait("rounds committed", lambda: len(_committed(target)) >= done + 10, 120, swarm)
