@@ -97,11 +97,32 @@ def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.0f}s"
 
 
+def compression_line(rc: dict) -> str:
+    """The run's wire codec for `shoal status`: its name, parameters and the bytes one peer's
+    contribution takes per model element (float32 = 4), from the run configuration `rc`."""
+    name = rc.get("compression", "none") or "none"
+    if name in ("topk", "dct"):
+        from shoal.peer.sparse import SparseCodec
+
+        chunk, k, bits = rc.get("sparse_chunk", 4096), rc.get("sparse_k", 64), rc.get("sparse_bits", 2)
+        per = SparseCodec(name, chunk, k, bits).bytes_per_element()
+        return (f"compression {name} (k {k} of {chunk} = {100 * k / chunk:.2f} %, {bits}-bit values, "
+                f"beta {rc.get('sparse_beta', 0.95):g}): {per:.4f} bytes per element ({4 / per:.0f}x less than float32)")
+    from shoal.peer.compression import CODECS, payload_bytes
+
+    if name not in CODECS:
+        return f"compression {name}"
+    n = 1 << 20  # large enough that the per-block scales count at their limit
+    return f"compression {name}: {payload_bytes(n, name) / n:.4f} bytes per element"
+
+
 def render_table(s: dict) -> str:
     """Human view of `fetch_status`'s dict."""
     algo = s["run_config"].get("algorithm", "?")
     head = (f"coordinator {s['coordinator']}  epoch {s['epoch']}  round {s['round']}  "
             f"committed {s['rounds_committed']}  aborted {s['rounds_aborted']}  algorithm {algo}")
+    if s["run_config"]:
+        head += "\n" + compression_line(s["run_config"])
     if s.get("dp_delta"):
         head += f"  epsilon {s['epsilon']:.3f} (delta {s['dp_delta']:g})"
     d = s.get("durable") or {}

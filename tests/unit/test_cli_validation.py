@@ -155,3 +155,16 @@ def test_a_flag_parsing_error_is_one_line_naming_the_flag(argv, names, capsys):
     assert exc.value.code == 2
     line = one_line_error(capsys.readouterr().err)
     assert all(n in line for n in names) and "--help" in line
+
+
+def test_status_names_the_compression_and_its_bytes_per_element():
+    from shoal.cli.status import render_table
+
+    s = {"coordinator": "x:1", "epoch": 1, "round": 1, "rounds_committed": 1, "rounds_aborted": 0,
+         "members": [], "rounds": [],
+         "run_config": {"compression": "topk", "sparse_chunk": 4096, "sparse_k": 64, "sparse_bits": 2,
+                        "sparse_beta": 0.95}}
+    assert ("compression topk (k 64 of 4096 = 1.56 %, 2-bit values, beta 0.95): 0.0283 bytes per element "
+            "(141x less than float32)") in render_table(s)
+    assert "compression int8: 1.0156 bytes per element" in render_table({**s, "run_config": {"compression": "int8"}})
+    assert "compression none: 4.0000 bytes per element" in render_table({**s, "run_config": {"algorithm": "diloco"}})
