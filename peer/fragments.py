@@ -20,7 +20,9 @@ F and the mode):
 
 `FragmentedOuter` keeps one outer optimizer per fragment (each fragment's momentum and step
 count), serialised in the committed state, so the state and its digest are bit-identical on
-every peer as before. Pure: arrays in, arrays out.
+every peer as before. `eager_gradient` is the eager update's estimate of a round's all-reduced
+pseudo-gradient (Kale et al. 2025), which a peer applies to its own working parameters only.
+Pure: arrays in, arrays out.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import numpy as np
 from shoal.common.errors import InvalidArgument
 from shoal.peer.outer import OuterOptimizer
 
-__all__ = ["FRAGMENT_MODES", "FragmentedOuter", "Fragments", "fragment_of", "layer_of"]
+__all__ = ["FRAGMENT_MODES", "FragmentedOuter", "Fragments", "eager_correct", "eager_gradient", "fragment_of",
+           "layer_of", "merge"]
 
 FRAGMENT_MODES = ("contiguous", "strided")
 _INDEX = re.compile(r"^\d+$")
@@ -43,6 +46,66 @@ _INDEX = re.compile(r"^\d+$")
 def fragment_of(round_: int, fragments: int) -> int:
     """The fragment round `round_` carries on the staggered schedule: `round_ mod fragments`."""
     return int(round_) % max(1, int(fragments))
+
+
+def eager_gradient(fresh: np.ndarray, delayed: np.ndarray | None, share: float,
+                   own_delayed: np.ndarray | None) -> np.ndarray:
+    """The eager outer gradient of one peer (Kale, Douillard, Donchev 2025, "Eager updates for
+    overlapped communication and computation in DiLoCo", arXiv 2502.12996): while the round that
+    averages the fresh pseudo-gradients is in flight, a peer estimates its result from what it
+    has, its own fresh pseudo-gradient in place of its own term and the other peers' terms of the
+    delayed (previous) all-reduce of the same parameters:
+
+        eager = delayed + share * (fresh - own_delayed)
+              = share * fresh + sum over the other peers j of share_j * delta_j (delayed)
+
+    With M equally weighted peers `share` = 1/M and this is the paper's
+    `(1/M) Delta_m(t) + (1/M) sum_{j != m} Delta_j(t - 1)`. `delayed` None (no delayed all-reduce
+    known: the first round of these parameters, or after a state download) gives `fresh`: the
+    local pseudo-gradient is then the only estimate of the average. `own_delayed` None (this peer
+    was not in the delayed round) counts as zeros.
+
+    Args:
+        fresh: `(m,)` float32, this peer's pseudo-gradient of the round in flight (committed - local).
+        delayed: `(m,)` float32, the all-reduced pseudo-gradient of the previous round of the same
+            parameters (the committed aggregate), or None.
+        share: this peer's weight in that all-reduce, `n_i / sum n` of its plan, in [0, 1].
+        own_delayed: `(m,)` float32, this peer's own pseudo-gradient in that round, or None.
+
+    Returns a new `(m,)` float32 array (float64 arithmetic, rounded once).
+
+    Raises:
+        InvalidArgument: shapes differ ("delayed", "own_delayed") or share outside [0, 1] ("share").
+    """
+    fresh = np.asarray(fresh, dtype=np.float32)
+    if delayed is None:
+        return fresh.copy()
+    if not 0.0 <= share <= 1.0:
+        raise InvalidArgument(f"share: must be in [0, 1], got {share!r}")
+    for what, a in (("delayed", delayed), ("own_delayed", own_delayed)):
+        if a is not None and np.shape(a) != fresh.shape:
+            raise InvalidArgument(f"{what}: shape {np.shape(a)} != the fresh pseudo-gradient's {fresh.shape}")
+    own = np.zeros(fresh.shape, np.float64) if own_delayed is None else np.asarray(own_delayed, np.float64)
+    out = np.asarray(delayed, np.float64) + float(share) * (fresh.astype(np.float64) - own)
+    return out.astype(np.float32)
+
+
+def merge(local: np.ndarray, committed: np.ndarray, alpha: float) -> np.ndarray:
+    """Streaming DiLoCo's merge of a fragment (Douillard et al. 2025): `alpha * local + (1 - alpha)
+    * committed`, `(m,)` float32 in, a new `(m,)` float32 out (float32 arithmetic). The eager
+    update merges its estimate θ_e the same way at the hand-over."""
+    a = np.float32(alpha)
+    return (a * local + (np.float32(1) - a) * committed).astype(np.float32)
+
+
+def eager_correct(local: np.ndarray, committed: np.ndarray, estimate: np.ndarray, alpha: float) -> np.ndarray:
+    """The eager update's correction when the round lands: the hand-over merged the estimate
+    θ_e (`merge(local, estimate, alpha)`), the committed θ_c replaces it and the inner steps
+    taken since are kept: `local + (1 - alpha) * (θ_c - θ_e)`. So the working parameters end as
+    `alpha * θ_sub + (1 - alpha) * θ_c + (steps since the hand-over)`, exact when θ_e = θ_c.
+    `(m,)` float32 in, a new `(m,)` float32 out; alpha = 0 is the whole-model overlap's
+    `θ_c + (θ - θ_e)`."""
+    return (local + (np.float32(1) - np.float32(alpha)) * (committed - estimate)).astype(np.float32)
 
 
 def layer_of(name: str) -> str:
@@ -165,6 +228,13 @@ class FragmentedOuter:
         if not 0 <= fragment < self.count:
             raise InvalidArgument(f"fragment: {fragment} outside 0..{self.count - 1}")
         return self._parts[fragment].step(params, pseudo_grad)
+
+    def preview_fragment(self, fragment: int, params: np.ndarray, pseudo_grad: np.ndarray) -> np.ndarray:
+        """What `step_fragment` would return, on a copy of fragment `fragment`'s optimizer: this
+        one is unchanged (the eager update's local outer step)."""
+        if not 0 <= fragment < self.count:
+            raise InvalidArgument(f"fragment: {fragment} outside 0..{self.count - 1}")
+        return copy.deepcopy(self._parts[fragment]).step(params, pseudo_grad)
 
     def step(self, params: np.ndarray, pseudo_grad: np.ndarray) -> np.ndarray:
         raise InvalidArgument("outer: a fragmented run steps one fragment per round (step_fragment)")

@@ -76,6 +76,16 @@ NOTICE_SECONDS = 5.0  # the most a training notice after a state sync may take (
 RESUME_OLDER_FRACTION = 0.5
 
 
+def _share(plan: Plan, me: str) -> float:
+    """`me`'s weight in the plan's weighted mean: n_me / sum n (counts of 0 as 1, as the
+    contribution weights them)."""
+    counts = [n or 1 for n in plan.num_samples] or [1] * plan.size
+    try:
+        return counts[plan.position(me)] / float(sum(counts))
+    except (ValueError, IndexError):
+        return 0.0
+
+
 # ------------------------------------------------------------------------------ outcomes
 
 
@@ -648,7 +658,7 @@ class RoundClient:
                                    tamper=self.tamper, sparse=self._sparse_round(plan, prepared))
             ended_at = time.time()
             self.contribution.check(res.values)
-            st = self.workload.tentative(res.values, res.digest)
+            st = self.workload.tentative(res.values, res.digest, share=_share(plan, self.me))
             rs.tentative[plan.attempt] = Tentative(st, res.feedback, sparse_attempt)
         except Exception as exc:  # noqa: BLE001 - every failure before the vote is voted, with its reason
             ballot = self._failed_ballot(rs, plan, exc)

@@ -65,7 +65,11 @@ class RunConfig:
     fragment_overlap tau: inner steps the trainer runs while its round is in flight before it
     merges the committed fragment (0 = it waits); fragment_alpha: the merge
     `alpha * local + (1 - alpha) * committed` of that fragment. With fragments > 1, `overlap` is
-    refused (fragment_overlap says how far rounds overlap).
+    refused (fragment_overlap says how far rounds overlap). eager: the trainer applies an eager
+    outer update to its own working parameters at the hand-over, from its fresh pseudo-gradient
+    and the delayed all-reduced one (Kale et al. 2025, arXiv 2502.12996; `peer.fragments.eager_gradient`),
+    and corrects it to the committed update when the round lands; it needs `overlap` or
+    fragment_overlap > 0 (without either nothing is delayed). The committed state is unchanged.
     """
 
     algorithm: str = "diloco"
@@ -92,6 +96,7 @@ class RunConfig:
     fragment_partition: str = "contiguous"
     fragment_overlap: int = 0
     fragment_alpha: float = 0.5
+    eager: bool = False
     sparse_chunk: int = DEFAULT_CHUNK
     sparse_k: int = 64
     sparse_bits: int = 2
@@ -128,6 +133,9 @@ class RunConfig:
             raise InvalidArgument(f"fragment_alpha: must be in [0, 1], got {self.fragment_alpha}")
         if self.fragments > 1 and self.overlap:
             raise InvalidArgument("overlap: not with fragments > 1 (fragment_overlap sets how far rounds overlap)")
+        if self.eager and not (self.overlap or (self.fragments > 1 and self.fragment_overlap > 0)):
+            raise InvalidArgument("eager: needs overlap, or fragments > 1 with fragment_overlap > 0 (otherwise the "
+                                  "outer update is not delayed and there is nothing to apply eagerly)")
         self.reduction_spec().check()
         try:
             self.dp_settings().check(accounting=False)
@@ -209,6 +217,11 @@ class CommittedState:
     # The fragment the round that made this state carried (streaming, set by `tentative`); -1 for
     # a whole state (the initial one, a download): the trainer then takes every parameter.
     fragment: int = field(default=-1, compare=False)
+    # With the run's eager: the all-reduced pseudo-gradient of the round that made this state and
+    # this peer's weight in it (set by `tentative`; None and 0 for a whole state). Not serialised:
+    # the eager update's delayed average, for this peer's own working parameters only.
+    aggregate: np.ndarray | None = field(default=None, compare=False, repr=False)
+    share: float = field(default=0.0, compare=False)
     _blob: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -281,8 +294,9 @@ class FlatStateWorkload:
         """The fragment the round in play carries (-1 without fragments)."""
         return fragment_of(self.state.rounds, self.cfg.fragments) if self.partition is not None else -1
 
-    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"") -> CommittedState:
+    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"", share: float = 0.0) -> CommittedState:
         """The state after round `state.rounds`'s outer step on `aggregate` (float32), on copies.
+        `share`: this peer's weight in the aggregate (kept with the state for the run's eager).
 
         Raises:
             InvalidArgument: the aggregate's size is not the round's fragment's (or the model's).
@@ -290,11 +304,12 @@ class FlatStateWorkload:
         outer = copy.deepcopy(self.state.outer)
         g = aggregate.astype(np.float32, copy=False)
         f = self.fragment()
+        kept = dict(aggregate=g.copy(), share=float(share)) if self.cfg.eager else {}
         if f < 0:
-            return CommittedState(outer.step(self.state.params, g), outer, self.state.rounds + 1)
+            return CommittedState(outer.step(self.state.params, g), outer, self.state.rounds + 1, **kept)
         part = self.partition
         new = outer.step_fragment(f, part.take(self.state.params, f), g)
-        return CommittedState(part.put(self.state.params, f, new), outer, self.state.rounds + 1, fragment=f)
+        return CommittedState(part.put(self.state.params, f, new), outer, self.state.rounds + 1, fragment=f, **kept)
 
     def apply(self, state: CommittedState) -> None:
         self.state = state

@@ -1,0 +1,163 @@
+"""The eager outer update (Kale et al. 2025, arXiv 2502.12996): the estimate of a round's
+all-reduce on small vectors, the merge and its correction, the agent-side estimate of the PyTorch
+integration through its real queues, and the committed state left exactly as without it."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+
+from shoal.common.errors import InvalidArgument
+from shoal.config import ConfigError, RunSection
+from shoal.peer.fragments import Fragments, FragmentedOuter, eager_correct, eager_gradient, merge
+from shoal.peer.outer import DiLoCo
+from shoal.peer.torch_optimizer import TorchWorkload, _Bridge, _Phase
+from shoal.peer.training import RunConfig
+
+
+def test_the_estimate_replaces_this_peers_delayed_term_by_its_fresh_one():
+    """M = 4 equal peers: the delayed all-reduce is the mean of d0..d3; peer 0's estimate is
+    (fresh0 + d1 + d2 + d3) / 4, the paper's (1/M) Delta_m(t) + (1/M) sum_{j != m} Delta_j(t-1)."""
+    d = [np.array(v, np.float32) for v in ([1, 2, 3], [0, -1, 4], [2, 2, 2], [-3, 1, 0])]
+    delayed = np.mean(d, axis=0).astype(np.float32)
+    fresh = np.array([5, -5, 1], np.float32)
+    got = eager_gradient(fresh, delayed, 0.25, d[0])
+    assert got.dtype == np.float32 and got.shape == (3,)
+    np.testing.assert_allclose(got, (fresh + d[1] + d[2] + d[3]) / 4, rtol=0, atol=1e-6)
+    # Weighted shares (n = 1, 3): delayed = 0.25 a + 0.75 b; the estimate is 0.25 fresh + 0.75 b.
+    a, b = np.array([4, 0], np.float32), np.array([0, 8], np.float32)
+    got = eager_gradient(np.array([1, 1], np.float32), 0.25 * a + 0.75 * b, 0.25, a)
+    np.testing.assert_allclose(got, [0.25, 6.25], rtol=0, atol=1e-6)
+    # Not in the delayed round: its own term is zero.
+    np.testing.assert_allclose(eager_gradient(fresh, delayed, 0.25, None), delayed + fresh / 4, atol=1e-6)
+    # No delayed all-reduce known (first round, after a download): the fresh pseudo-gradient alone.
+    assert np.array_equal(eager_gradient(fresh, None, 0.0, None), fresh)
+    # All peers' fresh terms equal to their delayed ones: the estimate is the delayed all-reduce.
+    assert np.allclose(eager_gradient(d[0], delayed, 0.25, d[0]), delayed, atol=1e-7)
+
+
+def test_bad_estimate_inputs_name_the_field():
+    x = np.zeros(3, np.float32)
+    with pytest.raises(InvalidArgument, match="^delayed:"):
+        eager_gradient(x, np.zeros(4, np.float32), 0.5, None)
+    with pytest.raises(InvalidArgument, match="^own_delayed:"):
+        eager_gradient(x, x, 0.5, np.zeros(2, np.float32))
+    with pytest.raises(InvalidArgument, match="^share:"):
+        eager_gradient(x, x, 1.5, x)
+
+
+def test_merge_then_correct_ends_on_the_committed_merge_plus_the_steps_since():
+    rng = np.random.default_rng(0)
+    sub, est, com, steps = (rng.standard_normal(6).astype(np.float32) for _ in range(4))
+    for alpha in (0.0, 0.5, 0.9):
+        working = merge(sub, est, alpha) + steps  # the eager merge at the hand-over, then tau steps
+        fixed = eager_correct(working, com, est, alpha)
+        np.testing.assert_allclose(fixed, alpha * sub + (1 - alpha) * com + steps, rtol=0, atol=1e-5)
+        # An exact estimate needs no correction.
+        assert np.array_equal(eager_correct(working, est, est, alpha), working)
+    # alpha = 0 (the whole-model --overlap): theta_c + (theta - theta_e).
+    np.testing.assert_allclose(eager_correct(est + steps, com, est, 0.0), com + steps, atol=1e-6)
+
+
+def test_preview_steps_a_copy_of_the_fragments_optimizer():
+    outer = FragmentedOuter(DiLoCo, 2)
+    p, g = np.ones(3, np.float32), np.full(3, 0.1, np.float32)
+    outer.step_fragment(1, p, g)  # some momentum in fragment 1
+    before = {k: v.copy() for k, v in outer.state().items()}
+    seen = outer.preview_fragment(1, p, g)
+    assert all(np.array_equal(outer.state()[k], v) for k, v in before.items())
+    assert seen.tobytes() == outer.step_fragment(1, p, g).tobytes()
+    with pytest.raises(InvalidArgument, match="^fragment:"):
+        outer.preview_fragment(2, p, g)
+
+
+def test_eager_needs_a_delayed_update():
+    with pytest.raises(InvalidArgument, match="^eager:"):
+        RunConfig(inner_steps=8, fragments=4, eager=True)
+    with pytest.raises(InvalidArgument, match="^eager:"):
+        RunConfig(inner_steps=8, eager=True)
+    RunConfig(inner_steps=8, fragments=4, fragment_overlap=1, eager=True)
+    RunConfig(inner_steps=8, overlap=True, eager=True)
+    with pytest.raises(ConfigError) as err:
+        RunSection(inner_steps=8, fragments=4, eager=True).validate()
+    assert err.value.setting == "run.eager"
+    assert RunSection(inner_steps=8, fragments=4, fragment_overlap=2, eager=True).to_run_config(4).eager
+
+
+def _hand_over(wl: TorchWorkload, local: np.ndarray):
+    """The trainer's side of one hand-over through the real bridge: the update in, the agent's
+    pseudo-gradient out, and the eager estimate the agent put on the trainer's queue."""
+    wl.bridge.to_agent.put(("update", (local, 0.0, _Phase(2, 2, 0.1))))
+    upd = wl.local_update()
+    kind, value = wl.bridge.to_trainer.get_nowait()
+    while kind == "start":
+        kind, value = wl.bridge.to_trainer.get_nowait()
+    assert kind == "eager"
+    return upd, value
+
+
+def test_the_agent_estimates_each_round_from_the_delayed_all_reduce_of_its_fragment():
+    """Through TorchWorkload's queues, 4 fragments, 2 sweeps: the first round of a fragment
+    estimates from the fresh pseudo-gradient alone; a round F rounds later from the committed
+    aggregate of that fragment's previous round with this peer's term replaced (share 1/4). The
+    committed states carry the same bytes and digests as a run without eager."""
+    n = 16
+    part = Fragments(n, 4, "contiguous")
+    cfg = RunConfig(inner_steps=8, fragments=4, fragment_overlap=1, eager=True)
+    plain_cfg = RunConfig(inner_steps=8, fragments=4, fragment_overlap=1)
+    rng = np.random.default_rng(3)
+    init = rng.standard_normal(n).astype(np.float32)
+    wl, plain = (TorchWorkload(c, init, 1, _Bridge()) for c in (cfg, plain_cfg))
+    wl.partition = plain.partition = part
+    own: dict[int, np.ndarray] = {}
+    agg_of: dict[int, np.ndarray] = {}
+    for r in range(8):
+        f = r % 4
+        local = wl.state.params + rng.standard_normal(n).astype(np.float32) * 0.1
+        upd, (estimate, frag) = _hand_over(wl, local)
+        assert frag == f and estimate.shape == (part.sizes[f],)
+        fresh = part.take(wl.state.params, f) - part.take(local, f)
+        assert np.array_equal(upd.pseudo_grad, fresh.astype(np.float32))
+        if f in agg_of:
+            want_grad = agg_of[f] + 0.25 * (fresh - own[f])
+        else:
+            want_grad = fresh
+        want = wl.state.outer.preview_fragment(f, part.take(wl.state.params, f), want_grad.astype(np.float32))
+        np.testing.assert_allclose(estimate, want, rtol=0, atol=1e-6)
+        # The round: the all-reduce of this peer's and three others' pseudo-gradients.
+        others = [rng.standard_normal(part.sizes[f]).astype(np.float32) * 0.1 for _ in range(3)]
+        aggregate = np.mean([upd.pseudo_grad, *others], axis=0).astype(np.float32)
+        plain.bridge.to_agent.put(("update", (local, 0.0, _Phase(2, 2, 0.1))))
+        plain.local_update()
+        st, ref = wl.tentative(aggregate, share=0.25), plain.tentative(aggregate, share=0.25)
+        assert st.to_bytes() == ref.to_bytes() and st.digest() == ref.digest()
+        wl.apply(st)
+        plain.apply(ref)
+        kind, (params, frag) = wl.bridge.to_trainer.get_nowait()
+        assert kind == "fragment" and frag == f and np.array_equal(params, st.params)
+        own[f], agg_of[f] = upd.pseudo_grad, aggregate
+    kinds = []
+    while True:
+        try:
+            kinds.append(plain.bridge.to_trainer.get_nowait()[0])
+        except queue.Empty:
+            break
+    assert "eager" not in kinds and kinds.count("fragment") == 8  # without eager: no estimate sent
+
+
+def test_a_downloaded_state_forgets_the_delayed_all_reduces():
+    n = 8
+    part = Fragments(n, 2, "contiguous")
+    cfg = RunConfig(inner_steps=4, fragments=2, fragment_overlap=1, eager=True)
+    wl = TorchWorkload(cfg, np.zeros(n, np.float32), 1, _Bridge())
+    wl.partition = part
+    local = np.full(n, -0.5, np.float32)
+    upd, _ = _hand_over(wl, local)
+    wl.apply(wl.tentative(upd.pseudo_grad, share=0.5))
+    assert 0 in wl._delayed
+    from shoal.peer.training import CommittedState
+
+    wl.apply(CommittedState.from_bytes(wl.state.to_bytes(), cfg))  # as a state sync installs it
+    assert wl._delayed == {}
