@@ -20,8 +20,8 @@ F and the mode):
 
 `FragmentedOuter` keeps one outer optimizer per fragment (each fragment's momentum and step
 count), serialised in the committed state, so the state and its digest are bit-identical on
-every peer as before. `eager_gradient` is the eager update's estimate of a round's all-reduced
-pseudo-gradient (Kale et al. 2025), which a peer applies to its own working parameters only.
+every peer as before. `eager_gradient`, `merge` and `eager_correct` are the eager outer update
+(Kale et al. 2025), which a peer applies to its own working parameters only.
 Pure: arrays in, arrays out.
 """
 
@@ -48,45 +48,39 @@ def fragment_of(round_: int, fragments: int) -> int:
     return int(round_) % max(1, int(fragments))
 
 
-def eager_gradient(fresh: np.ndarray, delayed: np.ndarray | None, share: float,
-                   own_delayed: np.ndarray | None) -> np.ndarray:
+def eager_gradient(fresh: np.ndarray, share: float, pending: np.ndarray | None = None) -> np.ndarray:
     """The eager outer gradient of one peer (Kale, Douillard, Donchev 2025, "Eager updates for
     overlapped communication and computation in DiLoCo", arXiv 2502.12996): while the round that
-    averages the fresh pseudo-gradients is in flight, a peer estimates its result from what it
-    has, its own fresh pseudo-gradient in place of its own term and the other peers' terms of the
-    delayed (previous) all-reduce of the same parameters:
+    all-reduces the fresh pseudo-gradients is in flight, a peer steps its own copy of the outer
+    parameters with its own fresh term at once and the other peers' terms as they arrive:
 
-        eager = delayed + share * (fresh - own_delayed)
-              = share * fresh + sum over the other peers j of share_j * delta_j (delayed)
+        eager = share * fresh + pending,   pending = sum over the other peers j of share_j * delta_j(t - 1)
 
     With M equally weighted peers `share` = 1/M and this is the paper's
-    `(1/M) Delta_m(t) + (1/M) sum_{j != m} Delta_j(t - 1)`. `delayed` None (no delayed all-reduce
-    known: the first round of these parameters, or after a state download) gives `fresh`: the
-    local pseudo-gradient is then the only estimate of the average. `own_delayed` None (this peer
-    was not in the delayed round) counts as zeros.
+    `(1/M) Delta_m(t) + (1/M) sum_{j != m} Delta_j(t - 1)`: in the paper a worker's copy of the
+    global parameters receives the others' terms one outer step late, so `pending` is their
+    delayed sum. Shoal's committed state applies each round's whole all-reduce when the round
+    commits, so the committed parameters a peer steps from already hold every delayed term:
+    there `pending` is None (zeros), the eager step adds the peer's own term, and the others'
+    fresh terms arrive with the committed round (`eager_correct`). Every term is applied once.
 
     Args:
         fresh: `(m,)` float32, this peer's pseudo-gradient of the round in flight (committed - local).
-        delayed: `(m,)` float32, the all-reduced pseudo-gradient of the previous round of the same
-            parameters (the committed aggregate), or None.
-        share: this peer's weight in that all-reduce, `n_i / sum n` of its plan, in [0, 1].
-        own_delayed: `(m,)` float32, this peer's own pseudo-gradient in that round, or None.
+        share: this peer's weight in the all-reduce, `n_i / sum n` of the plan, in [0, 1].
+        pending: `(m,)` float32, the other peers' weighted terms not yet applied, or None.
 
     Returns a new `(m,)` float32 array (float64 arithmetic, rounded once).
 
     Raises:
-        InvalidArgument: shapes differ ("delayed", "own_delayed") or share outside [0, 1] ("share").
+        InvalidArgument: share outside [0, 1] ("share"), `pending` of another shape ("pending").
     """
-    fresh = np.asarray(fresh, dtype=np.float32)
-    if delayed is None:
-        return fresh.copy()
     if not 0.0 <= share <= 1.0:
         raise InvalidArgument(f"share: must be in [0, 1], got {share!r}")
-    for what, a in (("delayed", delayed), ("own_delayed", own_delayed)):
-        if a is not None and np.shape(a) != fresh.shape:
-            raise InvalidArgument(f"{what}: shape {np.shape(a)} != the fresh pseudo-gradient's {fresh.shape}")
-    own = np.zeros(fresh.shape, np.float64) if own_delayed is None else np.asarray(own_delayed, np.float64)
-    out = np.asarray(delayed, np.float64) + float(share) * (fresh.astype(np.float64) - own)
+    out = float(share) * np.asarray(fresh, np.float64)
+    if pending is not None:
+        if np.shape(pending) != out.shape:
+            raise InvalidArgument(f"pending: shape {np.shape(pending)} != the fresh pseudo-gradient's {out.shape}")
+        out = out + np.asarray(pending, np.float64)
     return out.astype(np.float32)
 
 

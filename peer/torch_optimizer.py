@@ -40,10 +40,10 @@ waits for the round. A state sync (a missed round, a joiner) loads every paramet
 
 With the run's `eager` (Kale et al. 2025, "Eager updates for overlapped communication and
 computation in DiLoCo", arXiv 2502.12996), the hand-over does not leave the outer update to the
-delayed round: the agent's thread estimates the round's all-reduced pseudo-gradient from this
-peer's fresh one and the delayed all-reduce of the same parameters (`peer.fragments.eager_gradient`)
-and runs the outer step on a copy of the committed optimizer; the trainer merges that estimate
-θ_e at once (`alpha * local + (1 - alpha) * θ_e` on the fragment, or θ_e itself with `overlap`)
+delayed round: the agent's thread runs the outer step of a copy of the committed optimizer on
+this peer's own fresh term (`share * pseudo-gradient`, `peer.fragments.eager_gradient`) from
+the committed parameters, which already hold every delayed all-reduce; the trainer merges that
+estimate θ_e at once (`alpha * local + (1 - alpha) * θ_e` on the fragment, or θ_e itself with `overlap`)
 and trains on. When the round lands, the estimate is replaced by the committed result, the steps
 taken since kept: `+ (1 - alpha) * (θ_c - θ_e)` on the fragment, `θ_c + (θ - θ_e)` with
 `overlap`. Only the trainer's working parameters see the estimate; the committed state (the
@@ -357,10 +357,8 @@ class TorchWorkload(FlatStateWorkload):
         self.started = False
         self.time_budgeted = cfg.local_work == "time"
         self.partition: Fragments | None = None  # streaming: the run's fragments (SwarmOptimizer sets it)
-        # eager: this peer's pseudo-gradient of the round in flight, and per fragment (-1: the
-        # whole model) the last committed all-reduce, this peer's share in it and its own term.
-        self._own: np.ndarray | None = None
-        self._delayed: dict[int, tuple[np.ndarray, float, np.ndarray | None]] = {}
+        # eager: this peer's weight in the last committed all-reduce (0 = none yet), its own term's.
+        self._share = 0.0
 
     def new_outer(self):
         return self.outer_factory() if self.outer_factory is not None else make_outer_for(self.cfg)
@@ -385,7 +383,6 @@ class TorchWorkload(FlatStateWorkload):
             if kind == "load":
                 if value.rounds > self.state.rounds:
                     self.state = value
-                    self._delayed.clear()
                 continue
             local, loss, work = value
             break
@@ -395,18 +392,17 @@ class TorchWorkload(FlatStateWorkload):
         committed, local = (self.state.params, local) if f < 0 else (self.partition.take(self.state.params, f),
                                                                     self.partition.take(local, f))
         grad = (committed - local).astype(np.float32)
-        if self.cfg.eager:
-            self._own = grad
-            self.bridge.to_trainer.put(("eager", (self.eager_params(f, committed, grad), f)))
+        if self.cfg.eager:  # before any commit the weight is unknown: no eager merge (None)
+            estimate = self.eager_params(f, committed, grad) if self._share > 0 else None
+            self.bridge.to_trainer.put(("eager", None if estimate is None else (estimate, f)))
         return LocalUpdate(grad, loss, weight, work.steps, work.seconds)
 
     def eager_params(self, fragment: int, committed: np.ndarray, fresh: np.ndarray) -> np.ndarray:
-        """The eager update's estimate of the parameters round `state.rounds` commits: the
-        outer step of the committed state's optimizer (on a copy) from `committed` (the
-        fragment's `(sizes[f],)` or the whole `(n,)` float32) on `eager_gradient(fresh, the
-        delayed all-reduce of these parameters, ...)`. The committed state is unchanged."""
-        delayed, share, own = self._delayed.get(fragment, (None, 0.0, None))
-        estimate = eager_gradient(fresh, delayed, share, own)
+        """The eager update's parameters θ_e for the round `state.rounds`: the outer step of a
+        copy of the committed state's optimizer from `committed` (the fragment's `(sizes[f],)`
+        or the whole `(n,)` float32) on this peer's own term `eager_gradient(fresh, share)`, the
+        share of the last committed all-reduce. The committed state is unchanged."""
+        estimate = eager_gradient(fresh, self._share)
         outer = self.state.outer
         if fragment < 0:
             return copy.deepcopy(outer).step(committed, estimate)
@@ -420,12 +416,8 @@ class TorchWorkload(FlatStateWorkload):
         """Make `state` committed and answer the trainer's submission: "params" (a whole state:
         the trainer loads every parameter) or "fragment" (a streaming round's: it merges that one)."""
         self.state = state
-        if self.cfg.eager:
-            if state.aggregate is None:
-                self._delayed.clear()  # a downloaded state: the delayed all-reduces are unknown
-            else:
-                self._delayed[state.fragment] = (state.aggregate, state.share, self._own if self.outstanding else None)
-            self._own = None
+        if state.share > 0:
+            self._share = state.share
         if self.outstanding:
             self.outstanding = False
             if state.fragment >= 0 and self.partition is not None:
@@ -821,6 +813,8 @@ class SwarmOptimizer(torch.optim.Optimizer):
         kind, value = self._wait(self.round_timeout, "eager")
         if kind != "eager":  # the run finished meanwhile
             self._land(kind, value)
+            return
+        if value is None:  # no all-reduce committed yet: nothing to weigh its own term by
             return
         estimate, fragment = value
         local = self._host.gather().copy()

@@ -66,9 +66,9 @@ class RunConfig:
     merges the committed fragment (0 = it waits); fragment_alpha: the merge
     `alpha * local + (1 - alpha) * committed` of that fragment. With fragments > 1, `overlap` is
     refused (fragment_overlap says how far rounds overlap). eager: the trainer applies an eager
-    outer update to its own working parameters at the hand-over, from its fresh pseudo-gradient
-    and the delayed all-reduced one (Kale et al. 2025, arXiv 2502.12996; `peer.fragments.eager_gradient`),
-    and corrects it to the committed update when the round lands; it needs `overlap` or
+    outer update to its own working parameters at the hand-over, its own fresh term on the
+    committed parameters that hold the delayed all-reduces (Kale et al. 2025, arXiv 2502.12996;
+    `peer.fragments.eager_gradient`), and corrects it to the committed update when the round lands; it needs `overlap` or
     fragment_overlap > 0 (without either nothing is delayed). The committed state is unchanged.
     """
 
@@ -217,10 +217,8 @@ class CommittedState:
     # The fragment the round that made this state carried (streaming, set by `tentative`); -1 for
     # a whole state (the initial one, a download): the trainer then takes every parameter.
     fragment: int = field(default=-1, compare=False)
-    # With the run's eager: the all-reduced pseudo-gradient of the round that made this state and
-    # this peer's weight in it (set by `tentative`; None and 0 for a whole state). Not serialised:
-    # the eager update's delayed average, for this peer's own working parameters only.
-    aggregate: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # This peer's weight in the all-reduce of the round that made this state (set by `tentative`;
+    # 0 for a whole state). Not serialised: the eager update's weight of its own term.
     share: float = field(default=0.0, compare=False)
     _blob: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
@@ -304,12 +302,12 @@ class FlatStateWorkload:
         outer = copy.deepcopy(self.state.outer)
         g = aggregate.astype(np.float32, copy=False)
         f = self.fragment()
-        kept = dict(aggregate=g.copy(), share=float(share)) if self.cfg.eager else {}
         if f < 0:
-            return CommittedState(outer.step(self.state.params, g), outer, self.state.rounds + 1, **kept)
+            return CommittedState(outer.step(self.state.params, g), outer, self.state.rounds + 1, share=float(share))
         part = self.partition
         new = outer.step_fragment(f, part.take(self.state.params, f), g)
-        return CommittedState(part.put(self.state.params, f, new), outer, self.state.rounds + 1, fragment=f, **kept)
+        return CommittedState(part.put(self.state.params, f, new), outer, self.state.rounds + 1, fragment=f,
+                              share=float(share))
 
     def apply(self, state: CommittedState) -> None:
         self.state = state

@@ -17,35 +17,31 @@ from shoal.peer.torch_optimizer import TorchWorkload, _Bridge, _Phase
 from shoal.peer.training import RunConfig
 
 
-def test_the_estimate_replaces_this_peers_delayed_term_by_its_fresh_one():
-    """M = 4 equal peers: the delayed all-reduce is the mean of d0..d3; peer 0's estimate is
-    (fresh0 + d1 + d2 + d3) / 4, the paper's (1/M) Delta_m(t) + (1/M) sum_{j != m} Delta_j(t-1)."""
+def test_the_eager_gradient_is_the_own_fresh_term_plus_the_pending_delayed_ones():
+    """M = 4 equal peers (share 1/4). In the paper's setting the others' terms of the previous
+    all-reduce are still pending: (1/M) Delta_m(t) + (1/M) sum_{j != m} Delta_j(t - 1). On Shoal's
+    committed parameters nothing is pending: the own fresh term alone."""
     d = [np.array(v, np.float32) for v in ([1, 2, 3], [0, -1, 4], [2, 2, 2], [-3, 1, 0])]
-    delayed = np.mean(d, axis=0).astype(np.float32)
     fresh = np.array([5, -5, 1], np.float32)
-    got = eager_gradient(fresh, delayed, 0.25, d[0])
+    pending = ((d[1] + d[2] + d[3]) / 4).astype(np.float32)
+    got = eager_gradient(fresh, 0.25, pending)
     assert got.dtype == np.float32 and got.shape == (3,)
     np.testing.assert_allclose(got, (fresh + d[1] + d[2] + d[3]) / 4, rtol=0, atol=1e-6)
-    # Weighted shares (n = 1, 3): delayed = 0.25 a + 0.75 b; the estimate is 0.25 fresh + 0.75 b.
-    a, b = np.array([4, 0], np.float32), np.array([0, 8], np.float32)
-    got = eager_gradient(np.array([1, 1], np.float32), 0.25 * a + 0.75 * b, 0.25, a)
-    np.testing.assert_allclose(got, [0.25, 6.25], rtol=0, atol=1e-6)
-    # Not in the delayed round: its own term is zero.
-    np.testing.assert_allclose(eager_gradient(fresh, delayed, 0.25, None), delayed + fresh / 4, atol=1e-6)
-    # No delayed all-reduce known (first round, after a download): the fresh pseudo-gradient alone.
-    assert np.array_equal(eager_gradient(fresh, None, 0.0, None), fresh)
-    # All peers' fresh terms equal to their delayed ones: the estimate is the delayed all-reduce.
-    assert np.allclose(eager_gradient(d[0], delayed, 0.25, d[0]), delayed, atol=1e-7)
+    assert np.array_equal(eager_gradient(fresh, 0.25), (fresh / 4).astype(np.float32))
+    # Weighted shares (n = 1, 3): the own term weighs 1/4.
+    np.testing.assert_allclose(eager_gradient(np.array([4, 8], np.float32), 0.25), [1, 2], rtol=0, atol=0)
+    # Every term is applied once: the eager step's own term plus the correction's rest is the
+    # all-reduce (1/M) sum_j Delta_j(t).
+    full = np.mean([fresh, *d[1:]], axis=0)
+    np.testing.assert_allclose(eager_gradient(fresh, 0.25) + pending, full, rtol=0, atol=1e-6)
 
 
-def test_bad_estimate_inputs_name_the_field():
+def test_bad_eager_inputs_name_the_field():
     x = np.zeros(3, np.float32)
-    with pytest.raises(InvalidArgument, match="^delayed:"):
-        eager_gradient(x, np.zeros(4, np.float32), 0.5, None)
-    with pytest.raises(InvalidArgument, match="^own_delayed:"):
-        eager_gradient(x, x, 0.5, np.zeros(2, np.float32))
+    with pytest.raises(InvalidArgument, match="^pending:"):
+        eager_gradient(x, 0.5, np.zeros(4, np.float32))
     with pytest.raises(InvalidArgument, match="^share:"):
-        eager_gradient(x, x, 1.5, x)
+        eager_gradient(x, 1.5)
 
 
 def test_merge_then_correct_ends_on_the_committed_merge_plus_the_steps_since():
@@ -88,7 +84,7 @@ def test_eager_needs_a_delayed_update():
 
 def _hand_over(wl: TorchWorkload, local: np.ndarray):
     """The trainer's side of one hand-over through the real bridge: the update in, the agent's
-    pseudo-gradient out, and the eager estimate the agent put on the trainer's queue."""
+    pseudo-gradient out, and the eager message the agent put on the trainer's queue."""
     wl.bridge.to_agent.put(("update", (local, 0.0, _Phase(2, 2, 0.1))))
     upd = wl.local_update()
     kind, value = wl.bridge.to_trainer.get_nowait()
@@ -98,11 +94,11 @@ def _hand_over(wl: TorchWorkload, local: np.ndarray):
     return upd, value
 
 
-def test_the_agent_estimates_each_round_from_the_delayed_all_reduce_of_its_fragment():
-    """Through TorchWorkload's queues, 4 fragments, 2 sweeps: the first round of a fragment
-    estimates from the fresh pseudo-gradient alone; a round F rounds later from the committed
-    aggregate of that fragment's previous round with this peer's term replaced (share 1/4). The
-    committed states carry the same bytes and digests as a run without eager."""
+def test_the_agent_steps_a_copy_of_the_committed_optimizer_on_its_own_term():
+    """Through TorchWorkload's queues, 4 fragments, 2 sweeps: before any commit no estimate (the
+    weight is unknown); afterwards θ_e is the fragment's outer step, on a copy of the committed
+    optimizer, of share x this peer's fresh pseudo-gradient (share 1/4 from the last committed
+    plan). The committed states carry the same bytes and digests as a run without eager."""
     n = 16
     part = Fragments(n, 4, "contiguous")
     cfg = RunConfig(inner_steps=8, fragments=4, fragment_overlap=1, eager=True)
@@ -111,21 +107,21 @@ def test_the_agent_estimates_each_round_from_the_delayed_all_reduce_of_its_fragm
     init = rng.standard_normal(n).astype(np.float32)
     wl, plain = (TorchWorkload(c, init, 1, _Bridge()) for c in (cfg, plain_cfg))
     wl.partition = plain.partition = part
-    own: dict[int, np.ndarray] = {}
-    agg_of: dict[int, np.ndarray] = {}
     for r in range(8):
         f = r % 4
         local = wl.state.params + rng.standard_normal(n).astype(np.float32) * 0.1
-        upd, (estimate, frag) = _hand_over(wl, local)
-        assert frag == f and estimate.shape == (part.sizes[f],)
-        fresh = part.take(wl.state.params, f) - part.take(local, f)
-        assert np.array_equal(upd.pseudo_grad, fresh.astype(np.float32))
-        if f in agg_of:
-            want_grad = agg_of[f] + 0.25 * (fresh - own[f])
+        before = wl.state.outer.state()
+        upd, value = _hand_over(wl, local)
+        fresh = (part.take(wl.state.params, f) - part.take(local, f)).astype(np.float32)
+        assert np.array_equal(upd.pseudo_grad, fresh)
+        if r == 0:
+            assert value is None
         else:
-            want_grad = fresh
-        want = wl.state.outer.preview_fragment(f, part.take(wl.state.params, f), want_grad.astype(np.float32))
-        np.testing.assert_allclose(estimate, want, rtol=0, atol=1e-6)
+            estimate, frag = value
+            assert frag == f and estimate.shape == (part.sizes[f],)
+            want = wl.state.outer.preview_fragment(f, part.take(wl.state.params, f), (0.25 * fresh).astype(np.float32))
+            assert estimate.tobytes() == want.tobytes()
+        assert all(np.array_equal(wl.state.outer.state()[k], v) for k, v in before.items())
         # The round: the all-reduce of this peer's and three others' pseudo-gradients.
         others = [rng.standard_normal(part.sizes[f]).astype(np.float32) * 0.1 for _ in range(3)]
         aggregate = np.mean([upd.pseudo_grad, *others], axis=0).astype(np.float32)
@@ -137,7 +133,6 @@ def test_the_agent_estimates_each_round_from_the_delayed_all_reduce_of_its_fragm
         plain.apply(ref)
         kind, (params, frag) = wl.bridge.to_trainer.get_nowait()
         assert kind == "fragment" and frag == f and np.array_equal(params, st.params)
-        own[f], agg_of[f] = upd.pseudo_grad, aggregate
     kinds = []
     while True:
         try:
@@ -145,19 +140,3 @@ def test_the_agent_estimates_each_round_from_the_delayed_all_reduce_of_its_fragm
         except queue.Empty:
             break
     assert "eager" not in kinds and kinds.count("fragment") == 8  # without eager: no estimate sent
-
-
-def test_a_downloaded_state_forgets_the_delayed_all_reduces():
-    n = 8
-    part = Fragments(n, 2, "contiguous")
-    cfg = RunConfig(inner_steps=4, fragments=2, fragment_overlap=1, eager=True)
-    wl = TorchWorkload(cfg, np.zeros(n, np.float32), 1, _Bridge())
-    wl.partition = part
-    local = np.full(n, -0.5, np.float32)
-    upd, _ = _hand_over(wl, local)
-    wl.apply(wl.tentative(upd.pseudo_grad, share=0.5))
-    assert 0 in wl._delayed
-    from shoal.peer.training import CommittedState
-
-    wl.apply(CommittedState.from_bytes(wl.state.to_bytes(), cfg))  # as a state sync installs it
-    assert wl._delayed == {}
