@@ -657,7 +657,7 @@ class RoundClient:
                 reducer = _FaultyReducer(reducer, plan.round)
             started_at = time.time()
             res = await all_reduce(prepared.values, ev.plan, me=self.me, transport=self.transport,
-                                   inbox=self.inbox, reducer=reducer, feedback=self.feedback_for(plan.fragment), links=self.links,
+                                   inbox=self.inbox, reducer=reducer, feedback=self._feedback(plan), links=self.links,
                                    tamper=self.tamper, sparse=self._sparse_round(plan, prepared))
             ended_at = time.time()
             self.contribution.check(res.values)
@@ -947,6 +947,13 @@ class RoundClient:
         streaming rounds carry different parameters in equal-sized payloads, so each fragment
         keeps its own (Seide et al.'s error feedback re-sends what was lost of the same values)."""
         return self.feedbacks.setdefault(int(fragment), ErrorFeedback())
+
+    def _feedback(self, plan: Plan) -> ErrorFeedback | None:
+        """The residuals this attempt compensates with: its fragment's, or None when the run
+        turned error feedback off (`RunConfig.error_feedback`)."""
+        if not getattr(getattr(self.workload, "cfg", None), "error_feedback", True):
+            return None
+        return self.feedback_for(plan.fragment)
 
     def _reset_accumulator(self) -> None:
         """A peer that adopted the committed state from elsewhere starts its error feedback at

@@ -70,6 +70,8 @@ class RunConfig:
     committed parameters that hold the delayed all-reduces (Kale et al. 2025, arXiv 2502.12996;
     `peer.fragments.eager_gradient`), and corrects it to the committed update when the round lands; it needs `overlap` or
     fragment_overlap > 0 (without either nothing is delayed). The committed state is unchanged.
+    error_feedback: int8 / fp4 contributions carry the previous committed round's quantization
+    residual of the same parameters (per fragment); False sends each round's values alone.
     """
 
     algorithm: str = "diloco"
@@ -97,6 +99,7 @@ class RunConfig:
     fragment_overlap: int = 0
     fragment_alpha: float = 0.5
     eager: bool = False
+    error_feedback: bool = True
     sparse_chunk: int = DEFAULT_CHUNK
     sparse_k: int = 64
     sparse_bits: int = 2

@@ -299,6 +299,10 @@ class RunSection:
                                        "both of a SparseLoCo error-feedback accumulator, sent whole by the sparse "
                                        "all-gather; mean aggregation only; docs/training.md)",
                                choices=("none", "fp16", "bf16", "int8", "fp4", "topk", "dct"))
+    error_feedback: bool = setting(True, "int8 / fp4: the quantization residual of a contribution is added to the "
+                                         "next committed round's contribution of the same parameters (per fragment "
+                                         "with fragments); --no-error-feedback sends each round's values alone",
+                                   flag="--no-error-feedback", negate=True)
     sparse_chunk: int = setting(4096, "topk / dct: elements per chunk C (indices take bit_length(C - 1) bits)")
     sparse_k: int = setting(64, "topk / dct: elements (DCT coefficients) kept per chunk; density k / C")
     sparse_bits: int = setting(2, "topk / dct: bits per kept value (2..8; sign + level, one float32 scale per "
@@ -449,7 +453,8 @@ class RunSection:
                          max_norm=self.max_norm, on_norm=self.on_norm, dp_sigma=self.dp_sigma,
                          dp_mode=self.dp_mode, local_work=self.local_work, overlap=self.overlap, fragments=self.fragments,
                          fragment_partition=self.fragment_partition, fragment_overlap=self.fragment_overlap,
-                         fragment_alpha=self.fragment_alpha, eager=self.eager, sparse_chunk=self.sparse_chunk,
+                         fragment_alpha=self.fragment_alpha, eager=self.eager, error_feedback=self.error_feedback,
+                         sparse_chunk=self.sparse_chunk,
                          sparse_k=self.sparse_k, sparse_bits=self.sparse_bits, sparse_beta=self.sparse_beta)
 
 

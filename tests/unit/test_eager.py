@@ -80,6 +80,7 @@ def test_eager_needs_a_delayed_update():
         RunSection(inner_steps=8, fragments=4, eager=True).validate()
     assert err.value.setting == "run.eager"
     assert RunSection(inner_steps=8, fragments=4, fragment_overlap=2, eager=True).to_run_config(4).eager
+    assert RunSection().to_run_config(4).error_feedback and not RunSection(error_feedback=False).to_run_config(4).error_feedback
 
 
 def _hand_over(wl: TorchWorkload, local: np.ndarray):

@@ -645,3 +645,12 @@ async def test_compression_residuals_are_kept_per_fragment():
     assert np.allclose(client.feedback_for(0).compensate(("rs", 0, 4), x), x + 0.25)
     assert np.allclose(client.feedback_for(1).compensate(("rs", 0, 4), x), x - 0.5)
     assert np.array_equal(client.feedback_for(2).compensate(("rs", 0, 4), x), x)  # no residual of 0 or 1
+
+
+def test_error_feedback_off_compensates_nothing():
+    """`[run] error_feedback = false` (--no-error-feedback): attempts get no residuals at all."""
+    client, control, wl, events, rec = make_client()
+    plan = Plan(participants=(ME,), collective="ring", shard_bounds=(0, N), shard_owner=(0,))
+    assert client._feedback(plan) is client.feedback_for(0)
+    wl.cfg = RunConfig(error_feedback=False)
+    assert client._feedback(plan) is None
