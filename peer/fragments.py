@@ -20,7 +20,9 @@ F and the mode):
 
 `FragmentedOuter` keeps one outer optimizer per fragment (each fragment's momentum and step
 count), serialised in the committed state, so the state and its digest are bit-identical on
-every peer as before. Pure: arrays in, arrays out.
+every peer as before. `eager_gradient`, `merge` and `eager_correct` are the eager outer update
+(Kale et al. 2025), which a peer applies to its own working parameters only.
+Pure: arrays in, arrays out.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import numpy as np
 from shoal.common.errors import InvalidArgument
 from shoal.peer.outer import OuterOptimizer
 
-__all__ = ["FRAGMENT_MODES", "FragmentedOuter", "Fragments", "fragment_of", "layer_of"]
+__all__ = ["FRAGMENT_MODES", "FragmentedOuter", "Fragments", "eager_correct", "eager_gradient", "fragment_of",
+           "layer_of", "merge"]
 
 FRAGMENT_MODES = ("contiguous", "strided")
 _INDEX = re.compile(r"^\d+$")
@@ -43,6 +46,60 @@ _INDEX = re.compile(r"^\d+$")
 def fragment_of(round_: int, fragments: int) -> int:
     """The fragment round `round_` carries on the staggered schedule: `round_ mod fragments`."""
     return int(round_) % max(1, int(fragments))
+
+
+def eager_gradient(fresh: np.ndarray, share: float, pending: np.ndarray | None = None) -> np.ndarray:
+    """The eager outer gradient of one peer (Kale, Douillard, Donchev 2025, "Eager updates for
+    overlapped communication and computation in DiLoCo", arXiv 2502.12996): while the round that
+    all-reduces the fresh pseudo-gradients is in flight, a peer steps its own copy of the outer
+    parameters with its own fresh term at once and the other peers' terms as they arrive:
+
+        eager = share * fresh + pending,   pending = sum over the other peers j of share_j * delta_j(t - 1)
+
+    With M equally weighted peers `share` = 1/M and this is the paper's
+    `(1/M) Delta_m(t) + (1/M) sum_{j != m} Delta_j(t - 1)`: in the paper a worker's copy of the
+    global parameters receives the others' terms one outer step late, so `pending` is their
+    delayed sum. Shoal's committed state applies each round's whole all-reduce when the round
+    commits, so the committed parameters a peer steps from already hold every delayed term:
+    there `pending` is None (zeros), the eager step adds the peer's own term, and the others'
+    fresh terms arrive with the committed round (`eager_correct`). Every term is applied once.
+
+    Args:
+        fresh: `(m,)` float32, this peer's pseudo-gradient of the round in flight (committed - local).
+        share: this peer's weight in the all-reduce, `n_i / sum n` of the plan, in [0, 1].
+        pending: `(m,)` float32, the other peers' weighted terms not yet applied, or None.
+
+    Returns a new `(m,)` float32 array (float64 arithmetic, rounded once).
+
+    Raises:
+        InvalidArgument: share outside [0, 1] ("share"), `pending` of another shape ("pending").
+    """
+    if not 0.0 <= share <= 1.0:
+        raise InvalidArgument(f"share: must be in [0, 1], got {share!r}")
+    out = float(share) * np.asarray(fresh, np.float64)
+    if pending is not None:
+        if np.shape(pending) != out.shape:
+            raise InvalidArgument(f"pending: shape {np.shape(pending)} != the fresh pseudo-gradient's {out.shape}")
+        out = out + np.asarray(pending, np.float64)
+    return out.astype(np.float32)
+
+
+def merge(local: np.ndarray, committed: np.ndarray, alpha: float) -> np.ndarray:
+    """Streaming DiLoCo's merge of a fragment (Douillard et al. 2025): `alpha * local + (1 - alpha)
+    * committed`, `(m,)` float32 in, a new `(m,)` float32 out (float32 arithmetic). The eager
+    update merges its estimate θ_e the same way at the hand-over."""
+    a = np.float32(alpha)
+    return (a * local + (np.float32(1) - a) * committed).astype(np.float32)
+
+
+def eager_correct(local: np.ndarray, committed: np.ndarray, estimate: np.ndarray, alpha: float) -> np.ndarray:
+    """The eager update's correction when the round lands: the hand-over merged the estimate
+    θ_e (`merge(local, estimate, alpha)`), the committed θ_c replaces it and the inner steps
+    taken since are kept: `local + (1 - alpha) * (θ_c - θ_e)`. So the working parameters end as
+    `alpha * θ_sub + (1 - alpha) * θ_c + (steps since the hand-over)`, exact when θ_e = θ_c.
+    `(m,)` float32 in, a new `(m,)` float32 out; alpha = 0 is the whole-model overlap's
+    `θ_c + (θ - θ_e)`."""
+    return (local + (np.float32(1) - np.float32(alpha)) * (committed - estimate)).astype(np.float32)
 
 
 def layer_of(name: str) -> str:
@@ -165,6 +222,13 @@ class FragmentedOuter:
         if not 0 <= fragment < self.count:
             raise InvalidArgument(f"fragment: {fragment} outside 0..{self.count - 1}")
         return self._parts[fragment].step(params, pseudo_grad)
+
+    def preview_fragment(self, fragment: int, params: np.ndarray, pseudo_grad: np.ndarray) -> np.ndarray:
+        """What `step_fragment` would return, on a copy of fragment `fragment`'s optimizer: this
+        one is unchanged (the eager update's local outer step)."""
+        if not 0 <= fragment < self.count:
+            raise InvalidArgument(f"fragment: {fragment} outside 0..{self.count - 1}")
+        return copy.deepcopy(self._parts[fragment]).step(params, pseudo_grad)
 
     def step(self, params: np.ndarray, pseudo_grad: np.ndarray) -> np.ndarray:
         raise InvalidArgument("outer: a fragmented run steps one fragment per round (step_fragment)")

@@ -76,6 +76,16 @@ NOTICE_SECONDS = 5.0  # the most a training notice after a state sync may take (
 RESUME_OLDER_FRACTION = 0.5
 
 
+def _share(plan: Plan, me: str) -> float:
+    """`me`'s weight in the plan's weighted mean: n_me / sum n (counts of 0 as 1, as the
+    contribution weights them)."""
+    counts = [n or 1 for n in plan.num_samples] or [1] * plan.size
+    try:
+        return counts[plan.position(me)] / float(sum(counts))
+    except (ValueError, IndexError):
+        return 0.0
+
+
 # ------------------------------------------------------------------------------ outcomes
 
 
@@ -334,6 +344,7 @@ class Tentative:
     state: State
     feedback: tuple
     sparse_attempt: object = None  # the accumulator proposal to commit (sparse all-gather), or None
+    fragment: int = 0  # the fragment the attempt carried (0 without fragments): whose residuals
 
 
 @dataclass
@@ -439,7 +450,9 @@ class RoundClient:
         self.traffic = traffic or Traffic()
         self.tamper = tamper
         self.forge_vote = forge_vote
-        self.feedback = ErrorFeedback()  # compression residuals, updated only on commit
+        # Compression residuals per fragment (0 without fragments), updated only on commit: a
+        # fragment's residual is re-sent with that fragment's next round, never another's.
+        self.feedbacks: dict[int, ErrorFeedback] = {}
         self.sparse = sparse  # the run's sparse codec and decay (compression topk / dct), or None
         self.accumulator: ErrorAccumulator | None = None  # SparseLoCo's e, made at the first sparse round
         self.last_plan: Plan | None = None  # the last plan received (link probes, shm peers)
@@ -644,12 +657,12 @@ class RoundClient:
                 reducer = _FaultyReducer(reducer, plan.round)
             started_at = time.time()
             res = await all_reduce(prepared.values, ev.plan, me=self.me, transport=self.transport,
-                                   inbox=self.inbox, reducer=reducer, feedback=self.feedback, links=self.links,
+                                   inbox=self.inbox, reducer=reducer, feedback=self._feedback(plan), links=self.links,
                                    tamper=self.tamper, sparse=self._sparse_round(plan, prepared))
             ended_at = time.time()
             self.contribution.check(res.values)
-            st = self.workload.tentative(res.values, res.digest)
-            rs.tentative[plan.attempt] = Tentative(st, res.feedback, sparse_attempt)
+            st = self.workload.tentative(res.values, res.digest, share=_share(plan, self.me))
+            rs.tentative[plan.attempt] = Tentative(st, res.feedback, sparse_attempt, plan.fragment)
         except Exception as exc:  # noqa: BLE001 - every failure before the vote is voted, with its reason
             ballot = self._failed_ballot(rs, plan, exc)
             stalled = self._paused() - paused0
@@ -786,9 +799,10 @@ class RoundClient:
         self.elected = self.me in ev.checkpointers  # uploads this round's checkpoint when one is due
         self.workload.pace(ev.step_seconds)  # before apply: a time-budgeted phase starts with it
         self.workload.apply(t.state)
-        self.feedback.reset()  # keep exactly the residuals of the committed attempt
+        feedback = self.feedback_for(t.fragment)
+        feedback.reset()  # keep exactly the residuals of the committed attempt (of its fragment)
         for key, compensated, decoded in t.feedback:
-            self.feedback.update(key, compensated, decoded)
+            feedback.update(key, compensated, decoded)
         if t.sparse_attempt is not None and self.accumulator is not None:
             self.accumulator.commit(t.sparse_attempt)  # e <- β·e + Δ - decode(sent), once per committed round
         outcome = RoundOutcome(Outcome.COMMITTED, rs.round, t.state.rounds, time.monotonic() - rs.started,
@@ -927,6 +941,19 @@ class RoundClient:
         self._tell("on_sync", SyncRecord(st.rounds, len(res.blob), time.monotonic() - t0, res.donors_used,
                                          res.donors_failed))
         return True
+
+    def feedback_for(self, fragment: int) -> ErrorFeedback:
+        """The compression residuals of `fragment` (a plan's `fragment`; 0 without fragments):
+        streaming rounds carry different parameters in equal-sized payloads, so each fragment
+        keeps its own (Seide et al.'s error feedback re-sends what was lost of the same values)."""
+        return self.feedbacks.setdefault(int(fragment), ErrorFeedback())
+
+    def _feedback(self, plan: Plan) -> ErrorFeedback | None:
+        """The residuals this attempt compensates with: its fragment's, or None when the run
+        turned error feedback off (`RunConfig.error_feedback`)."""
+        if not getattr(getattr(self.workload, "cfg", None), "error_feedback", True):
+            return None
+        return self.feedback_for(plan.fragment)
 
     def _reset_accumulator(self) -> None:
         """A peer that adopted the committed state from elsewhere starts its error feedback at

@@ -37,6 +37,17 @@ fragments keep their local values until their own round. With `fragment_overlap`
 hand-over returns at once and the merge happens at the first step at least τ steps later at which
 the round has landed (a phase that ends first trains on, as with overlap); with τ = 0 `step()`
 waits for the round. A state sync (a missed round, a joiner) loads every parameter.
+
+With the run's `eager` (Kale et al. 2025, "Eager updates for overlapped communication and
+computation in DiLoCo", arXiv 2502.12996), the hand-over does not leave the outer update to the
+delayed round: the agent's thread runs the outer step of a copy of the committed optimizer on
+this peer's own fresh term (`share * pseudo-gradient`, `peer.fragments.eager_gradient`) from
+the committed parameters, which already hold every delayed all-reduce; the trainer merges that
+estimate θ_e at once (`alpha * local + (1 - alpha) * θ_e` on the fragment, or θ_e itself with `overlap`)
+and trains on. When the round lands, the estimate is replaced by the committed result, the steps
+taken since kept: `+ (1 - alpha) * (θ_c - θ_e)` on the fragment, `θ_c + (θ - θ_e)` with
+`overlap`. Only the trainer's working parameters see the estimate; the committed state (the
+vote's digest) is computed from the all-reduce alone, bit-identical on every peer as without it.
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ from shoal.common.identity import KeyInUse
 from shoal.common.security import Security
 from shoal.peer.agent import PeerAgent, PeerConfig
 from shoal.peer.compute_accounting import ComputeLedger, TrainerTimes
-from shoal.peer.fragments import Fragments
+from shoal.peer.fragments import Fragments, eager_correct, eager_gradient, merge
 from shoal.peer.training import CommittedState, LocalUpdate, RunConfig, make_outer_for
 from shoal.peer.workloads.base import FlatStateWorkload, WorkloadClosed
 
@@ -313,7 +324,7 @@ class _Phase:
 class _Bridge:
     """The two queues between the trainer's thread and the agent's. to_agent carries
     ("update", (local params, loss, _Phase)) and ("load", CommittedState); to_trainer
-    ("start" | "params" | "finished" | "error", value)."""
+    ("start" | "params" | "fragment" | "eager" | "finished" | "error", value)."""
 
     def __init__(self) -> None:
         self.to_agent: queue.Queue[tuple[str, object]] = queue.Queue()
@@ -346,6 +357,8 @@ class TorchWorkload(FlatStateWorkload):
         self.started = False
         self.time_budgeted = cfg.local_work == "time"
         self.partition: Fragments | None = None  # streaming: the run's fragments (SwarmOptimizer sets it)
+        # eager: this peer's weight in the last committed all-reduce (0 = none yet), its own term's.
+        self._share = 0.0
 
     def new_outer(self):
         return self.outer_factory() if self.outer_factory is not None else make_outer_for(self.cfg)
@@ -378,7 +391,22 @@ class TorchWorkload(FlatStateWorkload):
         f = self.fragment()
         committed, local = (self.state.params, local) if f < 0 else (self.partition.take(self.state.params, f),
                                                                     self.partition.take(local, f))
-        return LocalUpdate((committed - local).astype(np.float32), loss, weight, work.steps, work.seconds)
+        grad = (committed - local).astype(np.float32)
+        if self.cfg.eager:  # before any commit the weight is unknown: no eager merge (None)
+            estimate = self.eager_params(f, committed, grad) if self._share > 0 else None
+            self.bridge.to_trainer.put(("eager", None if estimate is None else (estimate, f)))
+        return LocalUpdate(grad, loss, weight, work.steps, work.seconds)
+
+    def eager_params(self, fragment: int, committed: np.ndarray, fresh: np.ndarray) -> np.ndarray:
+        """The eager update's parameters θ_e for the round `state.rounds`: the outer step of a
+        copy of the committed state's optimizer from `committed` (the fragment's `(sizes[f],)`
+        or the whole `(n,)` float32) on this peer's own term `eager_gradient(fresh, share)`, the
+        share of the last committed all-reduce. The committed state is unchanged."""
+        estimate = eager_gradient(fresh, self._share)
+        outer = self.state.outer
+        if fragment < 0:
+            return copy.deepcopy(outer).step(committed, estimate)
+        return outer.preview_fragment(fragment, committed, estimate)
 
     def pace(self, step_seconds: float) -> None:
         """The swarm's pace (seconds per inner step); the trainer reads it with the next params."""
@@ -388,6 +416,8 @@ class TorchWorkload(FlatStateWorkload):
         """Make `state` committed and answer the trainer's submission: "params" (a whole state:
         the trainer loads every parameter) or "fragment" (a streaming round's: it merges that one)."""
         self.state = state
+        if state.share > 0:
+            self._share = state.share
         if self.outstanding:
             self.outstanding = False
             if state.fragment >= 0 and self.partition is not None:
@@ -505,6 +535,10 @@ class SwarmOptimizer(torch.optim.Optimizer):
         self._phase_start = 0.0
         self._budget = 0.0  # seconds of this local phase (local_work = "time", pace known); 0 = H steps
         self._submitted: np.ndarray | None = None  # the parameters of the round in flight
+        # What the model's progress since the hand-over is measured from: the submitted
+        # parameters, or those right after the eager merge; and (fragment, θ_e) of that merge.
+        self._base: np.ndarray | None = None
+        self._eager: tuple[int, np.ndarray] | None = None
         self._since_handover = 0  # inner steps since the round in flight was handed over
         self._partition: Fragments | None = None  # streaming: the run's fragments (set at join)
         self.overlapped_steps = 0  # inner steps run while a round was in flight (overlap)
@@ -760,15 +794,37 @@ class SwarmOptimizer(torch.optim.Optimizer):
         loss = float(np.mean(self._losses)) if self._losses else 0.0
         self._losses.clear()
         work = _Phase(self._phase_steps, self._phase_samples, t - self._phase_start)
-        self._submitted = self._host.gather().copy()
+        self._submitted = self._base = self._host.gather().copy()
         self._since_handover = 0
         self._bridge.to_agent.put(("update", (self._submitted, loss, work)))
         self.ledger.handed_over(t)
-        self.times.handover += time.monotonic() - t
         if self._overlapped:
+            if self.run_config.eager:
+                self._eager_merge()
+            self.times.handover += time.monotonic() - t
             self._new_phase()
             return
+        self.times.handover += time.monotonic() - t
         self._land(*self._wait_round())
+
+    def _eager_merge(self) -> None:
+        """The eager update at the hand-over (module docstring): merge the agent's estimate θ_e
+        of the round's result into the working parameters now."""
+        kind, value = self._wait(self.round_timeout, "eager")
+        if kind != "eager":  # the run finished meanwhile
+            self._land(kind, value)
+            return
+        if value is None:  # no all-reduce committed yet: nothing to weigh its own term by
+            return
+        estimate, fragment = value
+        local = self._host.gather().copy()
+        if fragment >= 0:
+            part = self._partition
+            local = part.put(local, fragment, merge(part.take(local, fragment), estimate, self.run_config.fragment_alpha))
+        else:
+            local = estimate.astype(np.float32, copy=True)
+        self._host.scatter(local)
+        self._base, self._eager = local, (fragment, estimate)
 
     def _wait_round(self) -> tuple[str, object]:
         t = time.monotonic()
@@ -790,18 +846,23 @@ class SwarmOptimizer(torch.optim.Optimizer):
     def _land(self, kind: str, params) -> None:
         """The in-flight round ended: `params` are the committed (or synced) parameters."""
         t = time.monotonic()
-        submitted, self._submitted = self._submitted, None
+        self._submitted = None
+        base, self._base = self._base, None
+        eager, self._eager = self._eager, None
         self.ledger.answered(kind in ("params", "fragment"))
         if kind == "fragment":
-            self._merge_fragment(*params)
+            if eager is not None and eager[0] == params[1]:
+                self._correct_fragment(params[0], *eager)
+            else:
+                self._merge_fragment(*params)
             if not self._overlapped:
                 self._new_phase()
             self.rounds += 1
         elif kind == "params":
             if self._overlapped:
-                # Keep what this phase learnt since the submission, on top of the committed
-                # parameters (the one-step-delayed outer update; module docstring).
-                self._host.scatter(params + (self._host.gather() - submitted))
+                # Keep what this phase learnt since the submission (or the eager merge), on top of
+                # the committed parameters (the one-step-delayed outer update; module docstring).
+                self._host.scatter(params + (self._host.gather() - base))
             else:
                 self._host.scatter(params)
                 self._new_phase()
@@ -816,10 +877,20 @@ class SwarmOptimizer(torch.optim.Optimizer):
         """Streaming DiLoCo's merge of a committed fragment (Douillard et al. 2025, arXiv
         2501.18512): `alpha * local + (1 - alpha) * committed` on that fragment's parameters, the
         local values elsewhere (the other fragments keep training until their own round)."""
-        part, alpha = self._partition, np.float32(self.run_config.fragment_alpha)
+        part = self._partition
         local = self._host.gather().copy()
-        mixed = alpha * part.take(local, fragment) + (np.float32(1) - alpha) * part.take(committed, fragment)
-        self._host.scatter(part.put(local, fragment, mixed.astype(np.float32)))
+        mixed = merge(part.take(local, fragment), part.take(committed, fragment), self.run_config.fragment_alpha)
+        self._host.scatter(part.put(local, fragment, mixed))
+
+    def _correct_fragment(self, committed: np.ndarray, fragment: int, estimate: np.ndarray) -> None:
+        """The eager update's correction when fragment `fragment`'s round lands: the merge used
+        the estimate θ_e, the committed θ_c replaces it, the steps since kept:
+        `local + (1 - alpha) * (θ_c - θ_e)` on that fragment."""
+        part = self._partition
+        local = self._host.gather().copy()
+        fixed = eager_correct(part.take(local, fragment), part.take(committed, fragment), estimate,
+                              self.run_config.fragment_alpha)
+        self._host.scatter(part.put(local, fragment, fixed))
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave the swarm and stop the agent thread (bounded by `timeout` seconds); the model

@@ -65,7 +65,13 @@ class RunConfig:
     fragment_overlap tau: inner steps the trainer runs while its round is in flight before it
     merges the committed fragment (0 = it waits); fragment_alpha: the merge
     `alpha * local + (1 - alpha) * committed` of that fragment. With fragments > 1, `overlap` is
-    refused (fragment_overlap says how far rounds overlap).
+    refused (fragment_overlap says how far rounds overlap). eager: the trainer applies an eager
+    outer update to its own working parameters at the hand-over, its own fresh term on the
+    committed parameters that hold the delayed all-reduces (Kale et al. 2025, arXiv 2502.12996;
+    `peer.fragments.eager_gradient`), and corrects it to the committed update when the round lands; it needs `overlap` or
+    fragment_overlap > 0 (without either nothing is delayed). The committed state is unchanged.
+    error_feedback: int8 / fp4 contributions carry the previous committed round's quantization
+    residual of the same parameters (per fragment); False sends each round's values alone.
     """
 
     algorithm: str = "diloco"
@@ -92,6 +98,8 @@ class RunConfig:
     fragment_partition: str = "contiguous"
     fragment_overlap: int = 0
     fragment_alpha: float = 0.5
+    eager: bool = False
+    error_feedback: bool = True
     sparse_chunk: int = DEFAULT_CHUNK
     sparse_k: int = 64
     sparse_bits: int = 2
@@ -128,6 +136,9 @@ class RunConfig:
             raise InvalidArgument(f"fragment_alpha: must be in [0, 1], got {self.fragment_alpha}")
         if self.fragments > 1 and self.overlap:
             raise InvalidArgument("overlap: not with fragments > 1 (fragment_overlap sets how far rounds overlap)")
+        if self.eager and not (self.overlap or (self.fragments > 1 and self.fragment_overlap > 0)):
+            raise InvalidArgument("eager: needs overlap, or fragments > 1 with fragment_overlap > 0 (otherwise the "
+                                  "outer update is not delayed and there is nothing to apply eagerly)")
         self.reduction_spec().check()
         try:
             self.dp_settings().check(accounting=False)
@@ -209,6 +220,9 @@ class CommittedState:
     # The fragment the round that made this state carried (streaming, set by `tentative`); -1 for
     # a whole state (the initial one, a download): the trainer then takes every parameter.
     fragment: int = field(default=-1, compare=False)
+    # This peer's weight in the all-reduce of the round that made this state (set by `tentative`;
+    # 0 for a whole state). Not serialised: the eager update's weight of its own term.
+    share: float = field(default=0.0, compare=False)
     _blob: bytes | None = field(default=None, init=False, repr=False, compare=False)
     _digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -281,8 +295,9 @@ class FlatStateWorkload:
         """The fragment the round in play carries (-1 without fragments)."""
         return fragment_of(self.state.rounds, self.cfg.fragments) if self.partition is not None else -1
 
-    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"") -> CommittedState:
+    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"", share: float = 0.0) -> CommittedState:
         """The state after round `state.rounds`'s outer step on `aggregate` (float32), on copies.
+        `share`: this peer's weight in the aggregate (kept with the state for the run's eager).
 
         Raises:
             InvalidArgument: the aggregate's size is not the round's fragment's (or the model's).
@@ -291,10 +306,11 @@ class FlatStateWorkload:
         g = aggregate.astype(np.float32, copy=False)
         f = self.fragment()
         if f < 0:
-            return CommittedState(outer.step(self.state.params, g), outer, self.state.rounds + 1)
+            return CommittedState(outer.step(self.state.params, g), outer, self.state.rounds + 1, share=float(share))
         part = self.partition
         new = outer.step_fragment(f, part.take(self.state.params, f), g)
-        return CommittedState(part.put(self.state.params, f, new), outer, self.state.rounds + 1, fragment=f)
+        return CommittedState(part.put(self.state.params, f, new), outer, self.state.rounds + 1, fragment=f,
+                              share=float(share))
 
     def apply(self, state: CommittedState) -> None:
         self.state = state

@@ -299,6 +299,10 @@ class RunSection:
                                        "both of a SparseLoCo error-feedback accumulator, sent whole by the sparse "
                                        "all-gather; mean aggregation only; docs/training.md)",
                                choices=("none", "fp16", "bf16", "int8", "fp4", "topk", "dct"))
+    error_feedback: bool = setting(True, "int8 / fp4: the quantization residual of a contribution is added to the "
+                                         "next committed round's contribution of the same parameters (per fragment "
+                                         "with fragments); --no-error-feedback sends each round's values alone",
+                                   flag="--no-error-feedback", negate=True)
     sparse_chunk: int = setting(4096, "topk / dct: elements per chunk C (indices take bit_length(C - 1) bits)")
     sparse_k: int = setting(64, "topk / dct: elements (DCT coefficients) kept per chunk; density k / C")
     sparse_bits: int = setting(2, "topk / dct: bits per kept value (2..8; sign + level, one float32 scale per "
@@ -324,6 +328,11 @@ class RunSection:
                                        "at most inner_steps / fragments)")
     fragment_alpha: float = setting(0.5, "Streaming DiLoCo's mixing factor: a committed fragment is merged as "
                                          "alpha * local + (1 - alpha) * committed")
+    eager: bool = setting(False, "eager outer updates (Kale et al. 2025): at the hand-over each peer applies to its "
+                                 "own working parameters an outer step on its fresh pseudo-gradient mixed with the "
+                                 "delayed all-reduced one, corrected to the committed update when the round lands "
+                                 "(needs overlap, or fragments > 1 with fragment_overlap > 0; the committed state "
+                                 "is unchanged)")
     audit_owners: bool = setting(False, "a second shard owner recomputes every shard's aggregate and blames an "
                                         "owner that publishes another one (butterfly; doubles the reduce-scatter "
                                         "bytes; not with dp_sigma)")
@@ -372,6 +381,9 @@ class RunSection:
         _check(0 <= self.fragment_alpha <= 1, r, "fragment_alpha", "in [0, 1]", self.fragment_alpha)
         _check(self.fragments == 1 or not self.overlap, r, "overlap",
                "false with fragments > 1 (fragment_overlap sets how far rounds overlap)", self.overlap)
+        _check(not self.eager or self.overlap or (self.fragments > 1 and self.fragment_overlap > 0), r, "eager",
+               "false unless overlap, or fragments > 1 with fragment_overlap > 0 (nothing is delayed otherwise)",
+               self.eager)
         self.outer_param_dict()
         _check(2 <= self.sparse_chunk <= 65536, r, "sparse_chunk", "in 2..65536", self.sparse_chunk)
         _check(1 <= self.sparse_k <= self.sparse_chunk, r, "sparse_k", f"in 1..sparse_chunk ({self.sparse_chunk})",
@@ -441,7 +453,8 @@ class RunSection:
                          max_norm=self.max_norm, on_norm=self.on_norm, dp_sigma=self.dp_sigma,
                          dp_mode=self.dp_mode, local_work=self.local_work, overlap=self.overlap, fragments=self.fragments,
                          fragment_partition=self.fragment_partition, fragment_overlap=self.fragment_overlap,
-                         fragment_alpha=self.fragment_alpha, sparse_chunk=self.sparse_chunk,
+                         fragment_alpha=self.fragment_alpha, eager=self.eager, error_feedback=self.error_feedback,
+                         sparse_chunk=self.sparse_chunk,
                          sparse_k=self.sparse_k, sparse_bits=self.sparse_bits, sparse_beta=self.sparse_beta)
 
 

@@ -63,6 +63,8 @@ class Workload(Protocol):
         `aggregate_digest` is `shoal.common.tensors.result_digest(aggregate)` (the vote digest,
         already computed by the collective): a state whose digest covers the aggregate's bytes
         as they are (`ArrayState`) reuses it instead of hashing them again; others ignore it.
+        `share`: this peer's weight in the aggregate (n_i / sum n of the plan), kept by a workload
+        that applies eager outer updates (the PyTorch integration), ignored by the others.
     apply(state): make `state` the committed one (after a commit or a verified state sync).
     pace(step_seconds): called before `apply` of a committed round with the swarm's pace, the fast
         participants' seconds per inner step in that round (Commit.step_seconds, 0 = unknown); a
@@ -82,7 +84,7 @@ class Workload(Protocol):
 
     def local_update(self) -> LocalUpdate: ...
 
-    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"") -> State: ...
+    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"", share: float = 0.0) -> State: ...
 
     def apply(self, state: State) -> None: ...
 
@@ -213,7 +215,7 @@ class ArrayWorkload:
     def local_update(self) -> LocalUpdate:
         return LocalUpdate(self.inputs(self.state.rounds), 0.0, self._num_samples)
 
-    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"") -> ArrayState:
+    def tentative(self, aggregate: np.ndarray, aggregate_digest: bytes = b"", share: float = 0.0) -> ArrayState:
         return ArrayState(aggregate, self.state.rounds + 1, aggregate_digest)
 
     def apply(self, state: ArrayState) -> None:

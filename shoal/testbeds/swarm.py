@@ -262,8 +262,8 @@ class Swarm:
         args: list[str] = []
         for k, v in self.opts.run_extra:
             flag = "--" + k.replace("_", "-")
-            if isinstance(v, bool):
-                args += [flag] if v else []
+            if isinstance(v, bool):  # a non-default switch: --name, or --no-name for a default-on one
+                args += [flag] if v else ["--no-" + k.replace("_", "-")]
             else:
                 args += [flag, str(v)]
         return args
@@ -1444,7 +1444,8 @@ def _lm_summary(swarm: Swarm, summary: dict, t0_wall: float, bar, *, early: bool
     extra = dict(o.run_extra)
     summary.update(fragments=int(extra.get("fragments", 1)), fragment_overlap=int(extra.get("fragment_overlap", 0)),
                    fragment_alpha=float(extra.get("fragment_alpha", 0.5)),
-                   fragment_partition=extra.get("fragment_partition", "contiguous"))
+                   fragment_partition=extra.get("fragment_partition", "contiguous"),
+                   eager=bool(extra.get("eager", False)), error_feedback=bool(extra.get("error_feedback", True)))
     summary.update(target_val_loss=None, seconds_to_target=None, baseline_seconds_to_target=None)
     if o.target_val_loss:
         _to_target(summary, o.target_val_loss)

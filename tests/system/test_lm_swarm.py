@@ -119,3 +119,27 @@ def test_streaming_fragments_in_fp4_with_a_time_budget(tmp_path):
     assert s["bytes_per_round_median"] <= 0.14 * ring_float32
     assert len(s["peak_bytes_per_s_per_peer"]) == 3 and s["peak_bytes_per_s"] > 0
     assert all(n > 0 for n in s["overlapped_steps_per_peer"])
+
+
+@needs_torch
+@pytest.mark.integration
+@pytest.mark.torch
+@pytest.mark.soak  # about a minute of 3 LM processes; the math is in tests/unit/test_eager.py
+@pytest.mark.parametrize("extra", [(("fragments", 4), ("fragment_overlap", 1)), (("overlap", True),)],
+                         ids=["fragments", "overlap"])
+def test_eager_updates_keep_the_committed_state_bit_identical(tmp_path, extra):
+    """--eager with streaming fragments (tau = 1) and with the whole-model --overlap: every peer
+    merges its own estimate of each round at the hand-over, yet every round commits with the same
+    state digest on every peer (0 mismatches, no state sync), as without eager."""
+    from shoal.testbeds.swarm import SwarmOptions, run_swarm
+
+    s = run_swarm(SwarmOptions(peers=3, rounds=8, inner_steps=8, workload="lm", lm=TINY, min_peers=3,
+                               run_extra=(*extra, ("eager", True)), workdir=str(tmp_path / "wd"), progress=False,
+                               timeout=300))
+    assert s["ok"], (s.get("error"), s)
+    assert s["eager"] is True and s["rounds_committed"] == 8
+    assert s["digest_mismatches"] == 0 and s["peers_up_to_date"] == 3
+    if dict(extra).get("fragments"):
+        assert s["rounds_per_fragment"] == {"0": 2, "1": 2, "2": 2, "3": 2}
+    assert all(n > 0 for n in s["overlapped_steps_per_peer"])
+    assert s["val_curve"][-1]["val_loss"] < s["val_curve"][0]["val_loss"]

@@ -628,3 +628,29 @@ async def test_the_error_feedback_accumulator_commits_with_the_round_and_only_th
     assert out.kind is Outcome.COMMITTED and out.attempt == 1
     assert np.array_equal(wl.state.params, sent)
     assert client.accumulator.accumulator.tobytes() == (x - sent).tobytes() and not client.accumulator.pending
+
+
+async def test_compression_residuals_are_kept_per_fragment():
+    """Streaming rounds carry different parameters in payloads of the same size and shard
+    bounds: a committed fragment round replaces only its own fragment's residuals, and the next
+    round (another fragment) is compensated with none of them."""
+    client, control, wl, events, rec = make_client()
+    x = np.ones(4, np.float32)
+    for f, e in ((0, 0.25), (1, -0.5)):
+        decoded = x - np.float32(e)  # what the wire carried of x: residual e
+        st = wl.tentative(x)
+        rs = rounds.RoundState(round=wl.state.rounds, update=x, loss=0.0, started=time.monotonic(), tasks=None)
+        rs.tentative[0] = rounds.Tentative(st, ((("rs", 0, 4), x, decoded),), None, f)
+        assert client.commit(rs, Committed(rs.round, 0, st.digest(), (ME,), ())) is not None
+    assert np.allclose(client.feedback_for(0).compensate(("rs", 0, 4), x), x + 0.25)
+    assert np.allclose(client.feedback_for(1).compensate(("rs", 0, 4), x), x - 0.5)
+    assert np.array_equal(client.feedback_for(2).compensate(("rs", 0, 4), x), x)  # no residual of 0 or 1
+
+
+def test_error_feedback_off_compensates_nothing():
+    """`[run] error_feedback = false` (--no-error-feedback): attempts get no residuals at all."""
+    client, control, wl, events, rec = make_client()
+    plan = Plan(participants=(ME,), collective="ring", shard_bounds=(0, N), shard_owner=(0,))
+    assert client._feedback(plan) is client.feedback_for(0)
+    wl.cfg = RunConfig(error_feedback=False)
+    assert client._feedback(plan) is None
