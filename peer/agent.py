@@ -263,7 +263,7 @@ class PeerAgent(StateSource):
         self.checkpointer = Checkpointer(
             config.checkpoint_dir, config.checkpoint_every, config.checkpoint_keep, url=config.checkpoint_url,
             on_written=self._from_writer(self._checkpoint_written), on_uploaded=self._from_writer(self._uploaded),
-            on_failed=self._from_writer(self.metrics.on_checkpoint_failed)) if config.checkpoint_dir else None
+            on_failed=self._from_writer(self.metrics.on_checkpoint_failed), helper=True) if config.checkpoint_dir else None
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
 
     @property

@@ -419,12 +419,14 @@ class Checkpointer:
     Never raises: a failed write is a warning naming the cause, counted in `failures`, and retried
     at the next commit; a failed upload is a warning, and the next elected checkpoint tries again.
     `last_round`, `last_seconds`, `last_bytes`: of the last checkpoint written (-1 / 0 before any);
-    `last_seconds` is the write's own time (fsync included), not the wait in the slot."""
+    `last_seconds` is the write's own time (fsync included), not the wait in the slot. `helper`:
+    uploads run in a helper process at a lower CPU priority (checkpoint_store.Uploader; what a
+    peer does), not in this interpreter."""
 
     def __init__(self, directory: str | os.PathLike, every: int, keep: int = 3, url: str | None = None, *,
                  on_written: Callable[[Checkpoint], None] | None = None,
                  on_uploaded: Callable[[Checkpoint], None] | None = None,
-                 on_failed: Callable[[], None] | None = None):
+                 on_failed: Callable[[], None] | None = None, helper: bool = False):
         if every < 1:
             raise ValueError("checkpoint every: must be >= 1 round")
         self.directory = pathlib.Path(directory)
@@ -447,6 +449,8 @@ class Checkpointer:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._write_lock = threading.Lock()  # one writer in this process: the thread or `committed`
+        self.helper = helper  # uploads in a helper process (checkpoint_store.Uploader), not in this one
+        self._uploader: checkpoint_store.Uploader | None = None
 
     # ------------------------------------------------------------ taking a snapshot (caller's thread)
 
@@ -578,6 +582,8 @@ class Checkpointer:
                             left, timeout or 0.0, self.last_round)
                 self._pending = None
             self._cond.notify_all()
+        if idle and self._uploader is not None:
+            self._uploader.close()
         return idle
 
     # ------------------------------------------------------------ the shared store
@@ -600,7 +606,12 @@ class Checkpointer:
         warning, counted in `failures`; the next checkpoint tries again."""
         t0 = time.monotonic()
         try:
-            where = checkpoint_store.upload(ckpt.path, self.url, self.keep)
+            if self.helper:
+                if self._uploader is None:
+                    self._uploader = checkpoint_store.Uploader()
+                where = self._uploader.upload(ckpt.path, self.url, self.keep)
+            else:
+                where = checkpoint_store.upload(ckpt.path, self.url, self.keep)
         except checkpoint_store.StoreError as exc:
             with self._cond:
                 self.failures += 1

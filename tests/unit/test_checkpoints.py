@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -383,3 +385,41 @@ def test_a_write_abandoned_at_exit_is_never_taken_for_a_checkpoint(tmp_path, cap
         other.release()
     wait_until(lambda: cp.writing == -1)  # the abandoned thread ends its write (a process exit would cut it)
     assert not leftover.exists() and [c.round for c in ck.list_checkpoints(root)] == [4, 2]
+
+
+def test_uploads_in_a_helper_process_and_a_dead_helper_fails_only_that_upload(tmp_path, caplog, monkeypatch):
+    """`helper=True` (a peer's way): the upload runs in a helper process; one that died is started
+    afresh; one that dies during an upload fails that upload with a warning, and the next upload
+    starts a fresh helper."""
+    url = f"file://{tmp_path / 'store'}"
+    uploaded = []
+    cp = ck.Checkpointer(tmp_path / "ck", every=1, url=url, helper=True, on_uploaded=lambda c: uploaded.append(c.round))
+    w = trained(1)
+    try:
+        cp.submit(w, upload=True)
+        assert cp.flush(60) and uploaded == [1]
+        helper = cp._uploader._proc
+        assert helper.pid != os.getpid() and helper.poll() is None
+        helper.kill()
+        helper.wait(10)
+        step(w)
+        cp.submit(w, upload=True)  # a fresh helper
+        assert cp.flush(60) and uploaded == [1, 2] and cp._uploader._proc.pid != helper.pid
+        real_start = ck.checkpoint_store.Uploader._start
+        cp._uploader.close()
+        monkeypatch.setattr(ck.checkpoint_store.Uploader, "_start", lambda self: subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True))  # reads the request and exits without answering
+        step(w)
+        with caplog.at_level(logging.WARNING, "shoal.peer.checkpoints"):
+            cp.submit(w, upload=True)
+            assert cp.flush(60)
+        assert uploaded == [1, 2] and cp.failures == 1 and "upload helper exited" in caplog.text
+        monkeypatch.setattr(ck.checkpoint_store.Uploader, "_start", real_start)
+        step(w)
+        cp.submit(w, upload=True)
+        assert cp.flush(60) and uploaded == [1, 2, 4]
+        assert [c.round for c in ck.list_checkpoints(tmp_path / "store")] == [4, 2, 1]
+    finally:
+        assert cp.close(10)
+    assert cp._uploader._proc is None  # closed: the helper ended
