@@ -153,6 +153,12 @@ class Uploader:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
+    def start(self) -> None:
+        """Start the helper now (a peer does at its start: the first upload then finds it ready)."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = self._start()
+
     def _start(self) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "shoal.peer.checkpoint_store"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1)
@@ -204,6 +210,10 @@ def _serve() -> None:
     try:
         os.nice(HELPER_NICE)
     except OSError:
+        pass
+    try:
+        import s3fs  # noqa: F401 - imported now, while the peer starts, not at the first upload
+    except ImportError:
         pass
     for line in sys.stdin:
         req = json.loads(line)

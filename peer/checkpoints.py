@@ -219,11 +219,13 @@ class _DirectoryLock:
         os.close(self.fd)
 
 
-def write_snapshot(directory: str | os.PathLike, snap: Snapshot, *, keep: int = 3) -> Checkpoint:
+def write_snapshot(directory: str | os.PathLike, snap: Snapshot, *, keep: int = 3,
+                   protect: frozenset[int] = frozenset()) -> Checkpoint:
     """Write `snap` as checkpoint `round-<snap.rounds>` under `directory` (created if needed):
     files in `.tmp-*`, each fsynced, renamed into place, the directory fsynced; then all but the
-    newest `keep` removed. Holds the directory's lock meanwhile (waits for another process's write).
-    Raises OSError (nothing partial is left behind)."""
+    newest `keep` removed, except the rounds in `protect` (one being uploaded). Holds the
+    directory's lock meanwhile (waits for another process's write). Raises OSError (nothing
+    partial is left behind)."""
     root = pathlib.Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     with _DirectoryLock(root):
@@ -251,7 +253,8 @@ def write_snapshot(directory: str | os.PathLike, snap: Snapshot, *, keep: int = 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         for old in list_checkpoints(root)[keep:] if keep > 0 else ():
-            shutil.rmtree(old.path, ignore_errors=True)
+            if old.round not in protect:
+                shutil.rmtree(old.path, ignore_errors=True)
     return Checkpoint(final, manifest)
 
 
@@ -405,9 +408,12 @@ class Checkpointer:
     `submit(workload, upload=...)` after each commit (the agent's way, off the round's path): when a
     checkpoint is due (the state's round is a multiple of `every`, or an earlier due write failed)
     it takes a `Snapshot` at once and hands it to the writer thread, which writes it, fsyncs and
-    renames it, then uploads it when `upload` (peer.checkpoint_store). At most one write is in
-    flight; a checkpoint due meanwhile waits in one slot, and a newer one replaces it there (counted
-    in `superseded`, logged; its upload duty goes with it: the next elected checkpoint uploads).
+    renames it, then, when `upload`, hands it to the upload thread (peer.checkpoint_store). At most
+    one write is in flight; a checkpoint due meanwhile waits in one slot, and a newer one replaces
+    it there (counted in `superseded`, logged; its upload duty goes with it: the next elected
+    checkpoint uploads). At most one upload runs, and it never holds the local writes back: a
+    checkpoint written while an upload runs is not uploaded (a warning; the next elected one is),
+    and the one being uploaded is kept from keep-last-K pruning until its upload ended.
     `committed(workload)` writes a due checkpoint in the caller's thread instead (same lock, same
     rules) and returns it. `flush(timeout)` waits for the writer to be idle; `close(timeout)` waits
     the same, then stops the thread: a write still in flight is abandoned (the thread is a daemon;
@@ -448,6 +454,9 @@ class Checkpointer:
         self._writing_round = -1
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._to_upload: Checkpoint | None = None  # handed to the upload thread, not started yet
+        self._uploading_round = -1  # the round the upload thread uploads now, -1: none
+        self._up_thread: threading.Thread | None = None
         self._write_lock = threading.Lock()  # one writer in this process: the thread or `committed`
         self.helper = helper  # uploads in a helper process (checkpoint_store.Uploader), not in this one
         self._uploader: checkpoint_store.Uploader | None = None
@@ -527,7 +536,7 @@ class Checkpointer:
             try:
                 ckpt = self._write(snap)
                 if ckpt is not None and snap.upload and self.url:
-                    self.upload(ckpt)
+                    self._hand_to_uploader(ckpt)
             except Exception:  # a callback's own error: the writer goes on with the next snapshot
                 log.exception("checkpoint writer: a callback for round %d failed", snap.rounds)
             finally:
@@ -537,9 +546,12 @@ class Checkpointer:
 
     def _write(self, snap: Snapshot) -> Checkpoint | None:
         t0 = time.monotonic()
+        with self._cond:
+            protect = frozenset(r for r in (self._uploading_round,
+                                            self._to_upload.round if self._to_upload is not None else -1) if r >= 0)
         try:
             with self._write_lock:
-                ckpt = write_snapshot(self.directory, snap, keep=self.keep)
+                ckpt = write_snapshot(self.directory, snap, keep=self.keep, protect=protect)
         except OSError as exc:
             self._failed(snap.rounds, exc)
             return None
@@ -550,6 +562,46 @@ class Checkpointer:
         if self.on_written is not None:
             self.on_written(ckpt)
         return ckpt
+
+    def _hand_to_uploader(self, ckpt: Checkpoint) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            if self._uploading_round >= 0 or self._to_upload is not None:
+                log.warning("checkpoint of round %d not uploaded: the upload of round %d still runs (the next elected "
+                            "checkpoint is uploaded)", ckpt.round, max(self._uploading_round,
+                                                                      getattr(self._to_upload, "round", -1)))
+                return
+            self._to_upload = ckpt
+            if self._up_thread is None:
+                self._up_thread = threading.Thread(target=self._run_uploads, name="shoal-checkpoint-uploader",
+                                                   daemon=True)
+                self._up_thread.start()
+            self._cond.notify_all()
+
+    def _run_uploads(self) -> None:
+        while True:
+            with self._cond:
+                while self._to_upload is None and not self._closed:
+                    self._cond.wait()
+                if self._to_upload is None:
+                    return
+                ckpt, self._to_upload = self._to_upload, None
+                self._uploading_round = ckpt.round
+            try:
+                self.upload(ckpt)
+            except Exception:  # a callback's own error
+                log.exception("checkpoint uploader: a callback for round %d failed", ckpt.round)
+            finally:
+                with self._cond:
+                    self._uploading_round = -1
+                    self._cond.notify_all()
+
+    @property
+    def uploading(self) -> int:
+        """The round being uploaded now, -1 when none."""
+        with self._cond:
+            return self._uploading_round
 
     def _failed(self, rounds: int, exc: Exception) -> None:
         with self._cond:
@@ -562,10 +614,11 @@ class Checkpointer:
             self.on_failed()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait up to `timeout` seconds (None: no bound) until no snapshot waits or is written;
-        True when the writer is idle."""
+        """Wait up to `timeout` seconds (None: no bound) until no snapshot waits or is written and
+        no upload waits or runs; True when both threads are idle."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy and self._to_upload is None
+                                       and self._uploading_round < 0, timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         """Wait up to `timeout` seconds for the writer (`flush`), then stop it. True when every
@@ -578,9 +631,10 @@ class Checkpointer:
             if not idle:
                 left = [r for r in ((self._writing_round if self._busy else None),
                                     (self._pending.rounds if self._pending is not None else None)) if r is not None]
-                log.warning("checkpoint writes of rounds %s abandoned after %.0fs: the last written is round %d",
-                            left, timeout or 0.0, self.last_round)
-                self._pending = None
+                ups = [r for r in (self._uploading_round, getattr(self._to_upload, "round", -1)) if r >= 0]
+                log.warning("checkpoint writes of rounds %s and uploads of rounds %s abandoned after %.0fs: the last "
+                            "written is round %d", left, ups, timeout or 0.0, self.last_round)
+                self._pending = self._to_upload = None
             self._cond.notify_all()
         if idle and self._uploader is not None:
             self._uploader.close()
@@ -593,6 +647,9 @@ class Checkpointer:
         (before `resume`); the rounds copied, [] without a store or when it fails (a warning)."""
         if not self.url:
             return []
+        if self.helper and self._uploader is None:  # it imports its S3 client while the peer starts
+            self._uploader = checkpoint_store.Uploader()
+            self._uploader.start()
         local = list_checkpoints(self.directory)
         try:
             return checkpoint_store.download_newer(self.url, self.directory, local[0].round if local else -1)

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -378,7 +379,7 @@ def test_a_write_abandoned_at_exit_is_never_taken_for_a_checkpoint(tmp_path, cap
         wait_until(lambda: cp.writing == 4)
         with caplog.at_level(logging.WARNING, "shoal.peer.checkpoints"):
             assert not cp.close(0.2)
-        assert "rounds [4] abandoned" in caplog.text
+        assert "rounds [4] and uploads of rounds [] abandoned" in caplog.text
         assert [c.round for c in ck.list_checkpoints(root)] == [2]
         assert ck.load_newest(root, w.cfg, ck.param_layout(w))[1].round == 2
     finally:
@@ -423,3 +424,37 @@ def test_uploads_in_a_helper_process_and_a_dead_helper_fails_only_that_upload(tm
     finally:
         assert cp.close(10)
     assert cp._uploader._proc is None  # closed: the helper ended
+
+
+def test_a_slow_upload_holds_back_neither_the_local_writes_nor_loses_its_files(tmp_path, monkeypatch, caplog):
+    """While an upload runs, the next checkpoints are written locally at once; one elected meanwhile
+    is not uploaded (a warning); the checkpoint being uploaded is kept from pruning until its
+    upload ended."""
+    release = threading.Event()
+    real_upload = ck.checkpoint_store.upload
+
+    def slow_upload(path, url, keep=3):
+        assert release.wait(20)
+        return real_upload(path, url, keep)
+
+    monkeypatch.setattr(ck.checkpoint_store, "upload", slow_upload)
+    root, written, uploaded = tmp_path / "ck", [], []
+    cp = ck.Checkpointer(root, every=2, keep=1, url=f"file://{tmp_path / 'store'}",
+                         on_written=lambda c: written.append(c.round), on_uploaded=lambda c: uploaded.append(c.round))
+    w = trained(2)
+    cp.submit(w, upload=True)
+    wait_until(lambda: cp.uploading == 2)
+    with caplog.at_level(logging.WARNING, "shoal.peer.checkpoints"):
+        for _ in range(2):
+            step(w)
+            step(w)
+            cp.submit(w, upload=True)
+            wait_until(lambda: written[-1] == w.state.rounds)
+    assert written == [2, 4, 6] and "round 4 not uploaded: the upload of round 2 still runs" in caplog.text
+    assert [c.round for c in ck.list_checkpoints(root)] == [6, 2]  # keep 1, and round 2 while it uploads
+    release.set()
+    assert cp.flush(20) and uploaded == [2]
+    step(w)
+    step(w)
+    cp.submit(w)
+    assert cp.flush(20) and cp.close(1) and [c.round for c in ck.list_checkpoints(root)] == [8]
