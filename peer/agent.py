@@ -591,7 +591,7 @@ class PeerAgent(StateSource):
         """A checkpoint's files are fsynced and in place: from now on this peer's Ready names it
         (the coordinator's durable round), its metrics and event say it."""
         c = self.checkpointer
-        if self.rounds is not None and ckpt.round > self.rounds.checkpoint[0]:
+        if self.rounds is not None:  # writes end in the order of their commits: the newest one
             self.rounds.checkpoint = (ckpt.round, ckpt.digest)
         self.metrics.on_checkpoint(ckpt.round, c.last_seconds, ckpt.bytes)
         self.emit("checkpoint", round=ckpt.round, seconds=c.last_seconds, bytes=ckpt.bytes,
