@@ -73,7 +73,7 @@ from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
 log = logging.getLogger("shoal.peer")
-UPLOAD_GRACE_SECONDS = 60.0  # at the run's end, how long a peer waits for its last checkpoint upload
+UPLOAD_GRACE_SECONDS = 60.0  # at the run's end, how long a peer waits for its last checkpoint write and upload
 
 LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
 COORDINATOR_PROBE_TRIES = 3  # before the first plan (see PeerAgent._probe_coordinator)
@@ -259,9 +259,11 @@ class PeerAgent(StateSource):
         self.leaving = False  # stop was set: no new round (run's graceful leave)
         self.playing = False  # inside RoundClient.play
         self.service: PeerService | None = None
-        self._uploading: asyncio.Future | None = None  # the running upload to the shared checkpoint store
-        self.checkpointer = Checkpointer(config.checkpoint_dir, config.checkpoint_every, config.checkpoint_keep,
-                                         url=config.checkpoint_url) if config.checkpoint_dir else None
+        self._loop: asyncio.AbstractEventLoop | None = None  # run()'s: the checkpoint writer's reports go there
+        self.checkpointer = Checkpointer(
+            config.checkpoint_dir, config.checkpoint_every, config.checkpoint_keep, url=config.checkpoint_url,
+            on_written=self._from_writer(self._checkpoint_written), on_uploaded=self._from_writer(self._uploaded),
+            on_failed=self._from_writer(self.metrics.on_checkpoint_failed), helper=True) if config.checkpoint_dir else None
         self._events_file = open(config.events_path, "a", buffering=1) if config.events_path else None
 
     @property
@@ -364,6 +366,7 @@ class PeerAgent(StateSource):
         `stop` is a graceful leave: a round this peer is playing gets LEAVE_GRACE_SECONDS to end
         (its vote arrives, the others need not abort the attempt), training or waiting is
         abandoned at once; then Leave, and everything is closed (shared-memory slabs included)."""
+        self._loop = asyncio.get_running_loop()
         self.service = PeerService(self.inbox, self.held, on_bytes=self._count_received, links=self.links,
                                    shared_memory=self.config.shared_memory, key=self.key)
         health_box: list = []
@@ -409,6 +412,7 @@ class PeerAgent(StateSource):
                     watch.cancel()
                     if renew is not None:
                         renew.cancel()
+            await self._close_checkpoints(UPLOAD_GRACE_SECONDS)  # the last write and upload, bounded
             summary = {**self._summary(), "left": left}
             self.emit("left" if left else "finished", **{k: v for k, v in summary.items() if k != "peer"})
             if not left:  # serve the final state a little longer, for a peer that fell behind at the end
@@ -416,6 +420,8 @@ class PeerAgent(StateSource):
             await self.control.leave()
             return summary
         finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close(0)  # an error's way out: a write in flight is abandoned
             await health.shutdown()
             if relay is not None:
                 await relay.close()
@@ -559,45 +565,48 @@ class PeerAgent(StateSource):
             if outcome.kind is Outcome.FINISHED:
                 break
             if outcome.kind is Outcome.COMMITTED:
-                await self._checkpoint()
-        if self._uploading is not None and not self._uploading.done():  # the last upload, bounded
-            await asyncio.wait({self._uploading}, timeout=UPLOAD_GRACE_SECONDS)
+                self._checkpoint()
 
-    async def _checkpoint(self) -> None:
-        """A checkpoint of the committed state when one is due (peer.checkpoints; a worker thread,
-        never raises: a failed write is a warning and is retried at the next commit)."""
-        if self.checkpointer is None:
-            return
+    def _checkpoint(self) -> None:
+        """After a commit: a checkpoint of the committed state when one is due (peer.checkpoints).
+        Only the copy of the state is taken here; the checkpointer's writer thread writes, fsyncs
+        and renames it, then uploads it when this peer is elected for the commit, off the round's
+        path. Never raises: a failed write is a warning and is retried at the next commit."""
+        if self.checkpointer is not None:
+            self.checkpointer.submit(self.workload, upload=bool(self.checkpointer.url and self.rounds.elected))
+
+    def _from_writer(self, fn):
+        """`fn` called on this agent's loop, from the checkpoint writer's thread (dropped once the
+        loop is closed: the process is ending)."""
+        def call(*args) -> None:
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(fn, *args)
+                except RuntimeError:  # closed meanwhile
+                    pass
+        return call
+
+    def _checkpoint_written(self, ckpt) -> None:
+        """A checkpoint's files are fsynced and in place: from now on this peer's Ready names it
+        (the coordinator's durable round), its metrics and event say it."""
         c = self.checkpointer
-        failures = c.failures
-        ckpt = await asyncio.to_thread(c.committed, self.workload)
-        if c.failures > failures:
-            self.metrics.on_checkpoint_failed()
-        if ckpt is not None:
+        if self.rounds is not None:  # writes end in the order of their commits: the newest one
             self.rounds.checkpoint = (ckpt.round, ckpt.digest)
-            self.metrics.on_checkpoint(c.last_round, c.last_seconds, c.last_bytes)
-            self.emit("checkpoint", round=c.last_round, seconds=c.last_seconds, bytes=c.last_bytes,
-                      path=str(ckpt.path), digest=ckpt.manifest["digest"])
-            if c.url and self.rounds.elected:
-                self._upload(ckpt)
+        self.metrics.on_checkpoint(ckpt.round, c.last_seconds, ckpt.bytes)
+        self.emit("checkpoint", round=ckpt.round, seconds=c.last_seconds, bytes=ckpt.bytes,
+                  path=str(ckpt.path), digest=ckpt.manifest["digest"])
 
-    def _upload(self, ckpt) -> None:
-        """Upload `ckpt` to the shared checkpoint store in a worker thread, off the round's path
-        (the next local phase does not wait for it); one upload at a time: while the previous one
-        still runs, this checkpoint is not uploaded (the next elected one is)."""
+    def _uploaded(self, ckpt) -> None:
         c = self.checkpointer
-        if self._uploading is not None and not self._uploading.done():
-            log.warning("checkpoint of round %d not uploaded: the upload of an earlier one still runs", ckpt.round)
-            return
+        self.emit("checkpoint_uploaded", round=ckpt.round, seconds=c.upload_seconds, url=c.url)
 
-        async def run() -> None:
-            failures = c.failures
-            if await asyncio.to_thread(c.upload, ckpt):
-                self.emit("checkpoint_uploaded", round=c.uploaded_round, seconds=c.upload_seconds, url=c.url)
-            elif c.failures > failures:
-                self.metrics.on_checkpoint_failed()
-
-        self._uploading = asyncio.ensure_future(run())
+    async def _close_checkpoints(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the checkpoint writer (the last write and upload), then
+        stop it; the writer's last reports run on this loop before this returns."""
+        if self.checkpointer is not None:
+            await asyncio.to_thread(self.checkpointer.close, timeout)
+            await asyncio.sleep(0)  # the reports it scheduled (call_soon_threadsafe) run now
 
     async def _train(self) -> LocalUpdate | None:
         """Local training (a worker thread) with the link probes alongside, both owned here;

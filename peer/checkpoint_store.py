@@ -16,6 +16,12 @@ manifest is not listed, so a reader never takes a half-uploaded one (a manifest 
 that was overwritten since fails the digest check and is skipped). Failures: every function here
 raises `StoreError` (one line naming the URL and the cause) for an unreachable or refusing
 store; the caller (`Checkpointer`) turns that into a warning and a retry at the next checkpoint.
+
+`Uploader` runs the uploads in a helper process (`python -m shoal.peer.checkpoint_store`, at a
+lower CPU priority, the environment and so the credentials inherited, nothing on its command line):
+the S3 client's work (request signing, its own I/O thread) then competes with the rounds neither
+for the peer's interpreter lock nor, on a busy host, for its CPU share. The helper exits when the
+peer's end of its pipe closes (the peer exits, or is killed).
 """
 
 from __future__ import annotations
@@ -24,7 +30,11 @@ import json
 import logging
 import os
 import pathlib
+import select
 import shutil
+import subprocess
+import sys
+import threading
 
 log = logging.getLogger("shoal.peer.checkpoint_store")
 
@@ -126,3 +136,96 @@ def download_newer(url: str, directory: str | os.PathLike, than: int) -> list[in
     if got:
         log.info("fetched checkpoints of rounds %s from the checkpoint store %s", got, url)
     return got
+
+
+HELPER_NICE = 10  # the helper process's CPU priority below the peer's (os.nice)
+UPLOAD_TIMEOUT_SECONDS = 120.0  # an upload the helper has not finished by then fails (the helper is restarted)
+
+
+class Uploader:
+    """`upload` (same arguments, result and StoreError) in a helper process, one upload at a time.
+
+    Started at the first upload; a helper that died or did not answer within `timeout` seconds
+    fails that upload (StoreError) and is started afresh for the next. `close()` ends it."""
+
+    def __init__(self, timeout: float = UPLOAD_TIMEOUT_SECONDS):
+        self.timeout = timeout
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the helper now (a peer does at its start: the first upload then finds it ready)."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "shoal.peer.checkpoint_store"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=None, text=True, bufsize=1)
+
+    def upload(self, path: pathlib.Path, url: str, keep: int = 3) -> str:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = self._start()
+            proc = self._proc
+            try:
+                proc.stdin.write(json.dumps({"path": str(path), "url": url, "keep": keep}) + "\n")
+                proc.stdin.flush()
+                ready, _, _ = select.select([proc.stdout], [], [], self.timeout)
+                line = proc.stdout.readline() if ready else ""
+            except (OSError, ValueError) as exc:
+                line, why = "", f"the upload helper failed ({exc})"
+            else:
+                why = "the upload helper exited" if ready else f"the upload helper did not answer in {self.timeout:.0f}s"
+            if not line:
+                self._stop(proc)
+                raise StoreError(f"checkpoint store {url}: upload of {path.name} failed ({why})")
+            reply = json.loads(line)
+            if "error" in reply:
+                raise StoreError(reply["error"])
+            return reply["where"]
+
+    def _stop(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        if self._proc is proc:
+            self._proc = None
+
+    def close(self) -> None:
+        """End the helper (it finishes nothing more); safe to call more than once."""
+        proc = self._proc
+        if proc is not None:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            self._stop(proc)
+
+
+def _serve() -> None:
+    """The helper's loop: one JSON request a line on stdin ({path, url, keep}), one reply a line
+    on stdout ({where} or {error}); ends at the end of stdin."""
+    try:
+        os.nice(HELPER_NICE)
+    except OSError:
+        pass
+    try:
+        import s3fs  # noqa: F401 - imported now, while the peer starts, not at the first upload
+    except ImportError:
+        pass
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            reply = {"where": upload(pathlib.Path(req["path"]), req["url"], int(req["keep"]))}
+        except StoreError as exc:
+            reply = {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - anything else fails this upload, not the helper
+            reply = {"error": f"checkpoint store {req.get('url')}: upload failed ({type(exc).__name__}: {exc})"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve()

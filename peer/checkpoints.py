@@ -15,9 +15,18 @@ a truncated or altered file does not pass. A checkpoint is written in a temporar
 every file fsynced, then renamed into place and the parent directory fsynced: a crash leaves either
 the whole checkpoint or none (a leftover `.tmp-*` directory is removed by the next write).
 
+Off the round's path: `Checkpointer.submit` takes a copy of the committed state at its commit (a
+`Snapshot`, model-sized) and one writer thread per checkpointer writes, fsyncs and renames it (and
+uploads it when the peer is elected). At most one write is in flight; a checkpoint that comes due
+while one is written waits in a single slot, and a newer one replaces it there (the replaced one is
+never written: the newer state supersedes it). One writer per directory: the thread, and an
+exclusive `flock` on `<dir>/.lock` against another process. A process that exits during a write
+leaves at most a `.tmp-*` directory, which is never read as a checkpoint (only `round-*`
+directories are) and is removed by the next write.
+
 Failure semantics: `write_checkpoint` raises OSError (full disk, unwritable directory) and leaves no
-partial checkpoint; `Checkpointer.committed` never raises: a failed write is a warning, counted, and
-retried at the next commit. `load_newest` skips a damaged newest checkpoint for the previous one
+partial checkpoint; `Checkpointer.committed` and `submit` never raise: a failed write is a warning,
+counted, and retried at the next commit. `load_newest` skips a damaged newest checkpoint for the previous one
 with a warning naming the file, and raises CheckpointMismatch (one line naming both) for a
 checkpoint of another run or model. Only `FlatStateWorkload` states (`CommittedState`) are
 checkpointed. Pure file I/O; tested without processes (tests/test_checkpoints.py).
@@ -26,13 +35,15 @@ checkpointed. Pure file I/O; tested without processes (tests/test_checkpoints.py
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
 import os
 import pathlib
 import shutil
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -126,7 +137,7 @@ def _tensors(state: CommittedState, layout: Layout, local: dict[str, np.ndarray]
     off = 0
     for name, shape in layout:
         n = int(np.prod(shape))
-        out[name] = np.ascontiguousarray(state.params[off:off + n].reshape(shape))
+        out[name] = np.array(state.params[off:off + n].reshape(shape), order="C")  # a copy, never a view
         off += n
     if off != state.params.size:
         raise ValueError(f"layout covers {off} parameters, the state has {state.params.size}")
@@ -152,6 +163,32 @@ def _write_file(path: pathlib.Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A copy of a committed state taken at its commit: what a checkpoint of it writes.
+
+    `tensors` are copies (name -> C-contiguous array, the file's content; later training does not
+    change them), `digest` the state's 32-byte digest, `rounds` its committed rounds; `upload`:
+    the peer was elected to upload this checkpoint to the shared store."""
+
+    rounds: int
+    digest: bytes
+    tensors: dict[str, np.ndarray]
+    cfg: RunConfig
+    layout: Layout
+    outer: str
+    local: tuple[str, ...] = ()
+    upload: bool = False
+
+
+def snapshot(state: CommittedState, cfg: RunConfig, layout: Layout, *, local: dict[str, np.ndarray] | None = None,
+             upload: bool = False) -> Snapshot:
+    """A copy of `state` (and the peer's `local` arrays) to write later; ValueError when `layout`
+    does not cover the parameters. Costs a copy of the state (the digest is the state's cached one)."""
+    return Snapshot(state.rounds, state.digest(), _tensors(state, layout, local or {}), cfg, layout,
+                    state.outer.name, tuple(sorted(local or {})), upload)
+
+
 def write_checkpoint(directory: str | os.PathLike, state: CommittedState, cfg: RunConfig, layout: Layout, *,
                      local: dict[str, np.ndarray] | None = None, keep: int = 3) -> Checkpoint:
     """Write `state` as checkpoint `round-<state.rounds>` under `directory` (created if needed),
@@ -159,34 +196,65 @@ def write_checkpoint(directory: str | os.PathLike, state: CommittedState, cfg: R
 
     Raises OSError (full disk, unwritable directory: nothing partial is left behind) and
     ValueError when `layout` does not cover the parameters."""
+    return write_snapshot(directory, snapshot(state, cfg, layout, local=local), keep=keep)
+
+
+class _DirectoryLock:
+    """An exclusive `flock` on `<root>/.lock` while a checkpoint is written there: one writer per
+    directory across processes (the kernel drops it when its process dies)."""
+
+    def __init__(self, root: pathlib.Path):
+        self.path = root / ".lock"
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def write_snapshot(directory: str | os.PathLike, snap: Snapshot, *, keep: int = 3,
+                   protect: frozenset[int] = frozenset()) -> Checkpoint:
+    """Write `snap` as checkpoint `round-<snap.rounds>` under `directory` (created if needed):
+    files in `.tmp-*`, each fsynced, renamed into place, the directory fsynced; then all but the
+    newest `keep` removed, except the rounds in `protect` (one being uploaded). Holds the
+    directory's lock meanwhile (waits for another process's write). Raises OSError (nothing
+    partial is left behind)."""
     root = pathlib.Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tensors = _tensors(state, layout, local or {})
-    tmp = root / f".tmp-{state.rounds}-{os.getpid()}"
-    final = root / f"{_PREFIX}{state.rounds:08d}"
-    try:
-        tmp.mkdir()
-        save_file(tensors, str(tmp / STATE_FILE), metadata={"format": "shoal", "round": str(state.rounds)})
-        with open(tmp / STATE_FILE, "rb+") as f:
-            os.fsync(f.fileno())
-        manifest = {"format_version": FORMAT_VERSION, "round": state.rounds, "digest": state.digest().hex(),
-                    "run_id": run_identity(cfg), "run_config": json.loads(_config_json(cfg)),
-                    "model": describe_model(layout, state.outer.name),
-                    "local": sorted(local or {}), "written_at": time.time(),
-                    "files": [{"name": STATE_FILE, "bytes": (tmp / STATE_FILE).stat().st_size}]}
-        _write_file(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        _fsync_dir(tmp)
-        if final.exists():  # the same round again (a restart): the new one replaces it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    for old in list_checkpoints(root)[keep:] if keep > 0 else ():
-        shutil.rmtree(old.path, ignore_errors=True)
+    with _DirectoryLock(root):
+        for stale in root.glob(".tmp-*"):  # abandoned by a process that died writing (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = root / f".tmp-{snap.rounds}-{os.getpid()}"
+        final = root / f"{_PREFIX}{snap.rounds:08d}"
+        try:
+            tmp.mkdir()
+            save_file(snap.tensors, str(tmp / STATE_FILE), metadata={"format": "shoal", "round": str(snap.rounds)})
+            with open(tmp / STATE_FILE, "rb+") as f:
+                os.fsync(f.fileno())
+            manifest = {"format_version": FORMAT_VERSION, "round": snap.rounds, "digest": snap.digest.hex(),
+                        "run_id": run_identity(snap.cfg), "run_config": json.loads(_config_json(snap.cfg)),
+                        "model": describe_model(snap.layout, snap.outer),
+                        "local": list(snap.local), "written_at": time.time(),
+                        "files": [{"name": STATE_FILE, "bytes": (tmp / STATE_FILE).stat().st_size}]}
+            _write_file(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True).encode())
+            _fsync_dir(tmp)
+            if final.exists():  # the same round again (a restart): the new one replaces it
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in list_checkpoints(root)[keep:] if keep > 0 else ():
+            if old.round not in protect:
+                shutil.rmtree(old.path, ignore_errors=True)
     return Checkpoint(final, manifest)
 
 
@@ -334,15 +402,37 @@ def resume(workload, directory: str | os.PathLike) -> Checkpoint | None:
 
 
 class Checkpointer:
-    """Writes a peer's committed state every `every` rounds into `directory`, keeping `keep`.
+    """Writes a peer's committed state every `every` rounds into `directory`, keeping `keep`, and
+    uploads the checkpoints the peer is elected for to the shared store `url`.
 
-    `committed(workload)` after each commit: writes when the state's round is a multiple of
-    `every` (or an earlier due write failed). `upload(ckpt)`: copies it to the shared store `url`
-    (peer.checkpoint_store), what an elected checkpointer does next, off the round's path. Never raises: a failed write is a warning naming the cause,
-    counted in `failures`, and retried at the next commit. `last_round`, `last_seconds`,
-    `last_bytes`: of the last checkpoint written (-1 / 0 before any)."""
+    `submit(workload, upload=...)` after each commit (the agent's way, off the round's path): when a
+    checkpoint is due (the state's round is a multiple of `every`, or an earlier due write failed)
+    it takes a `Snapshot` at once and hands it to the writer thread, which writes it, fsyncs and
+    renames it, then, when `upload`, hands it to the upload thread (peer.checkpoint_store). At most
+    one write is in flight; a checkpoint due meanwhile waits in one slot, and a newer one replaces
+    it there (counted in `superseded`, logged; its upload duty goes with it: the next elected
+    checkpoint uploads). At most one upload runs, and it never holds the local writes back: a
+    checkpoint written while an upload runs is not uploaded (a warning; the next elected one is),
+    and the one being uploaded is kept from keep-last-K pruning until its upload ended.
+    `committed(workload)` writes a due checkpoint in the caller's thread instead (same lock, same
+    rules) and returns it. `flush(timeout)` waits for the writer to be idle; `close(timeout)` waits
+    the same, then stops the thread: a write still in flight is abandoned (the thread is a daemon;
+    a process exit mid-write leaves only a `.tmp-*` directory, never read as a checkpoint).
 
-    def __init__(self, directory: str | os.PathLike, every: int, keep: int = 3, url: str | None = None):
+    Callbacks, called in the writer's thread (the caller hands them to its own loop):
+    `on_written(ckpt)` once the checkpoint's files are fsynced and renamed (only then is its round
+    durable), `on_uploaded(ckpt)` after an upload, `on_failed()` after a failed write or upload.
+    Never raises: a failed write is a warning naming the cause, counted in `failures`, and retried
+    at the next commit; a failed upload is a warning, and the next elected checkpoint tries again.
+    `last_round`, `last_seconds`, `last_bytes`: of the last checkpoint written (-1 / 0 before any);
+    `last_seconds` is the write's own time (fsync included), not the wait in the slot. `helper`:
+    uploads run in a helper process at a lower CPU priority (checkpoint_store.Uploader; what a
+    peer does), not in this interpreter."""
+
+    def __init__(self, directory: str | os.PathLike, every: int, keep: int = 3, url: str | None = None, *,
+                 on_written: Callable[[Checkpoint], None] | None = None,
+                 on_uploaded: Callable[[Checkpoint], None] | None = None,
+                 on_failed: Callable[[], None] | None = None, helper: bool = False):
         if every < 1:
             raise ValueError("checkpoint every: must be >= 1 round")
         self.directory = pathlib.Path(directory)
@@ -350,17 +440,216 @@ class Checkpointer:
         if url:
             url = checkpoint_store.check_url(url)
         self.url = url  # the shared checkpoint store (peer.checkpoint_store), None: local only
+        self.on_written, self.on_uploaded, self.on_failed = on_written, on_uploaded, on_failed
         self.due = False
         self.failures = 0
+        self.superseded = 0  # snapshots replaced in the slot by a newer one before they were written
         self.last_round, self.last_seconds, self.last_bytes = -1, 0.0, 0
         self.uploaded_round, self.upload_seconds = -1, 0.0  # of the last upload to `url`
         self._unsupported = False
+        self._taken = -1  # the round of the newest snapshot taken
+        self._cond = threading.Condition()  # guards the slot, `_busy`, `_closed`, `due`, the counters
+        self._pending: Snapshot | None = None  # the slot: the next snapshot to write
+        self._busy = False  # the writer is writing (or uploading) one
+        self._writing_round = -1
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._to_upload: Checkpoint | None = None  # handed to the upload thread, not started yet
+        self._uploading_round = -1  # the round the upload thread uploads now, -1: none
+        self._up_thread: threading.Thread | None = None
+        self._write_lock = threading.Lock()  # one writer in this process: the thread or `committed`
+        self.helper = helper  # uploads in a helper process (checkpoint_store.Uploader), not in this one
+        self._uploader: checkpoint_store.Uploader | None = None
+
+    # ------------------------------------------------------------ taking a snapshot (caller's thread)
+
+    def take(self, workload, upload: bool = False) -> Snapshot | None:
+        """The snapshot of the workload's committed state when a checkpoint is due, else None.
+        Never raises (a layout that does not fit is a failed checkpoint, retried)."""
+        state = workload.state
+        if not isinstance(state, CommittedState):
+            if not self._unsupported:
+                log.warning("checkpoints: the workload's state (%s) is not a flat committed state; none is written",
+                            type(state).__name__)
+                self._unsupported = True
+            return None
+        with self._cond:
+            if state.rounds % self.every == 0 and state.rounds > max(self.last_round, self._taken):
+                self.due = True
+            if not self.due or state.rounds <= 0:
+                return None
+            self.due = False
+            self._taken = state.rounds
+        try:
+            local_fn = getattr(workload, "local_state", None)
+            return snapshot(state, workload.cfg, param_layout(workload), local=local_fn() if local_fn else None,
+                            upload=upload)
+        except ValueError as exc:
+            self._failed(state.rounds, exc)
+            return None
+
+    def submit(self, workload, upload: bool = False) -> Snapshot | None:
+        """After a commit: take the snapshot when a checkpoint is due and hand it to the writer
+        thread (returns at once; the snapshot, or None when none is due). Never raises."""
+        snap = self.take(workload, upload)
+        if snap is None:
+            return None
+        with self._cond:
+            if self._closed:
+                log.warning("checkpoint of round %d not written: the checkpointer is closed", snap.rounds)
+                return None
+            if self._pending is not None:
+                self.superseded += 1
+                log.info("checkpoint of round %d superseded by round %d before it was written (a write still "
+                         "runs)%s", self._pending.rounds, snap.rounds,
+                         "; its upload goes with it" if self._pending.upload else "")
+            self._pending = snap
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shoal-checkpoint-writer", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return snap
+
+    def committed(self, workload) -> Checkpoint | None:
+        """Write a due checkpoint in the caller's thread (no upload); the checkpoint, or None (none
+        due, or the write failed: a warning, retried at the next commit). Never raises."""
+        snap = self.take(workload)
+        return None if snap is None else self._write(snap)
+
+    # ------------------------------------------------------------ the writer
+
+    @property
+    def writing(self) -> int:
+        """The round of the snapshot being written or uploaded now, -1 when the writer is idle."""
+        with self._cond:
+            return self._writing_round if self._busy else -1
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:  # closed and nothing left
+                    return
+                snap, self._pending = self._pending, None
+                self._busy, self._writing_round = True, snap.rounds
+            try:
+                ckpt = self._write(snap)
+                if ckpt is not None and snap.upload and self.url:
+                    self._hand_to_uploader(ckpt)
+            except Exception:  # a callback's own error: the writer goes on with the next snapshot
+                log.exception("checkpoint writer: a callback for round %d failed", snap.rounds)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, snap: Snapshot) -> Checkpoint | None:
+        t0 = time.monotonic()
+        with self._cond:
+            protect = frozenset(r for r in (self._uploading_round,
+                                            self._to_upload.round if self._to_upload is not None else -1) if r >= 0)
+        try:
+            with self._write_lock:
+                ckpt = write_snapshot(self.directory, snap, keep=self.keep, protect=protect)
+        except OSError as exc:
+            self._failed(snap.rounds, exc)
+            return None
+        with self._cond:
+            self.last_round, self.last_seconds, self.last_bytes = snap.rounds, time.monotonic() - t0, ckpt.bytes
+        log.info("checkpoint of round %d written to %s (%.1f kB, %.3fs)", snap.rounds, ckpt.path,
+                 ckpt.bytes / 1e3, self.last_seconds)
+        if self.on_written is not None:
+            self.on_written(ckpt)
+        return ckpt
+
+    def _hand_to_uploader(self, ckpt: Checkpoint) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            if self._uploading_round >= 0 or self._to_upload is not None:
+                log.warning("checkpoint of round %d not uploaded: the upload of round %d still runs (the next elected "
+                            "checkpoint is uploaded)", ckpt.round, max(self._uploading_round,
+                                                                      getattr(self._to_upload, "round", -1)))
+                return
+            self._to_upload = ckpt
+            if self._up_thread is None:
+                self._up_thread = threading.Thread(target=self._run_uploads, name="shoal-checkpoint-uploader",
+                                                   daemon=True)
+                self._up_thread.start()
+            self._cond.notify_all()
+
+    def _run_uploads(self) -> None:
+        while True:
+            with self._cond:
+                while self._to_upload is None and not self._closed:
+                    self._cond.wait()
+                if self._to_upload is None:
+                    return
+                ckpt, self._to_upload = self._to_upload, None
+                self._uploading_round = ckpt.round
+            try:
+                self.upload(ckpt)
+            except Exception:  # a callback's own error
+                log.exception("checkpoint uploader: a callback for round %d failed", ckpt.round)
+            finally:
+                with self._cond:
+                    self._uploading_round = -1
+                    self._cond.notify_all()
+
+    @property
+    def uploading(self) -> int:
+        """The round being uploaded now, -1 when none."""
+        with self._cond:
+            return self._uploading_round
+
+    def _failed(self, rounds: int, exc: Exception) -> None:
+        with self._cond:
+            self.failures += 1
+            if self._pending is None:  # a newer snapshot waiting is the retry already
+                self.due = True
+        log.warning("checkpoint of round %d into %s failed (%s); retried at the next commit", rounds,
+                    self.directory, exc)
+        if self.on_failed is not None:
+            self.on_failed()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds (None: no bound) until no snapshot waits or is written and
+        no upload waits or runs; True when both threads are idle."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy and self._to_upload is None
+                                       and self._uploading_round < 0, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait up to `timeout` seconds for the writer (`flush`), then stop it. True when every
+        snapshot taken was written (or failed, with its warning); False when a write was abandoned:
+        one warning naming its round (a waiting snapshot is dropped; one in flight finishes or,
+        at the process's exit, leaves only a `.tmp-*` directory, never read as a checkpoint)."""
+        idle = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            if not idle:
+                left = [r for r in ((self._writing_round if self._busy else None),
+                                    (self._pending.rounds if self._pending is not None else None)) if r is not None]
+                ups = [r for r in (self._uploading_round, getattr(self._to_upload, "round", -1)) if r >= 0]
+                log.warning("checkpoint writes of rounds %s and uploads of rounds %s abandoned after %.0fs: the last "
+                            "written is round %d", left, ups, timeout or 0.0, self.last_round)
+                self._pending = self._to_upload = None
+            self._cond.notify_all()
+        if idle and self._uploader is not None:
+            self._uploader.close()
+        return idle
+
+    # ------------------------------------------------------------ the shared store
 
     def fetch_from_store(self) -> list[int]:
         """Copy the shared store's checkpoints newer than the newest local one into the directory
         (before `resume`); the rounds copied, [] without a store or when it fails (a warning)."""
         if not self.url:
             return []
+        if self.helper and self._uploader is None:  # it imports its S3 client while the peer starts
+            self._uploader = checkpoint_store.Uploader()
+            self._uploader.start()
         local = list_checkpoints(self.directory)
         try:
             return checkpoint_store.download_newer(self.url, self.directory, local[0].round if local else -1)
@@ -369,46 +658,29 @@ class Checkpointer:
             return []
 
     def upload(self, ckpt: Checkpoint) -> bool:
-        """Upload `ckpt` to the shared store (an elected checkpointer's, after its local write).
-        Never raises: a failure is a warning, counted in `failures`; the next checkpoint tries again."""
+        """Upload `ckpt` to the shared store (an elected checkpointer's, after its local write; the
+        writer thread does it for a snapshot submitted with `upload`). Never raises: a failure is a
+        warning, counted in `failures`; the next checkpoint tries again."""
         t0 = time.monotonic()
         try:
-            where = checkpoint_store.upload(ckpt.path, self.url, self.keep)
+            if self.helper:
+                if self._uploader is None:
+                    self._uploader = checkpoint_store.Uploader()
+                where = self._uploader.upload(ckpt.path, self.url, self.keep)
+            else:
+                where = checkpoint_store.upload(ckpt.path, self.url, self.keep)
         except checkpoint_store.StoreError as exc:
-            self.failures += 1
+            with self._cond:
+                self.failures += 1
             log.warning("%s; the next checkpoint tries again", exc)
+            if self.on_failed is not None:
+                self.on_failed()
             return False
         self.uploaded_round, self.upload_seconds = ckpt.round, time.monotonic() - t0
         log.info("checkpoint of round %d uploaded to %s (%.3fs)", ckpt.round, where, self.upload_seconds)
+        if self.on_uploaded is not None:
+            self.on_uploaded(ckpt)
         return True
-
-    def committed(self, workload) -> Checkpoint | None:
-        state = workload.state
-        if not isinstance(state, CommittedState):
-            if not self._unsupported:
-                log.warning("checkpoints: the workload's state (%s) is not a flat committed state; none is written",
-                            type(state).__name__)
-                self._unsupported = True
-            return None
-        if state.rounds % self.every == 0 and state.rounds > self.last_round:
-            self.due = True
-        if not self.due or state.rounds <= 0:
-            return None
-        t0 = time.monotonic()
-        try:
-            local_fn = getattr(workload, "local_state", None)
-            ckpt = write_checkpoint(self.directory, state, workload.cfg, param_layout(workload),
-                                    local=local_fn() if local_fn else None, keep=self.keep)
-        except (OSError, ValueError) as exc:
-            self.failures += 1
-            log.warning("checkpoint of round %d into %s failed (%s); retried at the next commit", state.rounds,
-                        self.directory, exc)
-            return None
-        self.due = False
-        self.last_round, self.last_seconds, self.last_bytes = state.rounds, time.monotonic() - t0, ckpt.bytes
-        log.info("checkpoint of round %d written to %s (%.1f kB, %.3fs)", state.rounds, ckpt.path,
-                 ckpt.bytes / 1e3, self.last_seconds)
-        return ckpt
 
 
 def export(ckpt: Checkpoint, out: str | os.PathLike, fmt: str = "safetensors",

@@ -100,6 +100,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="no shared-memory lane to peers on this host (a network namespace stands for a host)")
     p.add_argument("--checkpoint-dir", default=None, help="write checkpoints of the committed state here")
     p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--checkpoint-url", default=None,
+                   help="the swarm's shared checkpoint store, file://DIR or s3://BUCKET/PREFIX (credentials from the "
+                        "environment)")
     d = sub.add_parser("ddp")
     _model_args(d)
     d.add_argument("--world", type=int, required=True)
@@ -177,7 +180,8 @@ def run_peer(a: argparse.Namespace) -> dict:
                   listen=a.listen, advertise=a.advertise, key_path=a.key, evaluate=evaluate,
                   events_path=a.events, security=security, join_token=a.join_token, data_shard=a.data_shard,
                   metrics_port=a.metrics_port, metrics_host=a.metrics_host, shared_memory=a.shared_memory,
-                  checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every)
+                  checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every,
+                  checkpoint_url=a.checkpoint_url)
     joined = time.monotonic()
     gen = torch.Generator().manual_seed(a.seed * 1000 + 17 + a.data_shard)
     slow = max(0.0, 1.0 / a.speed - 1.0)

@@ -456,7 +456,7 @@ class Swarm:
         if n <= 0:
             return []
         return ["--checkpoint-dir", str(self.checkpoint_dir(i)), "--checkpoint-every", str(n),
-                *(["--checkpoint-url", url] if url and self.opts.workload == "digits" else [])]
+                *(["--checkpoint-url", url] if url else [])]
 
     def start_peer(self, i: int) -> None:
         while len(self.peers) <= i:

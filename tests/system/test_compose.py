@@ -1,6 +1,8 @@
-"""deploy/docker-compose.yml for real: the image from deploy/Dockerfile, a coordinator, four peers
-and Prometheus as containers; rounds commit, Prometheus scrapes all five targets, a killed peer
-container rejoins and syncs, a restarted coordinator container resumes from its volume.
+"""deploy/docker-compose.yml for real: the image from deploy/Dockerfile, a coordinator, four peers,
+Prometheus and the SeaweedFS checkpoint store as containers; rounds commit, Prometheus scrapes all
+five targets, the elected peers' checkpoints reach the store (S3 credentials from the environment),
+a killed peer container rejoins and syncs, a restarted coordinator container resumes from its
+volume.
 
 Runs on a Docker engine (`docker info` works) or on podman + podman-compose; on a machine without
 a registry, `../shared/tools/container-engine.sh` (run as root; `.ci/run` calls it when there is
@@ -34,7 +36,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.compose]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "deploy" / "docker-compose.yml"
 PEERS = ("peer1", "peer2", "peer3", "peer4")
-SERVICES = ("coordinator", *PEERS, "prometheus")  # not grafana: podman-compose 1.0.x ignores profiles
+SERVICES = ("seaweedfs", "coordinator", *PEERS, "prometheus")  # not grafana: podman-compose 1.0.x ignores profiles
 NO_ENGINE = ("no container engine: neither a Docker engine (`docker info` fails or docker is absent) nor podman "
              "with podman-compose; as root, ../shared/tools/container-engine.sh installs podman (.ci/run does)")
 
@@ -203,7 +205,9 @@ def swarm():
     ports = {"coordinator": _free_port(), "prometheus": _free_port()}
     engine.env = {"SHOAL_IMAGE": image, "SHOAL_COMPOSE_COORDINATOR_PORT": str(ports["coordinator"]),
                   "SHOAL_COMPOSE_PROMETHEUS_PORT": str(ports["prometheus"]),
-                  "SHOAL_COMPOSE_ROUNDS": "0"}  # run until stopped: the test decides when it ends
+                  "SHOAL_COMPOSE_ROUNDS": "0",  # run until stopped: the test decides when it ends
+                  "SHOAL_COMPOSE_CHECKPOINT_EVERY": "2",  # a checkpoint (and an upload) every 2 rounds
+                  "SHOAL_S3_ACCESS_KEY_ID": f"ci-{project}", "SHOAL_S3_SECRET_ACCESS_KEY": f"secret-{os.urandom(8).hex()}"}
     base = "docker" if engine.engine == "docker" else "podman"
     # Host network for the build: pip fetches the dependencies. The stable tag keeps their layer
     # cached for the next run; this run uses its own tag (another tree may build meanwhile).
@@ -238,7 +242,7 @@ def test_compose_swarm_commits_survives_a_peer_kill_and_a_coordinator_restart(sw
     cport, pport = swarm.ports["coordinator"], swarm.ports["prometheus"]
 
     # Health, as the compose file declares it, run with exec.
-    for service in ("coordinator", *PEERS, "prometheus"):
+    for service in SERVICES:
         check = healthcheck(service)
         wait_until(f"{service} healthy ({shlex.join(check)})",
                    lambda: swarm.service_cmd("exec", service, *check, timeout=60, check=False).returncode == 0,
@@ -254,6 +258,14 @@ def test_compose_swarm_commits_survives_a_peer_kill_and_a_coordinator_restart(sw
         return len(up) == 5 and all(r["value"][1] == "1" for r in up)
 
     wait_until("Prometheus: up == 1 for the coordinator and the four peers", scraped, 180, swarm)
+
+    # Checkpoints: the elected peer uploads them to the seaweedfs service, with the credentials the
+    # compose command's environment gave (a peer lists the bucket with the same ones).
+    listing = ["python3", "-c", "import s3fs; print(sum('round-' in p for p in "
+               "s3fs.S3FileSystem().ls('shoal-checkpoints/compose')))"]
+    wait_until("a checkpoint in s3://shoal-checkpoints/compose (the seaweedfs service)",
+               lambda: int(swarm.service_cmd("exec", "peer1", *listing, check=False).stdout.strip() or 0) >= 1,
+               300, swarm)
     wait_until("Prometheus: shoal_coordinator_rounds_committed_total > 0",
                lambda: any(float(r["value"][1]) > 0
                            for r in prometheus(pport, "shoal_coordinator_rounds_committed_total")), 180, swarm)

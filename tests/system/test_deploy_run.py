@@ -29,7 +29,7 @@ def compose_config() -> str:
 
 @pytest.mark.integration
 def test_compose_config_is_valid(compose_config):
-    for service in ("coordinator:", "peer1:", "peer2:", "peer3:", "peer4:", "prometheus:"):
+    for service in ("coordinator:", "peer1:", "peer2:", "peer3:", "peer4:", "prometheus:", "seaweedfs:"):
         assert service in compose_config
     assert compose_config.count("SHOAL_PEER_ADVERTISE") == 4
 

@@ -1,12 +1,21 @@
 """Durable local checkpoints (peer.checkpoints): atomic write, keep-K, digest check on load, a
 damaged newest checkpoint skipped for the previous one, another run or model refused, a full disk
-failing the checkpoint and not the caller, export. No processes."""
+failing the checkpoint and not the caller, export; the background writer (one write in flight, a
+newer due checkpoint replacing a waiting one, the snapshot a copy, a bounded wait at exit, an
+abandoned temporary directory never read). No processes."""
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -132,7 +141,7 @@ def test_full_disk_is_a_warning(tmp_path, monkeypatch, caplog):
     cp = ck.Checkpointer(tmp_path, every=1)
     with caplog.at_level(logging.WARNING, "shoal.peer.checkpoints"):
         assert cp.committed(trained(1)) is None
-    assert "No space left" in caplog.text and not list(tmp_path.iterdir())
+    assert "No space left" in caplog.text and [p.name for p in tmp_path.iterdir()] == [".lock"]  # nothing partial
 
 
 def test_checkpointer_writes_every_n(tmp_path):
@@ -254,3 +263,198 @@ def test_checkpoint_urls_are_file_or_s3():
     for bad in ("http://x/y", "s3://", "/tmp/x", "s3:///nobucket"):
         with pytest.raises(ValueError, match="checkpoint_url"):
             check_url(bad)
+
+
+# ------------------------------------------------------------ the background writer
+
+
+class HeldLock:
+    """The checkpoint directory's lock held, as another process writing there would hold it."""
+
+    def __init__(self, root):
+        root.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def release(self):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def step(w: DigitsWorkload) -> None:
+    w.apply(w.tentative(w.local_update().pseudo_grad))
+
+
+def test_a_checkpoint_due_while_one_is_written_waits_and_a_newer_one_replaces_it(tmp_path):
+    """One write in flight; the next due snapshot waits in one slot; a newer one replaces it there
+    (never written, its upload duty with it); another process's write (the directory's lock)
+    is waited for; the callbacks come in the order of the writes."""
+    root, url = tmp_path / "ck", f"file://{tmp_path / 'store'}"
+    written, uploaded = [], []
+    cp = ck.Checkpointer(root, every=2, keep=5, url=url, on_written=lambda c: written.append(c.round),
+                         on_uploaded=lambda c: uploaded.append(c.round))
+    w = trained(2)
+    other = HeldLock(root)
+    try:
+        assert cp.submit(w, upload=True).rounds == 2  # returns at once, the lock is held
+        wait_until(lambda: cp.writing == 2)
+        for upload in (True, False):  # round 4 (elected) waits, round 6 replaces it
+            step(w)
+            assert cp.submit(w) is None  # round 3: not due
+            step(w)
+            assert cp.submit(w, upload=upload).rounds == w.state.rounds
+        assert cp.superseded == 1 and written == [] and ck.list_checkpoints(root) == []
+    finally:
+        other.release()
+    assert cp.flush(10)
+    assert written == [2, 6] and uploaded == [2] and cp.last_round == 6
+    assert [c.round for c in ck.list_checkpoints(root)] == [6, 2]
+    assert [c.round for c in ck.list_checkpoints(tmp_path / "store")] == [2]
+    assert ck.verify(ck.list_checkpoints(root)[0]).digest() == w.state.digest()
+    assert cp.close(1) and cp.submit(trained(8)) is None  # closed: nothing more is taken
+
+
+def test_the_background_write_holds_the_state_of_its_commit(tmp_path):
+    """The snapshot is a copy: training after the commit (even in place) does not reach the file."""
+    root = tmp_path / "ck"
+    cp = ck.Checkpointer(root, every=1)
+    w = trained(1)
+    want_digest, want_m = w.state.digest(), w.inner.m.copy()
+    other = HeldLock(root)
+    try:
+        cp.submit(w)
+        wait_until(lambda: cp.writing == 1)
+        w.state.params[:] = 0.0  # what an in-place update of the parameters would do
+        w.inner.m[:] = 7.0
+    finally:
+        other.release()
+    assert cp.flush(10) and cp.close(1)
+    got = ck.list_checkpoints(root)[0]
+    assert ck.verify(got).digest() == want_digest
+    np.testing.assert_array_equal(load_file(str(got.state_file))["shoal.local.inner.m"], want_m)
+
+
+def test_a_failed_background_write_is_retried_at_the_next_commit(tmp_path, caplog):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where the checkpoint directory should be")
+    failed, written = [], []
+    cp = ck.Checkpointer(blocker / "ck", every=2, on_failed=lambda: failed.append(1),
+                         on_written=lambda c: written.append(c.round))
+    w = trained(2)
+    with caplog.at_level(logging.WARNING, "shoal.peer.checkpoints"):
+        cp.submit(w)
+        assert cp.flush(10)
+    assert cp.failures == 1 and failed == [1] and cp.due and "retried at the next commit" in caplog.text
+    blocker.unlink()
+    blocker.mkdir()
+    step(w)  # round 3: not a multiple of 2, but the failed write is due
+    cp.submit(w)
+    assert cp.flush(10) and cp.close(1) and written == [3] and not cp.due
+
+
+def test_a_write_abandoned_at_exit_is_never_taken_for_a_checkpoint(tmp_path, caplog):
+    """close() bounds the wait for a write in flight; what a process killed mid-write leaves (a
+    complete `.tmp-*` directory, not renamed) is never listed or loaded, and the next write
+    removes it."""
+    root = tmp_path / "ck"
+    w = trained(2)
+    write(root, w)
+    leftover = root / ".tmp-4-99999"
+    shutil.copytree(root / "round-00000002", leftover)  # every file there, manifest included
+    manifest = json.loads((leftover / ck.MANIFEST_FILE).read_text())
+    (leftover / ck.MANIFEST_FILE).write_text(json.dumps({**manifest, "round": 4}))
+    cp = ck.Checkpointer(root, every=2)
+    step(w)
+    step(w)
+    other = HeldLock(root)
+    try:
+        cp.submit(w)
+        wait_until(lambda: cp.writing == 4)
+        with caplog.at_level(logging.WARNING, "shoal.peer.checkpoints"):
+            assert not cp.close(0.2)
+        assert "rounds [4] and uploads of rounds [] abandoned" in caplog.text
+        assert [c.round for c in ck.list_checkpoints(root)] == [2]
+        assert ck.load_newest(root, w.cfg, ck.param_layout(w))[1].round == 2
+    finally:
+        other.release()
+    wait_until(lambda: cp.writing == -1)  # the abandoned thread ends its write (a process exit would cut it)
+    assert not leftover.exists() and [c.round for c in ck.list_checkpoints(root)] == [4, 2]
+
+
+def test_uploads_in_a_helper_process_and_a_dead_helper_fails_only_that_upload(tmp_path, caplog, monkeypatch):
+    """`helper=True` (a peer's way): the upload runs in a helper process; one that died is started
+    afresh; one that dies during an upload fails that upload with a warning, and the next upload
+    starts a fresh helper."""
+    url = f"file://{tmp_path / 'store'}"
+    uploaded = []
+    cp = ck.Checkpointer(tmp_path / "ck", every=1, url=url, helper=True, on_uploaded=lambda c: uploaded.append(c.round))
+    w = trained(1)
+    try:
+        cp.submit(w, upload=True)
+        assert cp.flush(60) and uploaded == [1]
+        helper = cp._uploader._proc
+        assert helper.pid != os.getpid() and helper.poll() is None
+        helper.kill()
+        helper.wait(10)
+        step(w)
+        cp.submit(w, upload=True)  # a fresh helper
+        assert cp.flush(60) and uploaded == [1, 2] and cp._uploader._proc.pid != helper.pid
+        real_start = ck.checkpoint_store.Uploader._start
+        cp._uploader.close()
+        monkeypatch.setattr(ck.checkpoint_store.Uploader, "_start", lambda self: subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True))  # reads the request and exits without answering
+        step(w)
+        with caplog.at_level(logging.WARNING, "shoal.peer.checkpoints"):
+            cp.submit(w, upload=True)
+            assert cp.flush(60)
+        assert uploaded == [1, 2] and cp.failures == 1 and "upload helper exited" in caplog.text
+        monkeypatch.setattr(ck.checkpoint_store.Uploader, "_start", real_start)
+        step(w)
+        cp.submit(w, upload=True)
+        assert cp.flush(60) and uploaded == [1, 2, 4]
+        assert [c.round for c in ck.list_checkpoints(tmp_path / "store")] == [4, 2, 1]
+    finally:
+        assert cp.close(10)
+    assert cp._uploader._proc is None  # closed: the helper ended
+
+
+def test_a_slow_upload_holds_back_neither_the_local_writes_nor_loses_its_files(tmp_path, monkeypatch, caplog):
+    """While an upload runs, the next checkpoints are written locally at once; one elected meanwhile
+    is not uploaded (a warning); the checkpoint being uploaded is kept from pruning until its
+    upload ended."""
+    release = threading.Event()
+    real_upload = ck.checkpoint_store.upload
+
+    def slow_upload(path, url, keep=3):
+        assert release.wait(20)
+        return real_upload(path, url, keep)
+
+    monkeypatch.setattr(ck.checkpoint_store, "upload", slow_upload)
+    root, written, uploaded = tmp_path / "ck", [], []
+    cp = ck.Checkpointer(root, every=2, keep=1, url=f"file://{tmp_path / 'store'}",
+                         on_written=lambda c: written.append(c.round), on_uploaded=lambda c: uploaded.append(c.round))
+    w = trained(2)
+    cp.submit(w, upload=True)
+    wait_until(lambda: cp.uploading == 2)
+    with caplog.at_level(logging.WARNING, "shoal.peer.checkpoints"):
+        for _ in range(2):
+            step(w)
+            step(w)
+            cp.submit(w, upload=True)
+            wait_until(lambda: written[-1] == w.state.rounds)
+    assert written == [2, 4, 6] and "round 4 not uploaded: the upload of round 2 still runs" in caplog.text
+    assert [c.round for c in ck.list_checkpoints(root)] == [6, 2]  # keep 1, and round 2 while it uploads
+    release.set()
+    assert cp.flush(20) and uploaded == [2]
+    step(w)
+    step(w)
+    cp.submit(w)
+    assert cp.flush(20) and cp.close(1) and [c.round for c in ck.list_checkpoints(root)] == [8]

