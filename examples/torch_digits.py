@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -167,6 +168,11 @@ def launch(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    missing = [m for m in ('torch',) if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"{pathlib.Path(__file__).name} needs {' and '.join(missing)}: pip install -e \".[torch]\"",
+              file=sys.stderr)
+        return 2
     worker = bool(argv) and argv[0] == "worker"
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--algorithm", default="diloco", choices=["diloco", "fedavg"])
