@@ -569,6 +569,18 @@ def _last_commit_accuracy(commits: list[dict], committed: int) -> float:
     return max(last, default=0.0)
 
 
+def _bytes_sent(swarm: Swarm) -> int:
+    """Tensor bytes the peers sent: per peer slot, the count its last process reported last (its
+    "finished" event, or after an early stop the newest event carrying one). The bytes of a
+    process killed -9 before a later process of its slot are not counted."""
+    total = 0
+    for i in range(len(swarm.peers)):
+        counted = [e for e in swarm.events(i) if e["event"] in ("finished", "commit") and "bytes_sent" in e]
+        if counted:
+            total += counted[-1]["bytes_sent"]
+    return total
+
+
 def summarize(swarm: Swarm, wall: float, baseline: float | None, chaos: "ChaosLog | None" = None, *,
               stopped_early: bool = False) -> dict:
     """The run summary (see docs/quickstart.md and docs/fault-tolerance.md for the fields).
@@ -627,7 +639,7 @@ def summarize(swarm: Swarm, wall: float, baseline: float | None, chaos: "ChaosLo
         "peers_up_to_date": len(up_to_date),
         "peers_stale_at_end": len(finals) - len(up_to_date),
         "wall_seconds": round(wall, 3),
-        "bytes_sent_total": sum(e.get("bytes_sent", 0) for e in finals),
+        "bytes_sent_total": _bytes_sent(swarm),
         "state_syncs": sum(1 for e in events if e["event"] == "state_sync"),
         "algorithm": swarm.opts.algorithm,
         "seed": swarm.opts.seed,
