@@ -727,6 +727,9 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
         raise UsageError("--fragments needs --workload lm (the digits workload synchronises the whole model)")
     if r.cohort_size > s.peers:
         raise UsageError(f"--cohort-size {r.cohort_size} is greater than --peers {s.peers}: no round could open")
+    if r.rounds <= 0:
+        raise UsageError(f"--rounds {r.rounds}: a swarm runs a finite number of rounds (>= 1); 0, a coordinator's "
+                         f"\"run until stopped\", is for `shoal coordinator`")
     _swarm_files(s)
     lm = _lm_settings(s, run, given)
     plan = None

@@ -67,6 +67,12 @@ def test_every_default_is_valid():
     config.ShoalConfig().validate()
 
 
+def test_a_swarm_of_zero_rounds_is_refused_instead_of_running_forever(capsys):
+    assert cli.main(["swarm", "--rounds", "0"]) == cli.EXIT_USAGE
+    line = one_line_error(capsys.readouterr().err)
+    assert "--rounds 0" in line and "shoal coordinator" in line
+
+
 def test_min_peers_above_peers_is_an_error_not_a_silent_cap(capsys):
     assert cli.main(["swarm", "--peers", "2", "--min-peers", "3"]) == cli.EXIT_USAGE
     line = one_line_error(capsys.readouterr().err)
