@@ -614,11 +614,21 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
         failure = _bind_failure(exc, "--listen", p.listen)
         if failure is not None:
             raise failure from None
+        rpc = _rpc_error(exc)
+        if rpc is not None:  # the coordinator's final answer (retries spent): its words, one line
+            log.error("peer: coordinator %s: %s: %s%s", p.coordinator, rpc.code().name, rpc.details(),
+                      _STATE_GONE_HINT if "no live member holds the committed state" in (rpc.details() or "") else "")
+            log.debug("peer failed", exc_info=exc)
+            return EXIT_FAILED
         log.exception("peer failed")
         return EXIT_FAILED
     logging.getLogger("shoal.peer").info("%s: %s", "left the swarm" if result.get("left") else "finished",
                                          json.dumps(result))
     return EXIT_INTERRUPTED if signal.SIGINT in got else EXIT_OK
+
+
+_STATE_GONE_HINT = ("; the peers that held that state have lost it (a restart without --checkpoint-dir): restart "
+                    "them with their checkpoints (docs/checkpoints.md) or begin a new run on a fresh --state")
 
 
 def _coordinator_key(value: str | None) -> tuple[bytes, ...]:
