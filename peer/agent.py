@@ -66,6 +66,7 @@ from shoal.peer.rounds import (Aborted, CollectiveRecord, EventMailbox, Outcome,
                                RoundListener, RoundOutcome, RunFinished, SyncRecord, SyncSettings, Traffic,
                                VoteRecord, event_of)
 from shoal.peer.state_sync import HELD_STATES, HeldStates, SyncError
+from shoal.peer.secure_round import SecureAggregation
 from shoal.peer.training import LocalUpdate, RunConfig
 from shoal.peer.workloads.digits import DigitsWorkload
 from shoal.peer.workloads.base import Workload, WorkloadClosed
@@ -459,6 +460,14 @@ class PeerAgent(StateSource):
         log.info("advertising the relayed address %s (relay %s)", self.address, self.relay_link.relay)
         await self.control.join()
 
+    def _secure(self, cfg: RunConfig) -> SecureAggregation | None:
+        """This peer's side of secure aggregation when the run has it on (peer.secure_round)."""
+        params = cfg.secagg_params()
+        if params is None:
+            return None
+        assert self.control is not None
+        return SecureAggregation(params, self.peer_id, self.control.secagg_post, self.control.secagg_fetch)
+
     async def _start(self) -> None:
         """Join, build the workload from the run's configuration, and the round protocol."""
         resp = await self.control.join()
@@ -484,7 +493,7 @@ class PeerAgent(StateSource):
             finish_linger=self.config.finish_linger,
             sync=SyncSettings(self.config.sync_donors, self.config.sync_range_bytes), listeners=self.listeners,
             traffic=self.traffic, tamper=owner_attack, clock=self.clock, forge_vote=vote_attack,
-            sparse=cfg.sparse_settings())
+            sparse=cfg.sparse_settings(), secure=self._secure(cfg))
         if self.checkpointer is not None:  # a restart resumes from its newest verified checkpoint
             await asyncio.to_thread(self.checkpointer.fetch_from_store)  # a newer one from the shared store
             ckpt = await asyncio.to_thread(resume, self.workload, self.checkpointer.directory)

@@ -205,6 +205,20 @@ class CoordinatorClient:
                     exc.details())
             return False
 
+    async def secagg_post(self, req: pb.SecAggPost, deadline: float) -> None:
+        """Post this participant's secure-aggregation items (shoal.peer.secure_round); retried
+        within `deadline` seconds, then the status is raised (the attempt fails)."""
+        await self.policy.call(lambda: self.stub.PostSecAgg(req, timeout=self.rpc_timeout, metadata=self.md),
+                               "post secure-aggregation items", deadline=deadline)
+
+    async def secagg_fetch(self, req: pb.SecAggFetch) -> pb.SecAggFetchResponse:
+        """What the coordinator relays to this participant in `req.phase` (it waits up to
+        `req.wait_seconds` for the others); retried within that wait plus one RPC timeout, then
+        the status is raised (the attempt fails)."""
+        return await self.policy.call(
+            lambda: self.stub.FetchSecAgg(req, timeout=req.wait_seconds + self.rpc_timeout, metadata=self.md),
+            "fetch secure-aggregation items", deadline=req.wait_seconds + self.rpc_timeout)
+
     async def report_links(self, report: pb.LinkReport) -> None:
         """Best effort: a lost report only leaves the coordinator with older estimates."""
         try:

@@ -31,6 +31,7 @@ from shoal.peer.fragments import FRAGMENT_MODES, FragmentedOuter, Fragments, fra
 from shoal.peer.sparse import DEFAULT_CHUNK, SparseCodec, SparseSettings, is_sparse
 from shoal.peer.outer import OuterOptimizer, make_outer
 from shoal.peer.reduction import ReductionSpec
+from shoal.peer.secagg import SecAggParams, refused_with
 from shoal.common.tensors import digest
 
 _MAGIC = b"SHOALST1"
@@ -66,6 +67,11 @@ class RunConfig:
     merges the committed fragment (0 = it waits); fragment_alpha: the merge
     `alpha * local + (1 - alpha) * committed` of that fragment. With fragments > 1, `overlap` is
     refused (fragment_overlap says how far rounds overlap).
+    Secure aggregation (SecAgg+, peer.secure_round; docs/security.md): secure_aggregation on
+    masks every contribution so that only the sum is revealed; secagg_degree k (neighbours, even),
+    secagg_threshold t (shares that unmask), secagg_clip (elements clipped to +-clip) and
+    secagg_frac_bits (fixed-point fractional bits in Z_2^32). Refused with robust aggregators,
+    owner-side max_norm or DP noise and compression (`peer.secagg.refused_with`).
     """
 
     algorithm: str = "diloco"
@@ -96,6 +102,11 @@ class RunConfig:
     sparse_k: int = 64
     sparse_bits: int = 2
     sparse_beta: float = 0.95
+    secure_aggregation: bool = False
+    secagg_degree: int = 4
+    secagg_threshold: int = 3
+    secagg_clip: float = 4.0
+    secagg_frac_bits: int = 20
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "fedavg"):
@@ -145,6 +156,18 @@ class RunConfig:
         else:
             codec_id(self.compression)
         make_outer(self.outer_name, **self.outer_params)
+        if self.secure_aggregation:
+            refused = refused_with(aggregator=self.aggregator, audit_owners=False, compression=self.compression,
+                                   max_norm=self.max_norm, dp_sigma=self.dp_sigma, dp_mode=self.dp_mode)
+            if refused is not None:
+                raise InvalidArgument(f"{refused[0]}: {refused[1]}; it does not combine with secure_aggregation")
+            self.secagg_params().check_settings()
+
+    def secagg_params(self) -> SecAggParams | None:
+        """Secure aggregation's parameters (peer.secagg), or None when it is off."""
+        if not self.secure_aggregation:
+            return None
+        return SecAggParams(self.secagg_degree, self.secagg_threshold, self.secagg_clip, self.secagg_frac_bits)
 
     def sparse_settings(self) -> SparseSettings | None:
         """The sparse codec and error-feedback decay when `compression` is "topk" or "dct", else
