@@ -165,9 +165,12 @@ class _Journal(RoundListener):
         self.agent.metrics.on_collective(rec.seconds, rec.bytes_sent, rec.bytes_received)
         self.collective_bytes = (rec.bytes_sent, rec.bytes_received)
         # The traffic of each attempt in time (the summary's peak bytes per second, bytes per round).
+        secure = {} if rec.secure is None else {
+            "secure_bytes_sent": rec.secure.bytes_sent, "secure_bytes_received": rec.secure.bytes_received,
+            "secure_seconds": rec.secure.seconds, "secure_revealed": rec.secure.revealed}
         self.agent.emit("collective", round=rec.plan.round, attempt=rec.plan.attempt, fragment=rec.plan.fragment,
                         bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received,
-                        started_at=rec.started_at, ended_at=rec.ended_at)
+                        started_at=rec.started_at, ended_at=rec.ended_at, **secure)
         # Much slower than predicted: probe these links again before the next Ready (a re-plan).
         # Peers reached through shared memory are left out: no network link held that round up.
         plan, a = rec.plan, self.agent
