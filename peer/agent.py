@@ -82,6 +82,11 @@ COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second
 LEAVE_GRACE_SECONDS = 5.0  # a graceful leave lets the round in play end for this long, then abandons it
 
 
+class SecureAggregationRequired(Exception):
+    """The peer requires secure aggregation (`PeerConfig.require_secure_aggregation`) and the run
+    it joined has it off: it left before sending anything (one line, the CLI's usage error)."""
+
+
 @dataclass(frozen=True)
 class PeerConfig:
     """Settings of `shoal peer` (see docs/configuration.md).
@@ -131,6 +136,7 @@ class PeerConfig:
     checkpoint_every: int = 10
     checkpoint_keep: int = 3
     checkpoint_url: str | None = None  # peer.checkpoint_store: the swarm's shared store (file:// or s3://)
+    require_secure_aggregation: bool = False  # leave (SecureAggregationRequired) a run without secure aggregation
 
 
 def freeze_heap() -> None:
@@ -478,6 +484,10 @@ class PeerAgent(StateSource):
             self.too_late = resp.finished
             return
         cfg = RunConfig.from_json(resp.run_config_json)
+        if self.config.require_secure_aggregation and not cfg.secure_aggregation:
+            await self.control.leave()
+            raise SecureAggregationRequired(f"the run at {self.config.coordinator} has secure_aggregation off and "
+                                            "this peer requires it (--require-secure-aggregation): it left")
         # Building a workload (a dataset, a model) can outlast a lease on a busy machine: the
         # lease is renewed meanwhile, or the coordinator would drop a member that did nothing wrong.
         renewing = asyncio.create_task(self._renew_lease_while_starting())

@@ -12,6 +12,8 @@ its named recoveries in one place (shoal.common.retry decides what is transient)
 | Vote        | `VOTE_SECONDS`         | not delivered: logged, returns False (the coordinator decides at its deadline) |
 | ReportLinks | `rpc_timeout`          | best effort: logged at debug                                |
 | Leave       | `LEAVE_SECONDS`        | best effort                                                 |
+| PostSecAgg  | the caller's wait      | raised when it gives up: the secure attempt fails            |
+| FetchSecAgg | its wait + `rpc_timeout` | raised when it gives up: the secure attempt fails          |
 
 Joining again keeps the identity (the peer id is the key's hash); the new lease, heartbeat
 interval, coordinator key and any sync order of the answer are taken over (`pending_sync`).

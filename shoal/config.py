@@ -535,6 +535,8 @@ class PeerSection:
                               "forge votes with false-blame / lying-digest (shoal.peer.testing.byzantine); empty = honest",
                           choices=("", "sign-flip", "scale", "nan", "random", "owner", "false-blame", "lying-digest"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
+    require_secure_aggregation: bool = setting(False, "leave, before sending anything, a run whose coordinator "
+                                                      "has secure_aggregation off (exit code 2, one line)")
     checkpoint_dir: str | None = setting(None, "write checkpoints of the committed state here (safetensors and a "
                                                "JSON manifest per checkpoint; docs/checkpoints.md); unset = none")
     checkpoint_every: int = setting(10, "with checkpoint_dir: a checkpoint every this many committed rounds")

@@ -12,7 +12,9 @@ import sys
 import numpy as np
 import pytest
 
+from kits.cli import one_line_error, shoal
 from kits.procs import read_json
+from shoal import cli
 from shoal.bench.collective_job import make_input
 from shoal.peer.secagg import SecAggParams, dequantize, quantize
 
@@ -98,3 +100,12 @@ def test_a_participant_killed_after_sending_and_one_before_sending_cost_one_retr
         np.testing.assert_array_equal(res["r2"], secure_sum(range(4), 2))
         attempts = {(x["round"], x["attempt"]) for x in rep["rounds"]}
         assert len([a for a in attempts if a[0] == 1]) <= 2 and len([a for a in attempts if a[0] == 2]) <= 2
+
+
+def test_a_peer_requiring_secure_aggregation_leaves_a_run_without_it(procs, tmp_path):
+    _, addr = procs.coordinator("--rounds", "1")
+    out = shoal("peer", "--insecure", "--coordinator", addr, "--key", str(tmp_path / "p.key"),
+                "--require-secure-aggregation", "--connect-timeout", "10", timeout=60)
+    assert out.returncode == cli.EXIT_USAGE, out.stderr
+    line = one_line_error(out)
+    assert "secure_aggregation off" in line and "--require-secure-aggregation" in line, line
