@@ -143,7 +143,7 @@ class ReadyInfo:
     local_seconds: float = 0.0  # wall seconds of that local phase (0 = not said)
     checkpoint_round: int = 0  # committed rounds of the newest checkpoint the peer holds (0 = none)
     checkpoint_digest: bytes = b""  # its state digest
-    secagg_keys: bytes = b""  # secure aggregation: the round's mask + box public keys (64 bytes; b"" = none)
+    secagg_keys: bytes = b""  # secure aggregation: the round's mask + box public keys and their signature (128 bytes)
 
     @property
     def step_seconds(self) -> float:
@@ -1192,7 +1192,7 @@ class RoundEngine:
         the plan carries those keys and the attempt's public graph seed (a hash of the round,
         attempt, run seed and keys: fresh for every attempt; shoal.peer.secure_round)."""
         keys = tuple(self.said_ready[p].secagg_keys for p in plan.participants)
-        if not all(len(k) == 64 for k in keys):
+        if not all(len(k) == 128 for k in keys):
             return plan
         h = hashlib.sha256(b"shoal-secagg-graph|%d|%d|%d|%d|" % (plan.round, plan.attempt, plan.epoch,
                                                                    self.config.cohort_seed))

@@ -906,13 +906,15 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
 
 
 def _secagg_keys(request: pb.ReadyRequest) -> bytes:
-    """The Ready's secure-aggregation public keys (mask + box, 64 bytes), b"" when it carries none.
-    Raises InvalidArgument for keys that are not two 32-byte X25519 keys."""
+    """The Ready's secure-aggregation public keys and signature (mask 32 + box 32 + signature 64
+    bytes), b"" when it carries none. Raises InvalidArgument for keys that are not two 32-byte
+    X25519 keys or a signature that is not 64 bytes (the participants verify it, not the coordinator)."""
     if not request.secagg_mask_key and not request.secagg_box_key:
         return b""
     require(len(request.secagg_mask_key) == 32, "secagg_mask_key", "must be 32 bytes (X25519)")
     require(len(request.secagg_box_key) == 32, "secagg_box_key", "must be 32 bytes (X25519)")
-    return request.secagg_mask_key + request.secagg_box_key
+    require(len(request.secagg_signature) == 64, "secagg_signature", "must be 64 bytes (Ed25519)")
+    return request.secagg_mask_key + request.secagg_box_key + request.secagg_signature
 
 
 def _check_rate(value: float, field: str) -> None:

@@ -475,7 +475,8 @@ class PeerAgent(StateSource):
         if params is None:
             return None
         assert self.control is not None
-        return SecureAggregation(params, self.peer_id, self.control.secagg_post, self.control.secagg_fetch)
+        return SecureAggregation(params, self.peer_id, self.control.secagg_post, self.control.secagg_fetch,
+                                 self.key.sign)
 
     async def _start(self) -> None:
         """Join, build the workload from the run's configuration, and the round protocol."""

@@ -556,6 +556,7 @@ class RoundClient:
         if self.secure is not None:  # the masked rows are uint32; the round's public keys go in the plan
             keys = self.secure.keys_for(round_)
             req.dtype, req.secagg_mask_key, req.secagg_box_key = pb.UINT32, keys.public[:32], keys.public[32:]
+            req.secagg_signature = keys.signature
         return req
 
     def _state_size(self, st: State) -> int:

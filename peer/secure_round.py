@@ -12,7 +12,9 @@ same bits) nor for the vote (the caller digests the unmasked result as for any r
 One attempt, for a float32 contribution x `(n,)` (already weighted so that the plain sum is the
 result the round wants: FedAvg's n_i / sum n, or 1/p with DP noise):
 
-1. The plan carries every participant's public keys and the attempt's graph seed. This peer
+1. The plan carries every participant's public keys, signed by its identity key (checked here
+   against the plan's identity keys: the coordinator cannot substitute one), and the attempt's
+   graph seed. This peer
    builds the neighbour graph, splits its fresh self-mask seed and its mask key into t-of-k
    shares, seals each neighbour's pair for that neighbour's box key and posts them to the
    coordinator (PostSecAgg, phase SHARES), which relays ciphertext only.
@@ -45,8 +47,9 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -67,15 +70,23 @@ KEY_BYTES = 32
 _KINDS = {"seed": 0, "key": 1}
 
 
+def signed_keys(round_: int, keys: bytes) -> bytes:
+    """What a participant's identity key signs: its round's public keys `keys` (mask + box, 64
+    bytes) bound to the round."""
+    return b"shoal-secagg-keys|" + round_.to_bytes(8, "big") + keys
+
+
 class RoundKeys:
     """One round's key pairs: `mask` (X25519, the pairwise masks) and `box` (X25519, the sealed
-    shares), fresh per round. `public`: mask public key + box public key (64 bytes, the Ready's)."""
+    shares), fresh per round. `public`: mask public key + box public key (64 bytes, the Ready's);
+    `signature`: `sign(signed_keys(round, public))` (64 bytes; b"" without a signer)."""
 
-    def __init__(self, round_: int):
+    def __init__(self, round_: int, sign: Callable[[bytes], bytes] | None = None):
         self.round = round_
         self.mask = X25519PrivateKey.generate()
         self.box = X25519PrivateKey.generate()
         self.public = self.mask.public_key().public_bytes_raw() + self.box.public_key().public_bytes_raw()
+        self.signature = sign(signed_keys(round_, self.public)) if sign is not None else b""
 
 
 def _seal_key(mine: X25519PrivateKey, theirs: bytes, context: bytes, sender: str, receiver: str) -> bytes:
@@ -142,23 +153,30 @@ class SecureCost:
     revealed: int = 0  # participants whose reveals this peer unmasked with (fewer than p: someone vanished)
 
 
+def _box_key(plan: Plan, position: int) -> bytes:
+    return plan.secagg_keys[position][KEY_BYTES:2 * KEY_BYTES]
+
+
 class SecureAggregation:
     """This peer's side of secure rounds (module docstring).
 
     params: the run's SecAggParams. me: this peer's id. post / fetch: the coordinator client's
-    `secagg_post(req, deadline)` and `secagg_fetch(req)` (peer.control).
+    `secagg_post(req, deadline)` and `secagg_fetch(req)` (peer.control). sign: this peer's
+    identity key's Ed25519 signature (it signs each round's public keys; every participant checks
+    the others' against the identity keys of the plan, so the coordinator cannot substitute one).
     """
 
     def __init__(self, params: SecAggParams, me: str, post: Callable[[pb.SecAggPost, float], Awaitable[None]],
-                 fetch: Callable[[pb.SecAggFetch], Awaitable[pb.SecAggFetchResponse]]):
-        self.params, self.me, self.post, self.fetch = params, me, post, fetch
+                 fetch: Callable[[pb.SecAggFetch], Awaitable[pb.SecAggFetchResponse]],
+                 sign: Callable[[bytes], bytes]):
+        self.params, self.me, self.post, self.fetch, self.sign = params, me, post, fetch, sign
         self.keys: RoundKeys | None = None
         self.cost = SecureCost()
 
     def keys_for(self, round_: int) -> RoundKeys:
         """This peer's keys of `round_` (made at its first Ready for that round)."""
         if self.keys is None or self.keys.round != round_:
-            self.keys = RoundKeys(round_)
+            self.keys = RoundKeys(round_, self.sign)
         return self.keys
 
     async def all_reduce(self, x: np.ndarray, plan: Plan,
@@ -206,9 +224,15 @@ class SecureAggregation:
         if not plan.secagg_seed or len(plan.secagg_keys) != plan.size:
             raise CollectiveError("plan: not a secure attempt (this run has secure_aggregation on; a participant's "
                                   "Ready carried no keys)", [])
-        if keys is None or keys.round != plan.round or plan.secagg_keys[plan.position(self.me)] != keys.public:
+        if keys is None or keys.round != plan.round or plan.secagg_keys[plan.position(self.me)][:64] != keys.public:
             raise CollectiveError("plan: it carries other secure-aggregation keys for this peer than its Ready "
                                   "of this round", [])
+        for i, (peer, k) in enumerate(zip(plan.participants, plan.secagg_keys)):
+            try:
+                Ed25519PublicKey.from_public_bytes(plan.public_keys[i]).verify(k[64:], signed_keys(plan.round, k[:64]))
+            except (InvalidSignature, ValueError, IndexError):
+                raise CollectiveError(f"plan: the secure-aggregation keys of {peer[:8]} are not signed by its "
+                                      "identity key (altered by the coordinator or on the way)", []) from None
         return keys
 
     async def _share(self, part: SecAggParticipant, plan: Plan, keys: RoundKeys, context: bytes,
@@ -216,7 +240,7 @@ class SecureAggregation:
         """Phase SHARES: post this peer's sealed shares, take its neighbours'."""
         ids = plan.participants
         items = [pb.SecAggItem(from_peer=self.me, to_peer=ids[j],
-                               data=seal(keys.box, plan.secagg_keys[j][KEY_BYTES:], context, self.me, ids[j],
+                               data=seal(keys.box, _box_key(plan, j), context, self.me, ids[j],
                                          encode_share(share)))
                  for j, share in (await off_loop(part.shares)).items()]
         req = pb.SecAggPost(peer_id=self.me, round=plan.round, attempt=plan.attempt, phase=pb.SECAGG_SHARES,
@@ -229,7 +253,7 @@ class SecureAggregation:
                                   f"within {wait:.1f}s", missing)
         for j in part.neighbours:
             try:
-                data = unseal(keys.box, plan.secagg_keys[j][KEY_BYTES:], context, ids[j], self.me, got[ids[j]])
+                data = unseal(keys.box, _box_key(plan, j), context, ids[j], self.me, got[ids[j]])
                 part.receive(decode_share(data, j, part.position))
             except InvalidArgument as exc:
                 raise CollectiveError(f"secure aggregation: {exc}", [ids[j]]) from None

@@ -64,8 +64,9 @@ class Plan:
     chunks sent to a relayed participant are signed one by one (shoal.relay.protocol).
     fragments / fragment: the run's Streaming DiLoCo fragments F (1 = the whole model) and the
     one this round carries (round mod F; docs/training.md).
-    secagg_keys: per participant, its round's secure-aggregation public keys (mask key + box key,
-    64 bytes; empty tuple without secure aggregation); secagg_seed: the attempt's public graph seed
+    secagg_keys: per participant, its round's secure-aggregation public keys and their signature
+    by its identity key (mask key 32 + box key 32 + Ed25519 signature 64 bytes; empty tuple
+    without secure aggregation); secagg_seed: the attempt's public graph seed
     (32 bytes; b"" = not a secure attempt; shoal.peer.secure_round).
     """
 
@@ -136,7 +137,8 @@ class Plan:
                            public_key=self.public_keys[i] if i < len(self.public_keys) else b"",
                            outbound_only=i in self.outbound_only, relay=self.relay_of(i),
                            secagg_mask_key=self.secagg_keys[i][:32] if i < len(self.secagg_keys) else b"",
-                           secagg_box_key=self.secagg_keys[i][32:] if i < len(self.secagg_keys) else b"")
+                           secagg_box_key=self.secagg_keys[i][32:64] if i < len(self.secagg_keys) else b"",
+                           secagg_signature=self.secagg_keys[i][64:] if i < len(self.secagg_keys) else b"")
             for i, p in enumerate(self.participants)
         ]
         return pb.Plan(round=self.round, attempt=self.attempt, epoch=self.epoch, participants=parts,
@@ -171,7 +173,8 @@ class Plan:
             outbound_only=tuple(i for i, p in enumerate(msg.participants) if p.outbound_only),
             relays=tuple(p.relay for p in msg.participants) if any(p.relay for p in msg.participants) else (),
             fragment=msg.fragment, fragments=max(1, msg.fragments),
-            secagg_keys=tuple(p.secagg_mask_key + p.secagg_box_key for p in msg.participants) if msg.secagg_seed
+            secagg_keys=tuple(p.secagg_mask_key + p.secagg_box_key + p.secagg_signature for p in msg.participants)
+            if msg.secagg_seed
             else (),
             secagg_seed=msg.secagg_seed,
         )

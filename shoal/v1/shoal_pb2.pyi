@@ -153,7 +153,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReadyRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s", "training", "local_steps", "local_seconds", "checkpoint_round", "checkpoint_digest", "secagg_mask_key", "secagg_box_key")
+    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s", "training", "local_steps", "local_seconds", "checkpoint_round", "checkpoint_digest", "secagg_mask_key", "secagg_box_key", "secagg_signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class ReadyRequest(_message.Message):
     CHECKPOINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SECAGG_MASK_KEY_FIELD_NUMBER: _ClassVar[int]
     SECAGG_BOX_KEY_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     num_elements: int
@@ -186,7 +187,8 @@ class ReadyRequest(_message.Message):
     checkpoint_digest: bytes
     secagg_mask_key: bytes
     secagg_box_key: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ..., training: _Optional[bool] = ..., local_steps: _Optional[int] = ..., local_seconds: _Optional[float] = ..., checkpoint_round: _Optional[int] = ..., checkpoint_digest: _Optional[bytes] = ..., secagg_mask_key: _Optional[bytes] = ..., secagg_box_key: _Optional[bytes] = ...) -> None: ...
+    secagg_signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ..., training: _Optional[bool] = ..., local_steps: _Optional[int] = ..., local_seconds: _Optional[float] = ..., checkpoint_round: _Optional[int] = ..., checkpoint_digest: _Optional[bytes] = ..., secagg_mask_key: _Optional[bytes] = ..., secagg_box_key: _Optional[bytes] = ..., secagg_signature: _Optional[bytes] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
     __slots__ = ("round", "sync", "pooled")
@@ -205,7 +207,7 @@ class WatchRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
 
 class Participant(_message.Message):
-    __slots__ = ("peer_id", "address", "num_samples", "owner", "public_key", "outbound_only", "relay", "secagg_mask_key", "secagg_box_key")
+    __slots__ = ("peer_id", "address", "num_samples", "owner", "public_key", "outbound_only", "relay", "secagg_mask_key", "secagg_box_key", "secagg_signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +217,7 @@ class Participant(_message.Message):
     RELAY_FIELD_NUMBER: _ClassVar[int]
     SECAGG_MASK_KEY_FIELD_NUMBER: _ClassVar[int]
     SECAGG_BOX_KEY_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     num_samples: int
@@ -224,7 +227,8 @@ class Participant(_message.Message):
     relay: str
     secagg_mask_key: bytes
     secagg_box_key: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., secagg_mask_key: _Optional[bytes] = ..., secagg_box_key: _Optional[bytes] = ...) -> None: ...
+    secagg_signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., secagg_mask_key: _Optional[bytes] = ..., secagg_box_key: _Optional[bytes] = ..., secagg_signature: _Optional[bytes] = ...) -> None: ...
 
 class Plan(_message.Message):
     __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners", "fragment", "fragments", "secagg_seed")

@@ -32,12 +32,13 @@ def secure_sum(ranks, round_: int) -> np.ndarray:
     return dequantize(total, PARAMS)
 
 
-def _run(procs, p: int, rounds: int, faults: dict[int, str] | None = None) -> tuple[list[dict], str]:
+def _run(procs, p: int, rounds: int, faults: dict[int, str] | None = None,
+         collective: str = "butterfly") -> tuple[list[dict], str]:
     """Run `rounds` secure rounds of `p` jobs (rank r with SHOAL_FAULT=faults[r]); the reports of
     the jobs without a fault, and the coordinator's log. A stopped job is killed at the end."""
     coord, addr = procs.coordinator(
         "--rounds", str(rounds), "--min-peers", str(p - len(faults or {})), "--initial-peers", str(p),
-        "--collective", "butterfly", "--secure-aggregation", "--secagg-degree", str(PARAMS.degree),
+        "--collective", collective, "--secure-aggregation", "--secagg-degree", str(PARAMS.degree),
         "--secagg-threshold", str(PARAMS.threshold), "--secagg-clip", str(PARAMS.clip),
         "--secagg-frac-bits", str(PARAMS.frac_bits), "--lease-seconds", "10", "--retry-backoff", "0.2",
         "--ready-timeout", "3")
@@ -69,8 +70,9 @@ def _results(rep: dict, workdir, rank: int) -> dict:
     return dict(np.load(str(workdir / f"job-{rank}.json") + ".npz"))
 
 
-def test_secure_rounds_commit_the_exact_fixed_point_sum(procs):
-    reports, _ = _run(procs, 4, 2)
+@pytest.mark.parametrize("collective", ["butterfly", "ring"])
+def test_secure_rounds_commit_the_exact_fixed_point_sum(procs, collective):
+    reports, _ = _run(procs, 4, 2, collective=collective)
     assert len({r["last_digest"] for r in reports}) == 1
     for rep in reports:
         assert rep["committed"] == 2

@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.common.errors import InvalidArgument
 from shoal.common.plan import Plan
@@ -33,9 +34,12 @@ class Swarm:
         self.ids = tuple(f"peer{i:02d}" for i in range(p))
         self.relay = SecAggRelay()
         self.crash = crash or {}
-        self.secure = [SecureAggregation(PARAMS, me, self._post, self._fetch) for me in self.ids]
-        keys = tuple(s.keys_for(3).public for s in self.secure)
+        self.identities = [Ed25519PrivateKey.generate() for _ in self.ids]
+        self.secure = [SecureAggregation(PARAMS, me, self._post, self._fetch, key.sign)
+                       for me, key in zip(self.ids, self.identities)]
+        keys = tuple(k.public + k.signature for k in (s.keys_for(3) for s in self.secure))
         self.plan = Plan(self.ids, "butterfly", (0, n), (0,), round=3, attempt=1, num_elements=n,
+                         public_keys=tuple(k.public_key().public_bytes_raw() for k in self.identities),
                          deadline_seconds=4.0, chunk_timeout_seconds=0.5, secagg_keys=keys, secagg_seed=b"s" * 32)
         rng = np.random.default_rng(seed)
         self.xs = [rng.normal(0, 1, n).astype(np.float32) for _ in range(p)]
@@ -144,6 +148,18 @@ def test_the_coordinator_relays_only_ciphertext_bound_to_both_ends_and_the_attem
             unseal(b.box, a.public[32:], *wrong, ct)
 
 
+def test_a_key_the_coordinator_substituted_fails_the_attempt_before_any_share_leaves():
+    sw = Swarm(4, 8)
+    forged = RoundKeys(3)  # the coordinator's own keys in participant 2's place, unsigned by it
+    keys = list(sw.plan.secagg_keys)
+    keys[2] = forged.public + keys[2][64:]
+    sw.plan = dataclasses.replace(sw.plan, secagg_keys=tuple(keys))
+    out = asyncio.run(sw.run())
+    for i in (0, 1, 3):
+        assert isinstance(out[i], CollectiveError) and "not signed by its identity key" in str(out[i])
+    assert not sw.seen  # nothing was sealed for the forged key
+
+
 def test_reveals_round_trip_and_malformed_ones_are_refused():
     rev = {0: ("seed", 12345), 3: ("key", 2 ** 500)}
     assert decode_reveal(encode_reveal(rev), 4) == rev
@@ -167,7 +183,7 @@ def test_the_relay_refuses_items_not_from_the_caller_or_to_strangers():
 
 
 def test_plan_carries_the_keys_and_seed_on_the_wire():
-    keys = (bytes(range(64)), bytes(range(1, 65)))
+    keys = (bytes(range(128)), bytes(range(1, 129)))
     plan = Plan(("a", "b"), "ring", (0, 4), (0,), secagg_keys=keys, secagg_seed=b"g" * 32)
     back = Plan.from_proto(plan.to_proto())
     assert back.secagg_keys == keys and back.secagg_seed == b"g" * 32
