@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import logging
 import math
 from collections import deque
@@ -142,6 +143,7 @@ class ReadyInfo:
     local_seconds: float = 0.0  # wall seconds of that local phase (0 = not said)
     checkpoint_round: int = 0  # committed rounds of the newest checkpoint the peer holds (0 = none)
     checkpoint_digest: bytes = b""  # its state digest
+    secagg_keys: bytes = b""  # secure aggregation: the round's mask + box public keys and their signature (128 bytes)
 
     @property
     def step_seconds(self) -> float:
@@ -1180,9 +1182,23 @@ class RoundEngine:
             relays=tuple(self.members[p].relay for p in planned.participants)
             if any(self.members[p].relay for p in planned.participants) else (),
             fragments=max(1, self.config.fragments), fragment=self.committed_rounds % max(1, self.config.fragments))
+        plan = self._secure(plan)
         self.running = Attempt(plan, now)
         actions.append(SendPlan(plan))
         return actions
+
+    def _secure(self, plan: Plan) -> Plan:
+        """With secure aggregation (every participant's Ready carries its round's public keys),
+        the plan carries those keys and the attempt's public graph seed (a hash of the round,
+        attempt, run seed and keys: fresh for every attempt; shoal.peer.secure_round)."""
+        keys = tuple(self.said_ready[p].secagg_keys for p in plan.participants)
+        if not all(len(k) == 128 for k in keys):
+            return plan
+        h = hashlib.sha256(b"shoal-secagg-graph|%d|%d|%d|%d|" % (plan.round, plan.attempt, plan.epoch,
+                                                                   self.config.cohort_seed))
+        for k in keys:
+            h.update(k)
+        return dataclasses.replace(plan, secagg_keys=keys, secagg_seed=h.digest())
 
     def _unplannable(self, now: float, planned: NoPlan, participants: tuple[str, ...]) -> None:
         """`_open` could not plan a round of `participants`: hold the next opening, with the peers

@@ -66,6 +66,7 @@ from shoal.coordinator.rounds import (AbortRecord, Action, CommitRecord, ErrorKi
                                       SendCommit, SendFinished, SendPlan, SendSync, WaitReason)
 from shoal.relay.protocol import issue_relay_ticket
 from shoal.coordinator.store import DURABLE_META, REWINDS_META, Store, durable_json, recorded_rewinds
+from shoal.coordinator.secagg_relay import SecAggRelay
 from shoal.v1 import shoal_pb2 as pb
 from shoal.v1 import shoal_pb2_grpc as pb_grpc
 
@@ -84,7 +85,8 @@ HEARTBEAT = SERVICE_PREFIX + "Heartbeat"
 UNSIGNED_METHODS = frozenset({GET_STATUS})
 # A member's calls after its Join: refused once it is revoked or fenced (MemberCalls).
 MEMBER_METHODS = frozenset(SERVICE_PREFIX + m for m in
-                           ("Heartbeat", "Leave", "Ready", "WatchRounds", "Vote", "ReportLinks"))
+                           ("Heartbeat", "Leave", "Ready", "WatchRounds", "Vote", "ReportLinks",
+                            "PostSecAgg", "FetchSecAgg"))
 MEMBER_RETENTION_SECONDS = 7 * 86400.0
 # A ticket outlives its plan's deadline by this much (clock skew between peers, seconds).
 TICKET_SLACK_SECONDS = 60.0
@@ -181,6 +183,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # A str on a queue closes that stream with PERMISSION_DENIED and that message (revoked, fenced).
         self.watchers: dict[str, asyncio.Queue[pb.RoundEvent | str]] = {}
         self.finished_event: pb.RoundEvent | None = None
+        self.secagg = SecAggRelay()  # secure aggregation: the running attempt's encrypted shares and reveals
         self.vote_bytes: dict[tuple[int, int], int] = {}  # data-plane bytes voted per attempt (metrics)
         self.commit_lines = Throttle(COMMIT_LOG_SECONDS)  # INFO "round N committed" lines
         self.dial_backs = RateLimiter(DIAL_BACKS_PER_S, DIAL_BACK_BURST)  # per caller host (`_dial_back_of`)
@@ -557,7 +560,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             info = ReadyInfo(request.num_elements, request.dtype, request.num_samples, request.state_digest,
                              request.state_round, self.clock(), request.state_bytes, request.sync_bytes_per_s,
                              request.training, request.local_steps, request.local_seconds,
-                             request.checkpoint_round, request.checkpoint_digest)
+                             request.checkpoint_round, request.checkpoint_digest,
+                             _secagg_keys(request))
             try:
                 actions = self.engine.ready(request.peer_id, request.round, info, self.clock())
             except RoundError as exc:
@@ -713,6 +717,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             except RoundError as exc:
                 raise _raise(exc) from None
             return pb.VoteResponse()
+
+    def _secure_attempt(self, peer_id: str, round_: int, attempt: int) -> tuple[str, ...]:
+        """The participants of the running secure attempt (round_, attempt), of which `peer_id`
+        must be one; raises FailedPrecondition otherwise."""
+        run = self.engine.running
+        if run is None or (run.plan.round, run.plan.attempt) != (round_, attempt) or not run.plan.secagg_seed:
+            raise FailedPrecondition(f"round {round_} attempt {attempt} is not the running secure attempt")
+        if peer_id not in run.plan.participants:
+            raise FailedPrecondition(f"peer_id: {peer_id[:8]} is not a participant of round {round_}.{attempt}")
+        return run.plan.participants
+
+    async def PostSecAgg(self, request: pb.SecAggPost, context) -> pb.SecAggPostResponse:
+        async with grpc_errors(context):
+            self.secagg.post(request, self._secure_attempt(request.peer_id, request.round, request.attempt))
+            return pb.SecAggPostResponse()
+
+    async def FetchSecAgg(self, request: pb.SecAggFetch, context) -> pb.SecAggFetchResponse:
+        async with grpc_errors(context):
+            require(math.isfinite(request.wait_seconds), "wait_seconds", "must be finite")
+            return await self.secagg.fetch(request, self._secure_attempt(request.peer_id, request.round,
+                                                                          request.attempt))
 
     async def ReportLinks(self, request: pb.LinkReport, context) -> pb.LinkReportResponse:
         async with grpc_errors(context):
@@ -878,6 +903,18 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     ip = ipaddress.ip_address(text)
     mapped = getattr(ip, "ipv4_mapped", None)
     return mapped if mapped is not None else ip
+
+
+def _secagg_keys(request: pb.ReadyRequest) -> bytes:
+    """The Ready's secure-aggregation public keys and signature (mask 32 + box 32 + signature 64
+    bytes), b"" when it carries none. Raises InvalidArgument for keys that are not two 32-byte
+    X25519 keys or a signature that is not 64 bytes (the participants verify it, not the coordinator)."""
+    if not request.secagg_mask_key and not request.secagg_box_key:
+        return b""
+    require(len(request.secagg_mask_key) == 32, "secagg_mask_key", "must be 32 bytes (X25519)")
+    require(len(request.secagg_box_key) == 32, "secagg_box_key", "must be 32 bytes (X25519)")
+    require(len(request.secagg_signature) == 64, "secagg_signature", "must be 64 bytes (Ed25519)")
+    return request.secagg_mask_key + request.secagg_box_key + request.secagg_signature
 
 
 def _check_rate(value: float, field: str) -> None:

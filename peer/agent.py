@@ -66,6 +66,7 @@ from shoal.peer.rounds import (Aborted, CollectiveRecord, EventMailbox, Outcome,
                                RoundListener, RoundOutcome, RunFinished, SyncRecord, SyncSettings, Traffic,
                                VoteRecord, event_of)
 from shoal.peer.state_sync import HELD_STATES, HeldStates, SyncError
+from shoal.peer.secure_round import SecureAggregation
 from shoal.peer.training import LocalUpdate, RunConfig
 from shoal.peer.workloads.digits import DigitsWorkload
 from shoal.peer.workloads.base import Workload, WorkloadClosed
@@ -79,6 +80,11 @@ LINK_MEASURE_SECONDS = 30.0  # probes + report between two rounds, at most
 COORDINATOR_PROBE_TRIES = 3  # before the first plan (see PeerAgent._probe_coordinator)
 COMMIT_LOG_SECONDS = 1.0  # at most one INFO "round N committed" line per second (the rest at debug)
 LEAVE_GRACE_SECONDS = 5.0  # a graceful leave lets the round in play end for this long, then abandons it
+
+
+class SecureAggregationRequired(Exception):
+    """The peer requires secure aggregation (`PeerConfig.require_secure_aggregation`) and the run
+    it joined has it off: it left before sending anything (one line, the CLI's usage error)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ class PeerConfig:
     checkpoint_every: int = 10
     checkpoint_keep: int = 3
     checkpoint_url: str | None = None  # peer.checkpoint_store: the swarm's shared store (file:// or s3://)
+    require_secure_aggregation: bool = False  # leave (SecureAggregationRequired) a run without secure aggregation
 
 
 def freeze_heap() -> None:
@@ -164,9 +171,12 @@ class _Journal(RoundListener):
         self.agent.metrics.on_collective(rec.seconds, rec.bytes_sent, rec.bytes_received)
         self.collective_bytes = (rec.bytes_sent, rec.bytes_received)
         # The traffic of each attempt in time (the summary's peak bytes per second, bytes per round).
+        secure = {} if rec.secure is None else {
+            "secure_bytes_sent": rec.secure.bytes_sent, "secure_bytes_received": rec.secure.bytes_received,
+            "secure_seconds": rec.secure.seconds, "secure_revealed": rec.secure.revealed}
         self.agent.emit("collective", round=rec.plan.round, attempt=rec.plan.attempt, fragment=rec.plan.fragment,
                         bytes_sent=rec.bytes_sent, bytes_received=rec.bytes_received,
-                        started_at=rec.started_at, ended_at=rec.ended_at)
+                        started_at=rec.started_at, ended_at=rec.ended_at, **secure)
         # Much slower than predicted: probe these links again before the next Ready (a re-plan).
         # Peers reached through shared memory are left out: no network link held that round up.
         plan, a = rec.plan, self.agent
@@ -465,6 +475,15 @@ class PeerAgent(StateSource):
         log.info("advertising the relayed address %s (relay %s)", self.address, self.relay_link.relay)
         await self.control.join()
 
+    def _secure(self, cfg: RunConfig) -> SecureAggregation | None:
+        """This peer's side of secure aggregation when the run has it on (peer.secure_round)."""
+        params = cfg.secagg_params()
+        if params is None:
+            return None
+        assert self.control is not None
+        return SecureAggregation(params, self.peer_id, self.control.secagg_post, self.control.secagg_fetch,
+                                 self.key.sign)
+
     async def _start(self) -> None:
         """Join, build the workload from the run's configuration, and the round protocol."""
         resp = await self.control.join()
@@ -472,6 +491,10 @@ class PeerAgent(StateSource):
             self.too_late = resp.finished
             return
         cfg = RunConfig.from_json(resp.run_config_json)
+        if self.config.require_secure_aggregation and not cfg.secure_aggregation:
+            await self.control.leave()
+            raise SecureAggregationRequired(f"the run at {self.config.coordinator} has secure_aggregation off and "
+                                            "this peer requires it (--require-secure-aggregation): it left")
         # Building a workload (a dataset, a model) can outlast a lease on a busy machine: the
         # lease is renewed meanwhile, or the coordinator would drop a member that did nothing wrong.
         renewing = asyncio.create_task(self._renew_lease_while_starting())
@@ -490,7 +513,7 @@ class PeerAgent(StateSource):
             finish_linger=self.config.finish_linger,
             sync=SyncSettings(self.config.sync_donors, self.config.sync_range_bytes), listeners=self.listeners,
             traffic=self.traffic, tamper=owner_attack, clock=self.clock, forge_vote=vote_attack,
-            sparse=cfg.sparse_settings())
+            sparse=cfg.sparse_settings(), secure=self._secure(cfg))
         if self.checkpointer is not None:  # a restart resumes from its newest verified checkpoint
             await asyncio.to_thread(self.checkpointer.fetch_from_store)  # a newer one from the shared store
             ckpt = await asyncio.to_thread(resume, self.workload, self.checkpointer.directory)

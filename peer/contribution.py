@@ -15,7 +15,9 @@ the butterfly; None = the plain sum). Two policies:
   all-gather: the unweighted pseudo-gradient (it feeds the peer's error-feedback accumulator)
   and the weights n_i / sum n, which every peer applies to the decoded contributions; only the
   mean combines with sparse payloads (any other aggregator, max_norm or dp_sigma is refused,
-  naming both settings).
+  naming both settings). A secure attempt (the plan carries a secure-aggregation graph seed,
+  peer.secure_round) takes the plain-sum form on every collective: the owners only add masked
+  rows, so the contribution is pre-weighted (n_i / sum n, or 1/p with contributor DP).
 - `SumContribution` (the all-reduce benchmark job, shoal.bench.collective_job): the input as is, so the
   result is the plain SUM of the inputs (what gloo's all_reduce computes); owners run an
   aggregator only when the job names one for the round.
@@ -119,7 +121,7 @@ class FedAvgContribution:
             return Prepared(grad, None, tuple(c / total for c in counts))
         if dp is not None and dp.at_contributor:
             return self._private(grad, dp, plan)
-        if plan.collective == "butterfly":
+        if plan.collective == "butterfly" and not plan.secagg_seed:
             spec = self.spec()
             if plan.aggregator and plan.aggregator != spec.aggregator:
                 spec = dataclasses.replace(spec, aggregator=plan.aggregator, params={})
@@ -142,7 +144,7 @@ class FedAvgContribution:
             top = cached[2] + self.rng.normal(0.0, math.sqrt(max(0.0, more)), size=cached[2].shape)
             self._noised = (plan.round, plan.size, top.astype(np.float32))
         noisy = self._noised[2]
-        if plan.collective == "butterfly":
+        if plan.collective == "butterfly" and not plan.secagg_seed:
             spec = dataclasses.replace(self.spec(), aggregator="mean", params={}, max_norm=0.0, dp_sigma=0.0)
             return Prepared(noisy, OwnerReduction(spec, np.ones(plan.size), noisy.size))
         return Prepared((noisy * np.float32(1.0 / plan.size)).astype(np.float32), None)

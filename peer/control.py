@@ -12,6 +12,8 @@ its named recoveries in one place (shoal.common.retry decides what is transient)
 | Vote        | `VOTE_SECONDS`         | not delivered: logged, returns False (the coordinator decides at its deadline) |
 | ReportLinks | `rpc_timeout`          | best effort: logged at debug                                |
 | Leave       | `LEAVE_SECONDS`        | best effort                                                 |
+| PostSecAgg  | the caller's wait      | raised when it gives up: the secure attempt fails            |
+| FetchSecAgg | its wait + `rpc_timeout` | raised when it gives up: the secure attempt fails          |
 
 Joining again keeps the identity (the peer id is the key's hash); the new lease, heartbeat
 interval, coordinator key and any sync order of the answer are taken over (`pending_sync`).
@@ -204,6 +206,20 @@ class CoordinatorClient:
             log.log(level, "vote for round %d.%d not delivered: %s %s", req.round, req.attempt, exc.code().name,
                     exc.details())
             return False
+
+    async def secagg_post(self, req: pb.SecAggPost, deadline: float) -> None:
+        """Post this participant's secure-aggregation items (shoal.peer.secure_round); retried
+        within `deadline` seconds, then the status is raised (the attempt fails)."""
+        await self.policy.call(lambda: self.stub.PostSecAgg(req, timeout=self.rpc_timeout, metadata=self.md),
+                               "post secure-aggregation items", deadline=deadline)
+
+    async def secagg_fetch(self, req: pb.SecAggFetch) -> pb.SecAggFetchResponse:
+        """What the coordinator relays to this participant in `req.phase` (it waits up to
+        `req.wait_seconds` for the others); retried within that wait plus one RPC timeout, then
+        the status is raised (the attempt fails)."""
+        return await self.policy.call(
+            lambda: self.stub.FetchSecAgg(req, timeout=req.wait_seconds + self.rpc_timeout, metadata=self.md),
+            "fetch secure-aggregation items", deadline=req.wait_seconds + self.rpc_timeout)
 
     async def report_links(self, report: pb.LinkReport) -> None:
         """Best effort: a lost report only leaves the coordinator with older estimates."""

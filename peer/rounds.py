@@ -62,6 +62,7 @@ from shoal.peer.control import CoordinatorClient
 from shoal.peer.dataplane import Inbox, Session, Transport
 from shoal.peer.links import LinkMeter
 from shoal.peer.result_digest import off_loop
+from shoal.peer.secure_round import SecureAggregation, SecureCost
 from shoal.peer.sparse import ErrorAccumulator, SparseSettings
 from shoal.peer.state_sync import Download, SyncError, SyncResult, download_state
 from shoal.peer.workloads.base import State, Workload
@@ -270,7 +271,9 @@ class CollectiveRecord:
     """One collective attempt that produced a result. bytes_received: data-plane bytes received
     meanwhile; cpu_seconds: this process's CPU time (all threads); lanes: data lanes used so far;
     started_at / ended_at: wall-clock time (time.time(), comparable between processes of one
-    host) this peer entered the collective (its plan in hand) and held the result and its digest."""
+    host) this peer entered the collective (its plan in hand) and held the result and its digest.
+    bytes_sent / bytes_received are the data plane's; a secure attempt's shares and reveals (sent
+    through the coordinator) are in `secure`."""
 
     plan: Plan
     seconds: float
@@ -281,6 +284,7 @@ class CollectiveRecord:
     lanes: tuple[str, ...]
     started_at: float = 0.0
     ended_at: float = 0.0
+    secure: SecureCost | None = None  # a secure attempt: its control-plane bytes, seconds and reveals
 
 
 @dataclass(frozen=True)
@@ -428,6 +432,8 @@ class RoundClient:
     tamper: testing only (peer.testing.byzantine "owner"): what a malicious shard owner publishes.
     forge_vote: testing only (peer.testing.byzantine "false-blame", "lying-digest"): forges each ballot in
     place before it is sent.
+    secure: secure aggregation (peer.secure_round): the Ready carries the round's public keys and
+    the contribution is all-reduced as masked fixed-point rows; None = in the clear.
     clock: this process's `RunClock` (read continually by the agent); a failed attempt during
     which this peer itself did not run for a chunk deadline is voted as its own fault.
     """
@@ -438,7 +444,7 @@ class RoundClient:
                  listeners: Sequence[RoundListener] = (), traffic: Traffic | None = None,
                  tamper: Callable[[np.ndarray], np.ndarray] | None = None, clock: RunClock | None = None,
                  forge_vote: Callable[[pb.VoteRequest, Plan], None] | None = None,
-                 sparse: SparseSettings | None = None):
+                 sparse: SparseSettings | None = None, secure: SecureAggregation | None = None):
         self.control, self.workload, self.contribution = control, workload, contribution
         self.clock = clock
         self.inbox, self.transport, self.links = inbox, transport, links
@@ -454,6 +460,7 @@ class RoundClient:
         # fragment's residual is re-sent with that fragment's next round, never another's.
         self.feedbacks: dict[int, ErrorFeedback] = {}
         self.sparse = sparse  # the run's sparse codec and decay (compression topk / dct), or None
+        self.secure = secure  # secure aggregation (peer.secure_round), or None
         self.accumulator: ErrorAccumulator | None = None  # SparseLoCo's e, made at the first sparse round
         self.last_plan: Plan | None = None  # the last plan received (link probes, shm peers)
         self.last_announce = 0.0  # monotonic time of the last Ready sent
@@ -553,12 +560,17 @@ class RoundClient:
 
     def _ready_request(self, rs: RoundState, round_: int) -> pb.ReadyRequest:
         st = self.workload.state
-        return pb.ReadyRequest(peer_id=self.me, round=round_, num_elements=rs.update.size,
-                               dtype=dtype_code(rs.update.dtype), num_samples=rs.num_samples or self.workload.num_samples,
-                               state_digest=st.digest(), state_round=st.rounds,
-                               state_bytes=self._state_size(st), sync_bytes_per_s=self.sync_rate,
-                               local_steps=rs.local_steps, local_seconds=rs.local_seconds,
-                               checkpoint_round=self.checkpoint[0], checkpoint_digest=self.checkpoint[1])
+        req = pb.ReadyRequest(peer_id=self.me, round=round_, num_elements=rs.update.size,
+                              dtype=dtype_code(rs.update.dtype), num_samples=rs.num_samples or self.workload.num_samples,
+                              state_digest=st.digest(), state_round=st.rounds,
+                              state_bytes=self._state_size(st), sync_bytes_per_s=self.sync_rate,
+                              local_steps=rs.local_steps, local_seconds=rs.local_seconds,
+                              checkpoint_round=self.checkpoint[0], checkpoint_digest=self.checkpoint[1])
+        if self.secure is not None:  # the masked rows are uint32; the round's public keys go in the plan
+            keys = self.secure.keys_for(round_)
+            req.dtype, req.secagg_mask_key, req.secagg_box_key = pb.UINT32, keys.public[:32], keys.public[32:]
+            req.secagg_signature = keys.signature
+        return req
 
     def _state_size(self, st: State) -> int:
         """Bytes of the serialized state, measured once (the layout does not change between
@@ -656,9 +668,7 @@ class RoundClient:
             if reducer is not None and faults.armed("reduce"):
                 reducer = _FaultyReducer(reducer, plan.round)
             started_at = time.time()
-            res = await all_reduce(prepared.values, ev.plan, me=self.me, transport=self.transport,
-                                   inbox=self.inbox, reducer=reducer, feedback=self._feedback(plan), links=self.links,
-                                   tamper=self.tamper, sparse=self._sparse_round(plan, prepared))
+            res = await self._reduce(prepared, reducer, plan)
             ended_at = time.time()
             self.contribution.check(res.values)
             st = self.workload.tentative(res.values, res.digest, share=_share(plan, self.me))
@@ -686,10 +696,25 @@ class RoundClient:
         self._tell("on_collective", CollectiveRecord(plan, res.seconds, res.bytes_sent,
                                                      self.traffic.bytes_received - received,
                                                      cpu, res.flagged, lanes,
-                                                     started_at, ended_at))
+                                                     started_at, ended_at,
+                                                     self.secure.cost if self.secure is not None else None))
         return pb.VoteRequest(peer_id=self.me, round=plan.round, attempt=plan.attempt, train_loss=rs.loss, ok=True,
                               result_digest=res.digest, state_digest=state_digest, bytes_sent=res.bytes_sent,
                               collective_seconds=res.seconds, flagged=res.flagged), 0.0
+
+    async def _reduce(self, prepared, reducer, plan: Plan):
+        """All-reduce the prepared contribution: as it is, or, in a secure run, as masked fixed-point
+        rows summed mod 2^32 and unmasked (peer.secure_round; the owners can only sum then)."""
+        if self.secure is None:
+            return await all_reduce(prepared.values, plan, me=self.me, transport=self.transport, inbox=self.inbox,
+                                    reducer=reducer, feedback=self._feedback(plan), links=self.links, tamper=self.tamper,
+                                    sparse=self._sparse_round(plan, prepared))
+        if reducer is not None or prepared.weights is not None or plan.collective == "allgather":
+            raise CollectiveError("secure aggregation: shard owners only sum masked rows (no aggregator, audit, "
+                                  "norm bound or sparse payload)", [])
+        values = np.ascontiguousarray(prepared.values, dtype=np.float32)
+        return await self.secure.all_reduce(values, plan, lambda masked: all_reduce(
+            masked, plan, me=self.me, transport=self.transport, inbox=self.inbox, links=self.links, tamper=self.tamper))
 
     def _check_fragment(self, plan: Plan) -> None:
         """Refuse a plan whose fragment is not the one this peer's run carries in that round

@@ -40,6 +40,7 @@ participant (round half to even).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 from collections.abc import Iterable, Mapping
@@ -89,6 +90,23 @@ class SecAggParams:
         if not self.clip > 0 or participants * self.clip * 2 ** self.frac_bits >= 2 ** 31:
             raise InvalidArgument(f"clip: {participants} x clip {self.clip} x 2^{self.frac_bits} must stay below "
                                   f"2^31 (the sum must fit the ring Z_2^32)")
+
+    def check_settings(self) -> None:
+        """Raises InvalidArgument naming the first parameter unusable for any participant count."""
+        if self.degree < 2 or self.degree % 2:
+            raise InvalidArgument(f"degree: must be even and >= 2, got {self.degree}")
+        if not 2 <= self.threshold <= self.degree:
+            raise InvalidArgument(f"threshold: must be in 2..{self.degree} (the degree), got {self.threshold}")
+        if not 0 <= self.frac_bits <= 30:
+            raise InvalidArgument(f"frac_bits: must be in 0..30, got {self.frac_bits}")
+        if not self.clip > 0 or not np.isfinite(self.clip):
+            raise InvalidArgument(f"clip: must be > 0, got {self.clip}")
+
+    def for_participants(self, participants: int) -> SecAggParams:
+        """These parameters for a round of `participants`: the threshold capped at the graph's
+        degree (a round of p <= k participants has a complete graph of degree p - 1)."""
+        k = self.degree_for(participants) if participants >= 2 else 1
+        return dataclasses.replace(self, threshold=max(2, min(self.threshold, k)))
 
     def degree_for(self, participants: int) -> int:
         """The graph's degree for `participants`: complete (p - 1) when k reaches it, else k."""
@@ -221,16 +239,18 @@ class SecAggParticipant:
         params: the round's SecAggParams.
         context: bytes binding every pairwise seed to this run, round and attempt (fresh keys and
             a fresh context for every attempt: a retry never reuses a mask).
+        key: the mask key to use (default: a fresh one). The self-mask seed is always fresh.
     """
 
-    def __init__(self, position: int, graph: tuple[tuple[int, ...], ...], params: SecAggParams, context: bytes):
+    def __init__(self, position: int, graph: tuple[tuple[int, ...], ...], params: SecAggParams, context: bytes,
+                 key: X25519PrivateKey | None = None):
         params.check(len(graph))
         self.position = position
         self.graph = graph
         self.neighbours = graph[position]
         self.params = params
         self.context = context
-        self._key = X25519PrivateKey.generate()
+        self._key = key or X25519PrivateKey.generate()
         self._seed = secrets.token_bytes(32)
         self.public_key = self._key.public_key().public_bytes_raw()
         self.held: dict[int, Share] = {}  # owner position -> the share it gave this participant
@@ -305,3 +325,24 @@ def unmask(total: np.ndarray, sent: Iterable[int], revealed: Mapping[int, Mappin
             if i in sent:  # i added its mask towards j, which j never cancelled
                 y -= pairwise_mask(i, j, pairwise_seed(key, public_keys[i], context), n)
     return dequantize(y, params)
+
+
+def refused_with(*, aggregator: str, audit_owners: bool, compression: str, max_norm: float, dp_sigma: float,
+                 dp_mode: str) -> tuple[str, str] | None:
+    """The first run setting that cannot hold with secure aggregation, as (setting, why), or None.
+
+    The shard owners see only masked rows, so they can only sum them: no robust aggregator, no
+    owner audit (it recomputes an aggregator), no owner-side norm bound or noise (a bound needs the
+    contribution in the clear: clip at the contributor, dp_mode distributed or local), and no
+    compression (a lossy codec of uniform ring elements destroys the sum; sparse payloads are
+    summed by every peer in the clear)."""
+    if aggregator not in ("mean", "fedavg"):
+        return "aggregator", f"{aggregator!r}: shard owners see only masked rows and can only sum them"
+    if audit_owners:
+        return "audit_owners", "true: an owner audit recomputes an aggregator of rows only the owners see masked"
+    if compression != "none":
+        return "compression", f"{compression!r}: masked rows are uniform ring elements, summed exactly"
+    if max_norm > 0 and not (dp_sigma > 0 and dp_mode in ("distributed", "local")):
+        return "max_norm", (f"{max_norm}: applied by the shard owners, who see only masked rows (with dp_sigma > 0 "
+                            "and dp_mode distributed or local every participant clips its own contribution)")
+    return None

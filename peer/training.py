@@ -31,6 +31,7 @@ from shoal.peer.fragments import FRAGMENT_MODES, FragmentedOuter, Fragments, fra
 from shoal.peer.sparse import DEFAULT_CHUNK, SparseCodec, SparseSettings, is_sparse
 from shoal.peer.outer import OuterOptimizer, make_outer
 from shoal.peer.reduction import ReductionSpec
+from shoal.peer.secagg import SecAggParams, refused_with
 from shoal.common.tensors import digest
 
 _MAGIC = b"SHOALST1"
@@ -72,6 +73,11 @@ class RunConfig:
     fragment_overlap > 0 (without either nothing is delayed). The committed state is unchanged.
     error_feedback: int8 / fp4 contributions carry the previous committed round's quantization
     residual of the same parameters (per fragment); False sends each round's values alone.
+    Secure aggregation (SecAgg+, peer.secure_round; docs/security.md): secure_aggregation on
+    masks every contribution so that only the sum is revealed; secagg_degree k (neighbours, even),
+    secagg_threshold t (shares that unmask), secagg_clip (elements clipped to +-clip) and
+    secagg_frac_bits (fixed-point fractional bits in Z_2^32). Refused with robust aggregators,
+    owner-side max_norm or DP noise and compression (`peer.secagg.refused_with`).
     """
 
     algorithm: str = "diloco"
@@ -104,6 +110,11 @@ class RunConfig:
     sparse_k: int = 64
     sparse_bits: int = 2
     sparse_beta: float = 0.95
+    secure_aggregation: bool = False
+    secagg_degree: int = 4
+    secagg_threshold: int = 3
+    secagg_clip: float = 4.0
+    secagg_frac_bits: int = 20
 
     def __post_init__(self) -> None:
         if self.algorithm not in ("diloco", "fedavg"):
@@ -156,6 +167,18 @@ class RunConfig:
         else:
             codec_id(self.compression)
         make_outer(self.outer_name, **self.outer_params)
+        if self.secure_aggregation:
+            refused = refused_with(aggregator=self.aggregator, audit_owners=False, compression=self.compression,
+                                   max_norm=self.max_norm, dp_sigma=self.dp_sigma, dp_mode=self.dp_mode)
+            if refused is not None:
+                raise InvalidArgument(f"{refused[0]}: {refused[1]}; it does not combine with secure_aggregation")
+            self.secagg_params().check_settings()
+
+    def secagg_params(self) -> SecAggParams | None:
+        """Secure aggregation's parameters (peer.secagg), or None when it is off."""
+        if not self.secure_aggregation:
+            return None
+        return SecAggParams(self.secagg_degree, self.secagg_threshold, self.secagg_clip, self.secagg_frac_bits)
 
     def sparse_settings(self) -> SparseSettings | None:
         """The sparse codec and error-feedback decay when `compression` is "topk" or "dct", else

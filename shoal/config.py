@@ -36,6 +36,7 @@ from shoal.common.attempts import ATTEMPT_STRIDE
 from shoal.common.limits import MAX_BULK_CHUNK_BYTES
 from shoal.common.privacy import DpSettings
 from shoal.common.settings import setting
+from shoal.peer.secagg import refused_with
 from shoal.coordinator.rounds import EngineConfig
 from shoal.coordinator.settings import RoundSettings
 
@@ -336,6 +337,18 @@ class RunSection:
     audit_owners: bool = setting(False, "a second shard owner recomputes every shard's aggregate and blames an "
                                         "owner that publishes another one (butterfly; doubles the reduce-scatter "
                                         "bytes; not with dp_sigma)")
+    secure_aggregation: bool = setting(False, "secure aggregation (SecAgg+): every contribution is clipped, "
+                                              "quantized to Z_2^32 and masked so that no peer and not the "
+                                              "coordinator sees it, only the sum (mean aggregation only; "
+                                              "docs/security.md)")
+    secagg_degree: int = setting(4, "secure aggregation: neighbours k of each participant in the masking graph "
+                                    "(even; >= participants - 1 makes it complete)")
+    secagg_threshold: int = setting(3, "secure aggregation: shares t of a participant's seed that unmask it "
+                                       "(2..k; t colluding neighbours can unmask it, docs/security.md)")
+    secagg_clip: float = setting(4.0, "secure aggregation: each element of a (weighted) contribution is clipped "
+                                      "to +-clip before quantization")
+    secagg_frac_bits: int = setting(20, "secure aggregation: fixed-point fractional bits (resolution 2^-bits; "
+                                        "participants x clip x 2^bits must stay below 2^31)")
 
     def validate(self) -> None:
         """Raise ConfigError naming the first out-of-range setting (the outer optimizer's own
@@ -398,6 +411,27 @@ class RunSection:
                                       f"{self.compression!r} (sparse payloads are summed by every peer: mean only)",
                                       setting=f"run.{key}")
 
+        self._check_secure()
+
+    def _check_secure(self) -> None:
+        """Secure aggregation's parameters, and the settings that cannot hold with it (one line
+        naming both settings)."""
+        if not self.secure_aggregation:
+            return
+        r = "run"
+        _check(self.secagg_degree >= 2 and self.secagg_degree % 2 == 0, r, "secagg_degree", "even and >= 2",
+               self.secagg_degree)
+        _check(2 <= self.secagg_threshold <= self.secagg_degree, r, "secagg_threshold",
+               f"in 2..secagg_degree ({self.secagg_degree})", self.secagg_threshold)
+        _check(self.secagg_clip > 0 and _finite(self.secagg_clip), r, "secagg_clip", "> 0", self.secagg_clip)
+        _check(0 <= self.secagg_frac_bits <= 30, r, "secagg_frac_bits", "in 0..30", self.secagg_frac_bits)
+        refused = refused_with(aggregator=self.aggregator, audit_owners=self.audit_owners,
+                               compression=self.compression, max_norm=self.max_norm, dp_sigma=self.dp_sigma,
+                               dp_mode=self.dp_mode)
+        if refused is not None:
+            raise ConfigError(f"run.{refused[0]} = {refused[1]}; it does not combine with run.secure_aggregation",
+                              setting=f"run.{refused[0]}")
+
     def sparse_bytes_per_element(self) -> float:
         """Bytes per element of one peer's sparse payload (0 for a dense compression)."""
         if self.compression not in ("topk", "dct"):
@@ -455,7 +489,10 @@ class RunSection:
                          fragment_partition=self.fragment_partition, fragment_overlap=self.fragment_overlap,
                          fragment_alpha=self.fragment_alpha, eager=self.eager, error_feedback=self.error_feedback,
                          sparse_chunk=self.sparse_chunk,
-                         sparse_k=self.sparse_k, sparse_bits=self.sparse_bits, sparse_beta=self.sparse_beta)
+                         sparse_k=self.sparse_k, sparse_bits=self.sparse_bits, sparse_beta=self.sparse_beta,
+                         secure_aggregation=self.secure_aggregation, secagg_degree=self.secagg_degree,
+                         secagg_threshold=self.secagg_threshold, secagg_clip=self.secagg_clip,
+                         secagg_frac_bits=self.secagg_frac_bits)
 
 
 @dataclass(frozen=True)
@@ -511,6 +548,8 @@ class PeerSection:
                               "forge votes with false-blame / lying-digest (shoal.peer.testing.byzantine); empty = honest",
                           choices=("", "sign-flip", "scale", "nan", "random", "owner", "false-blame", "lying-digest"))
     attack_scale: float | None = setting(None, "strength of the attack (defaults per attack)")
+    require_secure_aggregation: bool = setting(False, "leave, before sending anything, a run whose coordinator "
+                                                      "has secure_aggregation off (exit code 2, one line)")
     checkpoint_dir: str | None = setting(None, "write checkpoints of the committed state here (safetensors and a "
                                                "JSON manifest per checkpoint; docs/checkpoints.md); unset = none")
     checkpoint_every: int = setting(10, "with checkpoint_dir: a checkpoint every this many committed rounds")

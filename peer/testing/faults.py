@@ -6,7 +6,9 @@ Enabled only by the environment variable SHOAL_FAULT="POINT:ACTION[@ROUND][,...]
 "ag" (mid all-gather), "serve-state" (while serving a state range), "train" (during local
 training), "commit-event" (the round-event stream delivers the commit of that round), "reduce"
 (this peer's shard-owner reduction, where an owner reducer runs: the butterfly with an
-aggregator). Actions: "kill" (SIGKILL, a real crash: no cleanup, sockets reset by the kernel),
+aggregator), "secagg-shared" (a secure round: this participant's encrypted shares are posted and
+its neighbours' received, before it sends its masked row), "secagg-sent" (a secure round: its
+masked row is summed, before it reveals its shares). Actions: "kill" (SIGKILL, a real crash: no cleanup, sockets reset by the kernel),
 "stop" (SIGSTOP: a silent peer; the test sends SIGCONT), "drop" (the message at that point is
 lost, as on a half-dead connection; only where the code asks `dropped`), "raise" (the code at
 that point raises `InjectedFault`, as a buggy aggregator would; only where the code calls
@@ -26,7 +28,7 @@ import signal
 
 log = logging.getLogger("shoal.peer.testing.faults")
 ACTIONS = ("kill", "stop", "drop", "raise")
-POINTS = ("rs", "ag", "serve-state", "train", "commit-event", "reduce")
+POINTS = ("rs", "ag", "serve-state", "train", "commit-event", "reduce", "secagg-shared", "secagg-sent")
 
 _SPEC: list[tuple[str, str, int | None]] = []
 _FIRED: set[int] = set()

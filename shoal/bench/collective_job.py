@@ -162,6 +162,10 @@ class JobReport(RoundListener):
             "shard_fractions": shard_fractions(p), "lanes": list(rec.lanes), "chunk_bytes": p.chunk_bytes,
             "aggregator": self.contribution.aggregator(p.round),
             "started_at": rec.started_at, "ended_at": rec.ended_at})
+        if rec.secure is not None:
+            self.report["rounds"][-1].update(
+                secure_bytes_sent=rec.secure.bytes_sent, secure_bytes_received=rec.secure.bytes_received,
+                secure_seconds=rec.secure.seconds, secure_revealed=rec.secure.revealed)
 
     def on_outcome(self, outcome: RoundOutcome) -> None:
         if outcome.kind is Outcome.COMMITTED and self.keep_results and self.workload is not None:

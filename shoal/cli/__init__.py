@@ -550,7 +550,7 @@ def _hold_peer_key(p) -> str:
 
 
 def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
-    from shoal.peer.agent import PeerConfig, run_peer
+    from shoal.peer.agent import PeerConfig, SecureAggregationRequired, run_peer
 
     from shoal.relay.protocol import RelayRefused, RelayUnreachable
     from shoal.peer.checkpoints import CheckpointMismatch
@@ -574,7 +574,8 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
                           metrics_host=p.metrics_host, shared_memory=p.shared_memory, tcp_lane=p.tcp_lane,
                           bulk_connections=p.bulk_connections, outbound_only=p.outbound_only, relay=p.relay, freeze_heap=True,
                           checkpoint_dir=p.checkpoint_dir, checkpoint_every=p.checkpoint_every,
-                          checkpoint_keep=p.checkpoint_keep, checkpoint_url=p.checkpoint_url)
+                          checkpoint_keep=p.checkpoint_keep, checkpoint_url=p.checkpoint_url,
+                          require_secure_aggregation=p.require_secure_aggregation)
     result: dict = {}
     got: list[int] = []
 
@@ -603,6 +604,10 @@ def cmd_peer(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
         refused = _found(exc, RelayRefused)
         if refused is not None:
             log.error("peer: %s (key file %s)", refused, key_path)
+            return EXIT_USAGE
+        required = _found(exc, SecureAggregationRequired)
+        if required is not None:
+            log.error("peer: %s", required)
             return EXIT_USAGE
         mismatch = _found(exc, CheckpointMismatch)
         if mismatch is not None:  # --checkpoint-dir holds another run's or model's checkpoints

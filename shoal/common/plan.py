@@ -64,6 +64,10 @@ class Plan:
     chunks sent to a relayed participant are signed one by one (shoal.relay.protocol).
     fragments / fragment: the run's Streaming DiLoCo fragments F (1 = the whole model) and the
     one this round carries (round mod F; docs/training.md).
+    secagg_keys: per participant, its round's secure-aggregation public keys and their signature
+    by its identity key (mask key 32 + box key 32 + Ed25519 signature 64 bytes; empty tuple
+    without secure aggregation); secagg_seed: the attempt's public graph seed
+    (32 bytes; b"" = not a secure attempt; shoal.peer.secure_round).
     """
 
     participants: tuple[str, ...]
@@ -93,6 +97,8 @@ class Plan:
     relays: tuple[str, ...] = ()
     fragment: int = 0
     fragments: int = 1
+    secagg_keys: tuple[bytes, ...] = ()
+    secagg_seed: bytes = b""
 
     @property
     def size(self) -> int:
@@ -129,7 +135,10 @@ class Plan:
                            num_samples=self.num_samples[i] if i < len(self.num_samples) else 0,
                            owner=i in owners,
                            public_key=self.public_keys[i] if i < len(self.public_keys) else b"",
-                           outbound_only=i in self.outbound_only, relay=self.relay_of(i))
+                           outbound_only=i in self.outbound_only, relay=self.relay_of(i),
+                           secagg_mask_key=self.secagg_keys[i][:32] if i < len(self.secagg_keys) else b"",
+                           secagg_box_key=self.secagg_keys[i][32:64] if i < len(self.secagg_keys) else b"",
+                           secagg_signature=self.secagg_keys[i][64:] if i < len(self.secagg_keys) else b"")
             for i, p in enumerate(self.participants)
         ]
         return pb.Plan(round=self.round, attempt=self.attempt, epoch=self.epoch, participants=parts,
@@ -138,7 +147,8 @@ class Plan:
                        chunk_timeout_seconds=self.chunk_timeout_seconds, chunk_bytes=self.chunk_bytes,
                        ticket=self.ticket, aggregator=self.aggregator, compression=self.compression,
                        predicted_seconds=self.predicted_seconds, audit_owners=self.audit_owners,
-                       fragment=self.fragment, fragments=self.fragments if self.fragments > 1 else 0)
+                       fragment=self.fragment, fragments=self.fragments if self.fragments > 1 else 0,
+                       secagg_seed=self.secagg_seed)
 
     @staticmethod
     def from_proto(msg: pb.Plan) -> Plan:
@@ -163,4 +173,8 @@ class Plan:
             outbound_only=tuple(i for i, p in enumerate(msg.participants) if p.outbound_only),
             relays=tuple(p.relay for p in msg.participants) if any(p.relay for p in msg.participants) else (),
             fragment=msg.fragment, fragments=max(1, msg.fragments),
+            secagg_keys=tuple(p.secagg_mask_key + p.secagg_box_key + p.secagg_signature for p in msg.participants)
+            if msg.secagg_seed
+            else (),
+            secagg_seed=msg.secagg_seed,
         )

@@ -26,6 +26,7 @@ _TO_NUMPY = {
     pb.FLOAT64: np.dtype("<f8"),
     pb.INT8: np.dtype("i1"),
     pb.UINT8: np.dtype("u1"),
+    pb.UINT32: np.dtype("<u4"),
 }
 _FROM_NUMPY = {v: k for k, v in _TO_NUMPY.items()}
 

@@ -658,6 +658,7 @@ def summarize(swarm: Swarm, wall: float, baseline: float | None, chaos: "ChaosLo
         "checkpoints_uploaded": sum(1 for e in events if e["event"] == "checkpoint_uploaded"),
     }
     summary.update(_privacy_summary(swarm, commits))
+    summary.update(_secure_summary(swarm, [e for e in events if e["event"] == "collective"]))
     if chaos is not None:
         summary.update(chaos.summary(commits))
     return summary
@@ -675,6 +676,21 @@ def _privacy_summary(swarm: Swarm, commits: list[dict]) -> dict:
             "epsilon_by_round": {str(r): by_round[r] for r in sorted(by_round)},
             "dp_sigma": extra["dp_sigma"], "dp_mode": extra.get("dp_mode", "owner"),
             "dp_delta": extra.get("dp_delta", 1e-5), "max_norm": extra.get("max_norm", 0.0)}
+
+
+def _secure_summary(swarm: Swarm, collectives: list[dict]) -> dict:
+    """The secure-aggregation keys (docs/security.md): with secure_aggregation on,
+    `secure_aggregation` (true), `secure_bytes_total` (shares and reveals every peer sent through
+    the coordinator, all attempts), `secure_seconds_mean` (per peer and attempt: keys, shares,
+    masking, relay waits and unmasking, outside the all-reduce); and, with or without it,
+    `collective_seconds_mean` (per peer and attempt, plan in hand to result and digest)."""
+    out = {"collective_seconds_mean": round(sum(e["ended_at"] - e["started_at"] for e in collectives)
+                                            / max(1, len(collectives)), 4)}
+    if not dict(swarm.opts.run_extra).get("secure_aggregation"):
+        return out
+    secure = [e for e in collectives if "secure_seconds" in e]
+    return {**out, "secure_aggregation": True, "secure_bytes_total": sum(e["secure_bytes_sent"] for e in secure),
+            "secure_seconds_mean": round(sum(e["secure_seconds"] for e in secure) / max(1, len(secure)), 4)}
 
 
 @dataclass

@@ -16,6 +16,13 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INT8: _ClassVar[DType]
     FLOAT64: _ClassVar[DType]
     UINT8: _ClassVar[DType]
+    UINT32: _ClassVar[DType]
+
+class SecAggPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SECAGG_PHASE_UNSPECIFIED: _ClassVar[SecAggPhase]
+    SECAGG_SHARES: _ClassVar[SecAggPhase]
+    SECAGG_REVEAL: _ClassVar[SecAggPhase]
 
 class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +37,10 @@ BFLOAT16: DType
 INT8: DType
 FLOAT64: DType
 UINT8: DType
+UINT32: DType
+SECAGG_PHASE_UNSPECIFIED: SecAggPhase
+SECAGG_SHARES: SecAggPhase
+SECAGG_REVEAL: SecAggPhase
 PHASE_UNSPECIFIED: Phase
 REDUCE_SCATTER: Phase
 ALL_GATHER: Phase
@@ -142,7 +153,7 @@ class LeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReadyRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s", "training", "local_steps", "local_seconds", "checkpoint_round", "checkpoint_digest")
+    __slots__ = ("peer_id", "round", "num_elements", "dtype", "num_samples", "state_digest", "state_round", "state_bytes", "sync_bytes_per_s", "training", "local_steps", "local_seconds", "checkpoint_round", "checkpoint_digest", "secagg_mask_key", "secagg_box_key", "secagg_signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +168,9 @@ class ReadyRequest(_message.Message):
     LOCAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ROUND_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_MASK_KEY_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_BOX_KEY_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     round: int
     num_elements: int
@@ -171,7 +185,10 @@ class ReadyRequest(_message.Message):
     local_seconds: float
     checkpoint_round: int
     checkpoint_digest: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ..., training: _Optional[bool] = ..., local_steps: _Optional[int] = ..., local_seconds: _Optional[float] = ..., checkpoint_round: _Optional[int] = ..., checkpoint_digest: _Optional[bytes] = ...) -> None: ...
+    secagg_mask_key: bytes
+    secagg_box_key: bytes
+    secagg_signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_samples: _Optional[int] = ..., state_digest: _Optional[bytes] = ..., state_round: _Optional[int] = ..., state_bytes: _Optional[int] = ..., sync_bytes_per_s: _Optional[float] = ..., training: _Optional[bool] = ..., local_steps: _Optional[int] = ..., local_seconds: _Optional[float] = ..., checkpoint_round: _Optional[int] = ..., checkpoint_digest: _Optional[bytes] = ..., secagg_mask_key: _Optional[bytes] = ..., secagg_box_key: _Optional[bytes] = ..., secagg_signature: _Optional[bytes] = ...) -> None: ...
 
 class ReadyResponse(_message.Message):
     __slots__ = ("round", "sync", "pooled")
@@ -190,7 +207,7 @@ class WatchRequest(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ...) -> None: ...
 
 class Participant(_message.Message):
-    __slots__ = ("peer_id", "address", "num_samples", "owner", "public_key", "outbound_only", "relay")
+    __slots__ = ("peer_id", "address", "num_samples", "owner", "public_key", "outbound_only", "relay", "secagg_mask_key", "secagg_box_key", "secagg_signature")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +215,9 @@ class Participant(_message.Message):
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     RELAY_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_MASK_KEY_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_BOX_KEY_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     address: str
     num_samples: int
@@ -205,10 +225,13 @@ class Participant(_message.Message):
     public_key: bytes
     outbound_only: bool
     relay: str
-    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ...) -> None: ...
+    secagg_mask_key: bytes
+    secagg_box_key: bytes
+    secagg_signature: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., secagg_mask_key: _Optional[bytes] = ..., secagg_box_key: _Optional[bytes] = ..., secagg_signature: _Optional[bytes] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners", "fragment", "fragments")
+    __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners", "fragment", "fragments", "secagg_seed")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +251,7 @@ class Plan(_message.Message):
     AUDIT_OWNERS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SECAGG_SEED_FIELD_NUMBER: _ClassVar[int]
     round: int
     attempt: int
     epoch: int
@@ -247,7 +271,8 @@ class Plan(_message.Message):
     audit_owners: bool
     fragment: int
     fragments: int
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., collective: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ...) -> None: ...
+    secagg_seed: bytes
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., collective: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., secagg_seed: _Optional[bytes] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("round", "attempt", "result_digest", "state_digest", "epoch", "participants", "flagged", "step_seconds", "epsilon", "checkpointers")
@@ -358,6 +383,56 @@ class VoteRequest(_message.Message):
 class VoteResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SecAggItem(_message.Message):
+    __slots__ = ("from_peer", "to_peer", "data")
+    FROM_PEER_FIELD_NUMBER: _ClassVar[int]
+    TO_PEER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    from_peer: str
+    to_peer: str
+    data: bytes
+    def __init__(self, from_peer: _Optional[str] = ..., to_peer: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SecAggPost(_message.Message):
+    __slots__ = ("peer_id", "round", "attempt", "phase", "items")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    attempt: int
+    phase: SecAggPhase
+    items: _containers.RepeatedCompositeFieldContainer[SecAggItem]
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[SecAggPhase, str]] = ..., items: _Optional[_Iterable[_Union[SecAggItem, _Mapping]]] = ...) -> None: ...
+
+class SecAggPostResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SecAggFetch(_message.Message):
+    __slots__ = ("peer_id", "round", "attempt", "phase", "wait_seconds")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    round: int
+    attempt: int
+    phase: SecAggPhase
+    wait_seconds: float
+    def __init__(self, peer_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., phase: _Optional[_Union[SecAggPhase, str]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class SecAggFetchResponse(_message.Message):
+    __slots__ = ("items", "posted")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    POSTED_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[SecAggItem]
+    posted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, items: _Optional[_Iterable[_Union[SecAggItem, _Mapping]]] = ..., posted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LinkEstimate(_message.Message):
     __slots__ = ("peer_id", "up_bytes_per_s", "down_bytes_per_s", "rtt_seconds", "samples")

@@ -96,6 +96,16 @@ class CoordinatorStub:
                 request_serializer=shoal_dot_v1_dot_shoal__pb2.RevokeMemberRequest.SerializeToString,
                 response_deserializer=shoal_dot_v1_dot_shoal__pb2.RevokeMemberResponse.FromString,
                 _registered_method=True)
+        self.PostSecAgg = channel.unary_unary(
+                '/shoal.v1.Coordinator/PostSecAgg',
+                request_serializer=shoal_dot_v1_dot_shoal__pb2.SecAggPost.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_shoal__pb2.SecAggPostResponse.FromString,
+                _registered_method=True)
+        self.FetchSecAgg = channel.unary_unary(
+                '/shoal.v1.Coordinator/FetchSecAgg',
+                request_serializer=shoal_dot_v1_dot_shoal__pb2.SecAggFetch.SerializeToString,
+                response_deserializer=shoal_dot_v1_dot_shoal__pb2.SecAggFetchResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -191,6 +201,23 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PostSecAgg(self, request, context):
+        """Secure aggregation (docs/security.md): a participant of the running attempt posts its
+        encrypted Shamir shares (one per neighbour) or, after the masked all-reduce, its revealed
+        shares. The coordinator only relays them; it never holds a share's plaintext.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchSecAgg(self, request, context):
+        """What was posted to this participant in a phase of the running attempt: waits until every
+        participant posted or `wait_seconds` passed. FAILED_PRECONDITION for another attempt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +280,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RevokeMember,
                     request_deserializer=shoal_dot_v1_dot_shoal__pb2.RevokeMemberRequest.FromString,
                     response_serializer=shoal_dot_v1_dot_shoal__pb2.RevokeMemberResponse.SerializeToString,
+            ),
+            'PostSecAgg': grpc.unary_unary_rpc_method_handler(
+                    servicer.PostSecAgg,
+                    request_deserializer=shoal_dot_v1_dot_shoal__pb2.SecAggPost.FromString,
+                    response_serializer=shoal_dot_v1_dot_shoal__pb2.SecAggPostResponse.SerializeToString,
+            ),
+            'FetchSecAgg': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchSecAgg,
+                    request_deserializer=shoal_dot_v1_dot_shoal__pb2.SecAggFetch.FromString,
+                    response_serializer=shoal_dot_v1_dot_shoal__pb2.SecAggFetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -581,6 +618,60 @@ class Coordinator:
             '/shoal.v1.Coordinator/RevokeMember',
             shoal_dot_v1_dot_shoal__pb2.RevokeMemberRequest.SerializeToString,
             shoal_dot_v1_dot_shoal__pb2.RevokeMemberResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PostSecAgg(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.Coordinator/PostSecAgg',
+            shoal_dot_v1_dot_shoal__pb2.SecAggPost.SerializeToString,
+            shoal_dot_v1_dot_shoal__pb2.SecAggPostResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSecAgg(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shoal.v1.Coordinator/FetchSecAgg',
+            shoal_dot_v1_dot_shoal__pb2.SecAggFetch.SerializeToString,
+            shoal_dot_v1_dot_shoal__pb2.SecAggFetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,8 @@
 """Differential privacy in a real swarm (processes, gRPC on loopback): the ε the summary reports
 after every committed round is what dp-accounting computes for the run's noise multiplier,
-sampling and rounds, and an ε budget stops the run before the round that would exceed it."""
+sampling and rounds (in the clear and under secure aggregation, where the distributed noise is
+what hides each contribution's 1/p share), and an ε budget stops the run before the round that
+would exceed it."""
 
 from __future__ import annotations
 
@@ -35,9 +37,11 @@ def swarm(tmp_path, *args: str) -> dict:
 
 
 @pytest.mark.soak
-def test_reported_epsilon_is_the_library_s_after_every_round(tmp_path):
-    s = swarm(tmp_path, "--rounds", "4", "--dp-sigma", "0.8", "--dp-delta", "1e-6")
+@pytest.mark.parametrize("secure", [(), ("--secure-aggregation",)], ids=["clear", "secure-aggregation"])
+def test_reported_epsilon_is_the_library_s_after_every_round(tmp_path, secure):
+    s = swarm(tmp_path, "--rounds", "4", "--dp-sigma", "0.8", "--dp-delta", "1e-6", *secure)
     assert s["rounds_committed"] == 4 and s["digest_mismatches"] == 0
+    assert s.get("secure_aggregation", False) == bool(secure)
     assert s["epsilon_by_round"] == {str(r): library_epsilon(0.8, r + 1, 1e-6) for r in range(4)}
     assert s["epsilon"] == library_epsilon(0.8, 4, 1e-6)
 
