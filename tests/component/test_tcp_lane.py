@@ -1,9 +1,8 @@
-"""The bulk lane (peer/bulk_lane.py): its frame codec, its admission (the same checks as
-PushChunks), all-reduces over it, and broken connections.
-
-The codec tests are pure. The others use real TCP sockets and real gRPC on loopback in this
-event loop (tests/swarmlet.py: real Ed25519 identities, coordinator-signed tickets), and real
-processes (collective jobs, `shoal peer`) for the end-to-end and kill -9 cases.
+"""The bulk lane (peer/lanes/bulk.py) over real TCP sockets and real gRPC on loopback in this
+event loop (tests/kits/swarmlet.py: real Ed25519 identities, coordinator-signed tickets): reads and
+writes on full sockets, all-reduces over it, its admission (the same checks as PushChunks), its TLS
+binding, and broken or restarted connections. The frame codec's pure tests are
+tests/unit/test_bulk_lane_frames.py.
 """
 
 from __future__ import annotations
@@ -26,17 +25,12 @@ from shoal.peer.lanes import bulk as bulk_lane
 from shoal.peer.collectives import CollectiveError
 from shoal.peer.dataplane import Inbox, PeerService, SenderGone, Session, Transport, serve_data_plane
 from shoal.v1 import shoal_pb2 as pb
+from kits.chunks import chunk_header
 from kits.swarmlet import Swarmlet
 
-ALICE = "a1" * 16
 
 
-def _header(sender: str = ALICE, count: int = 4, **kw) -> pb.Chunk:
-    return pb.Chunk(round=0, attempt=0, sender=sender, phase=kw.pop("phase", pb.REDUCE_SCATTER), shard=0,
-                    offset=kw.pop("offset", 0), dtype=kw.pop("dtype", pb.FLOAT32), shape=[count], **kw)
-
-
-# ------------------------------------------------------------------------------- codec (pure)
+# ------------------------------------------------------------------------------- sockets
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -53,7 +47,7 @@ async def test_send_frame_writes_every_byte_when_the_socket_fills():
     a, b = _tcp_pair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # sendmsg writes part, sock_sendall the rest
     values = np.random.default_rng(0).standard_normal(300_000).astype(np.float32)
-    frames = [bulk_lane.ChunkFrame(_header(count=values.size, offset=i), values) for i in range(3)]
+    frames = [bulk_lane.ChunkFrame(chunk_header(count=values.size, offset=i), values) for i in range(3)]
     try:
         async with asyncio.timeout(30):
             async def send():
@@ -108,7 +102,7 @@ async def test_a_receiver_out_of_step_breaks_the_stream(reply):
     try:
         theirs.sendall(reply)
         conn = bulk_lane.BulkConnection(mine)
-        items = iter([(_header(), bulk_lane.chunk_frame(_header(), np.zeros(4, np.float32)))] * 3)
+        items = iter([(chunk_header(), bulk_lane.chunk_frame(chunk_header(), np.zeros(4, np.float32)))] * 3)
 
         async def frames():
             return next(items, None)
@@ -278,17 +272,17 @@ async def test_the_bulk_lane_admits_exactly_what_push_chunks_admits():
         stranger = Ed25519PrivateKey.generate()
         refusals = {
             "UNAUTHENTICATED": [  # signed by another key; signed for PushChunks, not the bulk lane
-                dict(chunks=[(_header(me, ticket=t), vals)], key=stranger),
-                dict(chunks=[(_header(me, ticket=t), vals)], key=key, method="/shoal.v1.Peer/PushChunks")],
+                dict(chunks=[(chunk_header(me, ticket=t), vals)], key=stranger),
+                dict(chunks=[(chunk_header(me, ticket=t), vals)], key=key, method="/shoal.v1.Peer/PushChunks")],
             "PERMISSION_DENIED": [  # no ticket; a ticket the sender signed itself
-                dict(chunks=[(_header(me), vals)], key=key),
-                dict(chunks=[(_header(me, ticket=_ticket(peers, stranger)), vals)], key=key)],
+                dict(chunks=[(chunk_header(me), vals)], key=key),
+                dict(chunks=[(chunk_header(me, ticket=_ticket(peers, stranger)), vals)], key=key)],
             "INVALID_ARGUMENT": [  # dtype, past the shard, 2-D, payload length, a bad second chunk
-                dict(chunks=[(_header(me, ticket=t, dtype=pb.FLOAT16, count=8), vals)], key=key),
-                dict(chunks=[(_header(me, ticket=t, offset=14), vals)], key=key),
+                dict(chunks=[(chunk_header(me, ticket=t, dtype=pb.FLOAT16, count=8), vals)], key=key),
+                dict(chunks=[(chunk_header(me, ticket=t, offset=14), vals)], key=key),
                 dict(chunks=[(pb.Chunk(round=0, sender=me, dtype=pb.FLOAT32, shape=[2, 2], ticket=t), vals)], key=key),
-                dict(chunks=[(_header(me, ticket=t, count=3), vals)], key=key),
-                dict(chunks=[(_header(me, ticket=t), vals), (_header(me, offset=4, dtype=pb.FLOAT16, count=8), vals)],
+                dict(chunks=[(chunk_header(me, ticket=t, count=3), vals)], key=key),
+                dict(chunks=[(chunk_header(me, ticket=t), vals), (chunk_header(me, offset=4, dtype=pb.FLOAT16, count=8), vals)],
                      key=key)],
         }
         for code, cases in refusals.items():
@@ -301,14 +295,14 @@ async def test_the_bulk_lane_admits_exactly_what_push_chunks_admits():
         assert np.array_equal(await inbox.get((0, 0, pb.REDUCE_SCATTER, 0, 0, 0, me), 1.0), vals)
         assert inbox._bytes == 0
         # A valid stream is acknowledged; the same signed HELLO replayed is refused.
-        md = sign_metadata(key, bulk_lane.BULK_METHOD, _header(me, ticket=t, offset=8))
-        assert await _send(port, key, [(_header(me, ticket=t, offset=8), vals)], sign=lambda h: md) == 1
+        md = sign_metadata(key, bulk_lane.BULK_METHOD, chunk_header(me, ticket=t, offset=8))
+        assert await _send(port, key, [(chunk_header(me, ticket=t, offset=8), vals)], sign=lambda h: md) == 1
         with pytest.raises(bulk_lane.BulkRefused, match="replayed"):
-            await _send(port, key, [(_header(me, ticket=t, offset=8), vals)], sign=lambda h: md)
+            await _send(port, key, [(chunk_header(me, ticket=t, offset=8), vals)], sign=lambda h: md)
         # A payload larger than the plan's chunks is refused before it is read.
         big = np.zeros(17 * 2, np.float32)
         with pytest.raises(bulk_lane.BulkRefused, match="at most"):
-            await _send(port, key, [(_header(me, ticket=t, offset=12), vals), (_header(me, count=34), big)])
+            await _send(port, key, [(chunk_header(me, ticket=t, offset=12), vals), (chunk_header(me, count=34), big)])
 
 
 async def test_a_connection_killed_mid_stream_fails_the_waits_on_its_sender_at_once():
@@ -316,13 +310,13 @@ async def test_a_connection_killed_mid_stream_fails_the_waits_on_its_sender_at_o
         inbox, port = peers.inboxes[0], peers.services[0].bulk.port
         inbox.start(_session(peers))
         me, key = peers.ids[1], peers.keys[1]
-        first = _header(me, ticket=_ticket(peers))
+        first = chunk_header(me, ticket=_ticket(peers))
         loop = asyncio.get_running_loop()
         sock = socket.create_connection(("127.0.0.1", port))
         sock.setblocking(False)
         await loop.sock_sendall(sock, bulk_lane.hello_frame(sign_metadata(key, bulk_lane.BULK_METHOD, first)))
         await loop.sock_sendall(sock, bulk_lane.chunk_frame(first, np.ones(4, np.float32)))
-        second = bulk_lane.chunk_frame(_header(me, offset=4), np.ones(4, np.float32))
+        second = bulk_lane.chunk_frame(chunk_header(me, offset=4), np.ones(4, np.float32))
         await loop.sock_sendall(sock, second[:-5])  # the connection dies inside the second payload
         assert np.array_equal(await inbox.get((0, 0, pb.REDUCE_SCATTER, 0, 0, 0, me), 10.0), np.ones(4))
         sock.close()
@@ -452,16 +446,16 @@ async def test_the_tls_bulk_lane_binds_the_certificate_to_the_signer_of_the_stre
         me, key, t = peers.ids[1], peers.keys[1], _ticket(peers)
         vals = np.arange(4, dtype=np.float32)
         try:
-            assert await _send_tls(bulk.port, tls[1], receiver, key, [(_header(me, ticket=t), vals)]) == 1
+            assert await _send_tls(bulk.port, tls[1], receiver, key, [(chunk_header(me, ticket=t), vals)]) == 1
             assert np.array_equal(await inbox.get((0, 0, pb.REDUCE_SCATTER, 0, 0, 0, me), 1.0), vals)
             # Peer 2's own certificate carrying peer 1's signed stream and ticket (a stolen
             # identity key, or a HELLO copied off another connection): refused by the certificate.
             with pytest.raises(bulk_lane.BulkRefused, match="certificate is for peer") as refused:
-                await _send_tls(bulk.port, tls[2], receiver, key, [(_header(me, ticket=t, offset=4), vals)])
+                await _send_tls(bulk.port, tls[2], receiver, key, [(chunk_header(me, ticket=t, offset=4), vals)])
             assert refused.value.code == "UNAUTHENTICATED"
             # Peer 2 signing as itself with the round's ticket: not a participant.
             with pytest.raises(bulk_lane.BulkRefused) as refused:
-                await _send_tls(bulk.port, tls[2], receiver, third_key, [(_header(third, ticket=t, offset=4), vals)])
+                await _send_tls(bulk.port, tls[2], receiver, third_key, [(chunk_header(third, ticket=t, offset=4), vals)])
             assert refused.value.code == "PERMISSION_DENIED"
             # A certificate for peer 1 from another CA (its holder trusts both CAs, so it takes the
             # receiver's): the receiver refuses the handshake and says why; the sender's first
@@ -471,12 +465,12 @@ async def test_the_tls_bulk_lane_binds_the_certificate_to_the_signer_of_the_stre
             other.install(issued.certificate, issued.ca + ca.issue(me, other.csr()).ca)
             caplog.clear()
             with pytest.raises(ssl.SSLError, match="(?i)alert|EOF"):
-                await _send_tls(bulk.port, other, receiver, key, [(_header(me, ticket=t, offset=4), vals)])
+                await _send_tls(bulk.port, other, receiver, key, [(chunk_header(me, ticket=t, offset=4), vals)])
             assert any("TLS handshake refused" in r.getMessage() and "certificate verify failed" in r.getMessage()
                        for r in caplog.records), caplog.text
             # A plaintext sender on a TLS listener: never read as a stream.
             with pytest.raises((ConnectionError, OSError)):
-                await _send_tls(bulk.port, None, receiver, key, [(_header(me, ticket=t, offset=4), vals)])
+                await _send_tls(bulk.port, None, receiver, key, [(chunk_header(me, ticket=t, offset=4), vals)])
             # The receiver is verified by the peer id the plan names: dialled as peer 2, refused.
             with pytest.raises(ssl.SSLCertVerificationError, match="(?i)hostname"):
                 await bulk_lane.BulkConnection.open("127.0.0.1", bulk.port, tls[1], third)

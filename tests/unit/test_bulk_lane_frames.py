@@ -1,9 +1,6 @@
-"""The bulk lane (peer/bulk_lane.py): its frame codec, its admission (the same checks as
-PushChunks), all-reduces over it, and broken connections.
-
-The codec tests are pure. The others use real TCP sockets and real gRPC on loopback in this
-event loop (tests/swarmlet.py: real Ed25519 identities, coordinator-signed tickets), and real
-processes (collective jobs, `shoal peer`) for the end-to-end and kill -9 cases.
+"""The bulk lane's frames (peer/lanes/bulk.py), without sockets: the chunk frame codec, hello and
+header checks, posted receive places, result-buffer reuse, and a cancelled wait. Over real
+sockets: tests/component/test_tcp_lane.py.
 """
 
 from __future__ import annotations
@@ -18,13 +15,8 @@ from shoal.common.errors import InvalidArgument
 from shoal.peer.lanes import bulk as bulk_lane
 from shoal.peer.dataplane import Inbox, Session, Transport
 from shoal.v1 import shoal_pb2 as pb
+from kits.chunks import ALICE, chunk_header
 
-ALICE = "a1" * 16
-
-
-def _header(sender: str = ALICE, count: int = 4, **kw) -> pb.Chunk:
-    return pb.Chunk(round=0, attempt=0, sender=sender, phase=kw.pop("phase", pb.REDUCE_SCATTER), shard=0,
-                    offset=kw.pop("offset", 0), dtype=kw.pop("dtype", pb.FLOAT32), shape=[count], **kw)
 
 
 # ------------------------------------------------------------------------------- codec (pure)
@@ -32,7 +24,7 @@ def _header(sender: str = ALICE, count: int = 4, **kw) -> pb.Chunk:
 
 def test_chunk_frame_round_trips_header_and_payload():
     values = np.arange(5, dtype=np.float32)
-    header = _header(count=5, step=2, ticket=b"t" * 40)
+    header = chunk_header(count=5, step=2, ticket=b"t" * 40)
     frame = bulk_lane.chunk_frame(header, values)
     kind, meta_len, payload_len = bulk_lane.decode_header(frame[:bulk_lane.HEADER.size])
     assert (kind, payload_len) == (bulk_lane.CHUNK, 20) and len(frame) == bulk_lane.HEADER.size + meta_len + 20
@@ -44,7 +36,7 @@ def test_chunk_frame_round_trips_header_and_payload():
 
 def test_a_chunk_frame_is_the_same_bytes_without_copying_the_payload():
     values = np.arange(5, dtype=np.float32)
-    header = _header(count=5, step=1)
+    header = chunk_header(count=5, step=1)
     frame = bulk_lane.ChunkFrame(header, values)
     assert bytes(frame.joined()) == bytes(bulk_lane.chunk_frame(header, values)) and len(frame) == len(frame.joined())
     values[0] = 99  # a view: the caller must not write before the frame left (peer.collectives)
@@ -76,7 +68,7 @@ def test_frame_headers_refuse_unknown_kinds_and_oversized_meta():
     with pytest.raises(InvalidArgument, match="header"):
         bulk_lane.decode_header(struct.pack("<B3xIQ", bulk_lane.CHUNK, bulk_lane.MAX_META_BYTES + 1, 0))
     with pytest.raises(InvalidArgument, match="whole CHUNK"):
-        bulk_lane.split_chunk_frame(bulk_lane.chunk_frame(_header(), np.zeros(4, np.float32))[:-1])
+        bulk_lane.split_chunk_frame(bulk_lane.chunk_frame(chunk_header(), np.zeros(4, np.float32))[:-1])
 
 
 def test_hello_carries_the_signature_pairs_and_garbage_is_refused():
@@ -92,7 +84,7 @@ def test_hello_carries_the_signature_pairs_and_garbage_is_refused():
 
 def test_a_chunk_header_must_not_carry_its_bytes():
     with pytest.raises(InvalidArgument, match="follow"):
-        bulk_lane.parse_chunk_header(_header(data=b"\0" * 16).SerializeToString())
+        bulk_lane.parse_chunk_header(chunk_header(data=b"\0" * 16).SerializeToString())
     with pytest.raises(InvalidArgument, match="decode"):
         bulk_lane.parse_chunk_header(b"\xff\xff\xff")
 
@@ -100,15 +92,15 @@ def test_a_chunk_header_must_not_carry_its_bytes():
 def test_check_chunk_holds_a_bulk_payload_to_the_plans_checks():
     s = Session(0, 0, frozenset({ALICE}), pb.FLOAT32, None, (0, 16), 16)
     body = memoryview(np.arange(4, dtype=np.float32)).cast("B")
-    assert np.array_equal(s.check_chunk(_header(), None, body), np.arange(4, dtype=np.float32))
+    assert np.array_equal(s.check_chunk(chunk_header(), None, body), np.arange(4, dtype=np.float32))
     with pytest.raises(InvalidArgument, match="data"):
-        s.check_chunk(_header(count=5), None, body)  # 16 bytes for 5 elements
+        s.check_chunk(chunk_header(count=5), None, body)  # 16 bytes for 5 elements
     with pytest.raises(InvalidArgument, match="dtype"):
-        s.check_chunk(_header(dtype=pb.FLOAT16, count=8), None, body)
+        s.check_chunk(chunk_header(dtype=pb.FLOAT16, count=8), None, body)
     with pytest.raises(InvalidArgument, match="shape"):
-        s.check_chunk(_header(offset=14), None, body)  # past the shard's 16 elements
+        s.check_chunk(chunk_header(offset=14), None, body)  # past the shard's 16 elements
     with pytest.raises(InvalidArgument, match="data"):
-        s.check_chunk(_header(data=bytes(16)), None, body)  # bytes inline and behind the header
+        s.check_chunk(chunk_header(data=bytes(16)), None, body)  # bytes inline and behind the header
     assert bulk_lane.max_payload(s) == 16 * 8
 
 
