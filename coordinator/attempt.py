@@ -5,7 +5,9 @@ from the votes whether the attempt commits (every participant voted ok with the 
 aborts at once (a failed vote that names nobody else, a failed owner audit, a relay that altered
 a chunk, a digest disagreement) and whom it excludes, or waits for the blame window (a failed vote
 that accuses others: `coordinator.blame` names whom to exclude once every participant voted or the
-window passed). Also how much longer the next attempts' deadlines are after timeouts
+window passed). A secure attempt (SecAgg+, shoal.peer.secure_round) also commits without the votes
+of participants lost after sending (`Attempt.lose`): its survivors unmask the sum with the lost
+ones' contributions in it. Also how much longer the next attempts' deadlines are after timeouts
 (`DeadlineGrowth`).
 
 Not responsible for what a decision leads to (the engine, `coordinator.rounds.RoundEngine`, aborts,
@@ -94,6 +96,17 @@ class Attempt:
     votes: dict[str, Vote] = field(default_factory=dict)
     blame_at: float | None = None  # a failed vote accused others: decide whom to exclude by then
     voted_at: dict[str, float] = field(default_factory=dict)  # when each vote arrived (blame's order)
+    # Secure attempts: participants gone before voting (stream broken, lease expired, silent at the
+    # deadline) whose vote the attempt no longer waits for (`lose`).
+    lost: set[str] = field(default_factory=set)
+    quorum: int = 2  # fewest votes a secure attempt commits with when participants are lost
+    # Secure attempts: every vote in but the silent ones' agrees (a quorum of them): by then the
+    # silent are lost (`lose`) unless they vote (`record`).
+    grace_at: float | None = None
+
+    @property
+    def secure(self) -> bool:
+        return bool(self.plan.secagg_seed)
 
     def record(self, peer_id: str, v: Vote, now: float, *, blame_window: float,
                relay_failure: str = "") -> Tally | Abort:
@@ -116,6 +129,8 @@ class Attempt:
         if not v.ok and relay_failure and relay_failure in plan.relays:
             return Abort(f"relay {relay_failure} failed ({peer_id[:8]}: {v.error or 'chunk signature'})", (),
                          relay=relay_failure)
+        if not v.ok and self.lost:  # the lost participant took the collective down with it
+            return Abort(f"{self._lost_text()}; {why}", tuple(sorted(self.lost)))
         if not v.ok:
             accused = audited_owner(plan, peer_id, v.suspects) if v.audit else None
             if accused is not None:
@@ -127,11 +142,48 @@ class Attempt:
                 self.blame_at = now + max(blame_window, 2.0 * plan.chunk_timeout_seconds)
         if self.blame_at is not None:
             return Tally.BLAME if len(self.votes) == len(plan.participants) else Tally.PENDING
-        if len(self.votes) < len(plan.participants):
+        verdict = self._tally()
+        if verdict is Tally.PENDING and self.secure and self.grace_at is None and self._agree():
+            # The silent may have died after sending: their vote proves nothing the others' do not
+            # (the sum could not be unmasked without their rows), so wait for it a grace only.
+            self.grace_at = now + max(blame_window, 2.0 * plan.chunk_timeout_seconds)
+        return verdict
+
+    def _agree(self) -> bool:
+        """The votes so far are ok, equal, and at least a quorum."""
+        votes = list(self.votes.values())
+        return len(votes) >= self.quorum and all(v.ok and v.digests == votes[0].digests for v in votes)
+
+    def lose(self, peers: Sequence[str], why: str) -> Tally | Abort:
+        """Participants `peers` of a secure attempt are gone before voting (`why`: disconnected,
+        lease expired, silent at the deadline). Their contributions are in the sum if and only if
+        the survivors finish: the masked all-reduce completes only with every participant's row,
+        and the survivors unmask it with the lost ones' self-mask seeds reconstructed from t of
+        their neighbours' shares (SecAgg+, Bell et al. 2020). So the attempt does not abort: it
+        waits for the others' votes and commits when they all voted ok with the same digests (at
+        least `quorum` of them). A failed vote, before or after, aborts it excluding the lost
+        (`record`). Only for secure attempts: elsewhere a lost participant aborts at once (the
+        engine's rule)."""
+        assert self.secure
+        self.lost.update(p for p in peers if p in self.plan.participants and p not in self.votes)
+        if any(not v.ok for v in self.votes.values()):
+            return Abort(f"{self._lost_text()} ({why})", tuple(sorted(self.lost)))
+        return self._tally()
+
+    def _lost_text(self) -> str:
+        return f"{', '.join(sorted(p[:8] for p in self.lost))} lost before voting"
+
+    def _tally(self) -> Tally | Abort:
+        """Every vote awaited is in: commit on equal digests, abort on a disagreement."""
+        if any(p not in self.votes and p not in self.lost for p in self.plan.participants):
             return Tally.PENDING
+        if self.lost and len(self.votes) < self.quorum:
+            return Abort(f"{self._lost_text()}: {len(self.votes)} votes left, fewer than {self.quorum}",
+                         tuple(sorted(self.lost)))
         dissenters, quorum = digest_dissenters({p: v.digests for p, v in self.votes.items()})
         if dissenters:
-            return Abort("digest mismatch", dissenters, struck=dissenters if quorum else ())
+            return Abort("digest mismatch", tuple(dissenters) + tuple(sorted(self.lost)),
+                         struck=dissenters if quorum else ())
         return Tally.COMMIT
 
     def silent(self) -> tuple[str, ...]:
@@ -174,7 +226,8 @@ class Attempt:
         return Abort(why, tuple(sorted(set(blamed) | liars)), struck=tuple(sorted(liars)))
 
     def commit_record(self, now: float) -> CommitRecord:
-        """The record of this attempt's commit at `now` (every vote is in and agrees)."""
+        """The record of this attempt's commit at `now` (every vote awaited is in and agrees). Its
+        participants are the plan's: a secure attempt's lost participants contributed to the sum."""
         votes = self.votes.values()
         any_vote = next(iter(votes))
         # A peer may report a non-finite loss (diverged, or lying): it never reaches the record.

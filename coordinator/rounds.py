@@ -655,7 +655,8 @@ class RoundEngine:
         """The peer's round-event stream broke: the fastest sign that its process died.
 
         It keeps its lease (it may reconnect), but no round waits for it, and a round it is
-        playing is aborted at once without it.
+        playing is aborted at once without it (a secure attempt waits for the others' votes
+        instead: `_lost`).
         """
         m = self.members.get(peer_id)
         if m is None:
@@ -664,7 +665,7 @@ class RoundEngine:
         self.said_ready.pop(peer_id, None)
         self._refresh(peer_id)
         if self.running is not None and peer_id in self.running.plan.participants and peer_id not in self.running.votes:
-            return self._abort(now, f"participant {peer_id[:8]} disconnected", (peer_id,))
+            return self._lost(now, (peer_id,), f"participant {peer_id[:8]} disconnected")
         return self._maybe_open(now)
 
     # ------------------------------------------------------------ rounds
@@ -952,8 +953,11 @@ class RoundEngine:
         if run is not None and run.blame_at is not None and now >= run.blame_at:
             actions += self._blame(now)
         run = self.running
+        if run is not None and run.grace_at is not None and now >= run.grace_at:
+            actions += self._lost(now, run.silent(), "no vote within the grace after the others' votes agreed")
+        run = self.running
         if run is not None and run.timed_out(now):
-            actions += self._abort(now, "collective deadline passed", run.silent())
+            actions += self._lost(now, run.silent(), "collective deadline passed")
         if self.behind:
             actions += self._maybe_rewind(now)
         actions += self._maybe_open(now)
@@ -970,10 +974,32 @@ class RoundEngine:
             self._refresh(p)
             actions.append(ForgetMember(p))
         if gone and self.running is not None:
-            hit = tuple(p for p in gone if p in self.running.plan.participants)
+            run = self.running
+            # A secure attempt keeps the vote of a participant whose lease ran out after voting.
+            hit = tuple(p for p in gone if p in run.plan.participants and not (run.secure and p in run.votes))
             if hit:
-                actions += self._abort(now, "lease expired", hit)
+                actions += self._lost(now, hit, "lease expired")
         return actions
+
+    def _lost(self, now: float, peers: tuple[str, ...], why: str) -> list[Action]:
+        """Participants `peers` of the running attempt are gone before voting (`why`). A plain
+        attempt aborts at once without them. A secure attempt (SecAgg+) commits without their
+        votes when every other participant votes ok with the same digests: the survivors unmask
+        the sum with the lost participants' contributions in it (`Attempt.lose`), so a
+        participant that drops after sending costs no retry."""
+        run = self.running
+        assert run is not None
+        if not run.secure:
+            return self._abort(now, why, peers)
+        verdict = run.lose(peers, why)
+        if verdict is Tally.PENDING:
+            log.info("round %d.%d: %s (%s); waiting for the other participants' votes (secure aggregation: "
+                     "the sum holds its contribution if they unmask it)", run.plan.round, run.plan.attempt,
+                     ", ".join(p[:8] for p in peers), why)
+            return []
+        if verdict is Tally.COMMIT:
+            return self._commit(now)
+        return self._fail(now, verdict)
 
     def _decide(self, now: float) -> Waiting | _Opening | _Draw:
         """Whether a round can open (or a cohort be drawn) at `now`, with whom, or why not.
@@ -1183,7 +1209,7 @@ class RoundEngine:
             if any(self.members[p].relay for p in planned.participants) else (),
             fragments=max(1, self.config.fragments), fragment=self.committed_rounds % max(1, self.config.fragments))
         plan = self._secure(plan)
-        self.running = Attempt(plan, now)
+        self.running = Attempt(plan, now, quorum=max(2, self.config.min_peers))
         actions.append(SendPlan(plan))
         return actions
 
@@ -1238,7 +1264,11 @@ class RoundEngine:
         self.strikes.cleared(rec.participants)
         pace = self._fastest_pace(rec.participants)
         epsilon = self._account(rec.round)
-        elected = self.elect_checkpointers(rec.participants)
+        if run.lost:
+            log.info("round %d.%d commits without the votes of %s, lost after sending (secure aggregation: "
+                     "the survivors unmasked the sum with their contributions)", rec.round, rec.attempt,
+                     ", ".join(sorted(p[:8] for p in run.lost)))
+        elected = self.elect_checkpointers(tuple(p for p in rec.participants if p not in run.lost))
         if self.config.cohort_size:
             # The pool stays; the participants re-enter it when they say ready with the new state.
             for p in rec.participants:

@@ -338,10 +338,7 @@ class _Butterfly:
     async def run(self) -> _Outcome:
         ok = False
         try:
-            async with asyncio.TaskGroup() as tg:
-                for st in self.streams.values():
-                    tg.create_task(st.run())
-                tg.create_task(self._work())
+            await _run_streams(self.plan, self.streams, self._work)
             ok = True
         finally:
             self.shared.finish(ok)
@@ -499,6 +496,7 @@ class _Ring:
 
     def __init__(self, x: np.ndarray, plan: Plan, me: str, lanes: Lanes, codec: _Codec):
         self.part = part = ShardPartition(plan, me, x.itemsize)
+        self.plan = plan
         self.x, self.codec, self.wire = x, codec, _Wire(plan, me, lanes.receiver)
         # Not a copy of x: every element is written by a sum (x + the predecessor's partial) or by
         # its final value, chunk by chunk, so the first chunk leaves without a whole-tensor pass
@@ -515,9 +513,7 @@ class _Ring:
                     self.wire.post(AG, s, span, self.prev, self.buf[span.lo:span.hi])
 
     async def run(self) -> _Outcome:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.out.run())
-            tg.create_task(self._schedule())
+        await _run_streams(self.plan, {(self.part.me + 1) % self.part.size: self.out}, self._schedule)
         return _Outcome(self.buf, self.digest, self.out.bytes_sent, self.out.bytes_sent)
 
     async def _schedule(self) -> None:
@@ -612,10 +608,7 @@ class _SparseGather:
         self.payloads: dict[int, SparseEncoded] = {}
 
     async def run(self) -> _Outcome:
-        async with asyncio.TaskGroup() as tg:
-            for st in self.streams.values():
-                tg.create_task(st.run())
-            tg.create_task(self._work())
+        await _run_streams(self.plan, self.streams, self._work)
         payloads = [self.payloads[j] if j != self.position else self.mine for j in range(self.plan.size)]
         values = await off_loop(sum_contributions, payloads, self.sparse.weights)
         digest = await off_loop(result_digest, values)
@@ -772,6 +765,41 @@ async def _attempt(x: np.ndarray, plan: Plan, me: str, lanes: Lanes, reducer: Ow
     if reducer is not None:
         raise CollectiveError("ring all-reduce supports only the sum; use butterfly for aggregators")
     return await _within_deadline(plan, lanes, lambda: _Ring(x, plan, me, lanes, codec).run())
+
+
+async def _run_streams(plan: Plan, streams: dict[int, Lane], work) -> None:
+    """Run `streams` (this peer's lanes of the attempt) beside `work()`, this peer's side of the
+    collective: it returns once this peer holds its whole result and has queued its last chunk.
+
+    Until then a failed stream fails the collective. After it a stream only delivers what is
+    queued and ends: one that fails, or has not ended a chunk deadline later, no longer fails
+    this peer's collective (its receiver died or stalled after taking what it needed, or it finds
+    a chunk missing and its own vote says so); it is cancelled. So a participant that vanishes
+    after sending costs the others nothing they hold: their votes still count (with secure
+    aggregation the attempt commits without the vanished one's vote, coordinator.attempt)."""
+    done = False
+
+    async def stream(j: int, st: Lane) -> None:
+        try:
+            await st.run()
+        except CollectiveError as exc:
+            if not done:
+                raise
+            log.info("round %d.%d: the stream to %s failed after this peer's result was complete (%s)",
+                     plan.round, plan.attempt, plan.participants[j][:8], exc)
+
+    async with asyncio.TaskGroup() as tg:
+        tasks = {j: tg.create_task(stream(j, st)) for j, st in streams.items()}
+        await work()
+        done = True
+        if tasks:
+            _, late = await asyncio.wait(tasks.values(), timeout=plan.chunk_timeout_seconds)
+            for j, t in tasks.items():
+                if t in late:
+                    t.cancel()
+                    log.info("round %d.%d: the stream to %s did not end within %.1fs of this peer's last "
+                             "chunk; its result is complete", plan.round, plan.attempt,
+                             plan.participants[j][:8], plan.chunk_timeout_seconds)
 
 
 async def _within_deadline(plan: Plan, lanes: Lanes, run):

@@ -290,6 +290,23 @@ class SecAggParticipant:
         return {j: ("seed", s.seed_share) if j in sent else ("key", s.key_share) for j, s in self.held.items()}
 
 
+def unmaskable(sent: Iterable[int], revealed: Mapping[int, Mapping[int, tuple[str, int]]],
+               graph: tuple[tuple[int, ...], ...], params: SecAggParams) -> bool:
+    """Whether `unmask` has what it needs from `revealed`: at least t survivors, and t shares of
+    every sender's seed and of every non-sender's key that some sender masked towards."""
+    sent = set(sent)
+    t = params.threshold
+    if len(revealed) < t:
+        return False
+    for j in range(len(graph)):
+        if j not in sent and not sent.intersection(graph[j]):
+            continue
+        kind = "seed" if j in sent else "key"
+        if sum(1 for r in revealed.values() if j in r and r[j][0] == kind) < t:
+            return False
+    return True
+
+
 def unmask(total: np.ndarray, sent: Iterable[int], revealed: Mapping[int, Mapping[int, tuple[str, int]]],
            public_keys: Mapping[int, bytes], graph: tuple[tuple[int, ...], ...], params: SecAggParams,
            context: bytes) -> np.ndarray:

@@ -25,10 +25,12 @@ result the round wants: FedAvg's n_i / sum n, or 1/p with DP noise):
    masks and all-reduces the uint32 row with the caller's collective.
 4. Having the sum, it reveals to the coordinator (phase REVEAL) the seed share of every neighbour
    (every participant sent: the all-reduce completes only with every row), never a key share,
-   fetches the survivors' reveals and unmasks: the self masks come off with t shares of each
-   seed. A participant that vanished after sending is unmasked by its neighbours' shares, so the
-   survivors still agree on the sum (its missing vote then aborts the attempt, and the retry
-   runs without it). Fewer than t revealed shares of someone's seed fail the attempt.
+   fetches the survivors' reveals (waiting past the relay's wait while those in cannot unmask the
+   sum yet, up to the attempt's deadline) and unmasks: the self masks come off with t shares of
+   each seed. A participant that vanished after sending is unmasked by its neighbours' shares, so
+   the survivors still agree on the sum, and the coordinator commits the attempt without the lost
+   participant's vote (coordinator.attempt: `Attempt.lose`), its contribution in the sum. Fewer
+   than t revealed shares of someone's seed by the deadline fail the attempt.
 
 Failure semantics of `all_reduce`: raises CollectiveError (naming suspects where there are any)
 on every failure, including the collective's own; x is never modified. Keys are per round, masks
@@ -60,7 +62,7 @@ from shoal.common.tensors import result_digest
 from shoal.peer.collectives import CollectiveError, CollectiveResult
 from shoal.peer.result_digest import off_loop
 from shoal.peer.secagg import (SHARE_BYTES, SecAggAbort, SecAggParams, SecAggParticipant, Share, dequantize,
-                               neighbour_graph, quantize, unmask)
+                               neighbour_graph, quantize, unmask, unmaskable)
 from shoal.peer.testing import faults
 from shoal.v1 import shoal_pb2 as pb
 
@@ -208,7 +210,7 @@ class SecureAggregation:
         res = await reduce(masked)
         faults.hit("secagg-sent", plan.round)
         t1 = time.monotonic()
-        revealed = await self._reveal(part, plan, wait)
+        revealed = await self._reveal(part, plan, graph, params, wait, until=t0 + plan.deadline_seconds)
         try:
             total = await off_loop(unmask, res.values, range(plan.size), revealed, mask_keys, graph, params, context)
         except SecAggAbort as exc:
@@ -258,19 +260,34 @@ class SecureAggregation:
             except InvalidArgument as exc:
                 raise CollectiveError(f"secure aggregation: {exc}", [ids[j]]) from None
 
-    async def _reveal(self, part: SecAggParticipant, plan: Plan, wait: float) -> dict[int, dict[int, tuple[str, int]]]:
-        """Phase REVEAL: post this peer's seed shares of its neighbours; the survivors' reveals."""
+    async def _reveal(self, part: SecAggParticipant, plan: Plan, graph: tuple[tuple[int, ...], ...],
+                      params: SecAggParams, wait: float, until: float) -> dict[int, dict[int, tuple[str, int]]]:
+        """Phase REVEAL: post this peer's seed shares of its neighbours; the survivors' reveals.
+
+        Waits for every participant's reveal for `wait` seconds; past that, for as long as the
+        reveals in cannot unmask the sum yet (`secagg.unmaskable`: survivors still finishing their
+        all-reduce reveal later), until `until` (monotonic seconds: the attempt's deadline)."""
         req = pb.SecAggPost(peer_id=self.me, round=plan.round, attempt=plan.attempt, phase=pb.SECAGG_REVEAL,
                             items=[pb.SecAggItem(from_peer=self.me, data=encode_reveal(part.reveal(range(plan.size))))])
-        resp = await self._relay(req, wait)
+        self.cost.bytes_sent += req.ByteSize()
+        try:
+            await self.post(req, wait)
+        except grpc.aio.AioRpcError as exc:
+            raise CollectiveError(f"secure aggregation relay: {exc.code().name} {exc.details()}", []) from None
         out: dict[int, dict[int, tuple[str, int]]] = {}
-        for it in resp.items:
-            if it.from_peer not in plan.participants:
-                continue
-            try:
-                out[plan.position(it.from_peer)] = decode_reveal(it.data, plan.size)
-            except InvalidArgument as exc:
-                raise CollectiveError(f"secure aggregation: {exc}", [it.from_peer]) from None
+        left = wait
+        while True:
+            resp = await self._fetch(req, left)
+            for it in resp.items:
+                if it.from_peer not in plan.participants or plan.position(it.from_peer) in out:
+                    continue
+                try:
+                    out[plan.position(it.from_peer)] = decode_reveal(it.data, plan.size)
+                except InvalidArgument as exc:
+                    raise CollectiveError(f"secure aggregation: {exc}", [it.from_peer]) from None
+            left = min(wait, until - time.monotonic())
+            if len(out) == plan.size or left <= 0 or unmaskable(range(plan.size), out, graph, params):
+                break
         self.cost.revealed = len(out)
         if len(out) < plan.size:
             log.info("round %d.%d: %d of %d participants revealed their shares; unmasking from theirs", plan.round,
@@ -282,6 +299,13 @@ class SecureAggregation:
         self.cost.bytes_sent += req.ByteSize()
         try:
             await self.post(req, wait)
+        except grpc.aio.AioRpcError as exc:
+            raise CollectiveError(f"secure aggregation relay: {exc.code().name} {exc.details()}", []) from None
+        return await self._fetch(req, wait)
+
+    async def _fetch(self, req: pb.SecAggPost, wait: float) -> pb.SecAggFetchResponse:
+        """What the participants posted in `req`'s phase, once all did or `wait` seconds passed."""
+        try:
             resp = await self.fetch(pb.SecAggFetch(peer_id=self.me, round=req.round, attempt=req.attempt,
                                                    phase=req.phase, wait_seconds=wait))
         except grpc.aio.AioRpcError as exc:

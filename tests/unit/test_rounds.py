@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from shoal.coordinator.rounds import (
@@ -803,3 +805,106 @@ def test_round_0_a_ready_that_names_no_state_takes_no_part_in_the_initial_state(
     assert e.initial_digest == b"B"
     (plan,) = of(e.ready("c", 0, info(digest=b"B"), 0.3), SendPlan)
     assert plan.plan.participants == ("a", "b", "c")
+
+
+def secure_ready(e: RoundEngine, peers: str, now: float = 0.0, rounds: int = 0, digest: bytes = b"") -> SendPlan:
+    """Every peer says Ready with (made-up) secure-aggregation keys: the plan is a secure attempt."""
+    acts = []
+    for p in peers:
+        acts += e.ready(p, rounds, dataclasses.replace(info(rounds=rounds, digest=digest), secagg_keys=bytes(128)), now)
+    (plan,) = of(acts + e.tick(now), SendPlan)
+    assert plan.plan.secagg_seed
+    return plan
+
+
+@pytest.mark.parametrize("loss", ["disconnected", "lease", "deadline"])
+def test_a_secure_attempt_commits_without_a_participant_lost_after_sending(loss):
+    """SecAgg+: the survivors unmask the sum with the lost participant's row in it, so they commit
+    the attempt without its vote (disconnected, lease expired or silent at the deadline)."""
+    e = engine(lease_seconds=2.0, collective_timeout=3.0, checkpointers=0)
+    joined(e, "a", "b", "c", "d")
+    secure_ready(e, "abcd")
+    for p in "abc":
+        e.heartbeat(p, 1.5)
+        assert e.vote(p, 0, 0, True, b"r", b"s", 1.5) == []
+    if loss == "disconnected":
+        acts = e.disconnected("d", 1.6)
+    elif loss == "lease":
+        acts = e.tick(2.1)  # d's lease (from its Ready at 0) ran out
+    else:
+        e.heartbeat("d", 1.5)
+        acts = e.tick(3.2)
+    (commit,) = of(acts, SendCommit)
+    assert commit.record.attempt == 0 and commit.record.participants == ("a", "b", "c", "d")
+    assert of(acts, SendAbort) == [] and e.rounds_aborted == 0 and e.committed_rounds == 1
+    assert commit.checkpointers == ("a", "b", "c")  # a lost participant uploads no checkpoint
+
+
+def test_a_secure_attempt_commits_a_grace_after_every_vote_but_the_silent_ones_agreed():
+    """A stopped participant (streams open, lease live) holds the commit for the grace only: twice
+    the chunk deadline or the blame window, not its lease."""
+    e = engine(lease_seconds=100.0, blame_window=1.0)
+    joined(e, "a", "b", "c", "d")
+    plan = secure_ready(e, "abcd").plan
+    for p in "abc":
+        e.vote(p, 0, 0, True, b"r", b"s", 1.0)
+    grace = max(1.0, 2 * plan.chunk_timeout_seconds)
+    assert e.running.grace_at == pytest.approx(1.0 + grace)
+    assert of(e.tick(0.99 + grace), SendCommit) == []
+    (commit,) = of(e.tick(1.0 + grace), SendCommit)
+    assert commit.record.participants == ("a", "b", "c", "d") and e.rounds_aborted == 0
+    assert "d" in e.members  # silent, not evicted: its next Ready of an old round gets a sync order
+
+
+def test_a_late_vote_within_the_grace_counts_like_any_other():
+    e = engine(blame_window=1.0)
+    joined(e, "a", "b", "c")
+    secure_ready(e, "abc")
+    e.vote("a", 0, 0, True, b"r", b"s", 1.0)
+    e.vote("b", 0, 0, True, b"r", b"s", 1.0)
+    (abort,) = of(e.vote("c", 0, 0, True, b"X", b"s", 1.5), SendAbort)
+    assert abort.record.reason == "digest mismatch" and abort.record.excluded == ("c",)
+
+
+def test_a_secure_attempt_waits_for_the_survivors_then_commits_or_aborts_on_their_votes():
+    e = engine()
+    joined(e, "a", "b", "c", "d")
+    secure_ready(e, "abcd")
+    assert e.disconnected("d", 0.5) == []  # it may have sent its row: the survivors will tell
+    assert e.running is not None and e.running.lost == {"d"}
+    e.vote("a", 0, 0, True, b"r", b"s", 1.0)
+    (abort,) = of(e.vote("b", 0, 0, False, b"", b"", 1.1, suspects=("d",), error="no chunk from d"), SendAbort)
+    assert abort.record.excluded == ("d",) and abort.record.will_retry and "d lost before voting" in abort.record.reason
+
+
+def test_a_secure_attempt_with_a_lost_participant_and_a_digest_disagreement_aborts():
+    e = engine()
+    joined(e, "a", "b", "c", "d")
+    secure_ready(e, "abcd")
+    e.vote("a", 0, 0, True, b"r", b"s", 1.0)
+    e.vote("b", 0, 0, True, b"r", b"s", 1.0)
+    e.vote("c", 0, 0, True, b"X", b"s", 1.0)
+    (abort,) = of(e.disconnected("d", 1.1), SendAbort)
+    assert abort.record.excluded == ("c", "d") and abort.record.reason == "digest mismatch"
+    assert e.committed_rounds == 0
+
+
+def test_a_secure_attempt_commits_only_with_at_least_min_peers_votes():
+    e = engine(min_peers=3)
+    joined(e, "a", "b", "c")
+    secure_ready(e, "abc")
+    e.vote("a", 0, 0, True, b"r", b"s", 1.0)
+    e.disconnected("b", 1.1)
+    (abort,) = of(e.disconnected("c", 1.2), SendAbort)
+    assert "1 votes left, fewer than 3" in abort.record.reason and abort.record.excluded == ("b", "c")
+
+
+def test_a_plain_attempt_still_aborts_at_once_on_a_lost_participant():
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p in "abc":
+        e.ready(p, 0, info(), 0.0)
+    e.vote("a", 0, 0, True, b"r", b"s", 0.4)
+    e.vote("b", 0, 0, True, b"r", b"s", 0.4)
+    (abort,) = of(e.disconnected("c", 0.5), SendAbort)
+    assert abort.record.excluded == ("c",)

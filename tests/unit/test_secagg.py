@@ -12,7 +12,7 @@ from scipy import stats
 from shoal.common.errors import InvalidArgument
 from shoal.peer.secagg import (
     SecAggAbort, SecAggParams, SecAggParticipant, dequantize, neighbour_graph, pairwise_mask, pairwise_seed, prg,
-    quantize, shamir_combine, shamir_split, unmask,
+    quantize, shamir_combine, shamir_split, unmask, unmaskable,
 )
 
 CTX = b"run|round 3|attempt 0"
@@ -141,6 +141,26 @@ def test_fewer_than_t_shares_abort_the_round():
         run(6, params, xs, sent=range(6), survivors=survivors)
     with pytest.raises(SecAggAbort, match="survivors"):
         run(6, params, xs, sent=range(6), survivors=[0, 1])
+
+
+def test_unmaskable_says_exactly_when_unmask_has_enough_reveals():
+    """What a survivor waits for before unmasking (peer.secure_round): every subset of survivors
+    that `unmaskable` accepts unmasks, every one it refuses aborts."""
+    params = SecAggParams(degree=4, threshold=3)
+    xs = inputs(6, 50, seed=5)
+    graph, parts, keys = make_round(6, params)
+    for sent in (range(6), [0, 1, 2, 3, 5]):
+        rows = [parts[i].mask(xs[i], {j: keys[j] for j in parts[i].neighbours}) for i in sent]
+        total = np.sum(rows, axis=0, dtype=np.uint32)
+        for bits in range(1 << 6):
+            survivors = [i for i in sent if bits >> i & 1]
+            revealed = {i: parts[i].reveal(sent) for i in survivors}
+            if unmaskable(sent, revealed, graph, params):
+                assert np.array_equal(unmask(total, sent, revealed, keys, graph, params, CTX),
+                                      plain_sum(xs, sent, params))
+            else:
+                with pytest.raises(SecAggAbort):
+                    unmask(total, sent, revealed, keys, graph, params, CTX)
 
 
 def test_a_lying_survivor_s_key_share_is_detected():
