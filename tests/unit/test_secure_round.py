@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from scipy import stats
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from shoal.common.errors import InvalidArgument
@@ -17,8 +18,9 @@ from shoal.common.plan import Plan
 from shoal.common.tensors import result_digest
 from shoal.config import ConfigError, RunSection
 from shoal.coordinator.secagg_relay import SecAggRelay
-from shoal.peer.collectives import CollectiveError, CollectiveResult
-from shoal.peer.secagg import SecAggParams, dequantize, quantize
+from shoal.peer.collectives import CollectiveError, CollectiveResult, all_reduce
+from shoal.peer.lanes.memory import MemoryNet
+from shoal.peer.secagg import SecAggParams, dequantize, prg, quantize, shamir_combine
 from shoal.peer.secure_round import (RoundKeys, SecureAggregation, decode_reveal, encode_reveal, seal, unseal)
 from shoal.peer.training import RunConfig
 from shoal.v1 import shoal_pb2 as pb
@@ -214,3 +216,74 @@ def test_contributor_dp_combines_with_secure_aggregation_and_bad_parameters_are_
         with pytest.raises(ConfigError) as err:
             dataclasses.replace(RunSection(), secure_aggregation=True, **{key: value}).validate()
         assert err.value.setting == f"run.{key}"
+
+
+def test_what_one_peer_and_the_coordinator_receive_in_a_secure_attempt_reveals_no_contribution():
+    """A whole secure attempt on the real butterfly (in-memory lanes): everything participant 0
+    receives on the data plane (every chunk of the all-reduce: the other participants' masked rows
+    of the shard it owns, the masked sums of the other shards) and everything the coordinator
+    relays (sealed shares, the reveals). With every input the same constant, each masked row
+    participant 0 sees is uniform on Z_2^32 (chi-square over its bytes); the reveals hold seed
+    shares only, and with every self-mask seed they give (the coordinator and participant 0
+    colluding) a row is still uniform, its pairwise masks on: only the sum of all six unmasks,
+    exactly. (t colluding neighbours recovering a row: tests/unit/test_secagg.py.)"""
+    p, n = 6, 24_000
+    sw = Swarm(p, n)
+    sw.xs = [np.full(n, 0.75, dtype=np.float32) for _ in range(p)]  # the most structured input
+    sw.plan = dataclasses.replace(
+        sw.plan, shard_bounds=tuple(n * i // p for i in range(p + 1)), shard_owner=tuple(range(p)),
+        addresses=tuple(f"mem:{i}" for i in range(p)), chunk_bytes=1 << 16, dtype=pb.UINT32)
+    net = MemoryNet()
+    net.start(sw.plan)
+    seen_by_0: list[tuple[str, int, int, np.ndarray]] = []  # (sender, phase, offset, values) delivered to 0
+    inbox0 = net.inbox(sw.ids[0])
+    deliver = inbox0.deliver
+
+    def record(key, values):
+        seen_by_0.append((key[6], key[2], key[5], np.array(values, copy=True)))
+        return deliver(key, values)
+    inbox0.deliver = record
+
+    mine: list[np.ndarray] = []  # participant 0's own masked row
+
+    def reduce_for(i):
+        async def reduce(masked):
+            if i == 0:
+                mine.append(masked.copy())
+            return await all_reduce(masked, sw.plan, me=sw.ids[i], lanes=net.lanes(sw.plan, sw.ids[i]))
+        return reduce
+
+    async def attempt():
+        return await asyncio.gather(*(sw.secure[i].all_reduce(sw.xs[i], sw.plan, reduce_for(i)) for i in range(p)))
+    out = asyncio.run(attempt())
+    for res in out:  # the attempt works: the exact fixed-point sum everywhere
+        np.testing.assert_array_equal(res.values, sw.expected(range(p)))
+
+    rows = {sw.ids.index(s): (off, v) for s, phase, off, v in seen_by_0 if phase == pb.REDUCE_SCATTER}
+    assert sorted(rows) == list(range(1, p))  # participant 0 owns shard 0: one row of it from each other
+    plain = quantize(sw.xs[1], PARAMS)
+    for off, row in rows.values():  # a constant input, a uniform row: nothing of the value shows
+        assert row.dtype == np.uint32 and not np.array_equal(row, plain[off:off + row.size])
+        assert stats.chisquare(np.bincount(row.view(np.uint8), minlength=256)).pvalue > 1e-4
+    gathered = [v for s, phase, off, v in seen_by_0 if phase == pb.ALL_GATHER]
+    assert gathered  # the other shards' masked sums, which unmask only with every seed
+
+    # The coordinator's view: sealed shares and the reveals, which hold seed shares only.
+    reveals = {sw.ids.index(it.from_peer): decode_reveal(it.data, p) for it in sw.seen if not it.to_peer}
+    assert len(reveals) == p and all(kind == "seed" for r in reveals.values() for kind, _ in r.values())
+    params = PARAMS.for_participants(p)
+    seeds = {j: shamir_combine({h + 1: r[j][1] for h, r in reveals.items() if j in r}, params.threshold)
+             for j in range(p)}
+    # The coordinator and participant 0 together hold every self-mask seed: with them the shard-0
+    # rows of the others still carry their pairwise masks (uniform), and only their sum with
+    # participant 0's own row unmasks (the seeds are right: the sum comes out exact).
+    total = np.zeros(n // p, dtype=np.uint32)
+    for j, (off, row) in rows.items():
+        unseeded = row - prg(seeds[j], n)[off:off + row.size]
+        assert stats.chisquare(np.bincount(unseeded.view(np.uint8), minlength=256)).pvalue > 1e-4
+        total[off:off + row.size] += unseeded
+    assert sw.secure[0].cost.revealed == p
+    plain_sum = np.sum([quantize(x, PARAMS)[:n // p] for x in sw.xs], axis=0, dtype=np.uint32)
+    five = np.sum([quantize(x, PARAMS)[:n // p] for x in sw.xs[1:]], axis=0, dtype=np.uint32)
+    assert not np.array_equal(total, five)  # five rows of six: still masked
+    np.testing.assert_array_equal(total + mine[0][:n // p] - prg(seeds[0], n)[:n // p], plain_sum)
