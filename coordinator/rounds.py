@@ -82,6 +82,9 @@ log = logging.getLogger("shoal.coordinator")
 _POLICY = PlanPolicy()
 
 
+SECURE_MIN_PEERS = 3  # fewest participants of a secure round (EngineConfig.min_participants)
+
+
 @dataclass(frozen=True)
 class EngineConfig(RoundSettings):
     """The engine's settings: every [rounds] setting (`RoundSettings`, where each is declared and
@@ -113,6 +116,14 @@ class EngineConfig(RoundSettings):
     link_cap_bytes_per_s: float = _POLICY.link_cap_bytes_per_s
     plan_min_gain: float = _POLICY.plan_min_gain
     sparse_bytes_per_element: float = _POLICY.sparse_bytes_per_element
+    secure_aggregation: bool = False  # the [run] setting: a round needs SECURE_MIN_PEERS participants
+
+    @property
+    def min_participants(self) -> int:
+        """Fewest participants a round (or its retry) runs with: min_peers, and with secure
+        aggregation at least SECURE_MIN_PEERS (the sum of two contributions shows each one's to
+        the other, and SecAgg+'s threshold t >= 2 needs a neighbour graph of degree >= 2)."""
+        return max(1, self.min_peers, SECURE_MIN_PEERS if self.secure_aggregation else 1)
 
     @classmethod
     def from_settings(cls, settings: RoundSettings, **others: object) -> EngineConfig:
@@ -1029,6 +1040,9 @@ class RoundEngine:
         quorum = self._quorum()
         if len(candidates) < quorum:
             why = " = cohort size" if quorum == self.config.cohort_size else ""
+            if self.config.secure_aggregation and quorum == SECURE_MIN_PEERS > max(self.config.min_peers,
+                                                                                 self.config.cohort_size):
+                why = f": secure aggregation needs {SECURE_MIN_PEERS}"
             # The committed state lives on the peers: with none of its holders live, nobody can sync.
             lost = (f"; no live member holds the committed state of round {self.committed_rounds - 1}: "
                     f"a peer that took part in it must rejoin") if self.commits and not self.table.holders(self._head().holders, now) else ""
@@ -1070,7 +1084,7 @@ class RoundEngine:
         ready; past the cohort deadline, draw again the places of those that have not. O(K) until
         then (each Ready of the pool asks)."""
         ready = tuple(p for p in cohort.members if self._ready_in_sync(p, now))
-        quorum = max(1, self.config.min_peers)
+        quorum = self.config.min_participants
         if len(ready) == len(cohort.members) and len(ready) >= quorum:
             return _Opening(ready, ready=len(ready))
         missing = tuple(p for p in cohort.members if p not in ready)
@@ -1092,7 +1106,7 @@ class RoundEngine:
         """Fewest ready peers a round opens with: min_peers, initial_peers for round 0 (outbound-only
         members count: they take part), and at least the cohort size (a cohort is drawn from the
         ready peers, never smaller than K)."""
-        quorum = max(1, self.config.min_peers, self.config.cohort_size)
+        quorum = max(self.config.min_participants, self.config.cohort_size)
         if self.committed_rounds == 0 and self.tries == 0:
             quorum = max(quorum, self.config.initial_peers)
         return quorum
@@ -1209,7 +1223,7 @@ class RoundEngine:
             if any(self.members[p].relay for p in planned.participants) else (),
             fragments=max(1, self.config.fragments), fragment=self.committed_rounds % max(1, self.config.fragments))
         plan = self._secure(plan)
-        self.running = Attempt(plan, now, quorum=max(2, self.config.min_peers))
+        self.running = Attempt(plan, now, quorum=max(2, self.config.min_participants))
         actions.append(SendPlan(plan))
         return actions
 
@@ -1351,7 +1365,7 @@ class RoundEngine:
             log.log(logging.WARNING if self.growth.streak == 2 else logging.INFO, "%s", grew)
         self.rounds_aborted += 1
         survivors = [p for p in run.plan.participants if p not in self.excluded and p in self.said_ready]
-        will_retry = self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_peers
+        will_retry = self.tries + 1 < self.config.max_attempts and len(survivors) >= self.config.min_participants
         rec = AbortRecord(run.plan.round, run.plan.attempt, reason, tuple(sorted(excluded)), will_retry, now)
         self.aborts.append(rec)
         cohort = self.cohort

@@ -248,7 +248,7 @@ class RoundsSection(RoundSettings):  # the settings: shoal.coordinator.settings,
         return EngineConfig.from_settings(self, collective=collective, aggregator=run.aggregator,
                                           compression=run.compression, audit_owners=run.audit_owners,
                                           cohort_seed=run.seed, privacy=run.dp_settings(),
-                                          fragments=run.fragments,
+                                          fragments=run.fragments, secure_aggregation=run.secure_aggregation,
                                           sparse_bytes_per_element=run.sparse_bytes_per_element())
 
 

@@ -1325,9 +1325,19 @@ def _watch(run: _Run) -> None:
             _say(bar, f"all {opts.rounds} rounds committed; the peers evaluate the final model and leave")
         skipped = run.driver.not_started if run.driver is not None else set()
         if len(swarm.peers) == opts.peers and all(i in skipped or (p.popen is not None and p.popen.poll() == 0)
+                                                  or _meant_to_die(swarm, i)
                                                   for i, p in enumerate(swarm.peers)):
             return
         time.sleep(0.1)
+
+
+def _meant_to_die(swarm: Swarm, i: int) -> bool:
+    """Whether peer i was killed as its scenario asked (a "kill" fault it fires on itself, or a
+    "kill" event): the run goes on without it, as it would in the wild."""
+    sc = swarm.opts.scenario
+    if sc is None or swarm.peers[i].popen is None or swarm.peers[i].popen.returncode != -signal.SIGKILL:
+        return False
+    return ":kill" in sc.peer_spec(i).fault or any(e.action == "kill" and e.peer == i for e in sc.events)
 
 
 def _check_processes(swarm: Swarm) -> None:
@@ -1336,7 +1346,8 @@ def _check_processes(swarm: Swarm) -> None:
     if not swarm.coordinators_alive() and not swarm.coordinator_finished() \
             and not all(p.popen.poll() == 0 for p in swarm.peers):
         raise RuntimeError(f"coordinator exited early:\n{swarm.coordinator.tail()}")
-    failed = [p for p in swarm.peers if p.popen is not None and p.popen.poll() not in (None, 0)]
+    failed = [p for i, p in enumerate(swarm.peers) if p.popen is not None and p.popen.poll() not in (None, 0)
+              and not _meant_to_die(swarm, i)]
     if failed:
         raise RuntimeError(f"{failed[0].name} failed (exit {failed[0].popen.returncode}):\n{failed[0].tail()}")
 

@@ -7,7 +7,10 @@ its round one retry, and the retry commits the survivors' sum."""
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import subprocess
 import sys
 
 import numpy as np
@@ -23,6 +26,7 @@ pytestmark = pytest.mark.integration
 
 SIZE = 3001
 PARAMS = SecAggParams(degree=4, threshold=3, clip=4.0, frac_bits=20)
+SCENARIOS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 
 
 def secure_sum(ranks, round_: int) -> np.ndarray:
@@ -115,3 +119,27 @@ def test_a_peer_requiring_secure_aggregation_leaves_a_run_without_it(procs, tmp_
     assert out.returncode == cli.EXIT_USAGE, out.stderr
     line = one_line_error(out)
     assert "secure_aggregation off" in line and "--require-secure-aggregation" in line, line
+
+
+def test_a_secure_fedavg_swarm_goes_on_through_a_drop_after_and_one_before_sending(tmp_path):
+    """`shoal swarm --algorithm fedavg --peers 6 --secure-aggregation` on
+    examples/scenarios/secure-dropouts.toml: peer 5 kills itself after sending in round 3, peer 4
+    before sending in round 6. Round 3 commits in its first attempt with all six contributions,
+    round 6 after one retry with four; the swarm carries on without them (a peer killed as its
+    scenario says is no failure of the run) and commits all 10 rounds, 0 digest mismatches."""
+    summary = tmp_path / "s.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "swarm", "--algorithm", "fedavg", "--peers", "6", "--rounds", "10",
+         "--secure-aggregation", "--scenario", str(SCENARIOS / "secure-dropouts.toml"), "--summary", str(summary),
+         "--workdir", str(tmp_path / "wd"), "--no-progress", "--timeout", "240"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["ok"] and s["rounds_committed"] == 10 and s["digest_mismatches"] == 0
+    by_round = {}
+    for r in s["rounds"]:
+        by_round.setdefault(r["round"], []).append(r)
+    assert [(r["attempt"], r["status"], r["participants"]) for r in by_round[3]] == [
+        (0, "committed", [0, 1, 2, 3, 4, 5])]
+    assert [r["status"] for r in by_round[6]] == ["aborted", "committed"] and by_round[6][1]["participants"] == [0, 1, 2, 3]
+    assert "lost before voting" in by_round[6][0]["reason"]

@@ -908,3 +908,19 @@ def test_a_plain_attempt_still_aborts_at_once_on_a_lost_participant():
     e.vote("b", 0, 0, True, b"r", b"s", 0.4)
     (abort,) = of(e.disconnected("c", 0.5), SendAbort)
     assert abort.record.excluded == ("c",)
+
+
+def test_a_secure_run_opens_no_round_and_retries_none_with_fewer_than_three_participants():
+    """The sum of two contributions shows each to the other: secure rounds need three."""
+    e = engine(secure_aggregation=True)
+    joined(e, "a", "b")
+    for p in "ab":
+        e.ready(p, 0, dataclasses.replace(info(), secagg_keys=bytes(128)), 0.0)
+    assert of(e.tick(6.0), SendPlan) == []
+    w = e.waiting(6.0)
+    assert w.reason is WaitReason.QUORUM and "secure aggregation needs 3" in w.message, w.message
+    joined(e, "c", now=6.0)
+    (plan,) = of(e.ready("c", 0, dataclasses.replace(info(), secagg_keys=bytes(128)), 6.1), SendPlan)
+    assert plan.plan.size == 3
+    (abort,) = of(e.vote("a", 0, 0, False, b"", b"", 7.0, error="own failure"), SendAbort)
+    assert not abort.record.will_retry  # two survivors: the round starts over when three are ready
