@@ -98,6 +98,7 @@ class Member:
     up_bytes_per_s: float = 0.0
     down_bytes_per_s: float = 0.0
     rtt_seconds: float = 0.0
+    coordinator_rtt_seconds: float = 0.0  # its smallest recent round trip to the coordinator (0 = not measured)
     connected: bool = True  # holds an open WatchRounds stream (a broken stream = gone at once)
     streamed: bool = False  # its stream was open at some point since it joined (see `waited_on`)
     shm_peers: frozenset[str] = frozenset()  # reached through shared memory (LinkReport.shm_peers)

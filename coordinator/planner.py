@@ -113,6 +113,7 @@ __all__ = [
     "plan_collective",
     "plan_layout",
     "plan_round",
+    "control_seconds",
     "predict_allgather",
     "predict_butterfly",
     "predict_ring",
@@ -405,6 +406,19 @@ def predict_butterfly(
     t_rs = max(float(np.max(n * (1 - w) / u)), float(np.max(n * (p - 1) * w / d)), float(flow_rs.max()))
     t_ag = max(float(np.max(n * (p - 1) * w / u)), float(np.max(n * (1 - w) / d)), float(flow_ag.max()))
     return t_rs + t_ag + lat
+
+
+def control_seconds(coordinator_rtts: Sequence[float], *, secure: bool = False) -> float:
+    """The control plane's share of an attempt as the coordinator times it (seconds): the plan
+    reaches the farthest participant half a round trip after it leaves, and that participant's
+    vote comes back half a round trip after its collective ends, so ``max_i rtt_i`` from the
+    participants' round trips to the coordinator (0 = not measured, left out). A secure attempt
+    (SecAgg+) adds its two relayed phases, shares and reveals, each a post and a fetch: about
+    two round trips of the farthest participant each, ``4 · max_i rtt_i`` more."""
+    known = [r for r in coordinator_rtts if r > 0 and math.isfinite(r)]
+    if not known:
+        return 0.0
+    return max(known) * (5.0 if secure else 1.0)
 
 
 def predict_allgather(

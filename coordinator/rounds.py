@@ -68,7 +68,7 @@ from shoal.coordinator.cohorts import Cohort, draw_cohort
 from shoal.coordinator.leases import LeaseSchedule
 from shoal.coordinator.member_table import Member, MemberState, MemberTable
 from shoal.coordinator.member_table import waited_on as waited_on_member
-from shoal.coordinator.planner import NoPlan, PlanPolicy, plan_round, relay_links
+from shoal.coordinator.planner import NoPlan, PlanPolicy, control_seconds, plan_round, relay_links
 from shoal.coordinator.settings import RoundSettings
 from shoal.coordinator.sync_orders import SYNC_PERMIT_BOUNDS, SYNC_PERMIT_SECONDS, Head, SendSync, SyncOrders, sync_plan
 
@@ -638,15 +638,18 @@ class RoundEngine:
 
     def report_links(self, peer_id: str, up: float, down: float, rtt: float,
                      shm_peers: tuple[str, ...] | None = None, now: float | None = None,
-                     bulk_peers: tuple[str, ...] | None = None) -> None:
+                     bulk_peers: tuple[str, ...] | None = None, coordinator_rtt: float = 0.0) -> None:
         """Record a peer's measured links (bytes/s, seconds) and, when given, the peers it reaches
-        through shared memory and through the bulk TCP lane; `now` (engine time) dates the
+        through shared memory and through the bulk TCP lane, and its round trip to the coordinator
+        (seconds, 0 = not measured: the last measured one stays); `now` (engine time) dates the
         estimate (`Member.links_at`). The next plan uses them: a report replaces the previous
         one, lower or higher."""
         m = self.members.get(peer_id)
         if m is None:
             raise RoundError(ErrorKind.NOT_FOUND, f"peer_id: unknown peer {peer_id[:8]}")
         m.up_bytes_per_s, m.down_bytes_per_s, m.rtt_seconds = up, down, rtt
+        if coordinator_rtt > 0:
+            m.coordinator_rtt_seconds = coordinator_rtt
         if now is not None:
             m.links_at = now
         if shm_peers is not None:
@@ -1223,6 +1226,9 @@ class RoundEngine:
             if any(self.members[p].relay for p in planned.participants) else (),
             fragments=max(1, self.config.fragments), fragment=self.committed_rounds % max(1, self.config.fragments))
         plan = self._secure(plan)
+        plan = dataclasses.replace(plan, predicted_round_seconds=plan.predicted_seconds + control_seconds(
+            [self.members[p].coordinator_rtt_seconds for p in plan.participants if p in self.members],
+            secure=bool(plan.secagg_seed)))
         self.running = Attempt(plan, now, quorum=max(2, self.config.min_participants))
         actions.append(SendPlan(plan))
         return actions

@@ -749,7 +749,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.engine.report_links(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
                                          sum(rtts) / len(rtts) if rtts else 0.0,
                                          tuple(request.shm_peers), now=self.clock(),
-                                         bulk_peers=tuple(request.bulk_peers))
+                                         bulk_peers=tuple(request.bulk_peers),
+                                         coordinator_rtt=request.coordinator_rtt_seconds)
                 self.metrics.observe_link(request.peer_id, request.up_bytes_per_s, request.down_bytes_per_s,
                                           sum(rtts) / len(rtts) if rtts else 0.0)
             except RoundError as exc:
@@ -937,6 +938,9 @@ def check_link_report(report: pb.LinkReport) -> None:
         rtt = link.rtt_seconds
         require(rtt == 0 or (math.isfinite(rtt) and 0 < rtt <= LINK_RTT_MAX_SECONDS), f"links[{i}].rtt_seconds",
                 f"must be 0 (not measured) or in (0, {LINK_RTT_MAX_SECONDS:g}] seconds, got {rtt!r}")
+    rtt = report.coordinator_rtt_seconds
+    require(rtt == 0 or (math.isfinite(rtt) and 0 < rtt <= LINK_RTT_MAX_SECONDS), "coordinator_rtt_seconds",
+            f"must be 0 (not measured) or in (0, {LINK_RTT_MAX_SECONDS:g}] seconds, got {rtt!r}")
 
 
 # The oldest peer version whose votes this coordinator's peers can agree with: 0.2.0 changed the

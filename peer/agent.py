@@ -47,6 +47,7 @@ import shoal
 from shoal.common.health import PEER_SERVICE, attach
 from shoal.common.identity import hold_default_key, hold_key, peer_id_of, public_bytes
 from shoal.common.metrics import PeerMetrics
+from shoal.common.limits import LINK_RTT_MAX_SECONDS
 from shoal.common.plan import Plan
 from shoal.common.pauses import RunClock, keep_reading
 from shoal.common.retry import RetryPolicy
@@ -164,7 +165,7 @@ class _Journal(RoundListener):
     def on_plan(self, plan: Plan) -> None:  # the swarm's per-attempt table (shoal.testbeds.scenario.rounds_report)
         self.agent.emit("plan", round=plan.round, attempt=plan.attempt, collective=plan.collective,
                         participants=list(plan.participants), demoted=list(plan.demoted),
-                        predicted_seconds=plan.predicted_seconds,
+                        predicted_seconds=plan.predicted_seconds, predicted_round_seconds=plan.predicted_round_seconds,
                         outbound_only=[plan.participants[i] for i in plan.outbound_only])
 
     def on_collective(self, rec: CollectiveRecord) -> None:
@@ -686,6 +687,7 @@ class PeerAgent(StateSource):
                     report = self.links.report(self.peer_id)
                     report.shm_peers.extend(self.transport.shm_peers(peers))
                     report.bulk_peers.extend(self.transport.bulk_peers(peers))
+                report.coordinator_rtt_seconds = min(self.control.coordinator_rtt, LINK_RTT_MAX_SECONDS)
                 await self.control.report_links(report)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             log.debug("link report not delivered: %s", exc)

@@ -33,8 +33,10 @@ its fix; the last gRPC error is its `__cause__`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -50,6 +52,7 @@ log = logging.getLogger("shoal.peer.control")
 
 VOTE_SECONDS = 10.0
 LEAVE_SECONDS = 2.0
+RTT_SAMPLES = 8  # heartbeats whose round trips `ControlClient.coordinator_rtt` takes the smallest of
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND
 _NO_DONOR_YET = grpc.StatusCode.FAILED_PRECONDITION
 T = TypeVar("T")
@@ -77,6 +80,7 @@ class CoordinatorClient:
         self.lease_seconds = 10.0
         self.heartbeat_interval = 2.5
         self.pending_sync: pb.SyncOrder | None = None  # from the last JoinResponse, until taken
+        self._round_trips: collections.deque[float] = collections.deque(maxlen=RTT_SAMPLES)
 
     async def join(self) -> pb.JoinResponse:
         """Join (or join again); raises the last error when the bound passes or admission refuses.
@@ -125,13 +129,27 @@ class CoordinatorClient:
                                                                              metadata=self.md)), "ready",
                                       also=(_NO_DONOR_YET,), recover={_NOT_FOUND: self.join})
 
+    @property
+    def coordinator_rtt(self) -> float:
+        """The smallest round trip (seconds) of the last RTT_SAMPLES heartbeats that got an answer
+        (0 = none yet): the control path's propagation delay, with little of the coordinator's
+        own load or of a busy host in it (the planner's control-plane term, LinkReport). Joins
+        are not timed: a join's answer waits for admission work (signatures, the state file)."""
+        return min(self._round_trips, default=0.0)
+
+    async def _timed(self, call: Awaitable[T]) -> T:
+        t0 = time.monotonic()
+        out = await call
+        self._round_trips.append(time.monotonic() - t0)
+        return out
+
     async def heartbeat(self) -> pb.HeartbeatResponse | None:
         """Renew the lease; None (logged) when the coordinator stayed unreachable for a lease.
         Raises a status that is not transient."""
         req = pb.HeartbeatRequest(peer_id=self.peer_id)
         try:
-            return await self.policy.call(self._reported(lambda: self.stub.Heartbeat(req, timeout=self.rpc_timeout,
-                                                                                     metadata=self.md)), "heartbeat",
+            return await self.policy.call(self._reported(lambda: self._timed(self.stub.Heartbeat(
+                req, timeout=self.rpc_timeout, metadata=self.md))), "heartbeat",
                                           deadline=self.lease_seconds, recover={_NOT_FOUND: self._rejoin})
         except grpc.aio.AioRpcError as exc:
             if not is_transient(exc):

@@ -54,6 +54,8 @@ class Plan:
     slowest measured link, see `shoal.coordinator.planner.chunk_deadline`).
     predicted_seconds / bound_seconds / floor_seconds: the planner's α-β prediction, the lower
     bound of any all-reduce on these links and the simple floor (0 when links are unknown).
+    predicted_round_seconds: the whole attempt as the coordinator sees it, predicted_seconds plus
+    the control plane's round trips (`shoal.coordinator.planner.control_seconds`; 0 = unknown).
     num_elements / dtype: the tensor (dtype: a `shoal.v1.DType` code). aggregator, compression:
     what shard owners compute and how chunks are encoded. audit_owners: a second owner recomputes
     every shard's aggregate (`auditor_positions`). ticket: the coordinator-signed round ticket
@@ -89,6 +91,7 @@ class Plan:
     compression: str = "none"
     audit_owners: bool = False
     predicted_seconds: float = 0.0
+    predicted_round_seconds: float = 0.0
     bound_seconds: float = 0.0
     floor_seconds: float = 0.0
     demoted: tuple[str, ...] = ()
@@ -147,6 +150,7 @@ class Plan:
                        chunk_timeout_seconds=self.chunk_timeout_seconds, chunk_bytes=self.chunk_bytes,
                        ticket=self.ticket, aggregator=self.aggregator, compression=self.compression,
                        predicted_seconds=self.predicted_seconds, audit_owners=self.audit_owners,
+                       predicted_round_seconds=self.predicted_round_seconds,
                        fragment=self.fragment, fragments=self.fragments if self.fragments > 1 else 0,
                        secagg_seed=self.secagg_seed)
 
@@ -168,6 +172,7 @@ class Plan:
             chunk_bytes=msg.chunk_bytes or (1 << 20),
             aggregator=msg.aggregator, compression=msg.compression or "none",
             audit_owners=msg.audit_owners, predicted_seconds=msg.predicted_seconds,
+            predicted_round_seconds=msg.predicted_round_seconds,
             demoted=tuple(p.peer_id for i, p in enumerate(msg.participants) if i not in set(msg.shard_owner)),
             ticket=msg.ticket,
             outbound_only=tuple(i for i, p in enumerate(msg.participants) if p.outbound_only),

@@ -474,8 +474,9 @@ def rounds_report(ends: Sequence[AttemptEnd], events_by_peer: Mapping[int, Seque
     """The summary's `rounds`: one entry per attempt the coordinator ended, in (round, attempt) order.
 
     Peers are indices (`ids`; -1 for an id no peer of the swarm wrote). attempt: within its round
-    (0 = first try). collective_algorithm / demoted / predicted_seconds: the plan as the peers
-    received it ("plan" events; None when no peer recorded it). seconds: a commit's from the
+    (0 = first try). collective_algorithm / demoted / predicted_seconds (the collective) /
+    predicted_round_seconds (the attempt, control plane included: comparable with `seconds`): the
+    plan as the peers received it ("plan" events; None when no peer recorded it). seconds: a commit's from the
     coordinator; an abort's from the first peer that received the plan to the first that heard the
     abort (None without both). at_seconds: when the first peer heard the outcome, seconds after t0
     (wall clock, the time base of the events files).
@@ -501,6 +502,7 @@ def rounds_report(ends: Sequence[AttemptEnd], events_by_peer: Mapping[int, Seque
             "collective_algorithm": plan["collective"] if plan else None,
             "demoted": idx(plan["demoted"]) if plan else [],
             "predicted_seconds": round(plan["predicted_seconds"], 4) if plan else None,
+            "predicted_round_seconds": round(plan.get("predicted_round_seconds", 0.0), 4) if plan else None,
             "seconds": None if seconds is None else round(seconds, 4),
             "excluded": idx(end.excluded),
             "reason": end.reason,

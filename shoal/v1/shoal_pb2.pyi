@@ -231,7 +231,7 @@ class Participant(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., address: _Optional[str] = ..., num_samples: _Optional[int] = ..., owner: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., outbound_only: _Optional[bool] = ..., relay: _Optional[str] = ..., secagg_mask_key: _Optional[bytes] = ..., secagg_box_key: _Optional[bytes] = ..., secagg_signature: _Optional[bytes] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners", "fragment", "fragments", "secagg_seed")
+    __slots__ = ("round", "attempt", "epoch", "participants", "collective", "shard_bounds", "shard_owner", "num_elements", "dtype", "deadline_seconds", "chunk_timeout_seconds", "chunk_bytes", "ticket", "aggregator", "compression", "predicted_seconds", "audit_owners", "fragment", "fragments", "secagg_seed", "predicted_round_seconds")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +252,7 @@ class Plan(_message.Message):
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     SECAGG_SEED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ROUND_SECONDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     attempt: int
     epoch: int
@@ -272,7 +273,8 @@ class Plan(_message.Message):
     fragment: int
     fragments: int
     secagg_seed: bytes
-    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., collective: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., secagg_seed: _Optional[bytes] = ...) -> None: ...
+    predicted_round_seconds: float
+    def __init__(self, round: _Optional[int] = ..., attempt: _Optional[int] = ..., epoch: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[Participant, _Mapping]]] = ..., collective: _Optional[str] = ..., shard_bounds: _Optional[_Iterable[int]] = ..., shard_owner: _Optional[_Iterable[int]] = ..., num_elements: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., deadline_seconds: _Optional[float] = ..., chunk_timeout_seconds: _Optional[float] = ..., chunk_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ..., aggregator: _Optional[str] = ..., compression: _Optional[str] = ..., predicted_seconds: _Optional[float] = ..., audit_owners: _Optional[bool] = ..., fragment: _Optional[int] = ..., fragments: _Optional[int] = ..., secagg_seed: _Optional[bytes] = ..., predicted_round_seconds: _Optional[float] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ("round", "attempt", "result_digest", "state_digest", "epoch", "participants", "flagged", "step_seconds", "epsilon", "checkpointers")
@@ -449,20 +451,22 @@ class LinkEstimate(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., rtt_seconds: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class LinkReport(_message.Message):
-    __slots__ = ("peer_id", "links", "up_bytes_per_s", "down_bytes_per_s", "shm_peers", "bulk_peers")
+    __slots__ = ("peer_id", "links", "up_bytes_per_s", "down_bytes_per_s", "shm_peers", "bulk_peers", "coordinator_rtt_seconds")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     UP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     DOWN_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     SHM_PEERS_FIELD_NUMBER: _ClassVar[int]
     BULK_PEERS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_RTT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     links: _containers.RepeatedCompositeFieldContainer[LinkEstimate]
     up_bytes_per_s: float
     down_bytes_per_s: float
     shm_peers: _containers.RepeatedScalarFieldContainer[str]
     bulk_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEstimate, _Mapping]]] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., shm_peers: _Optional[_Iterable[str]] = ..., bulk_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    coordinator_rtt_seconds: float
+    def __init__(self, peer_id: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkEstimate, _Mapping]]] = ..., up_bytes_per_s: _Optional[float] = ..., down_bytes_per_s: _Optional[float] = ..., shm_peers: _Optional[_Iterable[str]] = ..., bulk_peers: _Optional[_Iterable[str]] = ..., coordinator_rtt_seconds: _Optional[float] = ...) -> None: ...
 
 class LinkReportResponse(_message.Message):
     __slots__ = ()

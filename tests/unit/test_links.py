@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.common.errors import InvalidArgument
+from shoal.coordinator.server import check_link_report
 from shoal.peer.links import MIN_PROBE_BYTES, PROBE_BYTES, LinkMeter
+from shoal.v1 import shoal_pb2 as pb
 
 
 class Clock:
@@ -59,11 +62,16 @@ def test_a_known_link_is_probed_with_about_a_second_of_its_slower_rate_each_way(
 
 
 def test_the_report_clamps_estimates_into_the_bounds_the_coordinator_accepts():
-    from shoal.coordinator.server import check_link_report
-
     m = LinkMeter()
     m.observe_probe("b", rtt=120.0, up=10.0, down=5e12)
     rep = m.report("me")
     (b,) = rep.links
     assert (b.up_bytes_per_s, b.down_bytes_per_s, b.rtt_seconds) == (1e3, 1e12, 60.0)
     check_link_report(rep)  # an honest peer's report is never refused
+
+
+@pytest.mark.parametrize("rtt", [-0.1, float("nan"), float("inf"), 61.0])
+def test_a_link_report_with_a_bad_coordinator_rtt_is_refused_naming_the_field(rtt):
+    with pytest.raises(InvalidArgument, match="coordinator_rtt_seconds"):
+        check_link_report(pb.LinkReport(peer_id="me", coordinator_rtt_seconds=rtt))
+    check_link_report(pb.LinkReport(peer_id="me", coordinator_rtt_seconds=0.24))

@@ -18,6 +18,7 @@ from shoal.coordinator.planner import (
     allreduce_lower_bound,
     best_ring_order,
     butterfly_fractions,
+    control_seconds,
     chunk_deadline,
     conservative_seconds,
     plan_collective,
@@ -366,3 +367,10 @@ def test_chunks_on_a_long_path_are_cut_so_that_a_shard_fills_the_pool() -> None:
     assert plan.chunk_bytes == shard // PIPELINE_CHUNKS < 4 << 20
     small = plan_round(far, 400_000, 1, policy)  # 1.6 MB: the floor holds
     assert small.chunk_bytes == MIN_CHUNK_BYTES
+
+
+def test_control_seconds_is_the_farthest_participants_round_trip_and_five_of_them_when_secure():
+    assert control_seconds([0.03, 0.1, 0.2, 0.24]) == 0.24  # plan out and vote back: one round trip
+    assert control_seconds([0.03, 0.1, 0.2, 0.24], secure=True) == pytest.approx(1.2)  # + shares + reveals
+    assert control_seconds([0.0, 0.05, float("nan")]) == 0.05  # not measured: left out
+    assert control_seconds([]) == 0.0 and control_seconds([0.0, 0.0]) == 0.0

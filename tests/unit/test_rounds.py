@@ -924,3 +924,17 @@ def test_a_secure_run_opens_no_round_and_retries_none_with_fewer_than_three_part
     assert plan.plan.size == 3
     (abort,) = of(e.vote("a", 0, 0, False, b"", b"", 7.0, error="own failure"), SendAbort)
     assert not abort.record.will_retry  # two survivors: the round starts over when three are ready
+
+
+def test_the_plan_predicts_the_attempt_with_the_participants_round_trips_to_the_coordinator():
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p, rtt in zip("abc", (0.03, 0.2, 0.0)):  # c has not measured its own
+        e.report_links(p, 1e6, 1e6, 0.05, coordinator_rtt=rtt)
+    acts = []
+    for p in "abc":
+        acts += e.ready(p, 0, info(n=1000), 0.0)
+    (plan,) = of(acts, SendPlan)
+    assert plan.plan.predicted_round_seconds == pytest.approx(plan.plan.predicted_seconds + 0.2)
+    e.report_links("a", 1e6, 1e6, 0.05, coordinator_rtt=0.0)  # a report without one keeps the last
+    assert e.members["a"].coordinator_rtt_seconds == 0.03
