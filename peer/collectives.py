@@ -309,6 +309,7 @@ class _Butterfly:
         self.buf = self.result.values
         self.hashed = ResultDigest(self.buf)  # the vote digest, fed as chunks become final
         self.digest = b""  # set once the last chunk is hashed
+        self.complete = False  # this peer's result is whole (`_run_streams`)
         self.own = _Contribution(x, codec, plan.audit_owners, me)
         # The plain sum of an owned chunk is computed straight into its slice of the result.
         self.owned = OwnerAccumulator(part, part.owned, reducer, x.dtype, out=self.buf)
@@ -338,7 +339,7 @@ class _Butterfly:
     async def run(self) -> _Outcome:
         ok = False
         try:
-            await _run_streams(self.plan, self.streams, self._work)
+            await _run_streams(self.plan, self.streams, self._work, lambda: self.complete)
             ok = True
         finally:
             self.shared.finish(ok)
@@ -355,6 +356,7 @@ class _Butterfly:
             tg.create_task(self._gather())
             if self.audit is not None:
                 tg.create_task(self._audit())
+        self.complete = True  # every chunk this peer needs is in, every chunk it sends is queued
         for st in self.streams.values():
             await st.close()
         self.digest = await self.hashed.finish()  # while the streams drain
@@ -505,6 +507,7 @@ class _Ring:
         self.buf = self.result.values
         self.hashed = ResultDigest(self.buf)  # the vote digest, fed as chunks become final
         self.digest = b""  # set once the last chunk is hashed
+        self.complete = False  # this peer's result is whole (`_run_streams`)
         self.prev = part.peer_id((part.me - 1) % part.size)
         self.out = lanes.open((part.me + 1) % part.size, solo=True)
         if self.result.private and not codec.on:  # the all-gather's chunks read in place (`_Wire.post`)
@@ -513,7 +516,8 @@ class _Ring:
                     self.wire.post(AG, s, span, self.prev, self.buf[span.lo:span.hi])
 
     async def run(self) -> _Outcome:
-        await _run_streams(self.plan, {(self.part.me + 1) % self.part.size: self.out}, self._schedule)
+        await _run_streams(self.plan, {(self.part.me + 1) % self.part.size: self.out}, self._schedule,
+                           lambda: self.complete)
         return _Outcome(self.buf, self.digest, self.out.bytes_sent, self.out.bytes_sent)
 
     async def _schedule(self) -> None:
@@ -526,6 +530,7 @@ class _Ring:
         for s in range(part.size - 1):  # all-gather
             for span in part.chunks(part.ring_gathered(s)):
                 await self._relay(s, span)
+        self.complete = True
         await self.out.close()
         self.digest = await self.hashed.finish()  # while the stream drains
 
@@ -606,9 +611,10 @@ class _SparseGather:
         self.piece = max(4, plan.chunk_bytes // 4 * 4)  # what Session admits: chunk_bytes // 4 elements' worth
         self.mine: SparseEncoded | None = None
         self.payloads: dict[int, SparseEncoded] = {}
+        self.complete = False  # every payload is in (`_run_streams`)
 
     async def run(self) -> _Outcome:
-        await _run_streams(self.plan, self.streams, self._work)
+        await _run_streams(self.plan, self.streams, self._work, lambda: self.complete)
         payloads = [self.payloads[j] if j != self.position else self.mine for j in range(self.plan.size)]
         values = await off_loop(sum_contributions, payloads, self.sparse.weights)
         digest = await off_loop(result_digest, values)
@@ -626,6 +632,7 @@ class _SparseGather:
             tg.create_task(self._send(self.mine.to_bytes()))
             for j in self.streams:
                 tg.create_task(self._receive(j))
+        self.complete = True
         for st in self.streams.values():
             await st.close()
 
@@ -767,13 +774,15 @@ async def _attempt(x: np.ndarray, plan: Plan, me: str, lanes: Lanes, reducer: Ow
     return await _within_deadline(plan, lanes, lambda: _Ring(x, plan, me, lanes, codec).run())
 
 
-async def _run_streams(plan: Plan, streams: dict[int, Lane], work) -> None:
+async def _run_streams(plan: Plan, streams: dict[int, Lane], work, complete) -> None:
     """Run `streams` (this peer's lanes of the attempt) beside `work()`, this peer's side of the
-    collective: it returns once this peer holds its whole result and has queued its last chunk.
+    collective, which closes the streams and returns once this peer holds its whole result;
+    `complete()` says whether every chunk this peer needs has arrived and every chunk it sends is
+    queued (set by `work` before it closes the streams and finishes the digest).
 
     Until then a failed stream fails the collective. After it a stream only delivers what is
-    queued and ends: one that fails, or has not ended a chunk deadline later, no longer fails
-    this peer's collective (its receiver died or stalled after taking what it needed, or it finds
+    queued and ends: one that fails, or has not ended a chunk deadline after `work` returned, no
+    longer fails this peer's collective (its receiver died or stalled after taking what it needed, or it finds
     a chunk missing and its own vote says so); it is cancelled. So a participant that vanishes
     after sending costs the others nothing they hold: their votes still count (with secure
     aggregation the attempt commits without the vanished one's vote, coordinator.attempt)."""
@@ -783,7 +792,7 @@ async def _run_streams(plan: Plan, streams: dict[int, Lane], work) -> None:
         try:
             await st.run()
         except CollectiveError as exc:
-            if not done:
+            if not (done or complete()):
                 raise
             log.info("round %d.%d: the stream to %s failed after this peer's result was complete (%s)",
                      plan.round, plan.attempt, plan.participants[j][:8], exc)
