@@ -429,6 +429,11 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
     sec = config.security
     log.info("coordinator listening on %s (%s; state %s)", address,
              ("mutual TLS" if sec.mtls else "TLS") if sec.tls_dir else "PLAINTEXT", config.state_path)
+    rc = config.run_config
+    if rc.get("secure_aggregation"):
+        log.info("secure aggregation (SecAgg+) on: neighbour graph degree %s, threshold %s, clip %s, %s fraction "
+                 "bits; a round needs 3 participants", rc.get("secagg_degree"), rc.get("secagg_threshold"),
+                 rc.get("secagg_clip"), rc.get("secagg_frac_bits"))
     if config.ready_file:
         tmp = pathlib.Path(config.ready_file + ".tmp")
         tmp.write_text(address)

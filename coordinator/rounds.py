@@ -1130,6 +1130,8 @@ class RoundEngine:
             return True
         if self.config.rounds and self.committed_rounds >= self.config.rounds:
             return False  # `_decide` says FINISHED
+        if self.config.privacy.on_budget == "stop" and self._budget_spent():
+            return False  # `_decide` says FINISHED (also for a coordinator resumed with its budget spent)
         if self.cohort is not None:
             return False  # `_decide_drawn` looks at the cohort only: O(K)
         if len(self.said_ready) < self._quorum():

@@ -24,6 +24,7 @@ import dataclasses
 import difflib
 import ipaddress
 import logging
+import math
 import os
 import tomllib
 import types
@@ -37,7 +38,7 @@ from shoal.common.limits import MAX_BULK_CHUNK_BYTES
 from shoal.common.privacy import DpSettings
 from shoal.common.settings import setting
 from shoal.peer.secagg import refused_with
-from shoal.coordinator.rounds import EngineConfig
+from shoal.coordinator.rounds import SECURE_MIN_PEERS, EngineConfig
 from shoal.coordinator.settings import RoundSettings
 
 log = logging.getLogger("shoal.config")
@@ -411,6 +412,10 @@ class RunSection:
                                       f"{self.compression!r} (sparse payloads are summed by every peer: mean only)",
                                       setting=f"run.{key}")
 
+        if self.on_norm == "reject" and self.dp_mode in ("distributed", "local"):
+            raise ConfigError(f"run.on_norm = 'reject'; it does not combine with run.dp_mode = {self.dp_mode!r} "
+                              f"(each participant clips its own contribution: nothing is rejected)",
+                              setting="run.on_norm")
         self._check_secure()
 
     def _check_secure(self) -> None:
@@ -425,12 +430,23 @@ class RunSection:
                f"in 2..secagg_degree ({self.secagg_degree})", self.secagg_threshold)
         _check(self.secagg_clip > 0 and _finite(self.secagg_clip), r, "secagg_clip", "> 0", self.secagg_clip)
         _check(0 <= self.secagg_frac_bits <= 30, r, "secagg_frac_bits", "in 0..30", self.secagg_frac_bits)
+        if self.secagg_max_participants() < SECURE_MIN_PEERS:
+            raise ConfigError(f"run.secagg_frac_bits = {self.secagg_frac_bits}: with secagg_clip "
+                              f"{self.secagg_clip:g} a sum of {SECURE_MIN_PEERS} participants overflows the ring "
+                              f"({SECURE_MIN_PEERS} x {self.secagg_clip:g} x 2^{self.secagg_frac_bits} >= 2^31); "
+                              f"lower secagg_frac_bits or secagg_clip", setting="run.secagg_frac_bits")
         refused = refused_with(aggregator=self.aggregator, audit_owners=self.audit_owners,
                                compression=self.compression, max_norm=self.max_norm, dp_sigma=self.dp_sigma,
                                dp_mode=self.dp_mode)
         if refused is not None:
             raise ConfigError(f"run.{refused[0]} = {refused[1]}; it does not combine with run.secure_aggregation",
                               setting=f"run.{refused[0]}")
+
+    def secagg_max_participants(self) -> int:
+        """The most participants whose fixed-point sum fits the secure-aggregation ring:
+        p · secagg_clip · 2^secagg_frac_bits < 2^31 (shoal.peer.secagg.SecAggParams.check)."""
+        unit = self.secagg_clip * 2 ** self.secagg_frac_bits
+        return max(0, math.ceil(2 ** 31 / unit) - 1) if unit > 0 else 0
 
     def sparse_bytes_per_element(self) -> float:
         """Bytes per element of one peer's sparse payload (0 for a dense compression)."""

@@ -35,6 +35,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 from shoal import config as config_mod  # noqa: E402
 from shoal.common.errors import InvalidArgument
 from shoal.config import ConfigError, ShoalConfig
+from shoal.coordinator.rounds import SECURE_MIN_PEERS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -745,6 +746,13 @@ def cmd_swarm(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
     if r.rounds <= 0:
         raise UsageError(f"--rounds {r.rounds}: a swarm runs a finite number of rounds (>= 1); 0, a coordinator's "
                          f"\"run until stopped\", is for `shoal coordinator`")
+    if run.secure_aggregation and s.peers < SECURE_MIN_PEERS:
+        raise UsageError(f"--peers {s.peers} with --secure-aggregation: a secure round needs {SECURE_MIN_PEERS} "
+                         f"participants (the sum of two contributions shows each to the other)")
+    if run.secure_aggregation and s.peers > run.secagg_max_participants():
+        raise UsageError(f"--peers {s.peers} with --secure-aggregation: a sum of more than "
+                         f"{run.secagg_max_participants()} participants overflows the ring at --secagg-clip "
+                         f"{run.secagg_clip:g} and --secagg-frac-bits {run.secagg_frac_bits}; lower either")
     _swarm_files(s)
     lm = _lm_settings(s, run, given)
     plan = None

@@ -123,6 +123,11 @@ def render_table(s: dict) -> str:
             f"committed {s['rounds_committed']}  aborted {s['rounds_aborted']}  algorithm {algo}")
     if s["run_config"]:
         head += "\n" + compression_line(s["run_config"])
+        rc = s["run_config"]
+        if rc.get("secure_aggregation"):
+            head += (f"\nsecure aggregation on (degree {rc.get('secagg_degree')}, threshold "
+                     f"{rc.get('secagg_threshold')}, clip {rc.get('secagg_clip')}, {rc.get('secagg_frac_bits')} "
+                     f"fraction bits)")
     if s.get("dp_delta"):
         head += f"  epsilon {s['epsilon']:.3f} (delta {s['dp_delta']:g})"
     d = s.get("durable") or {}

@@ -16,6 +16,7 @@ the summary's `events`, `per_peer`, `rounds` and `wrongful_exclusions`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -614,6 +615,8 @@ def summarize(swarm: Swarm, wall: float, baseline: float | None, chaos: "ChaosLo
     up_to_date = [e for e in finals if e["rounds"] == committed]
     # A finished peer behind the last commit is not a disagreement (it holds an older committed
     # state); it is counted apart.
+    if not committed and up_to_date:  # nothing committed (e.g. an ε budget below one round): they must agree
+        last = collections.Counter(e["state_digest"] for e in up_to_date).most_common(1)[0][0]
     mismatches += sum(1 for e in up_to_date if e["state_digest"] != last)
     acc = max((e["test_accuracy"] for e in up_to_date), default=0.0)
     acc_of = "finished peers"
@@ -1393,15 +1396,16 @@ def _summary(run: _Run) -> dict:
 
 def _baseline(run: _Run) -> dict:
     """The single-process baseline's keys: `baseline_accuracy` and `baseline_steps` (the swarm's
-    optimizer steps: all planned ones after a full run, the committed rounds' participants times
-    `inner_steps` after an early stop). A timed-out run's baseline gets BASELINE_AFTER_TIMEOUT of
+    optimizer steps: all planned ones after a full run of every peer, the committed rounds'
+    participants times `inner_steps` after an early stop, a privacy budget's stop or with cohorts). A timed-out run's baseline gets BASELINE_AFTER_TIMEOUT of
     the timeout; past it, or with no round committed, `baseline_accuracy` is None and
     `baseline_skipped` says why."""
     from shoal.peer.workloads.digits import baseline_accuracy
 
     opts = run.opts
     steps = opts.peers * opts.rounds * opts.inner_steps
-    if run.why:
+    committed, _ = run.swarm.durable_counts()
+    if run.why or committed < opts.rounds or opts.cohort_size:
         steps = _steps_done(run.swarm)
     if steps == 0:
         return {"baseline_accuracy": None, "baseline_steps": 0,
@@ -1453,6 +1457,9 @@ def _report(run: _Run, summary: dict) -> None:
               f"{base_text}); rounds committed {summary['rounds_committed']}, "
               f"aborted {summary['rounds_aborted']}; digest mismatches {summary['digest_mismatches']}; "
               f"{summary['wall_seconds']:.1f}s{'; timed out' if summary['timed_out'] else ''}", file=sys.stderr)
+    if summary.get("privacy_budget_spent"):
+        print(f"privacy budget spent: epsilon {summary.get('epsilon', 0.0):.3f} after "
+              f"{summary['rounds_committed']} rounds; the next round would exceed the budget", file=sys.stderr)
     if run.chaos is not None:
         print(f"chaos: {summary['peers_killed']} peers killed and restarted, {summary['peers_stopped']} stopped, "
               f"{summary['coordinator_restarts']} coordinator restarts, {summary['rounds_retried']} retried attempts, "

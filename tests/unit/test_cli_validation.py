@@ -79,6 +79,13 @@ def test_min_peers_above_peers_is_an_error_not_a_silent_cap(capsys):
     assert "--min-peers 3" in line and "--peers 2" in line
 
 
+@pytest.mark.parametrize("peers, says", [("2", "needs 3 participants"), ("600", "more than 511 participants")])
+def test_a_secure_swarm_too_small_or_too_large_for_its_ring_is_refused(peers, says, capsys):
+    assert cli.main(["swarm", "--peers", peers, "--secure-aggregation"]) == cli.EXIT_USAGE
+    line = one_line_error(capsys.readouterr().err)
+    assert f"--peers {peers}" in line and "--secure-aggregation" in line and says in line
+
+
 def test_run_config_checks_its_own_ranges():
     from shoal.common.errors import InvalidArgument
     from shoal.peer.training import RunConfig

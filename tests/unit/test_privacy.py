@@ -3,6 +3,8 @@ dp-accounting library computed directly, the engine's ε per commit and its budg
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
@@ -125,6 +127,18 @@ def test_engine_reports_epsilon_after_every_commit_and_stops_at_the_budget():
     assert e.finished and "privacy budget spent" in e.waiting(10.0).message
 
 
+def test_a_coordinator_resumed_with_its_budget_spent_finishes_at_once():
+    """Resumed with 3 committed rounds and a budget of 3: the run is over, so the members that
+    join (and never get ready: nobody holds the committed state) are told so, not left waiting."""
+    dp = DpSettings(sigma=1.0, clip=1.0, mode="distributed", epsilon_budget=library_epsilon(1.0, 1.0, 3, 1e-5) + 1e-9)
+    e = admit(engine(privacy=dp), ["a", "b"])
+    for r in range(3):
+        play_round(e, ["a", "b"], 1.0 + r, bytes([r + 1]))
+    again = RoundEngine(dataclasses.replace(e.config), committed=list(e.commits))
+    admit(again, ["a", "b"], now=10.0)
+    assert any(isinstance(a, SendFinished) for a in again.tick(10.5)) and again.finished
+
+
 def test_engine_with_warn_goes_on_past_the_budget():
     dp = DpSettings(sigma=1.0, clip=1.0, mode="distributed", epsilon_budget=0.5, on_budget="warn")
     e = admit(engine(privacy=dp, rounds=3), ["a", "b"])
@@ -191,6 +205,11 @@ def test_epsilon_reaches_the_metric_and_the_status_view():
             "epsilon": 4.25, "dp_delta": 1e-5, "run_config": {}, "members": [], "rounds": [], "waiting": {}}
     assert "epsilon 4.250 (delta 1e-05)" in render_table(view)
     assert "epsilon" not in render_table({**view, "epsilon": 0.0, "dp_delta": 0.0})
+    secure = {"secure_aggregation": True, "secagg_degree": 4, "secagg_threshold": 3, "secagg_clip": 4.0,
+              "secagg_frac_bits": 20}
+    assert "secure aggregation on (degree 4, threshold 3, clip 4.0, 20 fraction bits)" in render_table(
+        {**view, "run_config": secure})
+    assert "secure aggregation" not in render_table({**view, "run_config": {"compression": "none"}})
 
 
 async def test_the_coordinator_service_reports_epsilon_in_status_and_the_metric():

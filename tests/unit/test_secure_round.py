@@ -218,6 +218,20 @@ def test_contributor_dp_combines_with_secure_aggregation_and_bad_parameters_are_
         assert err.value.setting == f"run.{key}"
 
 
+def test_a_ring_too_small_for_three_participants_and_norm_rejection_under_contributor_dp_are_refused():
+    """clip 4 at 28 fraction bits: 3 x 4 x 2^28 >= 2^31, no secure round could ever sum; with
+    contributor DP every participant clips its own update, so on_norm = reject would do nothing."""
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(RunSection(), secure_aggregation=True, secagg_frac_bits=28).validate()
+    assert err.value.setting == "run.secagg_frac_bits" and "3 participants overflows the ring" in str(err.value)
+    assert dataclasses.replace(RunSection(), secagg_frac_bits=20).secagg_max_participants() == 511
+    dataclasses.replace(RunSection(), secure_aggregation=True, secagg_frac_bits=27).validate()  # 3 fit
+    for mode in ("distributed", "local"):
+        with pytest.raises(ConfigError) as err:
+            dataclasses.replace(RunSection(), max_norm=1.0, dp_sigma=0.5, dp_mode=mode, on_norm="reject").validate()
+        assert err.value.setting == "run.on_norm" and f"run.dp_mode = {mode!r}" in str(err.value)
+
+
 def test_what_one_peer_and_the_coordinator_receive_in_a_secure_attempt_reveals_no_contribution():
     """A whole secure attempt on the real butterfly (in-memory lanes): everything participant 0
     receives on the data plane (every chunk of the all-reduce: the other participants' masked rows
