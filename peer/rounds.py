@@ -769,6 +769,10 @@ class RoundClient:
         if isinstance(exc, CollectiveError):
             log.warning("round %d.%d collective failed: %s", plan.round, shown_attempt(plan.attempt), reason)
             suspects, audit, relay = exc.suspects, exc.audit, exc.relay
+        elif isinstance(exc, InvalidArgument):  # this peer's own input refused (e.g. non-finite values): no bug
+            log.warning("round %d.%d: this peer's contribution was refused: %s; voting failed", plan.round,
+                        shown_attempt(plan.attempt), reason)
+            suspects, audit, relay = (), False, ""
         else:
             log.error("round %d.%d: the collective raised %s; voting failed", plan.round,
                       shown_attempt(plan.attempt), reason, exc_info=exc)

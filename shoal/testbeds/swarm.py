@@ -550,11 +550,15 @@ class Swarm:
 def abort_kind(reason: str) -> str:
     """The kind of an abort reason, for the summary's `abort_reasons` counts: the voter's error
     (after "<id> failed: ") with peer ids and numbers replaced, cut to its first six words, e.g.
-    "no chunk from <peer> within Ns" (it was the first word only: every timeout counted as "no")."""
+    "no chunk from <peer> within Ns", and before a parenthesis those six words would cut open
+    ("<peer> lost before voting", not "... voting (participant <peer>")."""
     text = reason.split("failed: ", 1)[1] if "failed: " in reason else reason
     text = re.sub(r"\b[0-9a-f]{8,32}\b", "<peer>", text)
     text = re.sub(r"\d+(\.\d+)?", "N", text)
-    return " ".join(text.split()[:6]).rstrip(":;,")
+    kind = " ".join(text.split()[:6])
+    if kind.count("(") > kind.count(")"):  # cut inside a parenthesis: leave the parenthesis out
+        kind = kind[:kind.rindex("(")]
+    return kind.strip().rstrip(":;,")
 
 
 def _last_commit_digest(swarm: "Swarm") -> str:

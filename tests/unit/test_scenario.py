@@ -264,6 +264,7 @@ def test_abort_reasons_are_counted_by_kind_not_by_first_word():
     assert abort_kind("lease expired") == "lease expired"
     assert abort_kind("9d402815 failed: InjectedFault: fault injection: reduce raised in round 2") == \
         "InjectedFault: fault injection: reduce raised in"
+    assert abort_kind("f9611c5a lost before voting (participant f9611c5a disconnected)") == "<peer> lost before voting"
 
 
 FIVE_PEERS = "".join(f"[[peer]]\nstart = {i}.0\n" for i in range(5))
