@@ -935,12 +935,15 @@ def check_link_report(report: pb.LinkReport) -> None:
     for i, link in enumerate(report.links):
         _check_rate(link.up_bytes_per_s, f"links[{i}].up_bytes_per_s")
         _check_rate(link.down_bytes_per_s, f"links[{i}].down_bytes_per_s")
-        rtt = link.rtt_seconds
-        require(rtt == 0 or (math.isfinite(rtt) and 0 < rtt <= LINK_RTT_MAX_SECONDS), f"links[{i}].rtt_seconds",
-                f"must be 0 (not measured) or in (0, {LINK_RTT_MAX_SECONDS:g}] seconds, got {rtt!r}")
-    rtt = report.coordinator_rtt_seconds
-    require(rtt == 0 or (math.isfinite(rtt) and 0 < rtt <= LINK_RTT_MAX_SECONDS), "coordinator_rtt_seconds",
-            f"must be 0 (not measured) or in (0, {LINK_RTT_MAX_SECONDS:g}] seconds, got {rtt!r}")
+        _check_rtt(link.rtt_seconds, f"links[{i}].rtt_seconds")
+    _check_rtt(report.coordinator_rtt_seconds, "coordinator_rtt_seconds")
+
+
+def _check_rtt(value: float, field: str) -> None:
+    """Raise InvalidArgument naming `field` unless `value` is 0 (not measured) or a round trip in
+    (0, LINK_RTT_MAX_SECONDS] seconds."""
+    require(value == 0 or (math.isfinite(value) and 0 < value <= LINK_RTT_MAX_SECONDS), field,
+            f"must be 0 (not measured) or in (0, {LINK_RTT_MAX_SECONDS:g}] seconds, got {value!r}")
 
 
 # The oldest peer version whose votes this coordinator's peers can agree with: 0.2.0 changed the

@@ -778,7 +778,8 @@ async def _run_streams(plan: Plan, streams: dict[int, Lane], work, complete) -> 
     """Run `streams` (this peer's lanes of the attempt) beside `work()`, this peer's side of the
     collective, which closes the streams and returns once this peer holds its whole result;
     `complete()` says whether every chunk this peer needs has arrived and every chunk it sends is
-    queued (set by `work` before it closes the streams and finishes the digest).
+    queued (set by `work` before it closes the streams and finishes the digest, so always by
+    the time `work` returns).
 
     Until then a failed stream fails the collective. After it a stream only delivers what is
     queued and ends: one that fails, or has not ended a chunk deadline after `work` returned, no
@@ -786,13 +787,11 @@ async def _run_streams(plan: Plan, streams: dict[int, Lane], work, complete) -> 
     a chunk missing and its own vote says so); it is cancelled. So a participant that vanishes
     after sending costs the others nothing they hold: their votes still count (with secure
     aggregation the attempt commits without the vanished one's vote, coordinator.attempt)."""
-    done = False
-
     async def stream(j: int, st: Lane) -> None:
         try:
             await st.run()
         except CollectiveError as exc:
-            if not (done or complete()):
+            if not complete():
                 raise
             log.info("round %d.%d: the stream to %s failed after this peer's result was complete (%s)",
                      plan.round, plan.attempt, plan.participants[j][:8], exc)
@@ -800,7 +799,6 @@ async def _run_streams(plan: Plan, streams: dict[int, Lane], work, complete) -> 
     async with asyncio.TaskGroup() as tg:
         tasks = {j: tg.create_task(stream(j, st)) for j, st in streams.items()}
         await work()
-        done = True
         if tasks:
             _, late = await asyncio.wait(tasks.values(), timeout=plan.chunk_timeout_seconds)
             for j, t in tasks.items():

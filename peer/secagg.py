@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -87,9 +88,15 @@ class SecAggParams:
                                   f"got {self.threshold}")
         if not 0 <= self.frac_bits <= 30:
             raise InvalidArgument(f"frac_bits: must be in 0..30, got {self.frac_bits}")
-        if not self.clip > 0 or participants * self.clip * 2 ** self.frac_bits >= 2 ** 31:
+        if not self.clip > 0 or participants > self.max_participants():
             raise InvalidArgument(f"clip: {participants} x clip {self.clip} x 2^{self.frac_bits} must stay below "
                                   f"2^31 (the sum must fit the ring Z_2^32)")
+
+    def max_participants(self) -> int:
+        """The most participants whose fixed-point sum fits the ring: p · clip · 2^frac_bits < 2^31
+        (0 for a clip <= 0)."""
+        unit = self.clip * 2 ** self.frac_bits
+        return max(0, math.ceil(2 ** 31 / unit) - 1) if unit > 0 else 0
 
     def check_settings(self) -> None:
         """Raises InvalidArgument naming the first parameter unusable for any participant count."""
@@ -290,21 +297,25 @@ class SecAggParticipant:
         return {j: ("seed", s.seed_share) if j in sent else ("key", s.key_share) for j, s in self.held.items()}
 
 
+def _secrets_to_remove(sent: set[int], graph: tuple[tuple[int, ...], ...],
+                       revealed: Mapping[int, Mapping[int, tuple[str, int]]]):
+    """(participant j, "seed" or "key", the revealed shares {x: y} of it) for each secret the
+    unmasking needs: every sender's self-mask seed, and the mask key of every non-sender some
+    sender masked towards."""
+    for j in range(len(graph)):
+        if j not in sent and not sent.intersection(graph[j]):
+            continue  # nobody added a mask towards j: nothing of j's to remove
+        kind = "seed" if j in sent else "key"
+        yield j, kind, {h + 1: r[j][1] for h, r in revealed.items() if j in r and r[j][0] == kind}
+
+
 def unmaskable(sent: Iterable[int], revealed: Mapping[int, Mapping[int, tuple[str, int]]],
                graph: tuple[tuple[int, ...], ...], params: SecAggParams) -> bool:
     """Whether `unmask` has what it needs from `revealed`: at least t survivors, and t shares of
     every sender's seed and of every non-sender's key that some sender masked towards."""
-    sent = set(sent)
     t = params.threshold
-    if len(revealed) < t:
-        return False
-    for j in range(len(graph)):
-        if j not in sent and not sent.intersection(graph[j]):
-            continue
-        kind = "seed" if j in sent else "key"
-        if sum(1 for r in revealed.values() if j in r and r[j][0] == kind) < t:
-            return False
-    return True
+    return len(revealed) >= t and all(len(shares) >= t for _, _, shares in
+                                      _secrets_to_remove(set(sent), graph, revealed))
 
 
 def unmask(total: np.ndarray, sent: Iterable[int], revealed: Mapping[int, Mapping[int, tuple[str, int]]],
@@ -318,17 +329,12 @@ def unmask(total: np.ndarray, sent: Iterable[int], revealed: Mapping[int, Mappin
     arrived (or fewer than t survivors revealed anything), and InvalidArgument when a
     reconstructed key does not match its published public key (a lying survivor)."""
     sent = set(sent)
-    p = len(graph)
     t = params.threshold
     if len(revealed) < t:
         raise SecAggAbort(f"{len(revealed)} survivors revealed shares, {t} needed")
     y = np.array(total, dtype=np.uint32, copy=True)
     n = y.shape[0]
-    for j in range(p):
-        if j not in sent and not sent.intersection(graph[j]):
-            continue  # nobody added a mask towards j: nothing of j's to remove
-        kind = "seed" if j in sent else "key"
-        shares = {h + 1: r[j][1] for h, r in revealed.items() if j in r and r[j][0] == kind}
+    for j, kind, shares in _secrets_to_remove(sent, graph, revealed):
         if len(shares) < t:
             raise SecAggAbort(f"participant {j}: {len(shares)} shares of its {kind} revealed, {t} needed")
         secret = shamir_combine(shares, t)

@@ -269,11 +269,7 @@ class SecureAggregation:
         all-reduce reveal later), until `until` (monotonic seconds: the attempt's deadline)."""
         req = pb.SecAggPost(peer_id=self.me, round=plan.round, attempt=plan.attempt, phase=pb.SECAGG_REVEAL,
                             items=[pb.SecAggItem(from_peer=self.me, data=encode_reveal(part.reveal(range(plan.size))))])
-        self.cost.bytes_sent += req.ByteSize()
-        try:
-            await self.post(req, wait)
-        except grpc.aio.AioRpcError as exc:
-            raise CollectiveError(f"secure aggregation relay: {exc.code().name} {exc.details()}", []) from None
+        await self._post(req, wait)
         out: dict[int, dict[int, tuple[str, int]]] = {}
         left = wait
         while True:
@@ -296,12 +292,15 @@ class SecureAggregation:
 
     async def _relay(self, req: pb.SecAggPost, wait: float) -> pb.SecAggFetchResponse:
         """Post `req`, then fetch what the others posted in its phase (within `wait` seconds)."""
+        await self._post(req, wait)
+        return await self._fetch(req, wait)
+
+    async def _post(self, req: pb.SecAggPost, wait: float) -> None:
         self.cost.bytes_sent += req.ByteSize()
         try:
             await self.post(req, wait)
         except grpc.aio.AioRpcError as exc:
             raise CollectiveError(f"secure aggregation relay: {exc.code().name} {exc.details()}", []) from None
-        return await self._fetch(req, wait)
 
     async def _fetch(self, req: pb.SecAggPost, wait: float) -> pb.SecAggFetchResponse:
         """What the participants posted in `req`'s phase, once all did or `wait` seconds passed."""

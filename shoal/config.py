@@ -24,7 +24,6 @@ import dataclasses
 import difflib
 import ipaddress
 import logging
-import math
 import os
 import tomllib
 import types
@@ -37,7 +36,7 @@ from shoal.common.attempts import ATTEMPT_STRIDE
 from shoal.common.limits import MAX_BULK_CHUNK_BYTES
 from shoal.common.privacy import DpSettings
 from shoal.common.settings import setting
-from shoal.peer.secagg import refused_with
+from shoal.peer.secagg import SecAggParams, refused_with
 from shoal.coordinator.rounds import SECURE_MIN_PEERS, EngineConfig
 from shoal.coordinator.settings import RoundSettings
 
@@ -443,10 +442,9 @@ class RunSection:
                               setting=f"run.{refused[0]}")
 
     def secagg_max_participants(self) -> int:
-        """The most participants whose fixed-point sum fits the secure-aggregation ring:
-        p · secagg_clip · 2^secagg_frac_bits < 2^31 (shoal.peer.secagg.SecAggParams.check)."""
-        unit = self.secagg_clip * 2 ** self.secagg_frac_bits
-        return max(0, math.ceil(2 ** 31 / unit) - 1) if unit > 0 else 0
+        """The most participants whose fixed-point sum fits the secure-aggregation ring
+        (`shoal.peer.secagg.SecAggParams.max_participants`)."""
+        return SecAggParams(clip=self.secagg_clip, frac_bits=self.secagg_frac_bits).max_participants()
 
     def sparse_bytes_per_element(self) -> float:
         """Bytes per element of one peer's sparse payload (0 for a dense compression)."""
