@@ -5,7 +5,8 @@ line set to ``--rtt-ms`` / ``--jitter-ms`` / ``--loss``, then, for each count in
 (e.g. ``1,4,16``), sends from host 0 to host 1 over that many TCP connections at once for
 ``--seconds`` and reports the goodput the receiver counted after ``--warmup`` seconds (slow start
 excluded as in iperf's ``--omit``), the sender's retransmitted segments, and the delay line's own
-load: packets and bytes per second it forwarded and its CPU share of one core. ``--udp`` instead
+load: frames (reads of the device: a GSO super-packet or one packet), MTU-sized segments and bytes
+per second it forwarded, and its CPU share of one core. ``--udp`` instead
 floods the line with UDP datagrams of ``--udp-size`` bytes for the forwarder's packet rate limit.
 Prints one JSON object.
 
@@ -104,7 +105,8 @@ def _retrans(bed: NetBed, i: int) -> int:
 def _line_load(before: dict, after: dict) -> dict:
     wall = max(after["wall_s"] - before["wall_s"], 1e-9)
     pk = after["in"] - before["in"]
-    return {"packets_per_s": round(pk / wall), "mbit_through": round((after["bytes_in"] - before["bytes_in"]) * 8
+    seg = after.get("segments_in", after["in"]) - before.get("segments_in", before["in"])
+    return {"frames_per_s": round(pk / wall), "segments_per_s": round(seg / wall), "mbit_through": round((after["bytes_in"] - before["bytes_in"]) * 8
                                                                      / wall / 1e6, 1),
             "cpu_share": round((after["cpu_s"] - before["cpu_s"]) / wall, 3),
             "lost": after["lost"] - before["lost"], "overflow": after["overflow"] - before["overflow"],

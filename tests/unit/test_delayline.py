@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from shoal.testbeds.delayline import DelayLine, Path, parse_paths
+from shoal.testbeds.delayline import VNET_HDR, DelayLine, Path, parse_paths, split_tcp_gso, tcp_segments
 from shoal.testbeds.netbed import Latency
 
 A, B, C = "10.9.0.1", "10.9.0.2", "10.9.0.3"
@@ -123,3 +123,84 @@ def test_latency_splits_the_rtt_and_combines_by_the_larger():
     assert Latency.combine(None, None) is None
     with pytest.raises(ValueError, match="jitter_ms"):
         Latency(rtt_ms=10, jitter_ms=6)
+
+
+# --- frames with a virtio-net header (the device's segmentation offload) -------------------------
+
+MSS = 1448
+
+
+def _csum(b: bytes) -> int:
+    if len(b) % 2:
+        b += b"\0"
+    total = sum(struct.unpack(f"!{len(b) // 2}H", b))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return total
+
+
+def gso_frame(src: str, dst: str, payload: bytes, seq: int = 1000, flags: int = 0x18 | 0x80 | 0x01,
+              ident_: int = 7) -> bytes:
+    """A virtio-net header + an IPv4/TCP super-packet (20-byte IP header, 32-byte TCP header with
+    a timestamp option) carrying `payload` in segments of MSS bytes, checksum left partial."""
+    tcp = struct.pack("!HHIIBBHHH", 40000, 5301, seq, 1, 8 << 4, flags, 512, 0, 0) + b"\x01\x01\x08\x0a" + b"\0" * 8
+    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp) + len(payload), ident_, 0x4000, 64, 6, 0,
+                               socket.inet_aton(src), socket.inet_aton(dst)))
+    struct.pack_into("!H", ip, 10, 0xFFFF - _csum(bytes(ip)))
+    pseudo = _csum(ip[12:20] + struct.pack("!HH", 6, len(tcp) + len(payload)))
+    tcp = tcp[:16] + struct.pack("!H", pseudo) + tcp[18:]
+    hdr = VNET_HDR.pack(1, 1, 52, MSS, 20, 16)
+    return hdr + bytes(ip) + tcp + payload
+
+
+def check_piece(frame: bytes) -> tuple[int, int, int, bytes]:
+    """Assert one written frame is well formed; returns (seq, ip id, tcp flags, payload)."""
+    flags, gso_type, hdr_len, gso_size, cstart, coff = VNET_HDR.unpack_from(frame)
+    pkt = frame[VNET_HDR.size:]
+    assert flags == 1 and (cstart, coff) == (20, 16)
+    assert _csum(pkt[:20]) == 0xFFFF  # a valid IP header checksum
+    total = struct.unpack_from("!H", pkt, 2)[0]
+    assert total == len(pkt)
+    body = pkt[52:]
+    assert (gso_type, gso_size, hdr_len) == ((1, MSS, 52) if len(body) > MSS else (0, 0, 0))
+    # completing the partial checksum as the kernel does gives the from-scratch TCP checksum
+    tcp = bytearray(pkt[20:])
+    done = 0xFFFF - _csum(bytes(tcp))
+    struct.pack_into("!H", tcp, 16, 0)
+    scratch = 0xFFFF - _csum(pkt[12:20] + struct.pack("!HH", 6, len(tcp)) + bytes(tcp))
+    assert done == scratch
+    return struct.unpack_from("!I", pkt, 24)[0], struct.unpack_from("!H", pkt, 4)[0], pkt[33], body
+
+
+def test_split_keeps_every_segment_but_the_lost_ones_with_their_numbers():
+    payload = bytes(range(256)) * 40 + b"tail"  # 10,244 bytes: 8 segments, the last short
+    frame = gso_frame(A, B, payload)
+    assert tcp_segments(frame[VNET_HDR.size:], MSS) == 8
+    pieces = split_tcp_gso(frame[VNET_HDR.size:], MSS, False, [(0, 2), (3, 4), (5, 8)])
+    got = [check_piece(p) for p in pieces]
+    assert [s for s, _, _, _ in got] == [1000, 1000 + 3 * MSS, 1000 + 5 * MSS]
+    assert [i for _, i, _, _ in got] == [7, 10, 12]
+    assert [b for _, _, _, b in got] == [payload[:2 * MSS], payload[3 * MSS:4 * MSS], payload[5 * MSS:]]
+    assert [f for _, _, f, _ in got] == [0x90, 0x10, 0x19]  # CWR on the first, FIN/PSH on the last
+
+
+def test_a_super_packet_meets_the_loss_once_per_segment():
+    line = DelayLine({(A, B): Path(delay_ms=1, loss=0.01)}, seed=5, vnet=True)
+    payload = b"x" * (40 * MSS)
+    kept = 0
+    for k in range(500):
+        assert line.take(gso_frame(A, B, payload, seq=k * len(payload)), k * 1e-4) is None
+        for p in line.due(k * 1e-4 + 0.002):
+            kept += len(check_piece(p)[3])
+    assert line.stats["segments_in"] == 500 * 40
+    assert 120 < line.stats["lost"] < 280  # 1 % of 20,000 segments
+    assert kept == (20_000 - line.stats["lost"]) * MSS
+    assert 0 < line.stats["split"] <= line.stats["lost"]
+
+
+def test_frames_without_a_path_or_not_tcp_pass_unchanged():
+    line = DelayLine({(A, B): Path(delay_ms=10, loss=0.5)}, vnet=True)
+    f = gso_frame(A, C, b"y" * 5000)
+    assert line.take(f, 0.0) == f
+    udp = VNET_HDR.pack(0, 0, 0, 0, 0, 0) + pkt(B, A, 3)
+    assert line.take(udp, 0.0) == udp
