@@ -431,6 +431,8 @@ class BulkConnection:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
         sock = _nonblocking(socket.socket(family, socket.SOCK_STREAM))
+        if sndbuf := pool.send_buffer_bytes():  # twice autotuning's window, no sysctl (peer.lanes.pool)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         try:
             async with asyncio.timeout(CONNECT_SECONDS):
                 await loop.sock_connect(sock, addr)
@@ -550,6 +552,7 @@ class BulkClient:
         self.max_connections = max_connections
         self.window = pool.window_bytes()
         self._pool: dict[str, int] = {}  # address -> connections its next stream gets (peer.lanes.pool)
+        self._first = 1  # a peer not streamed to yet: the size last chosen for another (peer.lanes.pool)
         self.paths: dict[str, pool.TcpPath] = {}  # address -> what the kernel measured on the last stream
         self._ports: dict[str, asyncio.Task[int]] = {}
         self._idle: dict[str, list[BulkConnection]] = {}
@@ -608,7 +611,7 @@ class BulkClient:
 
     def pool_size(self, address: str) -> int:
         """How many connections the next stream to `address` goes out on (peer.lanes.pool)."""
-        return min(self._pool.get(address, 1), self.max_connections)
+        return min(self._pool.get(address, self._first), self.max_connections)
 
     def observe_stream(self, address: str, conns: list[BulkConnection], nbytes: int,
                        seconds: float) -> pool.TcpPath | None:
@@ -624,7 +627,7 @@ class BulkClient:
         if nxt != k:
             log.info("bulk lane to %s: %d connection(s) next (RTT %.0f ms, loss %.2g %%, %.1f Mbit/s on %d)",
                      address, nxt, path.rtt_seconds * 1e3, path.loss * 100, nbytes / seconds * 8e-6, k)
-        self._pool[address] = nxt
+        self._pool[address] = self._first = nxt
         return path
 
     def give_back(self, address: str, conn: BulkConnection) -> None:

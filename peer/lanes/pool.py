@@ -13,11 +13,23 @@ reads them in its own order whatever connection brought them.
 ``k`` is chosen per peer address from what the kernel measured on the lane's own connections
 (`tcp_path`: ``TCP_INFO``'s smoothed RTT, retransmitted / sent data segments, the MSS) and the
 goodput the last stream reached (`next_pool_size`): when each of the ``k`` connections carried
-at least POOL_GROW_SHARE of the one-connection bound (`connection_bound`; with BBR, which does not back off per loss, only the window counts),
-the connections, not the path, held the stream back, so the next stream gets POOL_GROWTH times as many (at most the
-`[peer] bulk_connections` setting); when they carried less than POOL_SHRINK_SHARE of it, the path
-holds the stream and fewer connections reach the same goodput. On a LAN (RTT of microseconds) the
-bound is far above any link and the lane keeps one connection.
+at least POOL_GROW_SHARE of the one-connection bound (`connection_bound`; with BBR, which does
+not back off per loss, only the window counts), the connections, not the path, held the stream
+back, so the next stream gets POOL_GROWTH times as many (at most the `[peer] bulk_connections`
+setting); when they carried less than POOL_SHRINK_SHARE of it, the path holds the stream and
+fewer connections reach the same goodput; in between it keeps its size (a pool that grew until
+each connection carries less than POOL_GROW_SHARE of its bound found the path's rate). A peer
+not streamed to yet starts at the size last chosen for another: the sender's buffers and uplink
+are the same on all its paths, and a ring's successor changes from round to round. On a LAN (RTT of microseconds)
+the bound is far above any link and the lane keeps one connection.
+
+The window is the sender's buffer: Linux keeps a connection's unacknowledged data in its send
+buffer, so one connection carries at most about SNDBUF_IN_FLIGHT of ``SO_SNDBUF`` per round trip
+(measured here: 219 Mbit/s at 100 ms RTT with the default 4 MiB ``tcp_wmem`` maximum, 463 Mbit/s
+with 8 MiB). ``SO_SNDBUF`` may set twice ``net.core.wmem_max``, more than autotuning's
+``tcp_wmem`` maximum on a host with default settings (8 MiB against 4 MiB), so the bulk lane's
+sender sets it (`send_buffer_bytes`) and each connection carries twice as much without any
+sysctl.
 """
 
 from __future__ import annotations
@@ -28,14 +40,16 @@ import socket
 import struct
 from dataclasses import dataclass
 
-__all__ = ["TcpPath", "connection_bound", "next_pool_size", "tcp_path", "window_bytes", "POOL_MAX"]
+__all__ = ["TcpPath", "connection_bound", "next_pool_size", "send_buffer_bytes", "tcp_path", "window_bytes",
+           "POOL_MAX"]
 
 POOL_MAX = 16  # default of `[peer] bulk_connections`
-POOL_GROWTH = 4  # a pool held back by its connections grows by this factor per stream
-POOL_GROW_SHARE = 0.7  # ... when each connection carried this share of `connection_bound`
-POOL_SHRINK_SHARE = 0.25  # below this share the path, not the connections, holds the stream
+POOL_GROWTH = 2  # a pool held back by its connections grows by this factor per stream
+POOL_GROW_SHARE = 0.5  # ... when each connection carried this share of `connection_bound`
+POOL_SHRINK_SHARE = 0.2  # below this share the path, not the connections, holds the stream
+SNDBUF_IN_FLIGHT = 0.7  # the share of the send buffer a connection keeps in flight (measured, above)
 MATHIS_C = math.sqrt(1.5)  # ≈ 1.22: periodic loss, delayed ACKs off (Mathis et al. 1997)
-DEFAULT_WINDOW_BYTES = 3 << 20  # when /proc cannot be read: Linux's default tcp_rmem max (6 MiB) / 2
+DEFAULT_WINDOW_BYTES = 3 << 20  # when /proc cannot be read: 0.7 of Linux's default tcp_wmem max (4 MiB)
 _TCP_INFO_LEN = 232
 # Offsets in Linux's struct tcp_info (include/uapi/linux/tcp.h): 8 one-byte fields, then u32s.
 _OFF_SND_MSS, _OFF_RTT, _OFF_TOTAL_RETRANS, _OFF_MIN_RTT, _OFF_DATA_SEGS_OUT = 16, 68, 100, 148, 156
@@ -86,16 +100,34 @@ def tcp_path(socks) -> TcpPath | None:
                    cc)
 
 
-def window_bytes() -> int:
-    """The largest window one connection of this host gets: half of ``net.ipv4.tcp_rmem``'s
-    maximum (the kernel keeps the other half for overhead at ``tcp_adv_win_scale`` 1), at most
-    ``tcp_wmem``'s maximum (the sender's buffer). DEFAULT_WINDOW_BYTES when unreadable."""
+def _sysctl(name: str, field: int = 0) -> int | None:
     try:
-        rmem = int(pathlib.Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()[2])
-        wmem = int(pathlib.Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+        return int(pathlib.Path("/proc/sys/net", name).read_text().split()[field])
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def send_buffer_bytes() -> int:
+    """The ``SO_SNDBUF`` value the bulk lane's sender sets on its connections: ``net.core.wmem_max``
+    (the kernel doubles it) when that gives more than autotuning's ``tcp_wmem`` maximum, else 0
+    (autotuning already goes further: a host tuned for long paths keeps it). 0 when /proc cannot
+    be read."""
+    core, auto = _sysctl("core/wmem_max"), _sysctl("ipv4/tcp_wmem", 2)
+    if core is None or auto is None or 2 * core <= auto:
+        return 0
+    return core
+
+
+def window_bytes() -> int:
+    """The most data one bulk connection of this host keeps in flight, bytes: SNDBUF_IN_FLIGHT of
+    its send buffer (``2 · send_buffer_bytes()`` when the lane sets it, else ``tcp_wmem``'s
+    maximum), at most half of ``tcp_rmem``'s maximum (the receiver's window; the kernel keeps the
+    other half for overhead at ``tcp_adv_win_scale`` 1). DEFAULT_WINDOW_BYTES when unreadable."""
+    rmem, wmem = _sysctl("ipv4/tcp_rmem", 2), _sysctl("ipv4/tcp_wmem", 2)
+    if rmem is None or wmem is None:
         return DEFAULT_WINDOW_BYTES
-    return max(64 << 10, min(rmem // 2, wmem))
+    sndbuf = max(wmem, 2 * send_buffer_bytes())
+    return max(64 << 10, min(rmem // 2, int(SNDBUF_IN_FLIGHT * sndbuf)))
 
 
 def connection_bound(path: TcpPath, window: int) -> float:

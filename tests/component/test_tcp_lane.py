@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.common.certs import PeerTLS, init_certs
 from shoal.coordinator.ca import CertificateAuthority
 from shoal.common.identity import peer_id_of, public_bytes, sign_metadata
+from shoal.peer.lanes import pool
 from shoal.common.security import Security
 from shoal.common.tensors import result_digest
 from shoal.common.tickets import issue_ticket, verify_ticket
@@ -175,6 +176,10 @@ async def test_a_pool_of_connections_per_peer_gives_the_same_bits(algorithm="but
         assert sent and set(sent) == {4}
         assert all(len(t.bulk._idle.get(a, ())) == 4 for t in peers.transports for a in t.lanes())
         assert all(t.bulk.paths[a].rtt_seconds < 0.05 for t in peers.transports for a in t.lanes())
+        if want := pool.send_buffer_bytes():  # every sender's buffer set past autotuning's maximum
+            bufs = {c.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                    for t in peers.transports for a in t.lanes() for c in t.bulk._idle[a]}
+            assert bufs == {2 * want}
     assert len({r.values.tobytes() for r in one + pooled}) == 1
 
 

@@ -28,8 +28,8 @@ def test_the_bound_is_the_window_or_the_mathis_rate_whichever_is_lower():
 
 def test_a_pool_held_back_by_its_connections_grows_and_a_lan_keeps_one():
     lossy = TcpPath(0.1, 0.001, 1448)  # ~4.5 Mbit/s per connection
-    assert next_pool_size(1, 20 * MB, lossy, WINDOW, 16) == 4
-    assert next_pool_size(4, 60 * MB, lossy, WINDOW, 16) == 16
+    assert next_pool_size(1, 20 * MB, lossy, WINDOW, 16) == 2
+    assert next_pool_size(4, 60 * MB, lossy, WINDOW, 16) == 8
     assert next_pool_size(16, 300 * MB, lossy, WINDOW, 16) == 16  # capped by the setting
     assert next_pool_size(4, 60 * MB, lossy, WINDOW, 1) == 1
     lan = TcpPath(0.0002, 0.0, 1448)
@@ -40,9 +40,17 @@ def test_a_pool_the_path_holds_back_shrinks_to_what_reaches_the_same_goodput():
     clean = TcpPath(0.1, 0.0, 1448)  # ~250 Mbit/s per connection (3 MiB window)
     assert next_pool_size(16, 100 * MB, clean, WINDOW, 16) == 1
     lossy = TcpPath(0.1, 0.001, 1448)
-    assert next_pool_size(16, 10 * MB, lossy, WINDOW, 16) == 4
-    assert next_pool_size(8, 20 * MB, lossy, WINDOW, 16) == 8  # in between: unchanged
+    assert next_pool_size(16, 10 * MB, lossy, WINDOW, 16) == 5
+    assert next_pool_size(8, 12 * MB, lossy, WINDOW, 16) == 8  # in between: unchanged
     assert next_pool_size(3, 0.0, lossy, WINDOW, 16) == 3 and next_pool_size(3, 5 * MB, None, WINDOW, 16) == 3
+
+
+def test_the_send_buffer_goes_past_autotuning_only_where_that_gives_more():
+    core = int(open("/proc/sys/net/core/wmem_max").read())
+    auto = int(open("/proc/sys/net/ipv4/tcp_wmem").read().split()[2])
+    assert pool.send_buffer_bytes() == (core if 2 * core > auto else 0)
+    assert pool.window_bytes() == max(64 << 10, min(int(open("/proc/sys/net/ipv4/tcp_rmem").read().split()[2]) // 2,
+                                                   int(0.7 * max(auto, 2 * pool.send_buffer_bytes()))))
 
 
 def test_tcp_path_reads_the_kernels_measurement_of_a_real_connection():
@@ -73,3 +81,32 @@ def test_the_bulk_lanes_path_measurement_feeds_the_link_meters_rtt_and_loss():
     assert meter.loss("b" * 32) == pytest.approx(0.001)
     assert meter.loss("c" * 32) == 0.0
     assert meter.report("a" * 32).links[0].rtt_seconds == pytest.approx(0.15)  # what the planner's α gets
+
+
+def test_a_peer_not_streamed_to_yet_starts_at_the_size_last_chosen_for_another():
+    """BulkClient.observe_stream on a real socket: a stream that filled its connection's window
+    doubles the pool to that peer, and a peer first seen after it starts there too (a ring's
+    successor changes from round to round); a LAN stream brings it back to 1."""
+    from shoal.peer.lanes.bulk import BulkClient
+
+    class Conn:
+        broken = False
+
+        def __init__(self, sock):
+            self.sock = sock
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+        with a, b:
+            a.sendall(b"x" * 10_000)
+            b.recv(1 << 16)
+            client = BulkClient(probe=None, max_connections=16)
+            path = pool.tcp_path([a])
+            fills = pool.connection_bound(path, client.window)  # bytes/s: one connection's bound
+            assert client.pool_size("p:1") == client.pool_size("p:2") == 1
+            client.observe_stream("p:1", [Conn(a)], int(fills), 1.0)
+            assert client.pool_size("p:1") == 2 and client.pool_size("p:2") == 2
+            client.observe_stream("p:2", [Conn(a), Conn(a)], 1000, 1.0)  # far below the bound: the path holds it
+            assert client.pool_size("p:2") == 1 and client.pool_size("p:3") == 1
+            assert client.pool_size("p:1") == 2
