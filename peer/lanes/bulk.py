@@ -482,6 +482,13 @@ class BulkConnection:
         nxt.cancel()
         return None
 
+    def notsent_lowat(self, nbytes: int) -> None:
+        """Hold this connection's unsent bytes in the kernel below `nbytes` (TCP_NOTSENT_LOWAT; 0:
+        the host's default, unbounded): a write waits until the data before it is nearly on the
+        wire. Ignored where the option is missing."""
+        with contextlib.suppress(OSError, AttributeError):
+            socket.socket.setsockopt(self.sock, socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, nbytes)
+
     async def send_stream(self, frames, hello: Callable[[pb.Chunk], object]) -> int:
         """Write one stream: `frames` yields (header, frame) pairs, a frame a `ChunkFrame` or
         one buffer as made by `chunk_frame` (or None to stop), the first header already holding the ticket; `hello(first header)` is
@@ -884,6 +891,8 @@ async def carry(lane, first: tuple[pb.Chunk, ChunkFrame]) -> None:
             return nxt
         return frames
 
+    for c in conns:  # striped: a connection takes the next chunk only once it sent most of its last
+        c.notsent_lowat(pool.STRIPE_NOTSENT_LOWAT if len(conns) > 1 else 0)
     tasks = [asyncio.ensure_future(c.send_stream(frames_of(), lane.transport.bulk_metadata)) for c in conns]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

@@ -8,7 +8,10 @@ over a pool of connections to the same peer for this reason. Shoal's bulk lane d
 (`peer.lanes.bulk.carry`): a stream's chunks go out over ``k`` connections, each taking the next
 queued chunk as soon as it wrote its last (a connection slowed by a loss takes fewer), and the
 receiver's inbox places every chunk by its key (phase, step, shard, offset), so the collective
-reads them in its own order whatever connection brought them.
+reads them in its own order whatever connection brought them. A striped connection holds at
+most STRIPE_NOTSENT_LOWAT unsent bytes in the kernel (``TCP_NOTSENT_LOWAT``): without it a
+connection still in slow start, or slowed by a loss, would take chunks into its send buffer
+faster than it sends them, and the chunks the receiver needs next would wait behind them.
 
 ``k`` is chosen per peer address from what the kernel measured on the lane's own connections
 (`tcp_path`: ``TCP_INFO``'s smoothed RTT, retransmitted / sent data segments, the MSS) and the
@@ -47,6 +50,7 @@ POOL_MAX = 16  # default of `[peer] bulk_connections`
 POOL_GROWTH = 2  # a pool held back by its connections grows by this factor per stream
 POOL_GROW_SHARE = 0.5  # ... when each connection carried this share of `connection_bound`
 POOL_SHRINK_SHARE = 0.2  # below this share the path, not the connections, holds the stream
+STRIPE_NOTSENT_LOWAT = 256 << 10  # unsent bytes a striped connection holds (TCP_NOTSENT_LOWAT)
 SNDBUF_IN_FLIGHT = 0.7  # the share of the send buffer a connection keeps in flight (measured, above)
 MATHIS_C = math.sqrt(1.5)  # ≈ 1.22: periodic loss, delayed ACKs off (Mathis et al. 1997)
 DEFAULT_WINDOW_BYTES = 3 << 20  # when /proc cannot be read: 0.7 of Linux's default tcp_wmem max (4 MiB)

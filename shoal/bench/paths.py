@@ -7,7 +7,9 @@ line set to ``--rtt-ms`` / ``--jitter-ms`` / ``--loss``, then, for each count in
 excluded as in iperf's ``--omit``), the sender's retransmitted segments, and the delay line's own
 load: frames (reads of the device: a GSO super-packet or one packet), MTU-sized segments and bytes
 per second it forwarded, and its CPU share of one core. ``--udp`` instead
-floods the line with UDP datagrams of ``--udp-size`` bytes for the forwarder's packet rate limit.
+floods the line with UDP datagrams of ``--udp-size`` bytes for the forwarder's packet rate limit;
+``--ring HOSTS`` builds that many hosts and has each send to the next at once (a ring step), over
+each count of connections with the bulk lane's send buffer: the rate the whole bed holds.
 Prints one JSON object.
 
 Needs root (network namespaces). Every process is killed and the bed deleted on return.
@@ -20,9 +22,10 @@ import json
 import subprocess
 import sys
 
+from shoal.peer.lanes.pool import send_buffer_bytes
 from shoal.testbeds.netbed import Latency, NetBed, machine_congestion
 
-__all__ = ["measure_streams", "main"]
+__all__ = ["measure_ring", "measure_streams", "main"]
 
 _PORT = 5301
 
@@ -53,11 +56,18 @@ secs = max(last - (t0 or last), 1e-9)
 print(json.dumps({"bytes": got, "seconds": secs, "mbit": got * 8 / secs / 1e6}), flush=True)
 """
 
-# Opens `n` connections to the receiver and sends on all of them (one thread each) for `seconds`.
+# Opens `n` connections to the receiver and sends on all of them (one thread each) for `seconds`;
+# with a 5th argument > 0, sets SO_SNDBUF to it first (as the bulk lane does: peer.lanes.pool).
 _SENDER = r"""
 import socket, sys, threading, time
 host, port, n, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-conns = [socket.create_connection((host, port), timeout=30) for _ in range(n)]
+sndbuf = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+conns = []
+for _ in range(n):
+    c = socket.socket()
+    if sndbuf:
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    c.settimeout(30); c.connect((host, port)); conns.append(c)
 end = time.monotonic() + seconds; buf = b"x" * 65536
 def pump(c):
     while time.monotonic() < end:
@@ -130,6 +140,29 @@ def measure_streams(bed: NetBed, n: int, seconds: float, warmup: float) -> dict:
             "delay_line": _line_load(s0, bed.delay_stats())}
 
 
+def measure_ring(bed: NetBed, n: int, seconds: float, warmup: float, sndbuf: int) -> dict:
+    """Every host sends to the next (host i to i+1 mod hosts, as a ring all-reduce's step does)
+    over `n` TCP connections each at once, with SO_SNDBUF `sndbuf` (0: autotuned): each host's
+    goodput (Mbit/s), their sum, and the delay line's load. What the bed holds in all."""
+    hosts = bed.n_hosts
+    recvs = []
+    for i in range(hosts):
+        r = bed.popen(i, [sys.executable, "-c", _RECEIVER, bed.host_ip(i), str(_PORT), str(n), str(warmup)],
+                      stdout=subprocess.PIPE, text=True)
+        assert r.stdout is not None
+        if r.stdout.readline().strip() != "ready":
+            raise RuntimeError("a receiver did not start")
+        recvs.append(r)
+    s0 = bed.delay_stats()
+    sends = [bed.popen(i, [sys.executable, "-c", _SENDER, bed.host_ip((i + 1) % hosts), str(_PORT), str(n),
+                           str(seconds), str(sndbuf)]) for i in range(hosts)]
+    got = [json.loads(r.communicate(timeout=seconds + 90)[0])["mbit"] for r in recvs]
+    for s in sends:
+        s.wait(timeout=30)
+    return {"streams_per_host": n, "sndbuf_bytes": sndbuf, "mbit_per_host": [round(g, 1) for g in got],
+            "mbit_total": round(sum(got), 1), "delay_line": _line_load(s0, bed.delay_stats())}
+
+
 def measure_udp(bed: NetBed, size: int, seconds: float) -> dict:
     """The delay line's packet rate under a UDP flood of `size`-byte datagrams from host 0 to 1."""
     recv = bed.popen(1, [sys.executable, "-c", _UDP_RECEIVER, bed.host_ip(1), str(_PORT)],
@@ -158,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--udp", action="store_true", help="flood UDP instead (the forwarder's packet rate)")
+    ap.add_argument("--ring", type=int, default=0, metavar="HOSTS",
+                    help="HOSTS hosts, each sending to the next at once over --streams connections each, "
+                         "with the bulk lane's send buffer: what the bed holds in all")
     ap.add_argument("--udp-size", type=int, default=1472)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tcp-congestion", default=None, help="the hosts' TCP congestion control (default: the machine's)")
@@ -165,9 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     lat = Latency(a.rtt_ms, a.jitter_ms, a.loss)
     out: dict = {"mbit_shaped": a.mbit, "rtt_ms": a.rtt_ms, "jitter_ms": a.jitter_ms, "loss": a.loss,
                  "tcp_congestion": a.tcp_congestion or machine_congestion()}
-    with NetBed(2, [a.mbit] * 2, [a.mbit] * 2, prefix="shlp", latency=[lat, lat], delay_line=True,
+    hosts = max(2, a.ring)
+    with NetBed(hosts, [a.mbit] * hosts, [a.mbit] * hosts, prefix="shlp", latency=[lat] * hosts, delay_line=True,
                 delay_seed=a.seed, tcp_congestion=a.tcp_congestion) as bed:
-        if a.udp:
+        if a.ring:
+            out["ring"] = [measure_ring(bed, int(n), a.seconds, a.warmup, send_buffer_bytes())
+                           for n in a.streams.split(",")]
+        elif a.udp:
             out["udp"] = measure_udp(bed, a.udp_size, a.seconds)
         else:
             out["runs"] = [measure_streams(bed, int(n), a.seconds, a.warmup) for n in a.streams.split(",")]

@@ -110,3 +110,19 @@ def test_a_peer_not_streamed_to_yet_starts_at_the_size_last_chosen_for_another()
             client.observe_stream("p:2", [Conn(a), Conn(a)], 1000, 1.0)  # far below the bound: the path holds it
             assert client.pool_size("p:2") == 1 and client.pool_size("p:3") == 1
             assert client.pool_size("p:1") == 2
+
+
+def test_a_striped_connection_holds_its_unsent_bytes_below_the_low_water_mark():
+    """BulkConnection.notsent_lowat sets TCP_NOTSENT_LOWAT on the real socket (0: the default)."""
+    from shoal.peer.lanes.bulk import BulkConnection
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+        with a, b:
+            conn = BulkConnection.__new__(BulkConnection)
+            conn.sock = a
+            conn.notsent_lowat(pool.STRIPE_NOTSENT_LOWAT)
+            assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == pool.STRIPE_NOTSENT_LOWAT
+            conn.notsent_lowat(0)
+            assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == 0
