@@ -414,10 +414,12 @@ class BulkConnection:
         return "tcp-tls" if self.tls else "tcp"
 
     @classmethod
-    async def open(cls, host: str, port: int, tls: PeerTLS | None = None, peer_id: str = "") -> BulkConnection:
+    async def open(cls, host: str, port: int, tls: PeerTLS | None = None, peer_id: str = "",
+                   sndbuf: int = 0) -> BulkConnection:
         """Connect within CONNECT_SECONDS; with `tls` (an issued certificate) over mutual TLS,
         the receiver's certificate checked for `peer_id` (`<peer_id>.peer.shoal` and its URI),
-        whatever `host` is, exactly as `open_peer_channel` checks a gRPC server.
+        whatever `host` is, exactly as `open_peer_channel` checks a gRPC server. `sndbuf` > 0:
+        the socket's SO_SNDBUF, set before connecting (`peer.lanes.pool.send_buffer_bytes`).
 
         Raises OSError/TimeoutError when it cannot connect, ssl.SSLError (an OSError) when the
         handshake fails or the certificate names another peer, RuntimeError (no certificate)."""
@@ -431,7 +433,7 @@ class BulkConnection:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, _, _, _, addr = infos[0]
         sock = _nonblocking(socket.socket(family, socket.SOCK_STREAM))
-        if sndbuf := pool.send_buffer_bytes():  # twice autotuning's window, no sysctl (peer.lanes.pool)
+        if sndbuf:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         try:
             async with asyncio.timeout(CONNECT_SECONDS):
@@ -558,6 +560,7 @@ class BulkClient:
             raise ValueError(f"bulk_connections: must be >= 1, got {max_connections}")
         self.max_connections = max_connections
         self.window = pool.window_bytes()
+        self.sndbuf = pool.send_buffer_bytes()  # twice autotuning's window, no sysctl (peer.lanes.pool)
         self._pool: dict[str, int] = {}  # address -> connections its next stream gets (peer.lanes.pool)
         self._first = 1  # a peer not streamed to yet: the size last chosen for another (peer.lanes.pool)
         self.paths: dict[str, pool.TcpPath] = {}  # address -> what the kernel measured on the last stream
@@ -582,7 +585,8 @@ class BulkClient:
         port = await self._port(address, peer_id)
         while port:
             try:
-                return await BulkConnection.open(address.rsplit(":", 1)[0].strip("[]"), port, self.tls, peer_id)
+                return await BulkConnection.open(address.rsplit(":", 1)[0].strip("[]"), port, self.tls, peer_id,
+                                                 self.sndbuf)
             except (OSError, TimeoutError, RuntimeError, ValueError) as exc:
                 self._ports.pop(address, None)
                 if cached and isinstance(exc, ConnectionRefusedError):

@@ -115,7 +115,7 @@ def _retrans(bed: NetBed, i: int) -> int:
 def _line_load(before: dict, after: dict) -> dict:
     wall = max(after["wall_s"] - before["wall_s"], 1e-9)
     pk = after["in"] - before["in"]
-    seg = after.get("segments_in", after["in"]) - before.get("segments_in", before["in"])
+    seg = after["segments_in"] - before["segments_in"]
     return {"frames_per_s": round(pk / wall), "segments_per_s": round(seg / wall), "mbit_through": round((after["bytes_in"] - before["bytes_in"]) * 8
                                                                      / wall / 1e6, 1),
             "cpu_share": round((after["cpu_s"] - before["cpu_s"]) / wall, 3),
@@ -123,14 +123,20 @@ def _line_load(before: dict, after: dict) -> dict:
             "max_held": after["max_held"]}
 
 
-def measure_streams(bed: NetBed, n: int, seconds: float, warmup: float) -> dict:
-    """Goodput (Mbit/s) from host 0 to host 1 over `n` TCP connections at once, the sender's
-    retransmissions and the delay line's load over the run."""
-    recv = bed.popen(1, [sys.executable, "-c", _RECEIVER, bed.host_ip(1), str(_PORT), str(n), str(warmup)],
+def _receiver(bed: NetBed, i: int, n: int, warmup: float) -> subprocess.Popen:
+    """A `_RECEIVER` on host i for `n` connections, listening once it returns."""
+    recv = bed.popen(i, [sys.executable, "-c", _RECEIVER, bed.host_ip(i), str(_PORT), str(n), str(warmup)],
                      stdout=subprocess.PIPE, text=True)
     assert recv.stdout is not None
     if recv.stdout.readline().strip() != "ready":
-        raise RuntimeError("the receiver did not start")
+        raise RuntimeError(f"the receiver on host {i} did not start")
+    return recv
+
+
+def measure_streams(bed: NetBed, n: int, seconds: float, warmup: float) -> dict:
+    """Goodput (Mbit/s) from host 0 to host 1 over `n` TCP connections at once, the sender's
+    retransmissions and the delay line's load over the run."""
+    recv = _receiver(bed, 1, n, warmup)
     r0, s0 = _retrans(bed, 0), bed.delay_stats()
     send = bed.popen(0, [sys.executable, "-c", _SENDER, bed.host_ip(1), str(_PORT), str(n), str(seconds)])
     out, _ = recv.communicate(timeout=seconds + 90)
@@ -145,14 +151,7 @@ def measure_ring(bed: NetBed, n: int, seconds: float, warmup: float, sndbuf: int
     over `n` TCP connections each at once, with SO_SNDBUF `sndbuf` (0: autotuned): each host's
     goodput (Mbit/s), their sum, and the delay line's load. What the bed holds in all."""
     hosts = bed.n_hosts
-    recvs = []
-    for i in range(hosts):
-        r = bed.popen(i, [sys.executable, "-c", _RECEIVER, bed.host_ip(i), str(_PORT), str(n), str(warmup)],
-                      stdout=subprocess.PIPE, text=True)
-        assert r.stdout is not None
-        if r.stdout.readline().strip() != "ready":
-            raise RuntimeError("a receiver did not start")
-        recvs.append(r)
+    recvs = [_receiver(bed, i, n, warmup) for i in range(hosts)]
     s0 = bed.delay_stats()
     sends = [bed.popen(i, [sys.executable, "-c", _SENDER, bed.host_ip((i + 1) % hosts), str(_PORT), str(n),
                            str(seconds), str(sndbuf)]) for i in range(hosts)]
