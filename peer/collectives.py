@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -62,7 +64,8 @@ from shoal.peer.lanes.shm import lap_bytes, release
 from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
 from shoal.peer.result_digest import ResultDigest, off_loop
-from shoal.peer.sparse import ErrorAccumulator, SparseEncoded, payload_length, sum_contributions
+from shoal.peer.sparse import (DecodedSegment, ErrorAccumulator, SegmentReader, SparseEncoded, decode_segment,
+                               segment_bounds, sum_contributions, sum_segments)
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
@@ -587,15 +590,17 @@ class _Ring:
 
 class _SparseGather:
     """One sparse all-gather attempt from one participant: this peer's whole contribution,
-    encoded once by its error-feedback accumulator (`SparseRound`), goes to every other
-    participant in pieces of at most `plan.chunk_bytes` (phase ALL_GATHER, step 0, shard 0, offset
-    = byte offset in the payload; `peer.dataplane.Session._sparse_piece` checks each), one
-    outgoing stream per participant, all in one TaskGroup. It receives every other participant's
-    pieces (the first piece's header gives the payload's length), checks each payload whole
-    (`SparseEncoded.from_bytes`; a malformed one blames its sender) and sums the decoded
-    contributions in participant order (`peer.sparse.sum_contributions`, weighted by
-    `SparseRound.weights`): every participant adds the same float32 numbers in the same order,
-    so all hold the same bytes and the vote digest proves it.
+    encoded by its error-feedback accumulator (`SparseRound`) in segments of whole chunks
+    (`peer.sparse.segment_bounds`, on the codec threads, `_CODEC`), goes to every other
+    participant as consecutive segment payloads, each sent as soon as it is encoded, in pieces of
+    at most `plan.chunk_bytes` (phase ALL_GATHER, step 0, shard 0, offset = byte offset in the
+    stream; `peer.dataplane.Session._sparse_piece` checks each), one outgoing stream per
+    participant, all in one TaskGroup. It receives every other participant's stream, checks and
+    decodes each segment as it completes (`SegmentReader`, `decode_segment`; a malformed one
+    blames its sender), so the links and the codec work at once, and sums the decoded
+    contributions in participant order (`peer.sparse.sum_segments`, weighted by
+    `SparseRound.weights`) into the attempt's result buffer: every participant adds the same
+    float32 numbers in the same order, so all hold the same bytes and the vote digest proves it.
 
     Failure semantics as for every collective: a piece that does not come within the chunk
     deadline, a broken stream or a payload that does not parse (wrong codec, chunk or count for
@@ -608,65 +613,91 @@ class _SparseGather:
         self.position = plan.position(me)
         self.wire = _Wire(plan, me, lanes.receiver)
         self.streams: dict[int, Lane] = {j: lanes.open(j) for j in range(plan.size) if j != self.position}
+        self.result = lanes.result(x)  # a pooled buffer: a fresh one faults in every page the sum touches
         self.piece = max(4, plan.chunk_bytes // 4 * 4)  # what Session admits: chunk_bytes // 4 elements' worth
-        self.mine: SparseEncoded | None = None
-        self.payloads: dict[int, SparseEncoded] = {}
+        self.decoded: dict[int, list[DecodedSegment]] = {}  # participant -> its segments, decoded
+        self.received = 0  # payload bytes received
+        self.sent = asyncio.Event()  # every segment is queued on every stream
         self.complete = False  # every payload is in (`_run_streams`)
 
     async def run(self) -> _Outcome:
         await _run_streams(self.plan, self.streams, self._work, lambda: self.complete)
-        payloads = [self.payloads[j] if j != self.position else self.mine for j in range(self.plan.size)]
-        values = await off_loop(sum_contributions, payloads, self.sparse.weights)
+        parts = [self.decoded[j] for j in range(self.plan.size)]
+        values = await _on_codec(sum_segments, parts, self.x.size, self.sparse.accumulator.codec,
+                                 self.sparse.weights, self.result.values)
         digest = await off_loop(result_digest, values)
         sent = sum(s.bytes_sent for s in self.streams.values())
-        received = sum(p.nbytes for j, p in self.payloads.items())
-        return _Outcome(values, digest, sent, received)
+        return _Outcome(values, digest, sent, self.received)
 
     async def _work(self) -> None:
-        attempt = (self.plan.round, self.plan.attempt)
-        try:
-            self.mine = await off_loop(lambda: self.sparse.accumulator.propose(self.x, attempt=attempt))
-        except InvalidArgument as exc:
-            raise CollectiveError(f"this peer's contribution cannot be encoded: {exc}", []) from None
+        ready: asyncio.Queue[bytes | None] = asyncio.Queue()
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._send(self.mine.to_bytes()))
+            tg.create_task(self._encode(ready))
+            tg.create_task(self._send(ready))
             for j in self.streams:
                 tg.create_task(self._receive(j))
         self.complete = True
         for st in self.streams.values():
             await st.close()
 
-    async def _send(self, data: bytes) -> None:
-        """Every piece to every other participant, piece by piece (each piece to all before the
-        next: the slowest receiver holds back no one's first bytes)."""
-        for off in range(0, len(data), self.piece):
-            piece = data[off:off + self.piece]
-            for st in self.streams.values():
-                chunk = pb.Chunk(round=self.plan.round, attempt=self.plan.attempt, sender=self.me,
-                                 phase=AG, step=0, shard=0, offset=off, dtype=pb.FLOAT32,
-                                 shape=[len(piece)], codec=self.mine.codec)
-                await st.send(chunk, piece)
+    async def _encode(self, ready: asyncio.Queue) -> None:
+        """Encode the segments (several at once on the codec threads), queue each for sending
+        in order as it is done, then record the proposal with the accumulator."""
+        acc, loop = self.sparse.accumulator, asyncio.get_running_loop()
+        bounds = segment_bounds(self.x.size, acc.codec.chunk)
+        jobs = [loop.run_in_executor(_CODEC, self._encode_one, lo, hi) for lo, hi in bounds]
+        segments, mine = [], []
+        try:
+            for job in jobs:
+                enc, decoded = await job
+                segments.append((decoded.first, enc))
+                mine.append(decoded)
+                ready.put_nowait(enc.to_bytes())
+        except InvalidArgument as exc:
+            raise CollectiveError(f"this peer's contribution cannot be encoded: {exc}", []) from None
+        finally:
+            for job in jobs:
+                job.cancel()  # those not started yet, when one failed or the attempt was cancelled
+        acc.proposed(self.x, segments, attempt=(self.plan.round, self.plan.attempt))
+        self.decoded[self.position] = mine
+        ready.put_nowait(None)
+
+    def _encode_one(self, lo: int, hi: int) -> tuple[SparseEncoded, DecodedSegment]:
+        enc = self.sparse.accumulator.propose_segment(self.x, lo, hi)
+        return enc, decode_segment(lo, enc)
+
+    async def _send(self, ready: asyncio.Queue) -> None:
+        """Every segment to every other participant as it is encoded, piece by piece (each piece
+        to all before the next: the slowest receiver holds back no one's first bytes)."""
+        off = 0
+        while (data := await ready.get()) is not None:
+            for at in range(0, len(data), self.piece):
+                piece = data[at:at + self.piece]
+                for st in self.streams.values():
+                    chunk = pb.Chunk(round=self.plan.round, attempt=self.plan.attempt, sender=self.me,
+                                     phase=AG, step=0, shard=0, offset=off, dtype=pb.FLOAT32,
+                                     shape=[len(piece)], codec=self.sparse.accumulator.codec.codec_id)
+                    await st.send(chunk, piece)
+                off += len(piece)
+        self.sent.set()
 
     async def _receive(self, j: int) -> None:
         sender = self.plan.participants[j]
-        first = await self._piece(sender, 0)
+        reader = SegmentReader(self.sparse.accumulator.codec, self.x.size)
+        parts: list[DecodedSegment] = []
         try:
-            codec, count, total = payload_length(first)
-            own = self.sparse.accumulator.codec
-            if (codec.kind, codec.chunk, count) != (own.kind, own.chunk, self.x.size):
-                raise InvalidArgument(f"header: codec {codec.kind}, chunk {codec.chunk}, count {count}; this "
-                                      f"round needs {own.kind}, chunk {own.chunk}, count {self.x.size}")
-            parts, got = [first], len(first)
-            while got < total:
-                parts.append(await self._piece(sender, got))
-                got += len(parts[-1])
-            if got != total:
-                raise InvalidArgument(f"values: {got - total} bytes past the payload's {total}")
-            enc = SparseEncoded.from_bytes(b"".join(parts))
+            while not reader.done:
+                for first, enc in reader.feed(await self._piece(sender, reader.nbytes)):
+                    parts.append(await _on_codec(decode_segment, first, enc))
         except InvalidArgument as exc:
+            # This peer's own contribution still goes out first: every receiver judges the
+            # payloads itself (a peer of another codec is blamed by all, not only by the first
+            # to read it), instead of waiting a chunk timeout for a stream this peer abandoned.
+            await self.sent.wait()
             raise CollectiveError(f"sparse payload from {sender[:8]} is malformed: {exc}", [sender]) from None
         faults.hit("ag", self.plan.round)
-        self.payloads[j] = enc
+        self.decoded[j] = parts
+        self.received += reader.nbytes
 
     async def _piece(self, sender: str, off: int) -> bytes:
         payload = await self.wire.payload(AG, 0, 0, off, sender)
@@ -674,6 +705,16 @@ class _SparseGather:
             raise CollectiveError(f"chunk from {sender[:8]} at byte {off} is not a piece of this round's "
                                   "sparse payload", [sender])
         return payload.data
+
+
+CODEC_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+"""Threads of a process's sparse codec work (encode and decode segments, the sum): numpy releases
+the GIL in it, so a peer with cores to spare encodes several segments at once."""
+_CODEC = ThreadPoolExecutor(max_workers=CODEC_THREADS, thread_name_prefix="shoal-codec")
+
+
+async def _on_codec(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(_CODEC, fn, *args)
 
 
 async def all_reduce(x: np.ndarray, plan: Plan, *, me: str, transport: Transport | None = None,

@@ -49,6 +49,14 @@ multiple of the chunk C (K = k * n / C), per element: `(k * (w + b) / 8 + 4) / C
 both). C = 4,096, k = 64, b = 2: 116 / 4,096 = 0.02832 B/element, 1/141 of float32 and 1/36 of
 int8 (1.0156 B/element).
 
+Segments: the sparse all-gather streams a contribution as consecutive segment payloads, each the
+wire form above of a range of whole chunks (`segment_bounds`: SEGMENT_ELEMENTS elements from the
+start, the last range shorter), so a peer sends the first segment while it encodes the next and a
+receiver decodes segments as they arrive. Chunks are cut from the start of the vector either way,
+so a segment holds exactly the chunks the whole payload holds for its elements, and
+`sum_segments` of the segments gives the bytes `sum_contributions` gives for the whole payloads;
+each segment adds its 20-byte header (480 bytes for 10^8 elements).
+
 Checks: `encode` refuses non-finite input (and "dct" coefficients that overflow float32) with
 `InvalidArgument` naming "x", as the int8 codec does. `decode`, `SparseEncoded.from_bytes` and
 `sum_contributions` refuse a malformed payload with `InvalidArgument` naming the field: codec,
@@ -84,17 +92,23 @@ def _fft():
 __all__ = [
     "DEFAULT_CHUNK",
     "HEADER_BYTES",
+    "SEGMENT_ELEMENTS",
     "SPARSE_CODECS",
+    "DecodedSegment",
     "ErrorAccumulator",
+    "SegmentReader",
     "SparseCodec",
     "SparseEncoded",
     "SparseSettings",
     "decode",
+    "decode_segment",
     "decode_sparse",
     "encode",
     "is_sparse",
     "payload_length",
+    "segment_bounds",
     "sum_contributions",
+    "sum_segments",
 ]
 
 SPARSE_CODECS: dict[str, int] = {"topk": 4, "dct": 5}
@@ -293,20 +307,35 @@ def _codec_of(cid: object, chunk: object, k: object, bits: object) -> SparseCode
 # Selection, quantization, bit packing (vectorised over a block of chunks)
 
 
-def _select(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+_MAGNITUDE = np.int32(0x7FFFFFFF)  # the bits of a float32 without its sign
+_INF_BITS = 0x7F800000  # float32 inf; NaN's magnitude bits are above it, every finite value's below
+
+
+def _select(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Top-k magnitudes of each row of `(r, L)` float32: `(r, k)` column indices, ascending
-    (int64), and their values (float32). Ties at the threshold go to the lower index."""
+    (int64), and their values (float32); None when a row holds NaN or inf. Ties at the threshold
+    go to the lower index.
+
+    Magnitudes are compared as the int32 bits of |x| (sign bit cleared): IEEE 754 orders the bit
+    patterns of non-negative floats as their values, so the order and the ties are exactly the
+    float order's, and numpy partitions int32 several times faster than float32. NaN and inf have
+    the largest patterns, so a row holding any has one among its k largest: checking those k is
+    the finiteness check."""
     length = rows.shape[1]
-    a = np.abs(rows)
-    t = np.partition(a, length - k, axis=1)[:, length - k:length - k + 1]  # k-th largest, (r, 1)
+    a = np.ascontiguousarray(rows).view(np.int32) & _MAGNITUDE
+    part = np.partition(a, length - k, axis=1)
+    if (part[:, length - k:] >= _INF_BITS).any():
+        return None
+    t = part[:, length - k:length - k + 1]  # k-th largest, (r, 1)
     keep = a >= t
-    over = np.flatnonzero(keep.sum(axis=1) > k)
-    if over.size:  # more than k at or above the threshold: the threshold ties, lowest indices win
+    flat = np.flatnonzero(keep)  # row-major: chunk order, ascending index within a chunk
+    if flat.size != rows.shape[0] * k:  # every row keeps >= k; more: its threshold ties
+        over = np.flatnonzero(keep.sum(axis=1) > k)
         sub, st = a[over], t[over]
         gt, eq = sub > st, sub == st
         need = k - gt.sum(axis=1, keepdims=True)
-        keep[over] = gt | (eq & (np.cumsum(eq, axis=1) <= need))
-    flat = np.flatnonzero(keep)  # row-major: chunk order, ascending index within a chunk
+        keep[over] = gt | (eq & (np.cumsum(eq, axis=1) <= need))  # lowest indices win the tie
+        flat = np.flatnonzero(keep)
     return (flat % length).reshape(-1, k), rows.reshape(-1)[flat].reshape(-1, k)
 
 
@@ -337,20 +366,52 @@ def _dequantize(codes: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _pack(codes: np.ndarray, width: int) -> bytes:
-    """`(K,)` unsigned codes < 2^width -> LSB-first bitstream of K * width bits, zero-padded."""
-    as_bytes = codes.astype("<u2").view(np.uint8).reshape(-1, 2)
-    bitstream = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :width]
-    return np.packbits(bitstream.reshape(-1), bitorder="little").tobytes()
+    """`(K,)` unsigned codes < 2^width (width <= 16) -> LSB-first bitstream of K * width bits,
+    zero-padded. Eight codes make `width` bytes exactly: each group of eight is composed as a
+    little-endian integer of 8 * width bits (two uint64 words: low, high) and its first `width`
+    bytes are kept."""
+    k = int(codes.shape[0])
+    groups = -(-k // 8)
+    c = np.zeros(groups * 8, dtype=np.uint64)
+    c[:k] = codes
+    c = c.reshape(groups, 8)
+    words = np.zeros((groups, 2), dtype=np.uint64)
+    lo, hi = words[:, 0], words[:, 1]
+    for i in range(8):
+        s = i * width
+        if s + width <= 64:
+            lo |= c[:, i] << np.uint64(s)
+        elif s >= 64:
+            hi |= c[:, i] << np.uint64(s - 64)
+        else:  # straddles the two words
+            lo |= c[:, i] << np.uint64(s)
+            hi |= c[:, i] >> np.uint64(64 - s)
+    return words.view(np.uint8).reshape(groups, 16)[:, :width].tobytes()[:-(-k * width // 8)]
 
 
 def _unpack(data: bytes, count: int, width: int, field: str) -> np.ndarray:
     """Inverse of `_pack`: `(count,)` uint16. Refuses nonzero padding bits (naming `field`)."""
-    bitstream = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
-    if bitstream[count * width:].any():
+    groups = -(-count // 8)
+    raw = np.zeros((groups, 16), dtype=np.uint8)
+    flat = np.zeros(groups * width, dtype=np.uint8)
+    flat[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    raw[:, :width] = flat.reshape(groups, width)
+    words = raw.view(np.uint64)
+    lo, hi = words[:, 0], words[:, 1]
+    mask = np.uint64((1 << width) - 1)
+    out = np.empty((groups, 8), dtype=np.uint64)
+    for i in range(8):
+        s = i * width
+        if s + width <= 64:
+            out[:, i] = (lo >> np.uint64(s)) & mask
+        elif s >= 64:
+            out[:, i] = (hi >> np.uint64(s - 64)) & mask
+        else:
+            out[:, i] = ((lo >> np.uint64(s)) | (hi << np.uint64(64 - s))) & mask
+    out = out.reshape(-1)
+    if out[count:].any():  # the padding bits of the last byte decode as codes past the last
         raise InvalidArgument(f"{field}: nonzero padding bits after the last code")
-    padded = np.zeros((count, 16), dtype=np.uint8)
-    padded[:, :width] = bitstream[:count * width].reshape(count, width)
-    return np.packbits(padded, axis=1, bitorder="little").view("<u2").reshape(count)
+    return out[:count].astype("<u2")
 
 
 def _blocks(count: int, chunk: int):
@@ -384,21 +445,24 @@ def encode(x: np.ndarray, codec: SparseCodec) -> SparseEncoded:
     return _encode_blocks(int(x.shape[0]), lambda lo, hi: x[lo:hi], codec)
 
 
-def _encode_blocks(n: int, rows_of, codec: SparseCodec) -> SparseEncoded:
+def _encode_blocks(n: int, rows_of, codec: SparseCodec, base: int = 0) -> SparseEncoded:
     """`encode` of the `(n,)` vector whose elements [lo, hi) are `rows_of(lo, hi)` (float32),
-    asked block by block in order: the vector itself need not exist as a whole."""
+    asked block by block in order: the vector itself need not exist as a whole. `base`: the
+    first element's index in the whole vector (for the error messages of a segment)."""
     cols, codes, scales = [], [], []
     for first, nrows, length in _blocks(n, codec.chunk):
         rows = np.asarray(rows_of(first, first + nrows * length), dtype=np.float32).reshape(nrows, length)
-        if not np.isfinite(rows).all():
-            raise InvalidArgument(f"x: NaN or inf among elements [{first}, {first + nrows * length}); "
-                                  "sparse codecs encode finite values only")
+        lo, hi = base + first, base + first + nrows * length
+        finite = f"x: NaN or inf among elements [{lo}, {hi}); sparse codecs encode finite values only"
         if codec.kind == "dct":
-            rows = _fft().dct(rows, type=2, norm="ortho", axis=1)
             if not np.isfinite(rows).all():
-                raise InvalidArgument(f"x: DCT coefficients of elements [{first}, {first + nrows * length}) "
-                                      "overflow float32")
-        c, v = _select(rows, min(codec.k, length))
+                raise InvalidArgument(finite)
+            rows = _fft().dct(rows, type=2, norm="ortho", axis=1).astype(np.float32, copy=False)
+            finite = f"x: DCT coefficients of elements [{lo}, {hi}) overflow float32"
+        selected = _select(rows, min(codec.k, length))
+        if selected is None:
+            raise InvalidArgument(finite)
+        c, v = selected
         q, s = _quantize(v, codec.bits)
         cols.append(c.reshape(-1))
         codes.append(q.reshape(-1))
@@ -528,12 +592,146 @@ def sum_contributions(contributions: Sequence[SparseEncoded | np.ndarray],
             raise InvalidArgument(f"contributions: [{i}] has codec/chunk/count {(enc.codec, enc.chunk, enc.count)}, "
                                   f"[0] has {(first.codec, first.chunk, first.count)}")
     parsed = [_parse(enc) for enc in contributions]
-    out = np.zeros(parsed[0].count, dtype=np.float32)
-    for i, p in enumerate(parsed):
-        out[p.index] += p.value if w is None else w[i] * p.value  # indices are unique within one contribution
-    if parsed[0].codec.kind == "dct":
-        _inverse_dct_inplace(out, parsed[0].codec.chunk)
+    return _sum_parsed([[(0, p)] for p in parsed], parsed[0].count, parsed[0].codec, w, None)
+
+
+def _sum_parsed(contributions: Sequence[Sequence[tuple[int, _Parsed]]], count: int, codec: SparseCodec,
+                w: np.ndarray | None, out: np.ndarray | None) -> np.ndarray:
+    """The fixed-order sum of parsed contributions, each a list of (first element, segment)."""
+    if out is None:
+        out = np.zeros(count, dtype=np.float32)
+    else:
+        out[...] = 0
+    for i, parts in enumerate(contributions):
+        at = 0
+        for first, p in parts:
+            if first != at:
+                raise InvalidArgument(f"contributions: [{i}] has a segment at element {first}, expected {at}")
+            view = out[first:first + p.count]
+            view[p.index] += p.value if w is None else w[i] * p.value  # unique within one contribution
+            at += p.count
+        if at != count:
+            raise InvalidArgument(f"contributions: [{i}] covers [0, {at}), expected [0, {count})")
+    if codec.kind == "dct":
+        _inverse_dct_inplace(out, codec.chunk)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Segmented contributions (the sparse all-gather's stream)
+
+SEGMENT_ELEMENTS = 1 << 22
+"""Elements per segment of a streamed contribution (rounded down to whole chunks): 16 MB of
+float32 input, ~75 KB of payload at 1 % density and 2 bits; 24 segments for a 100M-element
+vector."""
+
+
+def segment_bounds(count: int, chunk: int, segment: int | None = None) -> list[tuple[int, int]]:
+    """[lo, hi) of each segment of a `count`-element vector: `segment` elements (default
+    SEGMENT_ELEMENTS) rounded down to a multiple of `chunk` (at least one chunk) from the start,
+    the last one shorter; one empty segment for an empty vector."""
+    segment = SEGMENT_ELEMENTS if segment is None else segment
+    step = max(chunk, segment // chunk * chunk)
+    return [(lo, min(count, lo + step)) for lo in range(0, count, step)] or [(0, 0)]
+
+
+@dataclass(frozen=True)
+class DecodedSegment:
+    """One checked and decoded segment of a contribution: its first element in the whole vector
+    and its kept entries (`decode_sparse` of the segment's payload, indices within the segment)."""
+
+    first: int
+    nbytes: int  # the segment's payload bytes on the wire
+    parsed: _Parsed
+
+
+def decode_segment(first: int, enc: SparseEncoded) -> DecodedSegment:
+    """Check and decode a segment payload that starts at element `first` (any thread).
+
+    Raises:
+        InvalidArgument: a malformed payload, naming the field (module docstring: checks).
+    """
+    return DecodedSegment(int(first), enc.nbytes, _parse(enc))
+
+
+def sum_segments(contributions: Sequence[Sequence[DecodedSegment]], count: int, codec: SparseCodec,
+                 weights: Sequence[float] | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """`sum_contributions` of segmented contributions: each contribution (participant-index
+    order) is its decoded segments in element order, covering [0, count). The sum is the same
+    float32 operations in the same order as `sum_contributions` of the whole payloads, so a
+    segmented and a whole contribution give the same bytes. `out`: a `(count,)` float32 array
+    to sum into (zeroed first; e.g. a pooled result buffer: a fresh one costs a page fault per
+    page the scatter touches, ~1 s for 400 MB), else a new one.
+
+    Raises:
+        InvalidArgument: no contributions, segments that do not cover [0, count) in order, a
+            segment of another kind or chunk ("contributions"); weights of another length or
+            not finite ("weights"); `out` of another shape or dtype ("out").
+    """
+    if not isinstance(contributions, Sequence) or len(contributions) == 0:
+        raise InvalidArgument("contributions: expected a non-empty sequence in participant-index order")
+    w = _weights(weights, len(contributions))
+    if out is not None and (not isinstance(out, np.ndarray) or out.shape != (count,) or out.dtype != np.float32):
+        raise InvalidArgument(f"out: expected a ({count},) float32 array")
+    for i, parts in enumerate(contributions):
+        for d in parts:
+            if (d.parsed.codec.kind, d.parsed.codec.chunk) != (codec.kind, codec.chunk):
+                raise InvalidArgument(f"contributions: [{i}] holds a {d.parsed.codec.kind} segment of chunk "
+                                      f"{d.parsed.codec.chunk}, expected {codec.kind} of chunk {codec.chunk}")
+    return _sum_parsed([[(d.first, d.parsed) for d in parts] for parts in contributions], count, codec, w, out)
+
+
+class SegmentReader:
+    """Reassembles one sender's segmented contribution from its byte stream: consecutive segment
+    payloads (each a whole wire form, module docstring) covering elements [0, count) in order;
+    one segment is the plain whole payload. `feed(data)` takes the next bytes, in stream order,
+    and returns the segments they completed as (first element, payload); `done` once the
+    segments cover [0, count).
+
+    Checks, each an InvalidArgument naming the field: a segment header of another kind or chunk
+    than `codec`, or a malformed one ("header", "codec", "bits", "chunk", "k"); a segment not
+    starting on a chunk boundary, past `count`, empty or shorter than a chunk before the last
+    ("count"); bytes after the last segment ("values"). Segment contents are checked by
+    `decode_segment`.
+    """
+
+    def __init__(self, codec: SparseCodec, count: int):
+        self.codec, self.count = codec, int(count)
+        self.at = 0  # elements covered by the segments returned so far
+        self.nbytes = 0  # bytes fed
+        self.done = False
+        self._buf = bytearray()
+        self._need: int | None = None  # the current segment's whole length, once its header is in
+
+    def feed(self, data: bytes) -> list[tuple[int, SparseEncoded]]:
+        if self.done and data:
+            raise InvalidArgument(f"values: {len(data)} bytes past the contribution's last segment")
+        self._buf += data
+        self.nbytes += len(data)
+        out = []
+        while not self.done:
+            if self._need is None:
+                if len(self._buf) < HEADER_BYTES:
+                    break
+                codec, n, self._need = payload_length(bytes(self._buf[:HEADER_BYTES]))
+                if (codec.kind, codec.chunk) != (self.codec.kind, self.codec.chunk):
+                    raise InvalidArgument(f"header: codec {codec.kind}, chunk {codec.chunk}; this round needs "
+                                          f"{self.codec.kind}, chunk {self.codec.chunk}")
+                last = self.at + n == self.count
+                if self.at + n > self.count or (n == 0 and self.count) or (not last and n % codec.chunk):
+                    raise InvalidArgument(f"count: a segment of {n} elements at element {self.at} does not fit "
+                                          f"whole chunks of {codec.chunk} within {self.count} elements")
+            if len(self._buf) < self._need:
+                break
+            enc = SparseEncoded.from_bytes(bytes(self._buf[:self._need]))
+            del self._buf[:self._need]
+            out.append((self.at, enc))
+            self.at += enc.count
+            self._need = None
+            self.done = self.at == self.count
+        if self.done and self._buf:
+            raise InvalidArgument(f"values: {len(self._buf)} bytes past the contribution's last segment")
+        return out
 
 
 def _weights(weights: Sequence[float] | None, p: int) -> np.ndarray | None:
@@ -630,7 +828,8 @@ class ErrorAccumulator:
         self.codec = codec
         self.beta = float(beta)
         self._e = np.zeros(int(size), dtype=np.float32)
-        self._pending: tuple[Hashable, np.ndarray, SparseEncoded] | None = None
+        # (attempt, Δ, the payload's segments: (first element, payload) in order)
+        self._pending: tuple[Hashable, np.ndarray | None, tuple[tuple[int, SparseEncoded], ...] | None] | None = None
 
     @property
     def accumulator(self) -> np.ndarray:
@@ -645,28 +844,63 @@ class ErrorAccumulator:
         return self._pending is not None
 
     def propose(self, delta: np.ndarray, attempt: Hashable = None) -> SparseEncoded:
-        """Encode `C(β·e + Δ)` for the round attempt `attempt`; e is not changed.
+        """Encode `C(β·e + Δ)` for the round attempt `attempt`, as one payload; e is not changed.
 
         Raises:
             InvalidArgument: `delta` not a `(size,)` float32 array or not finite, or β·e + Δ
                 overflowing ("delta"). The earlier pending proposal, if any, is then kept.
         """
+        payload = self.propose_segment(delta, 0, self._e.shape[0])
+        self.proposed(delta, [(0, payload)], attempt)
+        return payload
+
+    def propose_segment(self, delta: np.ndarray, lo: int, hi: int) -> SparseEncoded:
+        """`C(β·e + Δ)` of elements [lo, hi) alone: one segment of a segmented proposal
+        (`segment_bounds`; the sparse all-gather sends each as soon as it is encoded). Pure: e
+        is not changed and nothing is recorded, so segments may be encoded on several threads
+        at once; `proposed` records the whole. Encoding by chunks from the start, a segment that
+        starts on a chunk boundary holds exactly the chunks the whole vector's payload holds for
+        those elements.
+
+        Raises:
+            InvalidArgument: `delta` not a `(size,)` float32 array, [lo, hi) not a range of it
+                starting on a chunk boundary, or not finite / overflowing ("delta").
+        """
         delta = _check_x(delta, "delta")
         if delta.shape != self._e.shape:
             raise InvalidArgument(f"delta: expected shape {self._e.shape}, got {delta.shape}")
+        if not (_is_int(lo) and _is_int(hi) and 0 <= lo <= hi <= delta.shape[0] and lo % self.codec.chunk == 0):
+            raise InvalidArgument(f"delta: segment [{lo}, {hi}) is not a range of {delta.shape[0]} elements "
+                                  f"starting on a chunk boundary (chunk {self.codec.chunk})")
         beta, e = np.float32(self.beta), self._e
 
-        def rows(lo: int, hi: int) -> np.ndarray:
-            block = np.multiply(e[lo:hi], beta)
-            block += delta[lo:hi]
+        def rows(a: int, b: int) -> np.ndarray:
+            block = np.multiply(e[lo + a:lo + b], beta)
+            block += delta[lo + a:lo + b]
             return block
 
         try:
-            payload = _encode_blocks(int(delta.shape[0]), rows, self.codec)
+            return _encode_blocks(int(hi - lo), rows, self.codec, base=int(lo))
         except InvalidArgument as exc:
             raise InvalidArgument(f"delta: {exc}") from None
-        self._pending = (attempt, delta, payload)
-        return payload
+
+    def proposed(self, delta: np.ndarray, segments: Sequence[tuple[int, SparseEncoded]],
+                 attempt: Hashable = None) -> None:
+        """Record `segments` ((first element, payload) in order, from `propose_segment` with this
+        `delta`) as the pending proposal of `attempt`, replacing any uncommitted one.
+
+        Raises:
+            InvalidArgument: the segments do not cover [0, size) in order, one after another
+                ("segments"); the earlier pending proposal is then kept.
+        """
+        at = 0
+        for first, enc in segments:
+            if first != at or not isinstance(enc, SparseEncoded):
+                raise InvalidArgument(f"segments: expected a payload starting at element {at}, got {first}")
+            at += enc.count
+        if at != self._e.shape[0] or (not segments and at):
+            raise InvalidArgument(f"segments: cover [0, {at}), expected [0, {self._e.shape[0]})")
+        self._pending = (attempt, delta, tuple(segments))
 
     def propose_dense(self, delta: np.ndarray, attempt: Hashable = None) -> np.ndarray:
         """For a round the planner gave the dense all-reduce (C = identity: nothing is dropped):
@@ -704,8 +938,8 @@ class ErrorAccumulator:
             return
         np.multiply(e, beta, out=e)  # in place: no temporary of the model's size
         e += delta
-        _subtract_decoded(payload, e)
-        self._pending = None
+        for first, enc in payload:
+            _subtract_decoded(enc, e[first:first + enc.count])
 
     def abort(self) -> None:
         """Drop the pending proposal, if any; e is unchanged."""
