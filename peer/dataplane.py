@@ -860,10 +860,11 @@ class Transport:
         extra = await asyncio.gather(*(self.bulk.connect(address, peer_id) for _ in range(more)))
         return [first, *(c for c in extra if c is not None)]
 
-    def observe_bulk(self, address: str, conns: list, nbytes: int, seconds: float) -> pool.TcpPath | None:
-        """A bulk stream's outcome, for the next stream's pool size (`BulkClient.observe_stream`);
+    def observe_bulk(self, address: str, conns: list, goodput: float | None) -> pool.TcpPath | None:
+        """A bulk stream's outcome (bytes/s its connections carried while frames waited for them,
+        None when none did), for the next stream's pool size (`BulkClient.observe_stream`);
         returns the path the kernel measured (None: unknown)."""
-        return self.bulk.observe_stream(address, conns, nbytes, seconds) if self.bulk is not None else None
+        return self.bulk.observe_stream(address, conns, goodput) if self.bulk is not None else None
 
     async def _probe_bulk(self, address: str, peer_id: str) -> int:
         return (await self.stub(address, peer_id).Probe(pb.ProbeRequest(), timeout=5.0)).bulk_port

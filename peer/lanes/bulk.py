@@ -550,19 +550,22 @@ class BulkClient:
     """A sender's bulk lane: the receiver's bulk port per address (asked once with `Probe`,
     cached; asked again when a connection to the cached port fails, since a peer restarted at the
     same address listens on a new one) and idle connections per address, reused stream after
-    stream."""
+    stream. `link_bytes_per_s`: this sender's uplink, bytes/s, when it is known (0: not known),
+    what a pool sized at the handshake aims at (`pool.initial_pool_size`)."""
 
     def __init__(self, probe: Callable[[str, str], object], tls: PeerTLS | None = None,
-                 max_connections: int = pool.POOL_MAX):
+                 max_connections: int = pool.POOL_MAX, link_bytes_per_s: float = 0.0):
         self._probe = probe  # async (address, peer_id) -> bulk port, 0 when none
         self.tls = tls  # mutual TLS with the certificate issued at join; None: plaintext
         if max_connections < 1:
             raise ValueError(f"bulk_connections: must be >= 1, got {max_connections}")
         self.max_connections = max_connections
+        self.link_bytes_per_s = link_bytes_per_s
         self.window = pool.window_bytes()
         self.sndbuf = pool.send_buffer_bytes()  # twice autotuning's window, no sysctl (peer.lanes.pool)
         self._pool: dict[str, int] = {}  # address -> connections its next stream gets (peer.lanes.pool)
         self._first = 1  # a peer not streamed to yet: the size last chosen for another (peer.lanes.pool)
+        self._sized: dict[str, int] = {}  # address -> the size its first connection's handshake asks for
         self.paths: dict[str, pool.TcpPath] = {}  # address -> what the kernel measured on the last stream
         self._ports: dict[str, asyncio.Task[int]] = {}
         self._idle: dict[str, list[BulkConnection]] = {}
@@ -571,11 +574,18 @@ class BulkClient:
     async def connect(self, address: str, peer_id: str) -> BulkConnection | None:
         """An open connection to the bulk lane of the peer at `address`, or None when it has
         none or the connection fails (the caller uses PushChunks; a failure is logged and the
-        port asked again next time)."""
-        pool = self._idle.get(address, [])
+        port asked again next time).
+
+        The first connection opened to an address sizes its pool from the handshake's RTT
+        (`_size_from_handshake`, peer.lanes.pool) and opens the pool's other connections
+        alongside, into the idle ones, before it returns: the warm-up before a round
+        (`Transport.probe_lanes`) then leaves the whole pool open, and a first stream finds it
+        so. One of those that fails to open is left out (the stream opens it again or goes on
+        fewer); if the caller is cancelled meanwhile, every connection opened here is closed."""
+        idle = self._idle.get(address, [])
         generation = self.tls.generation if self.tls is not None else 0
-        while pool:
-            conn = pool.pop()
+        while idle:
+            conn = idle.pop()
             if time.monotonic() - conn.idle_since < REUSE_SECONDS and conn.generation == generation and conn.alive():
                 return conn
             conn.close()  # idle too long, the receiver closed it (a restart), or opened before a renewal
@@ -583,10 +593,10 @@ class BulkClient:
             return None
         cached = address in self._ports
         port = await self._port(address, peer_id)
+        host = address.rsplit(":", 1)[0].strip("[]")
         while port:
             try:
-                return await BulkConnection.open(address.rsplit(":", 1)[0].strip("[]"), port, self.tls, peer_id,
-                                                 self.sndbuf)
+                conn = await BulkConnection.open(host, port, self.tls, peer_id, self.sndbuf)
             except (OSError, TimeoutError, RuntimeError, ValueError) as exc:
                 self._ports.pop(address, None)
                 if cached and isinstance(exc, ConnectionRefusedError):
@@ -601,7 +611,58 @@ class BulkClient:
                             type(exc).__name__, exc, " (TLS gRPC)" if self.tls is not None else "", DOWN_SECONDS)
                 self._down[address] = time.monotonic() + DOWN_SECONDS
                 return None
+            more = self._size_from_handshake(address, conn) - 1
+            if more > 0:
+                try:
+                    await self._open_idle(address, host, port, peer_id, more)
+                except BaseException:
+                    conn.close()
+                    raise
+            return conn
         return None
+
+    def _size_from_handshake(self, address: str, conn: BulkConnection) -> int:
+        """Size the pool of an address not sized yet from the RTT the kernel measured on `conn`'s
+        handshake (`pool.initial_pool_size` with `link_bytes_per_s`); returns how many
+        connections its next stream gets when this call sized it, else 0 (sized before, or
+        nothing measured: then the pool starts as it would without, at `_first`)."""
+        if address in self._sized or address in self._pool:
+            return 0
+        path = pool.tcp_path([conn.sock])
+        if path is None or path.rtt_seconds <= 0:
+            return 0
+        self._sized[address] = pool.initial_pool_size(path, self.window, self.link_bytes_per_s, self.max_connections)
+        k = self.pool_size(address)
+        if self._sized[address] > 1:
+            log.info("bulk lane to %s: %d connection(s) from the handshake (RTT %.1f ms, %.1f MiB window, %s)",
+                     address, k, path.rtt_seconds * 1e3, self.window / (1 << 20),
+                     f"{self.link_bytes_per_s * 8e-6:.0f} Mbit/s uplink" if self.link_bytes_per_s > 0
+                     else "uplink not known")
+        return k
+
+    async def _open_idle(self, address: str, host: str, port: int, peer_id: str, n: int) -> None:
+        """Open `n` connections to `host`:`port` at once and keep them idle for `address`'s next
+        stream. One that fails is left out (logged); when this is cancelled, those already
+        open are closed."""
+        async def one() -> BulkConnection | None:
+            try:
+                return await BulkConnection.open(host, port, self.tls, peer_id, self.sndbuf)
+            except (OSError, TimeoutError, RuntimeError, ValueError) as exc:
+                log.info("bulk lane to %s: a pool connection did not open (%s: %s)", address, type(exc).__name__, exc)
+                return None
+
+        tasks: list[asyncio.Task] = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(one()) for _ in range(n)]
+        except BaseException:
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None and t.result() is not None:
+                    t.result().close()
+            raise
+        for t in tasks:
+            if (c := t.result()) is not None:
+                self.give_back(address, c)
 
     async def _port(self, address: str, peer_id: str) -> int:
         """The bulk port the peer at `address` advertises (asked once, then cached), 0 when it has
@@ -621,23 +682,33 @@ class BulkClient:
         return bool(self._idle.get(address))
 
     def pool_size(self, address: str) -> int:
-        """How many connections the next stream to `address` goes out on (peer.lanes.pool)."""
-        return min(self._pool.get(address, self._first), self.max_connections)
+        """How many connections the next stream to `address` goes out on (peer.lanes.pool): as the
+        last stream to it chose, else the larger of the size last chosen for another peer and
+        its handshake's (`_size_from_handshake`)."""
+        k = self._pool[address] if address in self._pool else max(self._first, self._sized.get(address, 1))
+        return min(k, self.max_connections)
 
-    def observe_stream(self, address: str, conns: list[BulkConnection], nbytes: int,
-                       seconds: float) -> pool.TcpPath | None:
-        """A stream to `address` carried `nbytes` in `seconds` over `conns`: record the path the
-        kernel measured on them, size the next stream's pool (`pool.next_pool_size`) and return
+    def observe_stream(self, address: str, conns: list[BulkConnection], goodput: float | None) -> pool.TcpPath | None:
+        """A stream to `address` went out over `conns`, which carried `goodput` bytes/s together
+        while frames were queued for them (None: frames never waited for the connections, the
+        stream's sender was the bound): record the path the kernel measured on them, size the
+        next stream's pool (`pool.next_pool_size`; kept as is when `goodput` is None) and return
         the path (None when TCP_INFO is unreadable)."""
         path = pool.tcp_path([c.sock for c in conns if not c.broken])
-        if path is None or seconds <= 0:
+        if path is None:
             return path
         self.paths[address] = path
+        if goodput is None or goodput <= 0:
+            return path
         k = len(conns)
-        nxt = pool.next_pool_size(k, nbytes / seconds, path, self.window, self.max_connections)
+        # Never below the handshake's size: that many connections are what the window and the
+        # RTT ask for, and a stream's goodput (fresh connections in slow start, a ring step
+        # coupled to the others) can read low for reasons no fewer connections would fix.
+        nxt = max(pool.next_pool_size(k, goodput, path, self.window, self.max_connections),
+                  min(self._sized.get(address, 1), self.max_connections))
         if nxt != k:
             log.info("bulk lane to %s: %d connection(s) next (RTT %.0f ms, loss %.2g %%, %.1f Mbit/s on %d)",
-                     address, nxt, path.rtt_seconds * 1e3, path.loss * 100, nbytes / seconds * 8e-6, k)
+                     address, nxt, path.rtt_seconds * 1e3, path.loss * 100, goodput * 8e-6, k)
         self._pool[address] = self._first = nxt
         return path
 
@@ -652,6 +723,7 @@ class BulkClient:
     def forget(self, address: str) -> None:
         self._ports.pop(address, None)
         self._pool.pop(address, None)
+        self._sized.pop(address, None)
         for c in self._idle.pop(address, []):
             c.close()
 
@@ -853,6 +925,52 @@ class BulkServer:
             t.cancel()
 
 
+class _Stripe:
+    """One connection's side of a striped stream (`carry`): the frames it takes from the lane's
+    queue, and what it measured meanwhile: `busy_bytes` / `busy_seconds`, written while more
+    frames were queued behind them (the link meter's busy throughput of a lone connection), and
+    `starved_seconds`, waiting on an empty queue for a frame that came (the stream's producer,
+    not the connection, was the bound then)."""
+
+    def __init__(self, lane, pending: list):
+        self.lane, self.pending = lane, pending
+        self.fresh = True
+        self.busy_bytes, self.busy_seconds, self.starved_seconds = 0, 0.0, 0.0
+        self._start, self._size = 0.0, 0
+
+    def _opened(self, item):
+        header, frame = item
+        if header.ticket or not isinstance(frame, ChunkFrame):
+            return item
+        header.ticket = self.lane.plan.ticket  # the first chunk of every stream carries the ticket
+        return header, ChunkFrame(header, frame.payload)
+
+    async def frames(self):
+        queue = self.lane.queue
+        if self._size:
+            self.busy_bytes += self._size
+            self.busy_seconds += time.perf_counter() - self._start
+            self._size = 0
+        if self.pending:
+            nxt = self.pending.pop()
+        elif queue.empty():
+            waited = time.perf_counter()
+            nxt = await queue.get()
+            if nxt is not None:
+                self.starved_seconds += time.perf_counter() - waited
+        else:
+            nxt = queue.get_nowait()
+        if nxt is None:
+            queue.put_nowait(None)  # the end, for the next connection waiting on the queue
+            return None
+        if not queue.empty():
+            self._start, self._size = time.perf_counter(), len(nxt[1])
+        if self.fresh:
+            self.fresh = False
+            nxt = self._opened(nxt)
+        return nxt
+
+
 async def carry(lane, first: tuple[pb.Chunk, ChunkFrame]) -> None:
     """Write a dialled lane's queued frames (`first`, then `lane.queue` until None) on its bulk
     connections (`lane.bulk` and the pool's others, `lane.bulk_extra`, chosen by
@@ -867,45 +985,23 @@ async def carry(lane, first: tuple[pb.Chunk, ChunkFrame]) -> None:
     assert conns[0] is not None
     pending: list = [first]
     t0 = time.perf_counter()
-    busy = [0, 0.0, 0.0, 0]  # bytes and seconds written while more were queued; last start, last size
-    solo = lane.solo and len(conns) == 1
-
-    def opened(item):
-        header, frame = item
-        if header.ticket or not isinstance(frame, ChunkFrame):
-            return item
-        header.ticket = lane.plan.ticket  # the first chunk of every stream carries the ticket
-        return header, ChunkFrame(header, frame.payload)
-
-    def frames_of():
-        fresh = [True]
-
-        async def frames():
-            if solo and busy[3]:
-                busy[0], busy[1], busy[3] = busy[0] + busy[3], busy[1] + time.perf_counter() - busy[2], 0
-            nxt = pending.pop() if pending else await lane.queue.get()
-            if nxt is None:
-                lane.queue.put_nowait(None)  # the end, for the next connection waiting on the queue
-                return None
-            if solo and not lane.queue.empty():
-                busy[2], busy[3] = time.perf_counter(), len(nxt[1])
-            if fresh[0]:
-                fresh[0] = False
-                nxt = opened(nxt)
-            return nxt
-        return frames
-
+    stripes = [_Stripe(lane, pending) for _ in conns]
     for c in conns:  # striped: a connection takes the next chunk only once it sent most of its last
         c.notsent_lowat(pool.STRIPE_NOTSENT_LOWAT if len(conns) > 1 else 0)
-    tasks = [asyncio.ensure_future(c.send_stream(frames_of(), lane.transport.bulk_metadata)) for c in conns]
+    tasks = [asyncio.ensure_future(c.send_stream(st.frames, lane.transport.bulk_metadata))
+             for c, st in zip(conns, stripes)]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for t in tasks:
             if t.done() and t.exception() is not None:
                 raise t.exception()
         seconds = time.perf_counter() - t0
+        # A stream whose connections all waited for frames a good part of it (a ring step's
+        # stream waits for its predecessor's chunks) went at the collective's pace: its goodput
+        # says nothing about what the connections can carry, and the pool keeps its size.
+        goodput = pool.stream_goodput(lane.bytes_sent, seconds, min(st.starved_seconds for st in stripes))
         observe = getattr(lane.transport, "observe_bulk", None)
-        path = observe(lane.address, conns, lane.bytes_sent, seconds) if observe is not None else None
+        path = observe(lane.address, conns, goodput) if observe is not None else None
         if path is not None and lane.links is not None:  # (before the connections go back: their TCP_INFO)
             lane.links.observe_path(peer, path.min_rtt_seconds, path.loss)
     except BulkRefused as exc:
@@ -920,4 +1016,6 @@ async def carry(lane, first: tuple[pb.Chunk, ChunkFrame]) -> None:
         for c in conns:
             lane.transport.give_back_bulk(lane.address, c)
     if lane.links is not None:
-        lane.links.observe_send(peer, lane.bytes_sent, seconds, busy_bytes=busy[0], busy_seconds=busy[1])
+        lone = stripes[0] if lane.solo and len(conns) == 1 else None
+        lane.links.observe_send(peer, lane.bytes_sent, seconds, busy_bytes=lone.busy_bytes if lone else 0,
+                                busy_seconds=lone.busy_seconds if lone else 0.0)

@@ -13,18 +13,36 @@ most STRIPE_NOTSENT_LOWAT unsent bytes in the kernel (``TCP_NOTSENT_LOWAT``): wi
 connection still in slow start, or slowed by a loss, would take chunks into its send buffer
 faster than it sends them, and the chunks the receiver needs next would wait behind them.
 
-``k`` is chosen per peer address from what the kernel measured on the lane's own connections
-(`tcp_path`: ``TCP_INFO``'s smoothed RTT, retransmitted / sent data segments, the MSS) and the
-goodput the last stream reached (`next_pool_size`): when each of the ``k`` connections carried
-at least POOL_GROW_SHARE of the one-connection bound (`connection_bound`; with BBR, which does
-not back off per loss, only the window counts), the connections, not the path, held the stream
-back, so the next stream gets POOL_GROWTH times as many (at most the `[peer] bulk_connections`
-setting); when they carried less than POOL_SHRINK_SHARE of it, the path holds the stream and
-fewer connections reach the same goodput; in between it keeps its size (a pool that grew until
-each connection carries less than POOL_GROW_SHARE of its bound found the path's rate). A peer
-not streamed to yet starts at the size last chosen for another: the sender's buffers and uplink
-are the same on all its paths, and a ring's successor changes from round to round. On a LAN (RTT of microseconds)
-the bound is far above any link and the lane keeps one connection.
+Before the first stream to an address, ``k`` comes from the connection's handshake
+(`initial_pool_size`): right after ``connect`` the kernel's smoothed RTT is the SYN / SYN-ACK
+round trip, and no data has been lost yet, so one connection's bound is its window over that RTT;
+the pool gets as many connections as it takes for ``k`` of them to cover the sender's uplink (when
+the client is told it) or POOL_TARGET_BYTES_PER_S. At 100 ms and a 5.6 MiB window (0.7 of the
+8 MiB send buffer the lane sets) that is 3 for 1 Gbit/s, from the first stream on (growth by POOL_GROWTH per stream takes streams to get there,
+and a pool whose new connections are still in slow start when its stream is measured stays
+small); on a LAN (RTT of microseconds) 1. The
+lane opens them together with the first connection (`peer.lanes.bulk.BulkClient.connect`): where
+the peer warms its connections before a round (`Transport.probe_lanes`, before every Ready after
+the first plan) the round's streams find them open, and a ring's successor of the next round has
+its pool too.
+
+After a stream, ``k`` is chosen per peer address from what the kernel measured on the lane's own
+connections (`tcp_path`: ``TCP_INFO``'s smoothed RTT, retransmitted / sent data segments, the
+MSS) and the goodput the last stream reached (`next_pool_size`): when each of the ``k``
+connections carried at least POOL_GROW_SHARE of the one-connection bound (`connection_bound`;
+with BBR, which does not back off per loss, only the window counts), the connections, not the
+path, held the stream back, so the next stream gets POOL_GROWTH times as many (at most the
+`[peer] bulk_connections` setting); when they carried less than POOL_SHRINK_SHARE of it, the path
+holds the stream and fewer connections reach the same goodput, but never fewer than the
+handshake asked for; in between it keeps its size (a
+pool that grew until each connection carries less than POOL_GROW_SHARE of its bound found the
+path's rate). A stream whose connections all waited on an empty queue for more than
+POOL_STARVED_SHARE of it keeps the pool as it is: it went at its producer's pace (a ring step
+waits for its predecessor's chunks), so its goodput measures the collective, not the path; sized
+from such streams, a ring's pools shrink to one connection. A peer not streamed to yet starts at the size last chosen for another, or at its
+handshake's size when that is larger: the sender's buffers and uplink are the same on all its
+paths, and a ring's successor changes from round to round. On a LAN (RTT of microseconds) the
+bound is far above any link and the lane keeps one connection.
 
 The window is the sender's buffer: Linux keeps a connection's unacknowledged data in its send
 buffer, so one connection carries at most about SNDBUF_IN_FLIGHT of ``SO_SNDBUF`` per round trip
@@ -43,13 +61,18 @@ import socket
 import struct
 from dataclasses import dataclass
 
-__all__ = ["TcpPath", "connection_bound", "next_pool_size", "send_buffer_bytes", "tcp_path", "window_bytes",
-           "POOL_MAX"]
+__all__ = ["TcpPath", "connection_bound", "initial_pool_size", "next_pool_size", "send_buffer_bytes", "stream_goodput",
+           "tcp_path", "window_bytes", "POOL_MAX", "POOL_TARGET_BYTES_PER_S"]
 
 POOL_MAX = 16  # default of `[peer] bulk_connections`
 POOL_GROWTH = 2  # a pool held back by its connections grows by this factor per stream
 POOL_GROW_SHARE = 0.5  # ... when each connection carried this share of `connection_bound`
 POOL_SHRINK_SHARE = 0.2  # below this share the path, not the connections, holds the stream
+# Bytes/s a pool sized at the handshake aims at when the sender's uplink is unknown: 1 Gbit/s, a
+# host's access link on the long paths the pool is for. On a slower link the extra connections
+# only share it (they stripe one stream), and `next_pool_size` shrinks a pool the path holds back.
+POOL_TARGET_BYTES_PER_S = 1e9 / 8
+POOL_STARVED_SHARE = 0.25  # a stream whose connections all waited this share of it for frames: not resized
 STRIPE_NOTSENT_LOWAT = 256 << 10  # unsent bytes a striped connection holds (TCP_NOTSENT_LOWAT)
 SNDBUF_IN_FLIGHT = 0.7  # the share of the send buffer a connection keeps in flight (measured, above)
 MATHIS_C = math.sqrt(1.5)  # ≈ 1.22: periodic loss, delayed ACKs off (Mathis et al. 1997)
@@ -162,3 +185,34 @@ def next_pool_size(current: int, goodput: float, path: TcpPath | None, window: i
     if per < POOL_SHRINK_SHARE * bound and current > 1:
         return max(1, min(current - 1, math.ceil(goodput / (POOL_GROW_SHARE * bound))))
     return current
+
+
+def stream_goodput(nbytes: int, seconds: float, starved_seconds: float) -> float | None:
+    """What a finished stream says about its connections: its goodput (bytes/s, `nbytes` over
+    `seconds`), or None when its connections all waited on an empty queue for more than
+    POOL_STARVED_SHARE of it (`starved_seconds`: the least any of them waited), so that it went
+    at its producer's pace and the pool keeps its size (`BulkClient.observe_stream`)."""
+    if seconds <= 0 or starved_seconds > POOL_STARVED_SHARE * seconds:
+        return None
+    return nbytes / seconds
+
+
+def initial_pool_size(path: TcpPath | None, window: int, link_bytes_per_s: float = 0.0, most: int = POOL_MAX) -> int:
+    """The connections the first stream to a peer gets, from `path` as the kernel measured it on
+    a connection right after it opened (the handshake's RTT, seconds; a loss counts when `path`
+    has one, though none is measured before data flowed) and the sender's `window` (bytes, `window_bytes`): the fewest ``k`` for which
+    ``k · connection_bound(path, window)`` covers `link_bytes_per_s` (the sender's uplink, bytes/s;
+    0 or less when unknown: POOL_TARGET_BYTES_PER_S). Within [1, most]; 1 when nothing was
+    measured (`path` None, RTT 0) and on a LAN, where one connection's bound is far above any
+    link. PCCL (arXiv 2505.14065) pools connections per peer for the same reason: one TCP flow
+    over a long path carries at most its window per round trip."""
+    most = max(1, most)
+    if path is None or path.rtt_seconds <= 0:
+        return 1
+    bound = connection_bound(path, window)
+    if math.isinf(bound):
+        return 1
+    if bound <= 0:  # no window at all: as many as allowed
+        return most
+    target = link_bytes_per_s if link_bytes_per_s > 0 else POOL_TARGET_BYTES_PER_S
+    return max(1, min(most, math.ceil(target / bound - 1e-9)))  # (exactly k bounds need k, not k + 1)

@@ -117,6 +117,7 @@ class BenchOptions:
     sparse_chunk: int = 4096  # topk / dct: the [run] sparse_* settings
     sparse_k: int = 64
     sparse_bits: int = 2
+    log_level: str = "warning"  # the peer jobs' stderr (their logs in --workdir)
 
     @property
     def shaped(self) -> bool:
@@ -233,7 +234,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
             argv.append("--no-shared-memory")
         if not opts.tcp_lane:
             argv.append("--no-tcp-lane")
-        argv += ["--bulk-connections", str(opts.bulk_connections)]
+        argv += ["--bulk-connections", str(opts.bulk_connections), "--log-level", opts.log_level]
         name = f"job-{r}"
         jobs.append((name, procs.start(name, argv, host=r if opts.shaped else None), out))
     for name, proc, _ in jobs:
@@ -548,7 +549,8 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
                         bulk_chunk_bytes=a.bulk_chunk_bytes, timeout=a.timeout,
                         workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket,
                         tcp_lane=not a.no_tcp_lane, tls=a.tls, tcp_congestion=a.tcp_congestion,
-                        rtt_ms=a.rtt_ms, jitter_ms=a.jitter_ms, loss=a.loss, bulk_connections=a.bulk_connections)
+                        rtt_ms=a.rtt_ms, jitter_ms=a.jitter_ms, loss=a.loss, bulk_connections=a.bulk_connections,
+                        log_level=getattr(a, "log_level", "warning"))
 
 
 def add_bench_parser(sub) -> None:

@@ -28,6 +28,7 @@ forged tensors (peer.testing.byzantine). Every round's result is saved in PATH.n
 from __future__ import annotations
 
 import argparse
+import logging
 import asyncio
 import functools
 import gc
@@ -244,7 +245,10 @@ def main() -> None:
                     help="send chunks to peers on other hosts on gRPC, not on the bulk lane (peer.lanes.bulk)")
     ap.add_argument("--bulk-connections", type=int, default=16,
                     help="most TCP connections of the bulk lane to one peer (peer.lanes.pool)")
+    ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                    help="log level of this job's stderr (the bench passes its own)")
     a = ap.parse_args()
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     security = Security(tls_dir=a.tls_dir, insecure=a.insecure or not a.tls_dir)
     aggs = tuple(x for x in a.aggregators.split(",") if x)
     t0 = time.time()

@@ -183,6 +183,41 @@ async def test_a_pool_of_connections_per_peer_gives_the_same_bits(algorithm="but
     assert len({r.values.tobytes() for r in one + pooled}) == 1
 
 
+async def test_a_pool_sized_at_the_handshake_is_open_before_the_first_stream():
+    """A sender told an uplink far past what one loopback connection carries sizes each peer's
+    pool at its first handshake (peer.lanes.pool.initial_pool_size) and opens all of it in the
+    warm-up before a round (`Transport.probe_lanes`): its first streams go out on the whole pool,
+    on connections opened before them, and the result is the same bits. A sender not told one
+    keeps one connection on loopback (a LAN)."""
+    p, n = 3, 300_001
+    xs = [np.random.default_rng(40 + i).standard_normal(n).astype(np.float32) for i in range(p)]
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        pairs = list(zip(peers.ids, peers.addresses))
+        t, lan = peers.transports[0], peers.transports[1]
+        t.bulk.link_bytes_per_s, t.bulk.max_connections = 1e15, 4
+        await t.probe_lanes(pairs[1:])
+        await lan.probe_lanes([pairs[0], pairs[2]])
+        warmed = {a: set(map(id, t.bulk._idle[a])) for a in peers.addresses[1:]}
+        assert all(len(ids) == 4 and t.bulk.pool_size(a) == 4 for a, ids in warmed.items())
+        assert all(len(lan.bulk._idle[a]) == 1 and lan.bulk.pool_size(a) == 1 for a in (pairs[0][1], pairs[2][1]))
+        assert t.lanes() == {a: "tcp" for a in peers.addresses[1:]}
+        streams = []
+        orig = t.bulk_pool
+
+        async def counting(address, peer_id=""):
+            conns = await orig(address, peer_id)
+            streams.append((address, {id(c) for c in conns}))
+            return conns
+        t.bulk_pool = counting
+        pooled = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=16 << 10)
+        assert sorted(a for a, _ in streams) == sorted(peers.addresses[1:])
+        assert all(ids == warmed[a] for a, ids in streams)  # the warmed pool, nothing opened in the round
+        assert all(len(t.bulk._idle[a]) == 4 for a in peers.addresses[1:])  # back for the next round
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        one = await peers.run(xs, attempt=0, algorithm="butterfly", chunk_bytes=16 << 10)
+    assert len({r.values.tobytes() for r in pooled + one}) == 1
+
+
 async def test_idle_connections_are_reused_only_while_open_and_warmed_before_rounds():
     p, n = 3, 100_003
     xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
