@@ -120,6 +120,7 @@ __all__ = [
     "ring_link_seconds",
     "shard_bounds_from_fractions",
     "simple_floor",
+    "setup_seconds",
     "sparse_payload_bytes",
     "without_outbound_owners",
     "without_untrusted_owners",
@@ -419,6 +420,21 @@ def control_seconds(coordinator_rtts: Sequence[float], *, secure: bool = False) 
     if not known:
         return 0.0
     return max(known) * (5.0 if secure else 1.0)
+
+
+SETUP_ROUND_TRIPS = 6
+"""Round trips before the first byte between two peers with no warm connection: the gRPC channel
+(TCP handshake, TLS 1.3 handshake, HTTP/2 settings), the Probe that asks for the bulk port, and
+the bulk connection (TCP and TLS handshakes). A peer warms its connections to the participants
+of its last plan before each Ready (`Transport.probe_lanes`), so only new pairs pay it."""
+
+
+def setup_seconds(rtts: Sequence[tuple[float, float]]) -> float:
+    """The connection set-up an attempt adds for its cold pairs (seconds): SETUP_ROUND_TRIPS of
+    the longest pair round trip among them, each pair's estimated as the mean of its two peers'
+    typical round trips (`LinkSpec.rtt_seconds`; pairs with an unmeasured side are left out)."""
+    known = [(a + b) / 2.0 for a, b in rtts if a > 0 and b > 0 and math.isfinite(a + b)]
+    return SETUP_ROUND_TRIPS * max(known) if known else 0.0
 
 
 def predict_allgather(

@@ -57,7 +57,7 @@ import hashlib
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from shoal.common.plan import Plan
@@ -68,7 +68,7 @@ from shoal.coordinator.cohorts import Cohort, draw_cohort
 from shoal.coordinator.leases import LeaseSchedule
 from shoal.coordinator.member_table import Member, MemberState, MemberTable
 from shoal.coordinator.member_table import waited_on as waited_on_member
-from shoal.coordinator.planner import NoPlan, PlanPolicy, control_seconds, plan_round, relay_links
+from shoal.coordinator.planner import NoPlan, PlanPolicy, control_seconds, plan_round, relay_links, setup_seconds
 from shoal.coordinator.settings import RoundSettings
 from shoal.coordinator.sync_orders import SYNC_PERMIT_BOUNDS, SYNC_PERMIT_SECONDS, Head, SendSync, SyncOrders, sync_plan
 
@@ -384,6 +384,9 @@ class RoundEngine:
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
         self.strikes = Strikes()  # unproven accusations, lying digests: benched for whole rounds (see vote)
         self.running: Attempt | None = None
+        # peer id -> the other participants of the last plan it was in: the peers it keeps
+        # warm connections to (its warm-up before each Ready), for the prediction's set-up term
+        self._partners: dict[str, frozenset[str]] = {}
         self.local_seconds = 0.0  # last local phase: last commit -> first Ready after it (`_pool`)
         self.not_before = 0.0
         self._held = Waiting(WaitReason.BACKOFF, "backoff")  # why not_before is in the future
@@ -1230,10 +1233,29 @@ class RoundEngine:
         plan = self._secure(plan)
         plan = dataclasses.replace(plan, predicted_round_seconds=plan.predicted_seconds + control_seconds(
             [self.members[p].coordinator_rtt_seconds for p in plan.participants if p in self.members],
-            secure=bool(plan.secagg_seed)))
+            secure=bool(plan.secagg_seed)) + self._setup_seconds(plan.participants))
         self.running = Attempt(plan, now, quorum=max(2, self.config.min_participants))
         actions.append(SendPlan(plan))
         return actions
+
+    def _setup_seconds(self, participants: Sequence[str]) -> float:
+        """The connection set-up this attempt adds (`planner.setup_seconds`): a sender dials its
+        own connections, so the pair a -> b is cold when b was not among a's partners in the
+        last plan a was in (a's warm-up before its Ready reached the peers of that plan only);
+        records the participants as each other's partners for the next plan. O(p) set
+        operations, and a scan of the cold partners only."""
+        known = self._partners
+        for gone in [p for p in known if p not in self.members]:
+            del known[gone]
+        plan_set = frozenset(p for p in participants if p in self.members)
+        cold = []
+        for a in plan_set:
+            missing = plan_set - known.get(a, frozenset()) - {a}
+            if missing:
+                cold.append((self.members[a].rtt_seconds, max(self.members[b].rtt_seconds for b in missing)))
+        for p in plan_set:
+            known[p] = plan_set - {p}
+        return setup_seconds(cold)
 
     def _secure(self, plan: Plan) -> Plan:
         """With secure aggregation (every participant's Ready carries its round's public keys),

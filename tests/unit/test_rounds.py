@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from shoal.coordinator.planner import SETUP_ROUND_TRIPS
 from shoal.coordinator.rounds import (
     EngineConfig, ErrorKind, MemberState, PersistUntrusted, ReadyInfo, RoundEngine, RoundError, SendAbort, SendCommit,
     SendFinished, SendPlan, SendSync, WaitReason, sync_plan,
@@ -935,6 +936,34 @@ def test_the_plan_predicts_the_attempt_with_the_participants_round_trips_to_the_
     for p in "abc":
         acts += e.ready(p, 0, info(n=1000), 0.0)
     (plan,) = of(acts, SendPlan)
-    assert plan.plan.predicted_round_seconds == pytest.approx(plan.plan.predicted_seconds + 0.2)
+    setup = SETUP_ROUND_TRIPS * 0.05  # the first plan: no pair has a warm connection yet
+    assert plan.plan.predicted_round_seconds == pytest.approx(plan.plan.predicted_seconds + 0.2 + setup)
     e.report_links("a", 1e6, 1e6, 0.05, coordinator_rtt=0.0)  # a report without one keeps the last
     assert e.members["a"].coordinator_rtt_seconds == 0.03
+
+
+def test_only_pairs_without_a_warm_connection_add_the_set_up_to_the_prediction():
+    """A peer warms its connections to the participants of its last plan before each Ready: the
+    first plan pays SETUP_ROUND_TRIPS of the longest pair round trip, a plan of the same
+    participants nothing, and a joiner's plan the set-up of the joiner's pairs."""
+    e = engine()
+    joined(e, "a", "b", "c")
+    for p, rtt in zip("abc", (0.1, 0.3, 0.1)):
+        e.report_links(p, 1e6, 1e6, rtt)
+
+    def next_plan(*peers, rnd):
+        acts = []
+        for p in peers:
+            acts += e.ready(p, rnd, info(n=1000, digest=b"s" if rnd else b"", rounds=rnd), 1.0 + rnd)
+        (plan,) = of(acts, SendPlan)
+        extra = plan.plan.predicted_round_seconds - plan.plan.predicted_seconds
+        for p in peers:
+            acts = e.vote(p, rnd, 0, True, b"r", b"s", 1.5 + rnd)
+        assert of(acts, SendCommit)
+        return extra
+
+    assert next_plan("a", "b", "c", rnd=0) == pytest.approx(SETUP_ROUND_TRIPS * (0.1 + 0.3) / 2)
+    assert next_plan("a", "b", "c", rnd=1) == pytest.approx(0.0)
+    joined(e, "d", now=3.0)
+    e.report_links("d", 1e6, 1e6, 0.2)
+    assert next_plan("a", "b", "c", "d", rnd=2) == pytest.approx(SETUP_ROUND_TRIPS * (0.3 + 0.2) / 2)
