@@ -757,7 +757,7 @@ class PlanPolicy:
 
     @property
     def sparse(self) -> bool:
-        """Whether the run's compression is a sparse codec (sent whole by the sparse all-gather)."""
+        """Whether the run's compression is a sparse codec (sent to every peer by the sparse all-gather)."""
         return self.compression in SPARSE_COMPRESSIONS
 
     @property

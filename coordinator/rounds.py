@@ -384,8 +384,9 @@ class RoundEngine:
         self.untrusted: set[str] = set(untrusted)  # never shard owners again (failed owner audits, see vote)
         self.strikes = Strikes()  # unproven accusations, lying digests: benched for whole rounds (see vote)
         self.running: Attempt | None = None
-        # peer id -> the other participants of the last plan it was in: the peers it keeps
-        # warm connections to (its warm-up before each Ready), for the prediction's set-up term
+        # peer id -> the participants of the last plan it was in (one set shared by all of them):
+        # the peers it keeps warm connections to (its warm-up before each Ready), for the
+        # prediction's set-up term
         self._partners: dict[str, frozenset[str]] = {}
         self.local_seconds = 0.0  # last local phase: last commit -> first Ready after it (`_pool`)
         self.not_before = 0.0
@@ -1240,21 +1241,30 @@ class RoundEngine:
 
     def _setup_seconds(self, participants: Sequence[str]) -> float:
         """The connection set-up this attempt adds (`planner.setup_seconds`): a sender dials its
-        own connections, so the pair a -> b is cold when b was not among a's partners in the
-        last plan a was in (a's warm-up before its Ready reached the peers of that plan only);
-        records the participants as each other's partners for the next plan. O(p) set
-        operations, and a scan of the cold partners only."""
+        own connections, so the pair a -> b is cold when b was not in the last plan a was in
+        (a's warm-up before its Ready reaches the participants of that plan); records this plan
+        as each participant's last. Memory: one shared set per plan still referred to; time:
+        one set difference per distinct previous plan among the participants."""
         known = self._partners
         for gone in [p for p in known if p not in self.members]:
             del known[gone]
         plan_set = frozenset(p for p in participants if p in self.members)
-        cold = []
+        groups: dict[int, tuple[frozenset[str], list[str]]] = {}
         for a in plan_set:
-            missing = plan_set - known.get(a, frozenset()) - {a}
-            if missing:
-                cold.append((self.members[a].rtt_seconds, max(self.members[b].rtt_seconds for b in missing)))
+            last = known.get(a, frozenset())
+            groups.setdefault(id(last), (last, []))[1].append(a)
+        cold = []
+        for last, senders in groups.values():
+            new = plan_set - last  # the participants none of these senders has warmed
+            if not new:
+                continue
+            top = sorted(((self.members[b].rtt_seconds, b) for b in new), reverse=True)[:2]
+            for a in senders:
+                far = next((r for r, b in top if b != a), None)  # the farthest cold partner but itself
+                if far is not None:
+                    cold.append((self.members[a].rtt_seconds, far))
         for p in plan_set:
-            known[p] = plan_set - {p}
+            known[p] = plan_set
         return setup_seconds(cold)
 
     def _secure(self, plan: Plan) -> Plan:

@@ -40,6 +40,7 @@ all-reduce with owner-side reduction (hivemind's AllReduceRunner, Ryabinin et al
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -658,6 +659,8 @@ class _SparseGather:
         finally:
             for job in jobs:
                 job.cancel()  # those not started yet, when one failed or the attempt was cancelled
+                if job.done() and not job.cancelled():
+                    job.exception()  # retrieved: a later segment's failure is not logged as lost
         acc.proposed(self.x, segments, attempt=(self.plan.round, self.plan.attempt))
         self.decoded[self.position] = mine
         ready.put_nowait(None)
@@ -690,10 +693,12 @@ class _SparseGather:
                 for first, enc in reader.feed(await self._piece(sender, reader.nbytes)):
                     parts.append(await _on_codec(decode_segment, first, enc))
         except InvalidArgument as exc:
-            # This peer's own contribution still goes out first: every receiver judges the
-            # payloads itself (a peer of another codec is blamed by all, not only by the first
-            # to read it), instead of waiting a chunk timeout for a stream this peer abandoned.
-            await self.sent.wait()
+            # Wait (at most a chunk deadline) until this peer's own contribution is queued on
+            # every stream before failing: the other receivers then judge the malformed payload
+            # themselves, instead of waiting a chunk timeout on a stream this peer abandoned.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.plan.chunk_timeout_seconds):
+                    await self.sent.wait()
             raise CollectiveError(f"sparse payload from {sender[:8]} is malformed: {exc}", [sender]) from None
         faults.hit("ag", self.plan.round)
         self.decoded[j] = parts

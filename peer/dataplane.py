@@ -211,9 +211,10 @@ class Session:
 
 
     def _sparse_piece(self, c: pb.Chunk, count: int, data: Callable[[int], bytes]) -> Encoded:
-        """A piece of a sparse payload (peer.sparse wire form; the sparse all-gather of
-        peer.collectives): `count` bytes at byte `offset` of the sender's whole payload, in the
-        all-gather phase, step 0, shard 0. Its contents are checked once the payload is whole."""
+        """A piece of a sparse contribution (its segment payloads one after another, peer.sparse
+        wire form; the sparse all-gather of peer.collectives): `count` bytes at byte `offset` of
+        the sender's stream, in the all-gather phase, step 0, shard 0. Its contents are checked
+        segment by segment once each is whole (`peer.sparse.SegmentReader`)."""
         require(c.dtype == pb.FLOAT32, "dtype", "sparse payloads carry float32 tensors")
         require(c.phase == pb.ALL_GATHER and c.step == 0 and c.shard == 0, "phase",
                 "a sparse payload travels in the all-gather, step 0, shard 0")
@@ -861,8 +862,8 @@ class Transport:
         return [first, *(c for c in extra if c is not None)]
 
     def observe_bulk(self, address: str, conns: list, goodput: float | None) -> pool.TcpPath | None:
-        """A bulk stream's outcome (bytes/s its connections carried while frames waited for them,
-        None when none did), for the next stream's pool size (`BulkClient.observe_stream`);
+        """A bulk stream's outcome (its goodput, bytes/s; None when it went at its producer's pace,
+        `pool.stream_goodput`), for the next stream's pool size (`BulkClient.observe_stream`);
         returns the path the kernel measured (None: unknown)."""
         return self.bulk.observe_stream(address, conns, goodput) if self.bulk is not None else None
 

@@ -55,7 +55,8 @@ start, the last range shorter), so a peer sends the first segment while it encod
 receiver decodes segments as they arrive. Chunks are cut from the start of the vector either way,
 so a segment holds exactly the chunks the whole payload holds for its elements, and
 `sum_segments` of the segments gives the bytes `sum_contributions` gives for the whole payloads;
-each segment adds its 20-byte header (480 bytes for 10^8 elements).
+each segment adds a 20-byte header (and up to 2 bytes of padding): 24 segments for 10^8
+elements.
 
 Checks: `encode` refuses non-finite input (and "dct" coefficients that overflow float32) with
 `InvalidArgument` naming "x", as the int8 codec does. `decode`, `SparseEncoded.from_bytes` and
@@ -375,7 +376,7 @@ def _pack(codes: np.ndarray, width: int) -> bytes:
     c = np.zeros(groups * 8, dtype=np.uint64)
     c[:k] = codes
     c = c.reshape(groups, 8)
-    words = np.zeros((groups, 2), dtype=np.uint64)
+    words = np.zeros((groups, 2), dtype="<u8")  # little-endian words: the stream's byte order on any host
     lo, hi = words[:, 0], words[:, 1]
     for i in range(8):
         s = i * width
@@ -396,7 +397,7 @@ def _unpack(data: bytes, count: int, width: int, field: str) -> np.ndarray:
     flat = np.zeros(groups * width, dtype=np.uint8)
     flat[:len(data)] = np.frombuffer(data, dtype=np.uint8)
     raw[:, :width] = flat.reshape(groups, width)
-    words = raw.view(np.uint64)
+    words = raw.view("<u8").astype(np.uint64)
     lo, hi = words[:, 0], words[:, 1]
     mask = np.uint64((1 << width) - 1)
     out = np.empty((groups, 8), dtype=np.uint64)
@@ -621,7 +622,7 @@ def _sum_parsed(contributions: Sequence[Sequence[tuple[int, _Parsed]]], count: i
 # Segmented contributions (the sparse all-gather's stream)
 
 SEGMENT_ELEMENTS = 1 << 22
-"""Elements per segment of a streamed contribution (rounded down to whole chunks): 16 MB of
+"""Elements per segment of a streamed contribution (rounded down to whole chunks, `segment_bounds`): 16 MB of
 float32 input, ~75 KB of payload at 1 % density and 2 bits; 24 segments for a 100M-element
 vector."""
 
@@ -869,9 +870,11 @@ class ErrorAccumulator:
         delta = _check_x(delta, "delta")
         if delta.shape != self._e.shape:
             raise InvalidArgument(f"delta: expected shape {self._e.shape}, got {delta.shape}")
-        if not (_is_int(lo) and _is_int(hi) and 0 <= lo <= hi <= delta.shape[0] and lo % self.codec.chunk == 0):
-            raise InvalidArgument(f"delta: segment [{lo}, {hi}) is not a range of {delta.shape[0]} elements "
-                                  f"starting on a chunk boundary (chunk {self.codec.chunk})")
+        n, chunk = delta.shape[0], self.codec.chunk
+        if not (_is_int(lo) and _is_int(hi) and 0 <= lo <= hi <= n and lo % chunk == 0
+                and (hi % chunk == 0 or hi == n)):
+            raise InvalidArgument(f"delta: segment [{lo}, {hi}) is not a range of whole chunks of {n} elements "
+                                  f"(chunk {chunk}; the last may end at {n})")
         beta, e = np.float32(self.beta), self._e
 
         def rows(a: int, b: int) -> np.ndarray:
@@ -898,7 +901,7 @@ class ErrorAccumulator:
             if first != at or not isinstance(enc, SparseEncoded):
                 raise InvalidArgument(f"segments: expected a payload starting at element {at}, got {first}")
             at += enc.count
-        if at != self._e.shape[0] or (not segments and at):
+        if at != self._e.shape[0]:
             raise InvalidArgument(f"segments: cover [0, {at}), expected [0, {self._e.shape[0]})")
         self._pending = (attempt, delta, tuple(segments))
 

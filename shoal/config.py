@@ -297,7 +297,7 @@ class RunSection:
     compression: str = setting("none", "wire codec: per hop (fp16, bf16, int8: blockwise absmax; fp4: 4-bit float "
                                        "E2M1 with a float32 scale per 256 elements; int8 and fp4 with error "
                                        "feedback) or sparse (topk: chunked top-k, dct: top-k of each chunk's DCT, "
-                                       "both of a SparseLoCo error-feedback accumulator, sent whole by the sparse "
+                                       "both of a SparseLoCo error-feedback accumulator, sent to every peer by the sparse "
                                        "all-gather; mean aggregation only; docs/training.md)",
                                choices=("none", "fp16", "bf16", "int8", "fp4", "topk", "dct"))
     error_feedback: bool = setting(True, "int8 / fp4: the quantization residual of a contribution is added to the "

@@ -50,6 +50,7 @@ stream broken before END fails every wait on its sender (`Inbox.fail_sender`), a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import json
 import logging
@@ -612,6 +613,9 @@ class BulkClient:
                 self._down[address] = time.monotonic() + DOWN_SECONDS
                 return None
             more = self._size_from_handshake(address, conn) - 1
+            # Bounded for the whole client: a peer warming its lanes to many participants keeps
+            # at most WARM_CONNECTIONS_MAX idle (file descriptors); the rest open with their streams.
+            more = min(more, pool.WARM_CONNECTIONS_MAX - sum(len(v) for v in self._idle.values()))
             if more > 0:
                 try:
                     await self._open_idle(address, host, port, peer_id, more)
@@ -631,6 +635,9 @@ class BulkClient:
         path = pool.tcp_path([conn.sock])
         if path is None or path.rtt_seconds <= 0:
             return 0
+        # The RTT only: a handshake (TCP, TLS records) that needed a retransmission says nothing
+        # of the path's loss rate, and a few segments' ratio would read as a huge one.
+        path = dataclasses.replace(path, loss=0.0)
         self._sized[address] = pool.initial_pool_size(path, self.window, self.link_bytes_per_s, self.max_connections)
         k = self.pool_size(address)
         if self._sized[address] > 1:
@@ -689,9 +696,9 @@ class BulkClient:
         return min(k, self.max_connections)
 
     def observe_stream(self, address: str, conns: list[BulkConnection], goodput: float | None) -> pool.TcpPath | None:
-        """A stream to `address` went out over `conns`, which carried `goodput` bytes/s together
-        while frames were queued for them (None: frames never waited for the connections, the
-        stream's sender was the bound): record the path the kernel measured on them, size the
+        """A stream to `address` went out over `conns` at `goodput` bytes/s (its bytes over its
+        seconds; None when its connections waited on its producer a good part of it,
+        `pool.stream_goodput`): record the path the kernel measured on them, size the
         next stream's pool (`pool.next_pool_size`; kept as is when `goodput` is None) and return
         the path (None when TCP_INFO is unreadable)."""
         path = pool.tcp_path([c.sock for c in conns if not c.broken])
@@ -936,6 +943,7 @@ class _Stripe:
         self.lane, self.pending = lane, pending
         self.fresh = True
         self.busy_bytes, self.busy_seconds, self.starved_seconds = 0, 0.0, 0.0
+        self.frames_taken = 0
         self._start, self._size = 0.0, 0
 
     def _opened(self, item):
@@ -963,6 +971,7 @@ class _Stripe:
         if nxt is None:
             queue.put_nowait(None)  # the end, for the next connection waiting on the queue
             return None
+        self.frames_taken += 1
         if not queue.empty():
             self._start, self._size = time.perf_counter(), len(nxt[1])
         if self.fresh:
@@ -999,7 +1008,8 @@ async def carry(lane, first: tuple[pb.Chunk, ChunkFrame]) -> None:
         # A stream whose connections all waited for frames a good part of it (a ring step's
         # stream waits for its predecessor's chunks) went at the collective's pace: its goodput
         # says nothing about what the connections can carry, and the pool keeps its size.
-        goodput = pool.stream_goodput(lane.bytes_sent, seconds, min(st.starved_seconds for st in stripes))
+        carried = [st.starved_seconds for st in stripes if st.frames_taken]
+        goodput = pool.stream_goodput(lane.bytes_sent, seconds, min(carried) if carried else 0.0)
         observe = getattr(lane.transport, "observe_bulk", None)
         path = observe(lane.address, conns, goodput) if observe is not None else None
         if path is not None and lane.links is not None:  # (before the connections go back: their TCP_INFO)

@@ -70,9 +70,10 @@ POOL_GROW_SHARE = 0.5  # ... when each connection carried this share of `connect
 POOL_SHRINK_SHARE = 0.2  # below this share the path, not the connections, holds the stream
 # Bytes/s a pool sized at the handshake aims at when the sender's uplink is unknown: 1 Gbit/s, a
 # host's access link on the long paths the pool is for. On a slower link the extra connections
-# only share it (they stripe one stream), and `next_pool_size` shrinks a pool the path holds back.
+# only share it (they stripe one stream; the pool does not shrink below the handshake's size).
 POOL_TARGET_BYTES_PER_S = 1e9 / 8
-POOL_STARVED_SHARE = 0.25  # a stream whose connections all waited this share of it for frames: not resized
+POOL_STARVED_SHARE = 0.25  # a stream whose connections all waited this share of it or more for frames: not resized
+WARM_CONNECTIONS_MAX = 128  # idle connections of a whole client past which a handshake opens no more pool ones
 STRIPE_NOTSENT_LOWAT = 256 << 10  # unsent bytes a striped connection holds (TCP_NOTSENT_LOWAT)
 SNDBUF_IN_FLIGHT = 0.7  # the share of the send buffer a connection keeps in flight (measured, above)
 MATHIS_C = math.sqrt(1.5)  # ≈ 1.22: periodic loss, delayed ACKs off (Mathis et al. 1997)
@@ -189,10 +190,10 @@ def next_pool_size(current: int, goodput: float, path: TcpPath | None, window: i
 
 def stream_goodput(nbytes: int, seconds: float, starved_seconds: float) -> float | None:
     """What a finished stream says about its connections: its goodput (bytes/s, `nbytes` over
-    `seconds`), or None when its connections all waited on an empty queue for more than
-    POOL_STARVED_SHARE of it (`starved_seconds`: the least any of them waited), so that it went
+    `seconds`), or None when its connections all waited on an empty queue for POOL_STARVED_SHARE
+    of it or more (`starved_seconds`: the least any connection that carried a frame waited), so that it went
     at its producer's pace and the pool keeps its size (`BulkClient.observe_stream`)."""
-    if seconds <= 0 or starved_seconds > POOL_STARVED_SHARE * seconds:
+    if seconds <= 0 or starved_seconds >= POOL_STARVED_SHARE * seconds:
         return None
     return nbytes / seconds
 
@@ -200,7 +201,8 @@ def stream_goodput(nbytes: int, seconds: float, starved_seconds: float) -> float
 def initial_pool_size(path: TcpPath | None, window: int, link_bytes_per_s: float = 0.0, most: int = POOL_MAX) -> int:
     """The connections the first stream to a peer gets, from `path` as the kernel measured it on
     a connection right after it opened (the handshake's RTT, seconds; a loss counts when `path`
-    has one, though none is measured before data flowed) and the sender's `window` (bytes, `window_bytes`): the fewest ``k`` for which
+    has one: `BulkClient` passes none, since a retransmitted handshake or TLS record is no loss
+    rate) and the sender's `window` (bytes, `window_bytes`): the fewest ``k`` for which
     ``k · connection_bound(path, window)`` covers `link_bytes_per_s` (the sender's uplink, bytes/s;
     0 or less when unknown: POOL_TARGET_BYTES_PER_S). Within [1, most]; 1 when nothing was
     measured (`path` None, RTT 0) and on a LAN, where one connection's bound is far above any
