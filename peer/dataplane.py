@@ -57,7 +57,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from shoal.peer.lanes import bulk, pool, shm
 from shoal.peer.testing import faults
 from shoal.peer.compression import FP4, Encoded, data_bytes, scale_bytes
-from shoal.peer.sparse import HEADER_BYTES as SPARSE_HEADER_BYTES
+from shoal.peer.sparse import SEGMENT_ELEMENTS as SPARSE_SEGMENT_ELEMENTS
 from shoal.peer.sparse import SPARSE_CODECS
 from shoal.common.errors import (DeadlineExceeded, DecodeErrors, FailedPrecondition, InvalidArgument, PermissionDenied,
                          ResourceExhausted, ShoalError, grpc_errors, require)
@@ -222,8 +222,10 @@ class Session:
         if self.chunk_elems:
             require(0 < count <= 4 * self.chunk_elems, "shape",
                     f"[{count}] bytes outside 1..{4 * self.chunk_elems} per piece")
-        if self.shard_bounds:  # no sparse payload is larger than 5 bytes per element (peer.sparse)
-            most = 5 * self.shard_bounds[-1] + SPARSE_HEADER_BYTES
+        if self.shard_bounds:  # no sparse stream holds more than 5 bytes per element, plus per
+            # segment its header, a chunk's scale and padding (peer.sparse): 64 bytes is ample
+            n = self.shard_bounds[-1]
+            most = 5 * n + 64 * (n // SPARSE_SEGMENT_ELEMENTS + 1)
             require(c.offset + count <= most, "shape",
                     f"[{count}] bytes at offset {c.offset} exceed the {most} bytes a sparse payload can have")
         return Encoded(c.codec, bytes(data(count)), b"", count)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from shoal.common.errors import InvalidArgument
 from shoal.config import ConfigError, RunSection
 from shoal.coordinator.planner import LinkSpec, NoPlan, PlanPolicy, plan_round, predict_allgather
 from shoal.peer.dataplane import Session
-from shoal.peer.sparse import SparseCodec
+from shoal.peer.sparse import SparseCodec, encode
 from shoal.peer.training import RunConfig
 from shoal.v1 import shoal_pb2 as pb
 
@@ -76,6 +77,10 @@ def test_a_sparse_piece_is_checked_against_the_plan():
         msg.update(change)
         with pytest.raises(InvalidArgument, match=field):
             s.check_chunk(pb.Chunk(**msg))
+    one = encode(np.ones(1, np.float32), SparseCodec("topk", 4096, 64, 2)).to_bytes()  # 27 bytes for 1 element
+    got = _session(1).check_chunk(pb.Chunk(sender="a", phase=pb.ALL_GATHER, dtype=pb.FLOAT32, shape=[len(one)],
+                                           codec=4, data=one))
+    assert got.data == one
 
 
 def test_sparse_compression_refuses_the_aggregators_it_cannot_combine_with():
