@@ -642,7 +642,6 @@ class DecodedSegment:
     and its kept entries (`decode_sparse` of the segment's payload, indices within the segment)."""
 
     first: int
-    nbytes: int  # the segment's payload bytes on the wire
     parsed: _Parsed
 
 
@@ -652,7 +651,7 @@ def decode_segment(first: int, enc: SparseEncoded) -> DecodedSegment:
     Raises:
         InvalidArgument: a malformed payload, naming the field (module docstring: checks).
     """
-    return DecodedSegment(int(first), enc.nbytes, _parse(enc))
+    return DecodedSegment(int(first), _parse(enc))
 
 
 def sum_segments(contributions: Sequence[Sequence[DecodedSegment]], count: int, codec: SparseCodec,
@@ -714,7 +713,7 @@ class SegmentReader:
             if self._need is None:
                 if len(self._buf) < HEADER_BYTES:
                     break
-                codec, n, self._need = payload_length(bytes(self._buf[:HEADER_BYTES]))
+                codec, n, self._need = payload_length(self._buf)
                 if (codec.kind, codec.chunk) != (self.codec.kind, self.codec.chunk):
                     raise InvalidArgument(f"header: codec {codec.kind}, chunk {codec.chunk}; this round needs "
                                           f"{self.codec.kind}, chunk {self.codec.chunk}")

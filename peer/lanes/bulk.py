@@ -941,7 +941,6 @@ class _Stripe:
 
     def __init__(self, lane, pending: list):
         self.lane, self.pending = lane, pending
-        self.fresh = True
         self.busy_bytes, self.busy_seconds, self.starved_seconds = 0, 0.0, 0.0
         self.frames_taken = 0
         self._start, self._size = 0.0, 0
@@ -974,8 +973,7 @@ class _Stripe:
         self.frames_taken += 1
         if not queue.empty():
             self._start, self._size = time.perf_counter(), len(nxt[1])
-        if self.fresh:
-            self.fresh = False
+        if self.frames_taken == 1:  # this connection's stream opens with it
             nxt = self._opened(nxt)
         return nxt
 

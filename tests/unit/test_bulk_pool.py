@@ -3,6 +3,7 @@ from a real loopback connection."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import socket
 
@@ -10,6 +11,25 @@ import pytest
 
 from shoal.peer.lanes import pool
 from shoal.peer.lanes.pool import TcpPath, connection_bound, initial_pool_size, next_pool_size
+
+
+class Conn:
+    """What BulkClient reads of a bulk connection: its socket, and whether it broke."""
+
+    broken = False
+
+    def __init__(self, sock):
+        self.sock = sock
+
+
+@contextlib.contextmanager
+def loopback_pair():
+    """A connected pair of real TCP sockets on loopback: (client, server side)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+        with a, b:
+            yield a, b
 
 MB = 1e6 / 8  # bytes/s per Mbit/s
 WINDOW = 3 << 20
@@ -74,35 +94,26 @@ def test_a_pool_is_sized_at_its_first_handshake_and_a_stream_decides_after():
     drops it."""
     from shoal.peer.lanes.bulk import BulkClient
 
-    class Conn:
-        broken = False
-
-        def __init__(self, sock):
-            self.sock = sock
-
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        a = socket.create_connection(listener.getsockname())
-        b, _ = listener.accept()
-        with a, b:
-            path = pool.tcp_path([a])
-            assert path is not None and 0 < path.rtt_seconds < 0.05 and path.loss == 0.0  # the SYN / SYN-ACK
-            lan = BulkClient(probe=None, max_connections=16)
-            assert lan._size_from_handshake("p:1", Conn(a)) == 1 and lan.pool_size("p:1") == 1
-            far = BulkClient(probe=None, max_connections=6, link_bytes_per_s=1e15)
-            assert far._size_from_handshake("p:1", Conn(a)) == 6 and far.pool_size("p:1") == 6
-            assert far._size_from_handshake("p:1", Conn(a)) == 0  # sized once
-            assert far.pool_size("p:2") == 1  # not connected yet: the size last chosen (none yet)
-            lan._first = 3  # a stream to another peer chose 3
-            assert lan.pool_size("p:1") == 3
-            far.observe_stream("p:1", [Conn(a)] * 6, 1000.0)  # far below the bound: the path holds it,
-            assert far.pool_size("p:1") == 6  # but a pool never shrinks below its handshake's size
-            far._sized["p:1"] = 2
-            far.observe_stream("p:1", [Conn(a)] * 6, 1000.0)
-            assert far.pool_size("p:1") == 2
-            assert far._size_from_handshake("p:1", Conn(a)) == 0  # streamed to: the stream decides
-            assert far._size_from_handshake("p:3", Conn(a)) == 6 and far.pool_size("p:3") == 6
-            far.forget("p:3")
-            assert far.pool_size("p:3") == 2 and "p:3" not in far._sized  # the size last chosen for p:1
+    with loopback_pair() as (a, b):
+        path = pool.tcp_path([a])
+        assert path is not None and 0 < path.rtt_seconds < 0.05 and path.loss == 0.0  # the SYN / SYN-ACK
+        lan = BulkClient(probe=None, max_connections=16)
+        assert lan._size_from_handshake("p:1", Conn(a)) == 1 and lan.pool_size("p:1") == 1
+        far = BulkClient(probe=None, max_connections=6, link_bytes_per_s=1e15)
+        assert far._size_from_handshake("p:1", Conn(a)) == 6 and far.pool_size("p:1") == 6
+        assert far._size_from_handshake("p:1", Conn(a)) == 0  # sized once
+        assert far.pool_size("p:2") == 1  # not connected yet: the size last chosen (none yet)
+        lan._first = 3  # a stream to another peer chose 3
+        assert lan.pool_size("p:1") == 3
+        far.observe_stream("p:1", [Conn(a)] * 6, 1000.0)  # far below the bound: the path holds it,
+        assert far.pool_size("p:1") == 6  # but a pool never shrinks below its handshake's size
+        far._sized["p:1"] = 2
+        far.observe_stream("p:1", [Conn(a)] * 6, 1000.0)
+        assert far.pool_size("p:1") == 2
+        assert far._size_from_handshake("p:1", Conn(a)) == 0  # streamed to: the stream decides
+        assert far._size_from_handshake("p:3", Conn(a)) == 6 and far.pool_size("p:3") == 6
+        far.forget("p:3")
+        assert far.pool_size("p:3") == 2 and "p:3" not in far._sized  # the size last chosen for p:1
 
 
 def test_the_send_buffer_goes_past_autotuning_only_where_that_gives_more():
@@ -114,15 +125,12 @@ def test_the_send_buffer_goes_past_autotuning_only_where_that_gives_more():
 
 
 def test_tcp_path_reads_the_kernels_measurement_of_a_real_connection():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        a = socket.create_connection(listener.getsockname())
-        b, _ = listener.accept()
-        with a, b:
-            a.sendall(b"x" * 200_000)
-            got = 0
-            while got < 200_000:
-                got += len(b.recv(1 << 16))
-            path = pool.tcp_path([a])
+    with loopback_pair() as (a, b):
+        a.sendall(b"x" * 200_000)
+        got = 0
+        while got < 200_000:
+            got += len(b.recv(1 << 16))
+        path = pool.tcp_path([a])
     assert path is not None
     assert 0 < path.rtt_seconds < 0.05 and path.loss == 0.0 and path.mss_bytes > 500
     assert 0 < path.min_rtt_seconds <= path.rtt_seconds and path.congestion
@@ -149,43 +157,31 @@ def test_a_peer_not_streamed_to_yet_starts_at_the_size_last_chosen_for_another()
     successor changes from round to round); a LAN stream brings it back to 1."""
     from shoal.peer.lanes.bulk import BulkClient
 
-    class Conn:
-        broken = False
-
-        def __init__(self, sock):
-            self.sock = sock
-
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        a = socket.create_connection(listener.getsockname())
-        b, _ = listener.accept()
-        with a, b:
-            a.sendall(b"x" * 10_000)
-            b.recv(1 << 16)
-            client = BulkClient(probe=None, max_connections=16)
-            path = pool.tcp_path([a])
-            fills = pool.connection_bound(path, client.window)  # bytes/s: one connection's bound
-            assert client.pool_size("p:1") == client.pool_size("p:2") == 1
-            client.observe_stream("p:1", [Conn(a)], fills)
-            assert client.pool_size("p:1") == 2 and client.pool_size("p:2") == 2
-            client.observe_stream("p:2", [Conn(a), Conn(a)], 1000.0)  # far below the bound: the path holds it
-            assert client.pool_size("p:2") == 1 and client.pool_size("p:3") == 1
-            assert client.pool_size("p:1") == 2
+    with loopback_pair() as (a, b):
+        a.sendall(b"x" * 10_000)
+        b.recv(1 << 16)
+        client = BulkClient(probe=None, max_connections=16)
+        path = pool.tcp_path([a])
+        fills = pool.connection_bound(path, client.window)  # bytes/s: one connection's bound
+        assert client.pool_size("p:1") == client.pool_size("p:2") == 1
+        client.observe_stream("p:1", [Conn(a)], fills)
+        assert client.pool_size("p:1") == 2 and client.pool_size("p:2") == 2
+        client.observe_stream("p:2", [Conn(a), Conn(a)], 1000.0)  # far below the bound: the path holds it
+        assert client.pool_size("p:2") == 1 and client.pool_size("p:3") == 1
+        assert client.pool_size("p:1") == 2
 
 
 def test_a_striped_connection_holds_its_unsent_bytes_below_the_low_water_mark():
     """BulkConnection.notsent_lowat sets TCP_NOTSENT_LOWAT on the real socket (0: the default)."""
     from shoal.peer.lanes.bulk import BulkConnection
 
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        a = socket.create_connection(listener.getsockname())
-        b, _ = listener.accept()
-        with a, b:
-            conn = BulkConnection.__new__(BulkConnection)
-            conn.sock = a
-            conn.notsent_lowat(pool.STRIPE_NOTSENT_LOWAT)
-            assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == pool.STRIPE_NOTSENT_LOWAT
-            conn.notsent_lowat(0)
-            assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == 0
+    with loopback_pair() as (a, b):
+        conn = BulkConnection.__new__(BulkConnection)
+        conn.sock = a
+        conn.notsent_lowat(pool.STRIPE_NOTSENT_LOWAT)
+        assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == pool.STRIPE_NOTSENT_LOWAT
+        conn.notsent_lowat(0)
+        assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) == 0
 
 
 def test_a_stream_that_waited_for_its_producer_does_not_resize_the_pool():
@@ -200,19 +196,9 @@ def test_a_stream_that_waited_for_its_producer_does_not_resize_the_pool():
 def test_observe_stream_without_a_goodput_keeps_the_size_and_records_the_path():
     from shoal.peer.lanes.bulk import BulkClient
 
-    a, b = socket.socketpair()
-    try:
-        class Conn:
-            broken = False
-
-            def __init__(self, sock):
-                self.sock = sock
-
+    with loopback_pair() as (a, _):
         client = BulkClient(probe=None, max_connections=8)
         client._pool["p:1"] = 3
-        if client.observe_stream("p:1", [Conn(a)], None) is not None:
-            assert "p:1" in client.paths
+        path = client.observe_stream("p:1", [Conn(a)], None)
+        assert path is not None and client.paths["p:1"] == path
         assert client.pool_size("p:1") == 3
-    finally:
-        a.close()
-        b.close()
