@@ -66,7 +66,7 @@ from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
 from shoal.peer.result_digest import ResultDigest, off_loop
 from shoal.peer.sparse import (DecodedSegment, ErrorAccumulator, SegmentReader, SparseEncoded, decode_segment,
-                               segment_bounds, sum_contributions, sum_segments)
+                               segment_bounds, sum_contributions, sum_range, weights_of)
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
@@ -598,10 +598,13 @@ class _SparseGather:
     stream; `peer.dataplane.Session._sparse_piece` checks each), one outgoing stream per
     participant, all in one TaskGroup. It receives every other participant's stream, checks and
     decodes each segment as it completes (`SegmentReader`, `decode_segment`; a malformed one
-    blames its sender), so the links and the codec work at once, and sums the decoded
-    contributions in participant order (`peer.sparse.sum_segments`, weighted by
-    `SparseRound.weights`) into the attempt's result buffer: every participant adds the same
-    float32 numbers in the same order, so all hold the same bytes and the vote digest proves it.
+    blames its sender), so the links and the codec work at once. As soon as every participant's
+    segments cover a range of elements, it sums the range's decoded contributions in participant
+    order (`peer.sparse.sum_range`, weighted by `SparseRound.weights`) into the attempt's result
+    buffer and hashes it (`ResultDigest`): the sum and the digest run while later segments are
+    still on the wire, not after the last one. Every participant adds the same float32 numbers in
+    the same order (however the ranges fall), so all hold the same bytes and the vote digest
+    proves it.
 
     Failure semantics as for every collective: a piece that does not come within the chunk
     deadline, a broken stream or a payload that does not parse (wrong codec, chunk or count for
@@ -615,24 +618,28 @@ class _SparseGather:
         self.wire = _Wire(plan, me, lanes.receiver)
         self.streams: dict[int, Lane] = {j: lanes.open(j) for j in range(plan.size) if j != self.position}
         self.result = lanes.result(x)  # a pooled buffer: a fresh one faults in every page the sum touches
+        self.hashed = ResultDigest(self.result.values)  # the vote digest, fed range by range as sums finish
         self.piece = max(4, plan.chunk_bytes // 4 * 4)  # what Session admits: chunk_bytes // 4 elements' worth
-        self.decoded: dict[int, list[DecodedSegment]] = {}  # participant -> its segments, decoded
+        # participant -> its segments decoded so far, in element order, and the elements they cover
+        self.decoded: dict[int, list[DecodedSegment]] = {j: [] for j in range(plan.size)}
+        self.covered = [0] * plan.size
+        self.summed = 0  # elements [0, summed) are summed (or being summed)
+        self.weights = weights_of(sparse.weights, plan.size)
         self.received = 0  # payload bytes received
         self.sent = asyncio.Event()  # every segment is queued on every stream
         self.complete = False  # every payload is in (`_run_streams`)
+        self.tg: asyncio.TaskGroup | None = None
 
     async def run(self) -> _Outcome:
         await _run_streams(self.plan, self.streams, self._work, lambda: self.complete)
-        parts = [self.decoded[j] for j in range(self.plan.size)]
-        values = await _on_codec(sum_segments, parts, self.x.size, self.sparse.accumulator.codec,
-                                 self.sparse.weights, self.result.values)
-        digest = await off_loop(result_digest, values)
+        digest = await self.hashed.finish()
         sent = sum(s.bytes_sent for s in self.streams.values())
-        return _Outcome(values, digest, sent, self.received)
+        return _Outcome(self.result.values, digest, sent, self.received)
 
     async def _work(self) -> None:
         ready: asyncio.Queue[bytes | None] = asyncio.Queue()
         async with asyncio.TaskGroup() as tg:
+            self.tg = tg
             tg.create_task(self._encode(ready))
             tg.create_task(self._send(ready))
             for j in self.streams:
@@ -641,19 +648,35 @@ class _SparseGather:
         for st in self.streams.values():
             await st.close()
 
+    def _add(self, j: int, segment: DecodedSegment) -> None:
+        """Participant j's next decoded segment; sums the elements every participant now covers."""
+        self.decoded[j].append(segment)
+        self.covered[j] = segment.first + segment.parsed.count
+        hi = min(self.covered)
+        if hi > self.summed:
+            assert self.tg is not None
+            self.tg.create_task(self._sum(self.summed, hi))
+            self.summed = hi
+
+    async def _sum(self, lo: int, hi: int) -> None:
+        """Sum elements [lo, hi) in participant order (`peer.sparse.sum_range`), then hash them."""
+        parts = [list(self.decoded[j]) for j in range(self.plan.size)]
+        await _on_codec(sum_range, parts, lo, hi, self.sparse.accumulator.codec, self.weights, self.result.values)
+        self.hashed.filled(lo, hi)
+
     async def _encode(self, ready: asyncio.Queue) -> None:
         """Encode the segments (several at once on the codec threads), queue each for sending
         in order as it is done, then record the proposal with the accumulator."""
         acc, loop = self.sparse.accumulator, asyncio.get_running_loop()
         bounds = segment_bounds(self.x.size, acc.codec.chunk)
         jobs = [loop.run_in_executor(_CODEC, self._encode_one, lo, hi) for lo, hi in bounds]
-        segments, mine = [], []
+        segments = []
         try:
             for job in jobs:
                 enc, decoded = await job
                 segments.append((decoded.first, enc))
-                mine.append(decoded)
                 ready.put_nowait(enc.to_bytes())
+                self._add(self.position, decoded)
         except InvalidArgument as exc:
             raise CollectiveError(f"this peer's contribution cannot be encoded: {exc}", []) from None
         finally:
@@ -662,7 +685,6 @@ class _SparseGather:
                 if job.done() and not job.cancelled():
                     job.exception()  # retrieved: a later segment's failure is not logged as lost
         acc.proposed(self.x, segments, attempt=(self.plan.round, self.plan.attempt))
-        self.decoded[self.position] = mine
         ready.put_nowait(None)
 
     def _encode_one(self, lo: int, hi: int) -> tuple[SparseEncoded, DecodedSegment]:
@@ -687,11 +709,10 @@ class _SparseGather:
     async def _receive(self, j: int) -> None:
         sender = self.plan.participants[j]
         reader = SegmentReader(self.sparse.accumulator.codec, self.x.size)
-        parts: list[DecodedSegment] = []
         try:
             while not reader.done:
                 for first, enc in reader.feed(await self._piece(sender, reader.nbytes)):
-                    parts.append(await _on_codec(decode_segment, first, enc))
+                    self._add(j, await _on_codec(decode_segment, first, enc))
         except InvalidArgument as exc:
             # Wait (at most a chunk deadline) until this peer's own contribution is queued on
             # every stream before failing: the other receivers then judge the malformed payload
@@ -701,7 +722,6 @@ class _SparseGather:
                     await self.sent.wait()
             raise CollectiveError(f"sparse payload from {sender[:8]} is malformed: {exc}", [sender]) from None
         faults.hit("ag", self.plan.round)
-        self.decoded[j] = parts
         self.received += reader.nbytes
 
     async def _piece(self, sender: str, off: int) -> bytes:

@@ -109,7 +109,9 @@ __all__ = [
     "payload_length",
     "segment_bounds",
     "sum_contributions",
+    "sum_range",
     "sum_segments",
+    "weights_of",
 ]
 
 SPARSE_CODECS: dict[str, int] = {"topk": 4, "dct": 5}
@@ -122,7 +124,6 @@ HEADER_BYTES = _HEADER.size
 _ROWS = 256
 """Chunks per block of work: temporaries stay near `_ROWS * chunk` elements, whatever n is."""
 _F32_MAX = float(np.finfo(np.float32).max)
-_TINY = np.float32(np.finfo(np.float32).smallest_subnormal)
 
 
 def _is_int(v: object) -> bool:
@@ -305,65 +306,15 @@ def _codec_of(cid: object, chunk: object, k: object, bits: object) -> SparseCode
 
 
 # ---------------------------------------------------------------------------------------------
-# Selection, quantization, bit packing (vectorised over a block of chunks)
+# Selection and quantization (peer.sparse_kernels, compiled), bit packing
 
 
-_MAGNITUDE = np.int32(0x7FFFFFFF)  # the bits of a float32 without its sign
-_INF_BITS = 0x7F800000  # float32 inf; NaN's magnitude bits are above it, every finite value's below
+def _kernels():
+    """peer.sparse_kernels, imported on first use (numba costs every process that imports this
+    module ~0.4 s otherwise; its compiled code is cached on disk after the first process)."""
+    from shoal.peer import sparse_kernels
 
-
-def _select(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Top-k magnitudes of each row of `(r, L)` float32: `(r, k)` column indices, ascending
-    (int64), and their values (float32); None when a row holds NaN or inf. Ties at the threshold
-    go to the lower index.
-
-    Magnitudes are compared as the int32 bits of |x| (sign bit cleared): IEEE 754 orders the bit
-    patterns of non-negative floats as their values, so the order and the ties are exactly the
-    float order's, and numpy partitions int32 several times faster than float32. NaN and inf have
-    the largest patterns, so a row holding any has one among its k largest: checking those k is
-    the finiteness check."""
-    length = rows.shape[1]
-    a = np.ascontiguousarray(rows).view(np.int32) & _MAGNITUDE
-    part = np.partition(a, length - k, axis=1)
-    if (part[:, length - k:] >= _INF_BITS).any():
-        return None
-    t = part[:, length - k:length - k + 1]  # k-th largest, (r, 1)
-    keep = a >= t
-    flat = np.flatnonzero(keep)  # row-major: chunk order, ascending index within a chunk
-    if flat.size != rows.shape[0] * k:  # every row keeps >= k; more: its threshold ties
-        over = np.flatnonzero(keep.sum(axis=1) > k)
-        sub, st = a[over], t[over]
-        gt, eq = sub > st, sub == st
-        need = k - gt.sum(axis=1, keepdims=True)
-        keep[over] = gt | (eq & (np.cumsum(eq, axis=1) <= need))  # lowest indices win the tie
-        flat = np.flatnonzero(keep)
-    return (flat % length).reshape(-1, k), rows.reshape(-1)[flat].reshape(-1, k)
-
-
-def _quantize(vals: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """`(r, k)` float32 values -> `(r, k)` uint8 sign-magnitude codes and `(r,)` float32 scales."""
-    levels = 1 << (bits - 1)
-    mag = np.abs(vals).astype(np.float64)
-    absmax = mag.max(axis=1)
-    scale = (absmax / levels).astype(np.float32)
-    short = scale.astype(np.float64) * levels < absmax  # float32 rounding left the top below a level
-    scale[short] = np.nextafter(scale[short], np.float32(np.inf))
-    scale[(scale == 0) & (absmax > 0)] = _TINY
-    big = scale.astype(np.float64) * levels > _F32_MAX  # keep every level finite
-    scale[big] = np.nextafter(scale[big], np.float32(0))
-    s64 = scale.astype(np.float64)[:, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        m = np.where(s64 > 0, np.rint(mag / np.where(s64 > 0, s64, 1.0)), 1.0)
-    m = (np.clip(m, 1, levels) - 1).astype(np.uint8)
-    sign = (vals < 0).astype(np.uint8) << np.uint8(bits - 1)
-    return sign | m, scale
-
-
-def _dequantize(codes: np.ndarray, scale: np.ndarray, bits: int) -> np.ndarray:
-    """Codes and their scales (same shape) -> float32 `±(m + 1) * scale`, one rounding each."""
-    m = (codes & np.uint8((1 << (bits - 1)) - 1)).astype(np.float32) + np.float32(1)
-    v = m * scale.astype(np.float32)
-    return np.where(codes >> np.uint8(bits - 1), -v, v)
+    return sparse_kernels
 
 
 def _pack(codes: np.ndarray, width: int) -> bytes:
@@ -390,31 +341,6 @@ def _pack(codes: np.ndarray, width: int) -> bytes:
     return words.view(np.uint8).reshape(groups, 16)[:, :width].tobytes()[:-(-k * width // 8)]
 
 
-def _unpack(data: bytes, count: int, width: int, field: str) -> np.ndarray:
-    """Inverse of `_pack`: `(count,)` uint16. Refuses nonzero padding bits (naming `field`)."""
-    groups = -(-count // 8)
-    raw = np.zeros((groups, 16), dtype=np.uint8)
-    flat = np.zeros(groups * width, dtype=np.uint8)
-    flat[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-    raw[:, :width] = flat.reshape(groups, width)
-    words = raw.view("<u8").astype(np.uint64)
-    lo, hi = words[:, 0], words[:, 1]
-    mask = np.uint64((1 << width) - 1)
-    out = np.empty((groups, 8), dtype=np.uint64)
-    for i in range(8):
-        s = i * width
-        if s + width <= 64:
-            out[:, i] = (lo >> np.uint64(s)) & mask
-        elif s >= 64:
-            out[:, i] = (hi >> np.uint64(s - 64)) & mask
-        else:
-            out[:, i] = ((lo >> np.uint64(s)) | (hi << np.uint64(64 - s))) & mask
-    out = out.reshape(-1)
-    if out[count:].any():  # the padding bits of the last byte decode as codes past the last
-        raise InvalidArgument(f"{field}: nonzero padding bits after the last code")
-    return out[:count].astype("<u2")
-
-
 def _blocks(count: int, chunk: int):
     """(first element, chunks, chunk length) of each block of work: full chunks by `_ROWS`, then the
     partial last chunk alone."""
@@ -432,9 +358,9 @@ def _blocks(count: int, chunk: int):
 def encode(x: np.ndarray, codec: SparseCodec) -> SparseEncoded:
     """Encode a whole `(n,)` float32 vector (module docstring: selection, values, wire format).
 
-    Deterministic: the same bytes in give the same payload. `x` is not modified. Work goes by
-    blocks of 256 chunks: beyond the input, memory is a few tens of bytes per kept element plus
-    temporaries of one block, whatever n is.
+    Deterministic: the same bytes in give the same payload. `x` is not modified. Beyond the
+    input, memory is a few tens of bytes per kept element ("dct": plus the transform of one block
+    of 256 chunks), whatever n is.
 
     Raises:
         InvalidArgument: `x` not a 1-D float32 array, or holding NaN/inf, or (for "dct")
@@ -443,37 +369,45 @@ def encode(x: np.ndarray, codec: SparseCodec) -> SparseEncoded:
     x = _check_x(x, "x")
     if not isinstance(codec, SparseCodec):
         raise InvalidArgument(f"codec: expected a SparseCodec, got {type(codec).__name__}")
-    return _encode_blocks(int(x.shape[0]), lambda lo, hi: x[lo:hi], codec)
+    n = int(x.shape[0])
+    if codec.kind == "topk":
+        return _payload(codec, n, *_kernels().encode_values(x, codec.chunk, codec.k, codec.bits), end=n)
+    return _encode_dct(n, lambda lo, hi: x[lo:hi], codec)
 
 
-def _encode_blocks(n: int, rows_of, codec: SparseCodec, base: int = 0) -> SparseEncoded:
-    """`encode` of the `(n,)` vector whose elements [lo, hi) are `rows_of(lo, hi)` (float32),
-    asked block by block in order: the vector itself need not exist as a whole. `base`: the
-    first element's index in the whole vector (for the error messages of a segment)."""
+def _payload(codec: SparseCodec, n: int, cols: np.ndarray, codes: np.ndarray, scales: np.ndarray, bad: int,
+             end: int) -> SparseEncoded:
+    """The payload of `n` elements from a kernel's fields (peer.sparse_kernels `encode_*`);
+    `bad` >= 0: the first element of a chunk holding NaN or inf (the encoded range ends at `end`:
+    both in the whole vector's indices, for the message)."""
+    if bad >= 0:
+        raise InvalidArgument(f"x: NaN or inf among elements [{bad}, {min(bad + codec.chunk, end)}); "
+                              "sparse codecs encode finite values only")
+    return SparseEncoded(codec.codec_id, n, codec.chunk, codec.k, codec.bits,
+                         scale=scales.astype("<f4", copy=False).tobytes(),
+                         indices=_pack(cols, codec.index_bits), values=_pack(codes, codec.bits))
+
+
+def _encode_dct(n: int, rows_of, codec: SparseCodec, base: int = 0) -> SparseEncoded:
+    """The "dct" payload of the `(n,)` vector whose elements [lo, hi) are `rows_of(lo, hi)`
+    (float32), asked block by block in order: the vector itself need not exist as a whole.
+    `base`: the first element's index in the whole vector (for the error messages of a segment)."""
     cols, codes, scales = [], [], []
     for first, nrows, length in _blocks(n, codec.chunk):
         rows = np.asarray(rows_of(first, first + nrows * length), dtype=np.float32).reshape(nrows, length)
         lo, hi = base + first, base + first + nrows * length
-        finite = f"x: NaN or inf among elements [{lo}, {hi}); sparse codecs encode finite values only"
-        if codec.kind == "dct":
-            if not np.isfinite(rows).all():
-                raise InvalidArgument(finite)
-            rows = _fft().dct(rows, type=2, norm="ortho", axis=1).astype(np.float32, copy=False)
-            finite = f"x: DCT coefficients of elements [{lo}, {hi}) overflow float32"
-        selected = _select(rows, min(codec.k, length))
-        if selected is None:
-            raise InvalidArgument(finite)
-        c, v = selected
-        q, s = _quantize(v, codec.bits)
-        cols.append(c.reshape(-1))
-        codes.append(q.reshape(-1))
+        if not np.isfinite(rows).all():
+            raise InvalidArgument(f"x: NaN or inf among elements [{lo}, {hi}); sparse codecs encode finite values only")
+        coeffs = _fft().dct(rows, type=2, norm="ortho", axis=1).astype(np.float32, copy=False)
+        c, q, s, bad = _kernels().encode_values(np.ascontiguousarray(coeffs).reshape(-1), length, codec.k,
+                                                codec.bits)
+        if bad >= 0:
+            raise InvalidArgument(f"x: DCT coefficients of elements [{lo}, {hi}) overflow float32")
+        cols.append(c)
+        codes.append(q)
         scales.append(s)
-    return SparseEncoded(
-        codec.codec_id, n, codec.chunk, codec.k, codec.bits,
-        scale=_concat(scales, np.float32).astype("<f4").tobytes(),
-        indices=_pack(_concat(cols, np.int64), codec.index_bits),
-        values=_pack(_concat(codes, np.uint8), codec.bits),
-    )
+    return _payload(codec, n, _concat(cols, np.int64), _concat(codes, np.uint8), _concat(scales, np.float32), -1,
+                    base + n)
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
@@ -508,24 +442,17 @@ def _parse(enc: SparseEncoded) -> _Parsed:
         raise InvalidArgument("scale: non-finite chunk scale")
     if (scale < 0).any() or (scale.astype(np.float64) * (1 << (codec.bits - 1)) > _F32_MAX).any():
         raise InvalidArgument("scale: chunk scale negative or too large (2^(bits-1) * scale > float32 max)")
-    cols = _unpack(enc.indices, kept, codec.index_bits, "indices").astype(np.int64)
-    codes = _unpack(enc.values, kept, codec.bits, "values")
-    rest = n % codec.chunk
-    per_chunk = np.full(chunks, codec.k, dtype=np.int64)
-    length = np.full(chunks, codec.chunk, dtype=np.int64)
-    if rest:
-        per_chunk[-1], length[-1] = min(codec.k, rest), rest
-    chunk_of = np.repeat(np.arange(chunks, dtype=np.int64), per_chunk)
-    bad = np.flatnonzero(cols >= length[chunk_of])
-    if bad.size:
-        i = int(bad[0])
-        raise InvalidArgument(f"indices: index {int(cols[i])} out of range for chunk {int(chunk_of[i])} "
-                              f"of {int(length[chunk_of[i]])} elements")
-    index = chunk_of * codec.chunk + cols
-    step = np.flatnonzero(np.diff(index) <= 0)
-    if step.size:
-        raise InvalidArgument(f"indices: not strictly increasing within chunk {int(chunk_of[step[0] + 1])}")
-    value = _dequantize(codes, np.repeat(scale, per_chunk), codec.bits)
+    status, a, b, index, value = _kernels().decode_fields(
+        np.frombuffer(enc.indices, dtype=np.uint8), np.frombuffer(enc.values, dtype=np.uint8), scale, n,
+        codec.chunk, codec.k, codec.bits, codec.index_bits)
+    if status in (1, 2):
+        field = "indices" if status == 1 else "values"
+        raise InvalidArgument(f"{field}: nonzero padding bits after the last code")
+    if status == 3:
+        length = codec.chunk if (b + 1) * codec.chunk <= n else n - b * codec.chunk
+        raise InvalidArgument(f"indices: index {a} out of range for chunk {b} of {length} elements")
+    if status == 4:
+        raise InvalidArgument(f"indices: not strictly increasing within chunk {a}")
     return _Parsed(codec, n, index, value)
 
 
@@ -582,7 +509,7 @@ def sum_contributions(contributions: Sequence[SparseEncoded | np.ndarray],
     """
     if not isinstance(contributions, Sequence) or len(contributions) == 0:
         raise InvalidArgument("contributions: expected a non-empty sequence in participant-index order")
-    w = _weights(weights, len(contributions))
+    w = weights_of(weights, len(contributions))
     if all(isinstance(c, np.ndarray) for c in contributions):
         return _sum_dense(contributions, w)
     if not all(isinstance(c, SparseEncoded) for c in contributions):
@@ -609,7 +536,10 @@ def _sum_parsed(contributions: Sequence[Sequence[tuple[int, _Parsed]]], count: i
             if first != at:
                 raise InvalidArgument(f"contributions: [{i}] has a segment at element {first}, expected {at}")
             view = out[first:first + p.count]
-            view[p.index] += p.value if w is None else w[i] * p.value  # unique within one contribution
+            if w is None:  # indices unique within one contribution: out[i] + v, one rounding each
+                _kernels().scatter_add(view, p.index, p.value)
+            else:
+                _kernels().scatter_add_weighted(view, p.index, p.value, w[i])
             at += p.count
         if at != count:
             raise InvalidArgument(f"contributions: [{i}] covers [0, {at}), expected [0, {count})")
@@ -670,7 +600,7 @@ def sum_segments(contributions: Sequence[Sequence[DecodedSegment]], count: int, 
     """
     if not isinstance(contributions, Sequence) or len(contributions) == 0:
         raise InvalidArgument("contributions: expected a non-empty sequence in participant-index order")
-    w = _weights(weights, len(contributions))
+    w = weights_of(weights, len(contributions))
     if out is not None and (not isinstance(out, np.ndarray) or out.shape != (count,) or out.dtype != np.float32):
         raise InvalidArgument(f"out: expected a ({count},) float32 array")
     for i, parts in enumerate(contributions):
@@ -679,6 +609,37 @@ def sum_segments(contributions: Sequence[Sequence[DecodedSegment]], count: int, 
                 raise InvalidArgument(f"contributions: [{i}] holds a {d.parsed.codec.kind} segment of chunk "
                                       f"{d.parsed.codec.chunk}, expected {codec.kind} of chunk {codec.chunk}")
     return _sum_parsed([[(d.first, d.parsed) for d in parts] for parts in contributions], count, codec, w, out)
+
+
+def sum_range(contributions: Sequence[Sequence[DecodedSegment]], lo: int, hi: int, codec: SparseCodec,
+              weights: np.ndarray | None, out: np.ndarray) -> None:
+    """Elements [lo, hi) of `sum_segments(contributions, ...)` into `out[lo:hi]`, the rest of
+    `out` untouched: a sum that runs range by range as the segments arrive (the sparse
+    all-gather sums a range once every participant's segments cover it). The same float32
+    additions in the same participant order per element as the whole sum, so any cut into
+    ranges gives the same bytes. `contributions`: per participant (order), its decoded segments
+    in element order, covering at least [0, hi); `weights`: `(p,)` float32 or None (checked by
+    the caller, as `sum_segments` does); `lo` and `hi` on chunk boundaries (or `hi` the end),
+    which "dct" needs to invert whole chunks. Pure: no checks beyond what `sum_segments` made of
+    the same segments; call it for disjoint ranges only (any thread)."""
+    view = out[lo:hi]
+    view[...] = 0
+    k = _kernels()
+    for i, parts in enumerate(contributions):
+        for d in parts:
+            first, count = d.first, d.parsed.count
+            if first >= hi or first + count <= lo:
+                continue
+            index, value = d.parsed.index, d.parsed.value
+            a = int(np.searchsorted(index, lo - first)) if lo > first else 0
+            b = int(np.searchsorted(index, hi - first)) if hi < first + count else index.shape[0]
+            dest = out[first:first + count]
+            if weights is None:
+                k.scatter_add(dest, index[a:b], value[a:b])
+            else:
+                k.scatter_add_weighted(dest, index[a:b], value[a:b], weights[i])
+    if codec.kind == "dct":
+        _inverse_dct_inplace(view, codec.chunk)
 
 
 class SegmentReader:
@@ -734,7 +695,12 @@ class SegmentReader:
         return out
 
 
-def _weights(weights: Sequence[float] | None, p: int) -> np.ndarray | None:
+def weights_of(weights: Sequence[float] | None, p: int) -> np.ndarray | None:
+    """`weights` as the `(p,)` float32 multipliers of the sums, or None (all 1).
+
+    Raises:
+        InvalidArgument: not p finite numbers ("weights").
+    """
     if weights is None:
         return None
     try:
@@ -772,7 +738,7 @@ def _subtract_decoded(enc: SparseEncoded, target: np.ndarray) -> None:
     """`target -= decode(enc)` in place, without a dense temporary of the model's size."""
     p = _parse(enc)
     if p.codec.kind == "topk":
-        target[p.index] -= p.value
+        _kernels().scatter_sub(target, p.index, p.value)
         return
     chunk = p.codec.chunk
     lo = 0
@@ -874,15 +840,18 @@ class ErrorAccumulator:
                 and (hi % chunk == 0 or hi == n)):
             raise InvalidArgument(f"delta: segment [{lo}, {hi}) is not a range of whole chunks of {n} elements "
                                   f"(chunk {chunk}; the last may end at {n})")
-        beta, e = np.float32(self.beta), self._e
-
-        def rows(a: int, b: int) -> np.ndarray:
-            block = np.multiply(e[lo + a:lo + b], beta)
-            block += delta[lo + a:lo + b]
-            return block
-
+        beta, e, lo, hi = np.float32(self.beta), self._e, int(lo), int(hi)
         try:
-            return _encode_blocks(int(hi - lo), rows, self.codec, base=int(lo))
+            if self.codec.kind == "topk":  # β·e + Δ a chunk at a time, in the kernel
+                fields = _kernels().encode_error_fed(e, delta, beta, lo, hi, chunk, self.codec.k, self.codec.bits)
+                return _payload(self.codec, hi - lo, *fields, end=hi)
+
+            def rows(a: int, b: int) -> np.ndarray:
+                block = np.multiply(e[lo + a:lo + b], beta)
+                block += delta[lo + a:lo + b]
+                return block
+
+            return _encode_dct(hi - lo, rows, self.codec, base=lo)
         except InvalidArgument as exc:
             raise InvalidArgument(f"delta: {exc}") from None
 

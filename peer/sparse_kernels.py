@@ -1,0 +1,259 @@
+"""Compiled kernels of the sparse codecs (peer.sparse): chunked top-k selection and quantization,
+fused with SparseLoCo's error-feedback update, and the checked decode of a payload's bit-packed
+indices and values. numba (LLVM) compiles them on first use and caches the machine code beside
+this module (or in numba's user cache), so a process pays the compilation once per machine.
+
+Why compiled: over a 400 MB pseudo-gradient the numpy forms of these steps make temporaries of
+the block's size at every step (β·e + Δ, the magnitude bits, the partition, the selection mask)
+and walk memory five times; the kernels walk e and Δ once, a chunk at a time in cache, and touch
+only the kept entries after that (`scripts/sparse_codec_speed.py` prints both).
+
+Exactness: every kernel computes the same IEEE float32 (and float64, for the scales) operations
+as the definitions in peer.sparse's module docstring, one rounding each and no contraction
+(numba compiles without fastmath, so LLVM does not fuse a multiply and an add), so a payload is
+byte-for-byte the payload of the numpy reference (tests/unit/test_sparse_kernels.py checks
+that, ties, zeros and non-finite values included).
+
+Selection of a chunk's k largest magnitudes (ties to the lower index), in two passes over the
+chunk: the maxima of its groups of GROUP elements give a threshold t, the k-th largest group
+maximum, which no element of the top k is below (k groups hold an element >= t); only the
+elements >= t (of the groups whose maximum is >= t: about k of them on dense data) are sorted.
+Magnitudes are compared as the int32 bits of |x|, as in peer.sparse `_select`.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+GROUP = 8
+"""Elements per group of the selection's first pass (module docstring)."""
+
+_MAGNITUDE = 0x7FFFFFFF
+_INF_BITS = 0x7F800000
+_TINY = np.float32(np.finfo(np.float32).smallest_subnormal)
+_F32_MAX = float(np.finfo(np.float32).max)
+
+_jit = nb.njit(cache=True, nogil=True)
+
+
+@_jit
+def _float32_step(x, up):
+    """The float32 next to a finite x >= 0 (up: toward +inf, else toward 0)."""
+    a = np.empty(1, np.float32)
+    a[0] = x
+    b = a.view(np.int32)
+    b[0] += 1 if up else -1
+    return a[0]
+
+
+@_jit
+def _keep(buf, bits_of, length, kk, bits, gm, cm, ci, cols, codes, o):
+    """Select and quantize one chunk held in `buf[:length]` (`bits_of`: its int32 view): writes
+    the `kk` kept columns (ascending) and codes at `cols[o:]`, `codes[o:]`. Returns the chunk's
+    scale, or -1.0 when the chunk holds NaN or inf (nothing written that counts)."""
+    cnt = 0
+    if length % GROUP != 0 or length < GROUP * kk:
+        for i in range(length):
+            cm[i] = bits_of[i] & _MAGNITUDE
+            ci[i] = i
+        cnt = length
+    else:
+        groups = length // GROUP
+        for g in range(groups):
+            mx = 0
+            for v in bits_of[g * GROUP:(g + 1) * GROUP]:
+                w = v & _MAGNITUDE
+                mx = w if w > mx else mx
+            gm[g] = mx
+        # t: the kk-th largest group maximum (an insertion list of the kk largest, descending)
+        top = cm  # scratch: overwritten by the candidates below
+        for j in range(kk):
+            top[j] = -1
+        for g in range(groups):
+            v = gm[g]
+            if v > top[kk - 1]:
+                t = kk - 2
+                while t >= 0 and top[t] < v:
+                    top[t + 1] = top[t]
+                    t -= 1
+                top[t + 1] = v
+        t0 = top[kk - 1]
+        for g in range(groups):
+            if gm[g] >= t0:
+                for i in range(g * GROUP, g * GROUP + GROUP):
+                    m = bits_of[i] & _MAGNITUDE
+                    cm[cnt] = m
+                    ci[cnt] = i
+                    cnt += 1 if m >= t0 else 0  # branch-free: the slot is reused when not kept
+    # the candidates by magnitude, descending; a stable sort keeps ties in index order
+    for j in range(1, cnt):
+        vm, vi, t = cm[j], ci[j], j - 1
+        while t >= 0 and cm[t] < vm:
+            cm[t + 1] = cm[t]
+            ci[t + 1] = ci[t]
+            t -= 1
+        cm[t + 1] = vm
+        ci[t + 1] = vi
+    if cm[0] >= _INF_BITS:  # NaN and inf have the largest magnitude bits
+        return np.float32(-1.0)
+    for j in range(1, kk):  # the kk winners by index
+        vi, t = ci[j], j - 1
+        while t >= 0 and ci[t] > vi:
+            ci[t + 1] = ci[t]
+            t -= 1
+        ci[t + 1] = vi
+    levels = 1 << (bits - 1)
+    absmax = 0.0
+    for j in range(kk):
+        v = abs(np.float64(buf[ci[j]]))
+        absmax = v if v > absmax else absmax
+    scale = np.float32(absmax / levels)
+    if np.float64(scale) * levels < absmax:  # float32 rounding left the top below a level
+        scale = _float32_step(scale, True)
+    if scale == 0 and absmax > 0:
+        scale = _TINY
+    if np.float64(scale) * levels > _F32_MAX:  # keep every level finite
+        scale = _float32_step(scale, False)
+    s64 = np.float64(scale)
+    for j in range(kk):
+        v = buf[ci[j]]
+        q = np.rint(abs(np.float64(v)) / s64) if s64 > 0 else 1.0
+        q = min(max(q, 1.0), float(levels))
+        code = np.uint8(int(q) - 1)
+        if v < 0:
+            code |= np.uint8(1 << (bits - 1))
+        cols[o + j] = ci[j]
+        codes[o + j] = code
+    return scale
+
+
+@_jit
+def _outputs(count, chunk, k):
+    full, rest = count // chunk, count % chunk
+    chunks = full + (1 if rest else 0)
+    kept = full * min(k, chunk) + min(k, rest)
+    return (chunks, np.empty(kept, np.int64), np.empty(kept, np.uint8), np.empty(chunks, np.float32),
+            np.empty(chunk, np.float32), np.empty(chunk // GROUP + 1, np.int32), np.empty(chunk, np.int32),
+            np.empty(chunk, np.int64))
+
+
+@_jit
+def encode_error_fed(e, delta, beta, lo, hi, chunk, k, bits):
+    """The top-k payload fields of elements [lo, hi) of β·e + Δ (float32: `e[i] * beta`, then
+    `+ delta[i]`, one rounding each), chunks from lo: `(cols, codes, scales, bad)`: (K,) int64
+    columns within their chunk, (K,) uint8 codes, (chunks,) float32 scales; bad = the first
+    element of the first chunk holding NaN or inf, else -1 (the other arrays then incomplete)."""
+    chunks, cols, codes, scales, buf, gm, cm, ci = _outputs(hi - lo, chunk, k)
+    bits_of = buf.view(np.int32)
+    o = 0
+    for c in range(chunks):
+        a = lo + c * chunk
+        length = min(chunk, hi - a)
+        kk = min(k, length)
+        eb, db = e[a:a + length], delta[a:a + length]
+        for i in range(length):
+            buf[i] = eb[i] * beta + db[i]
+        scale = _keep(buf, bits_of, length, kk, bits, gm, cm, ci, cols, codes, o)
+        if scale < 0:
+            return cols, codes, scales, a
+        scales[c] = scale
+        o += kk
+    return cols, codes, scales, -1
+
+
+@_jit
+def encode_values(x, chunk, k, bits):
+    """`encode_error_fed` of the values `x` themselves ((n,) float32; chunks from element 0)."""
+    chunks, cols, codes, scales, buf, gm, cm, ci = _outputs(x.shape[0], chunk, k)
+    bits_of = buf.view(np.int32)
+    o = 0
+    for c in range(chunks):
+        a = c * chunk
+        length = min(chunk, x.shape[0] - a)
+        kk = min(k, length)
+        buf[:length] = x[a:a + length]
+        scale = _keep(buf, bits_of, length, kk, bits, gm, cm, ci, cols, codes, o)
+        if scale < 0:
+            return cols, codes, scales, a
+        scales[c] = scale
+        o += kk
+    return cols, codes, scales, -1
+
+
+@_jit
+def _unpack_into(data, count, width, out):
+    """LSB-first bitstream `data` (uint8) -> `out[:count]` codes of `width` bits; returns whether
+    the padding bits after the last code are 0."""
+    acc = np.uint64(0)
+    have = 0
+    at = 0
+    mask = np.uint64((1 << width) - 1)
+    for i in range(count):
+        while have < width:
+            acc |= np.uint64(data[at]) << np.uint64(have)
+            at += 1
+            have += 8
+        out[i] = np.int64(acc & mask)
+        acc >>= np.uint64(width)
+        have -= width
+    return acc == 0 and at == data.shape[0]
+
+
+@_jit
+def decode_fields(indices, values, scales, count, chunk, k, bits, width):
+    """Check and decode the bit-packed fields of a payload of `count` elements (peer.sparse wire
+    form; lengths already checked): `(status, a, b, index, value)` with index (K,) int64 global
+    indices and value (K,) float32 `±(m + 1) * scale`. status 0: fine; 1: nonzero padding bits
+    after the last index; 2: after the last value; 3: column a out of range in chunk b; 4: indices
+    not strictly increasing within chunk a."""
+    full, rest = count // chunk, count % chunk
+    chunks = full + (1 if rest else 0)
+    kept = full * min(k, chunk) + min(k, rest)
+    index = np.empty(kept, np.int64)
+    code = np.empty(kept, np.int64)
+    value = np.empty(kept, np.float32)
+    if not _unpack_into(indices, kept, width, index):
+        return 1, 0, 0, index, value
+    if not _unpack_into(values, kept, bits, code):
+        return 2, 0, 0, index, value
+    low = (1 << (bits - 1)) - 1
+    o = 0
+    for c in range(chunks):
+        length = chunk if c < full else rest
+        kk = min(k, length)
+        scale = scales[c]
+        prev = -1
+        for j in range(o, o + kk):
+            col = index[j]
+            if col >= length:
+                return 3, col, c, index, value
+            if col <= prev:
+                return 4, c, 0, index, value
+            prev = col
+            index[j] = c * chunk + col
+            v = (np.float32(code[j] & low) + np.float32(1.0)) * scale
+            value[j] = -v if code[j] >> (bits - 1) else v
+        o += kk
+    return 0, 0, 0, index, value
+
+
+@_jit
+def scatter_add(out, index, value):
+    """`out[index[j]] += value[j]` in order (float32; indices unique within one call)."""
+    for j in range(index.shape[0]):
+        out[index[j]] += value[j]
+
+
+@_jit
+def scatter_add_weighted(out, index, value, w):
+    """`out[index[j]] += w * value[j]`: the float32 product first (one rounding), then the sum."""
+    for j in range(index.shape[0]):
+        out[index[j]] += w * value[j]
+
+
+@_jit
+def scatter_sub(out, index, value):
+    """`out[index[j]] -= value[j]` (float32; indices unique)."""
+    for j in range(index.shape[0]):
+        out[index[j]] -= value[j]
