@@ -111,6 +111,7 @@ __all__ = [
     "sum_contributions",
     "sum_range",
     "sum_segments",
+    "warm_kernels",
     "weights_of",
 ]
 
@@ -292,6 +293,26 @@ class SparseSettings:
     def accumulator(self, size: int) -> ErrorAccumulator:
         """A fresh accumulator (e = 0) for a `(size,)` float32 pseudo-gradient."""
         return ErrorAccumulator(size, self.codec, self.beta)
+
+
+def warm_kernels(codec: SparseCodec) -> None:
+    """Compile the codec's kernels (peer.sparse_kernels), or load them from numba's cache, now:
+    a peer of a sparse run calls it at start, so its first round does not wait for the compiler
+    (1-3 s per process the first time on a machine, ~0.1 s from the cache after that) and the
+    compiler's and the compiled code's memory (~150 MB, fixed: it does not grow with the model)
+    is taken before the model's buffers. Runs every path a round runs, on a vector of a few
+    chunks."""
+    n = 2 * codec.chunk + 3
+    delta = np.linspace(-1.0, 1.0, n, dtype=np.float32)
+    acc = ErrorAccumulator(n, codec, 0.5)
+    segs = [(lo, acc.propose_segment(delta, lo, hi)) for lo, hi in segment_bounds(n, codec.chunk, codec.chunk)]
+    acc.proposed(delta, segs, attempt=0)
+    acc.commit(attempt=0)
+    parts = [[decode_segment(lo, enc) for lo, enc in segs]] * 2
+    out = np.empty(n, np.float32)
+    sum_range(parts, 0, n, codec, None, out)
+    sum_range(parts, 0, n, codec, weights_of((0.5, 0.5), 2), out)
+    decode(encode(delta, codec))
 
 
 def is_sparse(compression: str) -> bool:
