@@ -1,0 +1,178 @@
+"""The sparse reduce-scatter (peer.collectives, "sparse_rs" plans) over the in-memory lane: each
+shard owner merges the sparse contributions of its range and sends it back as float32; every
+participant ends with the bytes the sparse all-gather gives for the same inputs and accumulators,
+and the same digest; a lying or silent sender is named; the accumulators only propose."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from shoal.common.plan import Plan, sparse_shard_bounds
+from shoal.common.tensors import result_digest
+from shoal.peer import sparse
+from shoal.peer.collectives import CollectiveError, SparseRound, all_reduce
+from shoal.peer.lanes.memory import MemoryNet
+from shoal.peer.sparse import ErrorAccumulator, SparseCodec
+
+CHUNK = 512
+
+
+def _ids(p: int) -> tuple[str, ...]:
+    return tuple(f"{c * 16}" for c in "abcdefgh"[:p])
+
+
+def _plan(ids, n: int, collective: str, *, chunk_timeout: float = 5.0, chunk_bytes: int = 1024) -> Plan:
+    p = len(ids)
+    bounds, owners = ((0, n), (0,)) if collective == "allgather" else (sparse_shard_bounds(n, CHUNK, p), tuple(range(p)))
+    return Plan(participants=ids, collective=collective, shard_bounds=bounds, shard_owner=owners,
+                addresses=tuple(f"mem:{i}" for i in range(p)), chunk_bytes=chunk_bytes, num_elements=n,
+                chunk_timeout_seconds=chunk_timeout, deadline_seconds=10.0, compression="topk")
+
+
+async def _run(plan, xs, accs, *, silent=(), weights=None):
+    net = MemoryNet()
+    net.start(plan)
+    ids = plan.participants
+    live = [i for i in range(len(ids)) if i not in silent]
+    out = await asyncio.gather(*[all_reduce(xs[i], plan, me=ids[i], lanes=net.lanes(plan, ids[i]),
+                                            sparse=SparseRound(accs[i], weights)) for i in live],
+                               return_exceptions=True)
+    return dict(zip(live, out)), net
+
+
+def _accumulators(p: int, n: int, codec: SparseCodec, seed: int) -> list[ErrorAccumulator]:
+    """Accumulators with a committed round behind them (e != 0), the same for both collectives."""
+    rng = np.random.default_rng(seed + 100)
+    accs = []
+    for _ in range(p):
+        acc = ErrorAccumulator(n, codec, 0.9)
+        acc.propose(rng.standard_normal(n).astype(np.float32), attempt="warm")
+        acc.commit("warm")
+        accs.append(acc)
+    return accs
+
+
+def _clone(accs: list[ErrorAccumulator]) -> list[ErrorAccumulator]:
+    out = []
+    for a in accs:
+        b = ErrorAccumulator(a.accumulator.size, a.codec, a.beta)
+        b._e[...] = a.accumulator
+        out.append(b)
+    return out
+
+
+def test_shard_bounds_are_whole_chunks_as_even_as_possible():
+    assert sparse_shard_bounds(10_007, 512, 3) == (0, 3584, 7168, 10_007)  # 20 chunks: 7, 7, 6
+    assert sparse_shard_bounds(4096, 1024, 4) == (0, 1024, 2048, 3072, 4096)
+    assert sparse_shard_bounds(1000, 512, 3) == (0, 512, 1000, 1000)  # fewer chunks than shards: one empty
+    with pytest.raises(ValueError):
+        sparse_shard_bounds(10, 0, 2)
+
+
+@pytest.mark.parametrize("p", [3, 4, 5])
+@pytest.mark.parametrize("weighted", [False, True])
+async def test_the_result_is_the_allgather_result_bit_for_bit(p, weighted, monkeypatch):
+    """Same inputs, same accumulator states (e != 0): "sparse_rs" and "allgather" give the same
+    bytes on every participant (the same float32 additions in the same participant order), with
+    several segments per shard (segments of 1,024 elements) and a partial last chunk."""
+    monkeypatch.setattr(sparse, "SEGMENT_ELEMENTS", 1024)
+    n, codec, ids = 10_007 + 1000 * p, SparseCodec("topk", CHUNK, 16, 3), _ids(p)
+    rng = np.random.default_rng(p)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in ids]
+    copies = [x.copy() for x in xs]
+    weights = tuple(float(w) for w in rng.uniform(0.1, 1.0, p)) if weighted else None
+    base = _accumulators(p, n, codec, seed=p)
+    rs_accs, ag_accs = _clone(base), _clone(base)
+    plan = _plan(ids, n, "sparse_rs")
+    assert all(len(sparse.segment_bounds(hi - lo, CHUNK)) >= 2 for lo, hi in zip(plan.shard_bounds, plan.shard_bounds[1:]))
+    rs, _ = await _run(plan, xs, rs_accs, weights=weights)
+    ag, _ = await _run(_plan(ids, n, "allgather"), xs, ag_accs, weights=weights)
+    expected = ag[0].values.tobytes()
+    assert all(not isinstance(r, BaseException) for r in rs.values()), rs
+    assert all(rs[i].values.tobytes() == expected for i in range(p))
+    assert {rs[i].digest for i in range(p)} == {result_digest(ag[0].values)} == {ag[i].digest for i in range(p)}
+    assert all(x.tobytes() == c.tobytes() for x, c in zip(xs, copies))  # inputs never modified
+    assert {rs[i].sparse_attempt for i in range(p)} == {(0, 0)}
+    # The proposals are the same: committing both leaves the same accumulators.
+    for a, b in zip(rs_accs, ag_accs):
+        assert a.pending and b.pending
+        a.commit((0, 0))
+        b.commit((0, 0))
+        assert a.accumulator.tobytes() == b.accumulator.tobytes()
+
+
+async def test_dct_matches_the_allgather_result():
+    """"dct" inverts per range (the same per-chunk transforms in other batches): on this build
+    the bytes are the all-gather's too; the vote digest would catch a build where they are not."""
+    p, n, codec, ids = 4, 9_000, SparseCodec("dct", CHUNK, 16, 3), _ids(4)
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in ids]
+    base = _accumulators(p, n, codec, seed=11)
+    rs, _ = await _run(_plan(ids, n, "sparse_rs"), xs, _clone(base))
+    ag, _ = await _run(_plan(ids, n, "allgather"), xs, _clone(base))
+    assert len({rs[i].digest for i in range(p)}) == 1
+    np.testing.assert_allclose(rs[0].values, ag[0].values, rtol=0, atol=1e-5)
+    assert rs[0].values.tobytes() == ag[0].values.tobytes()
+
+
+async def test_bytes_per_peer_are_a_shard_stream_per_owner_and_the_merged_ranges():
+    p, n, codec, ids = 4, 8192, SparseCodec("topk", CHUNK, 16, 3), _ids(4)
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    plan = _plan(ids, n, "sparse_rs")
+    out, _ = await _run(plan, xs, [ErrorAccumulator(n, codec, 0.9) for _ in ids])
+    shard = n // p
+    stream = codec.payload_bytes(shard)  # one segment per shard (SEGMENT_ELEMENTS is 4M)
+    assert all(out[i].bytes_sent == (p - 1) * stream + (p - 1) * 4 * shard for i in range(p))
+
+
+async def test_a_malformed_stream_to_an_owner_blames_its_sender():
+    """Peer 2 encodes with another chunk size: each owner it sends a shard to names it."""
+    p, n, ids = 4, 8192, _ids(4)
+    accs = [ErrorAccumulator(n, SparseCodec("topk", CHUNK if i != 2 else 256, 8, 2), 0.9) for i in range(p)]
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    out, _ = await _run(_plan(ids, n, "sparse_rs"), xs, accs)
+    for i in (0, 1, 3):
+        e = out[i]
+        assert isinstance(e, CollectiveError) and ids[2] in e.suspects and "malformed" in str(e), (i, e)
+    assert isinstance(out[2], CollectiveError)
+
+
+async def test_a_silent_peer_is_the_suspect_at_the_chunk_deadline():
+    """Peer 0 never runs: the owners miss its streams, everyone misses its merged range; all
+    name it, within the chunk deadline (0.3 s) and well before the attempt's (10 s)."""
+    p, n, ids = 4, 8192, _ids(4)
+    codec = SparseCodec("topk", CHUNK, 8, 2)
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    t0 = asyncio.get_running_loop().time()
+    out, _ = await _run(_plan(ids, n, "sparse_rs", chunk_timeout=0.3), xs,
+                        [ErrorAccumulator(n, codec, 0.9) for _ in ids], silent=(0,))
+    assert asyncio.get_running_loop().time() - t0 < 3.0
+    assert all(isinstance(e, CollectiveError) and ids[0] in e.suspects and "no chunk from" in str(e)
+               for e in out.values()), out
+
+
+async def test_a_non_finite_merged_range_blames_its_owner(monkeypatch):
+    """An owner whose merged range holds a NaN (here its sum is tampered with) is named by every
+    peer that receives the range."""
+    from shoal.peer import collectives
+
+    p, n, ids = 3, 6 * CHUNK + 100, _ids(3)  # shards of 1,536, 1,024 and 612 elements
+    plan = _plan(ids, n, "sparse_rs")
+    assert plan.shard_bounds == (0, 1536, 2560, n)
+    real = collectives.sum_segments
+
+    def poisoned(parts, count, codec, weights, out):
+        real(parts, count, codec, weights, out)
+        if count == 1024:  # shard 1, owned by participant 1
+            out[0] = np.nan
+        return out
+
+    monkeypatch.setattr(collectives, "sum_segments", poisoned)
+    codec = SparseCodec("topk", CHUNK, 8, 2)
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    out, _ = await _run(plan, xs, [ErrorAccumulator(n, codec, 0.9) for _ in ids])
+    for i in (0, 2):
+        assert isinstance(out[i], CollectiveError) and ids[1] in out[i].suspects and "non-finite" in str(out[i]), out
