@@ -1,4 +1,4 @@
-"""Collectives between peers: butterfly (direct) all-reduce and ring all-reduce.
+"""Collectives between peers: butterfly (direct) all-reduce, ring all-reduce, and the sparse collectives.
 
 Both are reduce-scatter followed by all-gather, pipelined per chunk: a chunk is forwarded as
 soon as it is reduced, never store-and-forward of a whole shard. Each tensor shard has exactly
@@ -15,6 +15,11 @@ to whom), `peer.reduction` (`OwnerAccumulator`: a shard owner's rows and their r
 `final_encoding`) and `peer.audit.OwnerAudit` (an auditor's recomputation and verdict). One
 butterfly attempt is a `_Butterfly` (tasks: scatter, reduce the owned shards, audit, gather),
 one ring attempt a `_Ring`.
+
+Sparse contributions (peer.sparse payloads of each peer's error-feedback accumulator) do not sum
+in place: the sparse all-gather (`_SparseGather`, "allgather") sends each whole contribution to
+every peer; the sparse reduce-scatter (`_SparseReduceScatter`, "sparse_rs") sends each index
+range's part only to its shard owner, and the owner sends the merged range back as float32.
 
 Failure semantics (all collectives): the caller's input array is never modified. On any failure
 (a stream to a peer breaks, a chunk does not arrive within `chunk_timeout_seconds`, the whole
