@@ -10,12 +10,15 @@ import asyncio
 import numpy as np
 import pytest
 
+from shoal.common.errors import InvalidArgument
 from shoal.common.plan import Plan, sparse_shard_bounds
 from shoal.common.tensors import result_digest
 from shoal.peer import sparse
 from shoal.peer.collectives import CollectiveError, SparseRound, all_reduce
+from shoal.peer.dataplane import Session
 from shoal.peer.lanes.memory import MemoryNet
 from shoal.peer.sparse import ErrorAccumulator, SparseCodec
+from shoal.v1 import shoal_pb2 as pb
 
 CHUNK = 512
 
@@ -176,3 +179,43 @@ async def test_a_non_finite_merged_range_blames_its_owner(monkeypatch):
     out, _ = await _run(plan, xs, [ErrorAccumulator(n, codec, 0.9) for _ in ids])
     for i in (0, 2):
         assert isinstance(out[i], CollectiveError) and ids[1] in out[i].suspects and "non-finite" in str(out[i]), out
+
+
+def _rs_session() -> Session:
+    return Session(0, 0, frozenset({"a", "b"}), pb.FLOAT32, None, (0, 4096, 8192, 10_000), 256, 10.0,
+                   collective="sparse_rs")
+
+
+def test_the_data_plane_admits_sparse_pieces_in_the_reduce_scatter_of_a_sparse_rs_plan():
+    s = _rs_session()
+    ok = s.check_chunk(pb.Chunk(sender="a", phase=pb.REDUCE_SCATTER, shard=2, dtype=pb.FLOAT32, shape=[100],
+                                codec=4, offset=1024, data=b"x" * 100))
+    assert (ok.codec, ok.count, ok.data) == (4, 100, b"x" * 100)
+    cap = 5 * 1808 + 64  # shard 2: 1,808 elements, one segment
+    bad = [({"phase": pb.ALL_GATHER}, "phase"), ({"step": 1}, "phase"), ({"shard": 3}, "shard"),
+           ({"scale": b"1234"}, "scale"), ({"offset": cap - 99}, "shape"), ({"shape": [1025], "data": b"x" * 1025}, "shape"),
+           ({"dtype": pb.FLOAT16}, "dtype")]
+    for change, field in bad:
+        msg = dict(sender="a", phase=pb.REDUCE_SCATTER, shard=2, dtype=pb.FLOAT32, shape=[100], codec=4,
+                   data=b"x" * 100)
+        msg.update(change)
+        with pytest.raises(InvalidArgument, match=field):
+            s.check_chunk(pb.Chunk(**msg))
+    assert s.check_chunk(pb.Chunk(sender="a", phase=pb.REDUCE_SCATTER, shard=2, dtype=pb.FLOAT32, shape=[100],
+                                  codec=5, offset=cap - 100, data=b"x" * 100)).count == 100  # the last byte fits
+
+
+def test_the_merged_ranges_are_checked_as_dense_all_gather_chunks():
+    s = _rs_session()
+    values = np.arange(200, dtype=np.float32)
+    got = s.check_chunk(pb.Chunk(sender="b", phase=pb.ALL_GATHER, shard=2, offset=1600, dtype=pb.FLOAT32,
+                                 shape=[200], data=values.tobytes()))
+    assert np.array_equal(got, values)
+    bad = [({"phase": pb.REDUCE_SCATTER}, "phase"), ({"shard": 3}, "shard"), ({"offset": 1700}, "shape"),
+           ({"shape": [300], "data": b"\0" * 1200}, "shape")]
+    for change, field in bad:
+        msg = dict(sender="b", phase=pb.ALL_GATHER, shard=2, offset=1600, dtype=pb.FLOAT32, shape=[200],
+                   data=values.tobytes())
+        msg.update(change)
+        with pytest.raises(InvalidArgument, match=field):
+            s.check_chunk(pb.Chunk(**msg))
