@@ -6,6 +6,7 @@ and the same digest; a lying or silent sender is named; the accumulators only pr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from shoal.common.errors import InvalidArgument
 from shoal.common.plan import Plan, sparse_shard_bounds
 from shoal.common.tensors import result_digest
+from shoal.coordinator.planner import LinkSpec, PlanPolicy, plan_round, predict_allgather, predict_sparse_rs
 from shoal.peer import sparse
 from shoal.peer.collectives import CollectiveError, SparseRound, all_reduce
 from shoal.peer.dataplane import Session
@@ -219,3 +221,82 @@ def test_the_merged_ranges_are_checked_as_dense_all_gather_chunks():
         msg.update(change)
         with pytest.raises(InvalidArgument, match=field):
             s.check_chunk(pb.Chunk(**msg))
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's choice
+
+MBIT = 1e6 / 8
+ONE_PERCENT = SparseCodec("topk", 1024, 10, 8)  # 1 % of the elements, 8-bit values: 0.02588 B/element
+
+
+def _links(p: int, mbit: float = 100.0) -> list[LinkSpec]:
+    return [LinkSpec(f"peer{i:03d}", mbit * MBIT, mbit * MBIT, 0.02) for i in range(p)]
+
+
+def _policy(codec: SparseCodec = ONE_PERCENT, **kw) -> PlanPolicy:
+    return PlanPolicy(compression="topk", sparse_bytes_per_element=codec.bytes_per_element(),
+                      sparse_chunk=codec.chunk, **kw)
+
+
+def test_sparse_rs_time_is_both_phases_through_the_slowest_links():
+    """p = 3, S = 90 B, n = 30 (120 B of float32): the reduce-scatter moves 2/3·90 = 60 B per peer
+    each way (slowest: 2 B/s down), the all-gather 2/3·120 = 80 B (2 B/s): 30 + 40 s, plus
+    2(p-1)·α = 4 · 0.1 s with round trips of 0.2 s."""
+    up, down = [10.0, 10.0, 5.0], [10.0, 2.0, 10.0]
+    assert predict_sparse_rs(up, down, 90.0, 30) == pytest.approx(30.0 + 40.0)
+    assert predict_sparse_rs(up, down, 90.0, 30, [0.2, 0.2, 0.2]) == pytest.approx(70.0 + 0.4)
+    assert predict_sparse_rs([1.0], [1.0], 90.0, 30) == 0.0
+    # Per peer (p-1)/p·(S + 4n) against the all-gather's (p-1)·S: at p = 300 and 0.0259 B/element
+    # 4.03 n bytes against 7.74 n.
+    n, s = 1e8, 1e8 * ONE_PERCENT.bytes_per_element() + 20
+    rate = [100 * MBIT] * 300
+    assert predict_sparse_rs(rate, rate, s, n) == pytest.approx(299 / 300 * (s + 4 * n) / (100 * MBIT))
+    assert predict_allgather(rate, rate, s) == pytest.approx(299 * s / (100 * MBIT))
+
+
+def test_few_peers_keep_the_sparse_all_gather():
+    n = 100_000_000
+    plan = plan_round(_links(4), n, pb.FLOAT32, _policy())
+    assert (plan.collective, plan.shard_bounds, plan.shard_owner) == ("allgather", (0, n), (0,))
+
+
+def test_many_peers_take_the_sparse_reduce_scatter():
+    """p = 300 at 100 Mbit/s, 10^8 elements: the all-gather moves 299·S = 7.7 GB per peer (~62 s),
+    the reduce-scatter (S + 4n)·299/300 = 4.0 GB (~32 s, + 2·299·10 ms); a dense all-reduce 8n."""
+    n, p = 100_000_000, 300
+    plan = plan_round(_links(p), n, pb.FLOAT32, _policy())
+    s = n * ONE_PERCENT.bytes_per_element() + 20
+    assert plan.collective == "sparse_rs" and plan.compression == "topk"
+    assert plan.shard_bounds == sparse_shard_bounds(n, 1024, p) and plan.shard_owner == tuple(range(p))
+    assert all(b % 1024 == 0 for b in plan.shard_bounds[:-1])
+    assert plan.predicted_seconds == pytest.approx(299 / 300 * (s + 4 * n) / (100 * MBIT) + 2 * 299 * 0.01)
+    assert plan.bound_seconds == pytest.approx(299 / 300 * (s + 4 * n) / (100 * MBIT))
+    assert plan.deadline_seconds >= plan.predicted_seconds and plan.chunk_timeout_seconds > plan.predicted_seconds
+    assert plan.predicted_seconds < 0.75 * predict_allgather([100 * MBIT] * p, [100 * MBIT] * p, s, [0.02] * p)
+
+
+def test_a_forced_sparse_rs_needs_trusted_dialable_owners():
+    links = _links(4)
+    forced = _policy(collective="sparse_rs")
+    plan = plan_round(links, 1_000_000, pb.FLOAT32, forced)
+    assert plan.collective == "sparse_rs" and plan.shard_bounds == sparse_shard_bounds(1_000_000, 1024, 4)
+    assert plan.predicted_seconds == pytest.approx(
+        predict_sparse_rs([100 * MBIT] * 4, [100 * MBIT] * 4, 1e6 * ONE_PERCENT.bytes_per_element() + 20, 1e6,
+                          [0.02] * 4))
+    assert plan_round(links, 1_000_000, pb.FLOAT32, forced, untrusted={links[1].peer_id}).collective == "allgather"
+    out = plan_round(links, 1_000_000, pb.FLOAT32, forced, outbound_only={links[1].peer_id})
+    assert out.collective == "butterfly" and out.compression == "none"
+    # A dense run ignores it: the model's dense choice.
+    assert plan_round(links, 1_000_000, pb.FLOAT32, PlanPolicy(collective="sparse_rs")).collective in ("ring", "butterfly")
+
+
+def test_the_dense_all_reduce_wins_where_the_sparse_collectives_move_more():
+    """1 B/element at 16 peers: the all-gather moves 15 n, a dense all-reduce ~7.5 n; with an
+    untrusted peer (no range for it to own) there is no sparse reduce-scatter, so dense. With
+    every peer trusted the reduce-scatter's 15/16·5 n is the least."""
+    dense_codec = dataclasses.replace(_policy(), sparse_bytes_per_element=1.0)
+    links = _links(16)
+    plan = plan_round(links, 1_000_000, pb.FLOAT32, dense_codec, untrusted={links[3].peer_id})
+    assert plan.collective in ("ring", "butterfly") and plan.compression == "none"
+    assert plan_round(links, 1_000_000, pb.FLOAT32, dense_codec).collective == "sparse_rs"
