@@ -768,8 +768,9 @@ class _SparseReduceScatter:
         self.digest = b""
         self.piece = max(4, plan.chunk_bytes // 4 * 4)  # what Session admits: chunk_bytes // 4 elements' worth
         chunk = sparse.accumulator.codec.chunk
-        # Per shard, its segments [lo, hi) in the whole vector (whole chunks from the shard's start).
-        self.segments = {k: [(lo + a, lo + b) for a, b in segment_bounds(hi - lo, chunk)]
+        # Per shard, its segments [lo, hi) in the whole vector (whole chunks from the shard's start);
+        # an empty shard (fewer chunks than owners) has none: nothing is sent, merged or gathered.
+        self.segments = {k: [(lo + a, lo + b) for a, b in segment_bounds(hi - lo, chunk)] if hi > lo else []
                          for k, (lo, hi) in enumerate(zip(plan.shard_bounds, plan.shard_bounds[1:]))}
         self.mine: dict[int, asyncio.Future] = {}  # owned shard -> this peer's decoded segments of it
         self.received = 0  # payload bytes received (sparse streams and merged ranges)
@@ -846,6 +847,8 @@ class _SparseReduceScatter:
         """Shard k (owned): every participant's contribution of it, the fixed-order sum into this
         peer's result, then the merged range to every other participant."""
         lo, hi = self.plan.shard_bounds[k], self.plan.shard_bounds[k + 1]
+        if hi == lo:
+            return
         others: dict[int, asyncio.Task] = {}
         async with asyncio.TaskGroup() as tg:
             for j in self.streams:
@@ -853,8 +856,7 @@ class _SparseReduceScatter:
         parts = [await self.mine[k] if j == self.position else others[j].result() for j in range(self.plan.size)]
         await _on_codec(sum_segments, parts, hi - lo, self.sparse.accumulator.codec, self.sparse.weights,
                         self.buf[lo:hi])
-        if hi > lo:
-            self.hashed.filled(lo, hi)
+        self.hashed.filled(lo, hi)
         for span in self.part.chunks(k):
             for st in self.streams.values():
                 await st.send(*self.wire.message(AG, 0, k, span.offset, self.buf[span.lo:span.hi]))
@@ -965,7 +967,7 @@ async def _sparse_all_gather(x: np.ndarray, plan: Plan, me: str, transport, inbo
     if plan.outbound_only:
         raise CollectiveError("plan: the sparse collectives need every participant dialable", [])
     chunk = sparse.accumulator.codec.chunk
-    if plan.collective == "sparse_rs" and any(b % chunk for b in plan.shard_bounds[:-1]):
+    if plan.collective == "sparse_rs" and any(b % chunk and b != x.size for b in plan.shard_bounds):
         raise CollectiveError(f"plan: sparse_rs shard bounds {plan.shard_bounds[:4]}... are not on chunks of "
                               f"{chunk} elements", [])
     attempt = (plan.round, plan.attempt)

@@ -109,6 +109,30 @@ async def test_the_result_is_the_allgather_result_bit_for_bit(p, weighted, monke
         assert a.accumulator.tobytes() == b.accumulator.tobytes()
 
 
+async def test_fewer_chunks_than_owners_leave_a_shard_empty():
+    """1,000 elements in chunks of 512 over 3 owners: the last shard is empty, its owner merges
+    and sends nothing, and the result is still the all-gather's."""
+    p, n, codec, ids = 3, 1000, SparseCodec("topk", CHUNK, 16, 3), _ids(3)
+    plan = _plan(ids, n, "sparse_rs")
+    assert plan.shard_bounds == (0, 512, 1000, 1000)
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    base = _accumulators(p, n, codec, seed=5)
+    rs, _ = await _run(plan, xs, _clone(base))
+    ag, _ = await _run(_plan(ids, n, "allgather"), xs, _clone(base))
+    assert all(rs[i].values.tobytes() == ag[0].values.tobytes() for i in range(p)), rs
+    assert rs[2].bytes_sent == codec.payload_bytes(512) + codec.payload_bytes(488)
+
+
+async def test_shards_off_the_codec_chunks_are_refused():
+    ids, n = _ids(2), 2048
+    plan = dataclasses.replace(_plan(ids, n, "sparse_rs"), shard_bounds=(0, 1000, n))
+    net = MemoryNet()
+    net.start(plan)
+    with pytest.raises(CollectiveError, match="plan: sparse_rs shard bounds"):
+        await all_reduce(np.zeros(n, np.float32), plan, me=ids[0], lanes=net.lanes(plan, ids[0]),
+                         sparse=SparseRound(ErrorAccumulator(n, SparseCodec("topk", CHUNK, 8, 2), 0.9)))
+
+
 async def test_dct_matches_the_allgather_result():
     """"dct" inverts per range (the same per-chunk transforms in other batches): on this build
     the bytes are the all-gather's too; the vote digest would catch a build where they are not."""
