@@ -753,7 +753,7 @@ class PlanPolicy:
     """The coordinator's planning settings (`shoal.coordinator.rounds.EngineConfig.plan_policy`
     fills every field of the same name; the [rounds] ones default to `RoundSettings`').
 
-    collective: "auto" (the model's choice, see `plan_layout`), "ring" or "butterfly".
+    collective: "auto" (the model's choice, see `plan_layout`), "ring", "butterfly", or "sparse_rs" (below).
     aggregator, compression: what the plan's shard owners compute and how chunks are encoded; an
         aggregator other than the plain mean runs at the shard owners, which forces the butterfly.
     audit_owners: a second owner recomputes every shard's aggregate (butterfly only; forces it).
