@@ -751,8 +751,10 @@ class _SparseReduceScatter:
     chunk deadline, a broken stream or a payload that does not parse raises CollectiveError
     naming its sender; so a contributor whose stream to an owner is missing is blamed by that
     owner, and the peers waiting on that owner's merged range blame the owner after the chunk
-    deadline, as in the butterfly's all-gather (the coordinator's blame follows the wait-for
-    chain to its end, coordinator.blame). `x` is never modified and the accumulator only holds
+    deadline, as in the butterfly's all-gather. The coordinator's blame (coordinator.blame)
+    follows the waits to their end: a silent contributor is excluded; a contributor that withholds
+    its stream from one owner only, and itself waits on that owner's range, makes a cycle that the
+    accusation counts resolve against the owner, as in the butterfly. `x` is never modified and the accumulator only holds
     a proposal (the caller commits it on commit).
     """
 

@@ -324,3 +324,27 @@ def test_the_dense_all_reduce_wins_where_the_sparse_collectives_move_more():
     plan = plan_round(links, 1_000_000, pb.FLOAT32, dense_codec, untrusted={links[3].peer_id})
     assert plan.collective in ("ring", "butterfly") and plan.compression == "none"
     assert plan_round(links, 1_000_000, pb.FLOAT32, dense_codec).collective == "sparse_rs"
+
+
+async def test_a_stream_missing_at_one_owner_is_blamed_by_that_owner(monkeypatch):
+    """Peer 3 sends every shard but owner 1's: owner 1 names peer 3 at the chunk deadline; the
+    others (peer 3 too), waiting on owner 1's merged range, name owner 1, as in the butterfly's
+    all-gather."""
+    from shoal.peer import collectives
+
+    p, n, ids = 4, 8192, _ids(4)
+    codec = SparseCodec("topk", CHUNK, 8, 2)
+    real = collectives._SparseReduceScatter._scatter
+
+    async def scatter(self, k, jobs):
+        if self.me == ids[3] and self.plan.shard_owner[k] == 1:
+            return
+        await real(self, k, jobs)
+
+    monkeypatch.setattr(collectives._SparseReduceScatter, "_scatter", scatter)
+    xs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(p)]
+    out, _ = await _run(_plan(ids, n, "sparse_rs", chunk_timeout=0.3), xs,
+                        [ErrorAccumulator(n, codec, 0.9) for _ in ids])
+    assert isinstance(out[1], CollectiveError) and ids[3] in out[1].suspects and "no chunk from" in str(out[1]), out
+    for i in (0, 2, 3):
+        assert isinstance(out[i], CollectiveError) and ids[1] in out[i].suspects, out
