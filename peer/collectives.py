@@ -743,9 +743,9 @@ class _SparseReduceScatter:
     and float32 is lossless: every participant holds the owner's sum, bit for bit. That sum is
     the same float32 additions in the same order, element by element, as `_SparseGather`'s (the
     ranges start on chunk boundaries, so the segments hold the same chunks), so for the same
-    inputs and accumulators both collectives give the same bytes ("topk"; "dct" inverts per
-    range, the same per-chunk transforms in other batches). The vote digest is fed as ranges
-    become final (`ResultDigest`).
+    inputs and accumulators both collectives give the same bytes (for "dct" the per-chunk
+    transforms run in other batches; equal on the builds tested, and every participant holds
+    the owner's bytes either way). The vote digest is fed as ranges become final (`ResultDigest`).
 
     Failure semantics as for every collective: a piece or chunk that does not come within the
     chunk deadline, a broken stream or a payload that does not parse raises CollectiveError
@@ -753,9 +753,9 @@ class _SparseReduceScatter:
     owner, and the peers waiting on that owner's merged range blame the owner after the chunk
     deadline, as in the butterfly's all-gather. The coordinator's blame (coordinator.blame)
     follows the waits to their end: a silent contributor is excluded; a contributor that withholds
-    its stream from one owner only, and itself waits on that owner's range, makes a cycle that the
-    accusation counts resolve against the owner, as in the butterfly. `x` is never modified and the accumulator only holds
-    a proposal (the caller commits it on commit).
+    its stream from one owner only, and itself waits on that owner's range, makes a cycle that
+    the accusation counts resolve against the owner, as in the butterfly. `x` is never modified
+    and the accumulator only holds a proposal (the caller commits it on commit).
     """
 
     def __init__(self, x: np.ndarray, plan: Plan, me: str, lanes: Lanes, sparse: SparseRound):
@@ -786,9 +786,12 @@ class _SparseReduceScatter:
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         self.mine = {k: loop.create_future() for k in self.part.owned}
-        # Shards in the order this peer scatters them (its own first, then the next owners'),
-        # encoded in that order on the codec threads so the first stream leaves soonest.
-        order = self.part.scatter_order()
+        # Encoded on the codec threads in the order this peer scatters them: the next owners'
+        # shards first (me+1, me+2, ...: not every peer at one owner at once), its own last (it
+        # is summed only once the others' streams are in).
+        p = self.plan.size
+        order = sorted(range(len(self.plan.shard_owner)),
+                       key=lambda k: ((self.plan.shard_owner[k] - self.position - 1) % p, k))
         jobs = {k: [loop.run_in_executor(_CODEC, self.sparse.accumulator.propose_segment, self.x, lo, hi)
                     for lo, hi in self.segments[k]] for k in order}
         try:
