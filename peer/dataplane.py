@@ -224,11 +224,11 @@ class Session:
         element of the stream's elements plus 64 bytes per segment. Its contents are checked
         segment by segment once each is whole (`peer.sparse.SegmentReader`)."""
         require(c.dtype == pb.FLOAT32, "dtype", "sparse payloads carry float32 tensors")
-        shards = max(1, len(self.shard_bounds) - 1)
         if self.collective == "sparse_rs":
             require(c.phase == pb.REDUCE_SCATTER and c.step == 0, "phase",
                     "a sparse_rs payload travels in the reduce-scatter, step 0")
-            require(c.shard < shards, "shard", f"{c.shard} past the plan's {shards} shards")
+            shards = len(self.shard_bounds) - 1
+            require(not self.shard_bounds or c.shard < shards, "shard", f"{c.shard} past the plan's {shards} shards")
         else:
             require(c.phase == pb.ALL_GATHER and c.step == 0 and c.shard == 0, "phase",
                     "a sparse payload travels in the all-gather, step 0, shard 0")
