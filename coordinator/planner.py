@@ -485,9 +485,11 @@ def predict_sparse_rs(
     p = u.size
     if p < 2:
         return 0.0
+    def phase(load: float) -> float:  # every peer moves `load` bytes up and as many down
+        return max(float(np.max(load / u)), float(np.max(load / d)))
+
     rs = (p - 1) / p * float(payload_bytes)
     ag = (p - 1) / p * 4.0 * float(num_elements)
-    phase = lambda load: max(float(np.max(load / u)), float(np.max(load / d)))  # noqa: E731
     return phase(rs) + phase(ag) + 2 * (p - 1) * _off_diagonal_max(_alpha_matrix(rtt, p))
 
 
@@ -1143,10 +1145,11 @@ def _plan_sparse(links: Sequence[LinkSpec], num_elements: int, dtype: int, polic
                          [l.rtt_seconds for l in model])
         gather = predict_allgather(up, down, payload, rtt)
         scatter = predict_sparse_rs(up, down, payload, num_elements, rtt) if rs_ok else math.inf
-        dense = plan_layout(links, num_elements, ITEMSIZE.get(dtype, 4),
-                            dataclasses.replace(policy, compression="none",
-                                                collective="auto" if policy.collective == "sparse_rs"
-                                                else policy.collective)).predicted_seconds
+        dense = 0.0 if forced else plan_layout(
+            links, num_elements, ITEMSIZE.get(dtype, 4),
+            dataclasses.replace(policy, compression="none",
+                                collective="auto" if policy.collective == "sparse_rs" else policy.collective),
+        ).predicted_seconds
         rivals = {"sparse_rs": scatter, "dense": dense if dense > 0 else math.inf}
         faster = {c: t for c, t in rivals.items() if t < (1 - policy.plan_min_gain) * gather}
         collective, predicted = "allgather", gather
