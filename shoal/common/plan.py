@@ -7,15 +7,16 @@ engine stamps it with the round, attempt, epoch and deadlines, the server render
 and every peer reads it back with `from_proto`. Nothing else describes a plan.
 
 Vocabulary: the *collective* (collective algorithm) is "butterfly" (direct reduce-scatter to
-shard owners + all-gather, hivemind's butterfly all-reduce), "ring" (Patarasuk & Yuan 2009) or
+shard owners + all-gather, hivemind's butterfly all-reduce), "ring" (Patarasuk & Yuan 2009),
 "allgather" (the sparse all-gather: every participant sends its whole sparse contribution to
 every other, each decodes and sums them in participant order; one shard, `(0, num_elements)`) or
 "sparse_rs" (the sparse reduce-scatter by index range: each participant owns one range of whole
 codec chunks, `sparse_shard_bounds`; every participant sends the sparse payload of each range
 only to its shard owner, the owner decodes and sums the contributions of its range in
-participant order, and sends the merged range back to everyone as plain float32, so each peer
-moves about (p-1)/p·S + 4n·(p-1)/p bytes each way instead of the all-gather's (p-1)·S);
-"allgather" and "sparse_rs" are the sparse collectives (`is_sparse_collective`); never to be confused with the *training* algorithm (DiLoCo, FedAvg). A *tensor shard* is the
+participant order and sends the merged range back to everyone as plain float32: per peer
+(p-1)/p·(S + 4n) bytes each way for payloads of S bytes and n elements, against the
+all-gather's (p-1)·S). "allgather" and "sparse_rs" are the sparse collectives
+(`is_sparse_collective`). Never to be confused with the *training* algorithm (DiLoCo, FedAvg). A *tensor shard* is the
 element range ``[shard_bounds[k], shard_bounds[k+1])`` reduced by its *shard owner*
 ``participants[shard_owner[k]]``; a *data shard* is the part of the training data a peer holds
 (not described here).
