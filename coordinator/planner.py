@@ -7,9 +7,11 @@ reads no clocks and keeps no state. Two levels:
   a typical round-trip time) and the size of the tensor, `plan_collective` shapes one collective
   ("butterfly" or "ring", `shoal.common.plan.COLLECTIVES`): participant order, shard bounds and
   owners, and the time it predicts under an α-β cost model with asymmetric links.
-* The sparse all-gather ("allgather"): with a sparse compression each peer sends its whole
-  sparse contribution to every other (`predict_allgather`); `plan_round` takes it unless the
-  dense all-reduce is predicted clearly faster.
+* The sparse collectives: with a sparse compression each peer either sends its whole sparse
+  contribution to every other (the sparse all-gather, "allgather", `predict_allgather`) or sends
+  each index range's part to that range's shard owner, which sends the merged range back as
+  float32 (the sparse reduce-scatter, "sparse_rs", `predict_sparse_rs`); `plan_round` takes the
+  all-gather unless the sparse reduce-scatter or the dense all-reduce is predicted clearly faster.
 * The policy: `plan_round` is what the coordinator's round engine calls when a round opens. From
   the participants' *reported* links (noisy, partly unmeasured) and a `PlanPolicy` (the
   coordinator's settings) it decides the collective ("auto": butterfly or ring, whichever the
@@ -81,7 +83,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shoal.common.plan import COLLECTIVES, Plan
+from shoal.common.plan import COLLECTIVES, SPARSE_COLLECTIVES, Plan, sparse_shard_bounds
 from shoal.coordinator.settings import DEFAULTS as ROUND_DEFAULTS
 
 
@@ -115,6 +117,7 @@ __all__ = [
     "plan_round",
     "control_seconds",
     "predict_allgather",
+    "predict_sparse_rs",
     "predict_butterfly",
     "predict_ring",
     "ring_link_seconds",
@@ -457,6 +460,39 @@ def predict_allgather(
     return max(float(np.max(load / u)), float(np.max(load / d))) + (p - 1) * _off_diagonal_max(_alpha_matrix(rtt, p))
 
 
+def predict_sparse_rs(
+    up: Sequence[float],
+    down: Sequence[float],
+    payload_bytes: float,
+    num_elements: int,
+    rtt: Sequence[float] | None = None,
+) -> float:
+    """Sparse reduce-scatter time (the "sparse_rs" collective), equal shards of whole codec chunks.
+
+    Reduce-scatter: each peer sends its sparse payload of every other owner's range to that
+    owner, ``(p-1)/p·S`` up (``S = payload_bytes``), and receives the other p-1 peers' payloads
+    of its own range, ``(p-1)·S/p`` down. All-gather: each owner sends its merged range, float32,
+    to the p-1 others, ``(p-1)·4n/p`` up (``n = num_elements``), and receives the other ranges,
+    ``(p-1)/p·4n`` down. Phased, fluid model as the butterfly's (all flows of a phase at once,
+    sharing each peer's upload and download):
+    ``T = max_i (p-1)/p·S / min(u_i, d_i) + max_i (p-1)/p·4n / min(u_i, d_i) + 2(p-1)·α_max``.
+    Per peer ``(p-1)/p·(S + 4n)`` each way, against the all-gather's ``(p-1)·S``: it is faster
+    once ``p - 1 > (S + 4n)/S``, about ``4 / b`` peers for b bytes per element of a payload
+    (~215 at 0.0186 B/element: chunks of 1,024, 10 kept, 2 bits), and it never moves more than
+    a dense float32 all-reduce's ``2·(p-1)/p·4n``. 0 for fewer than two peers.
+    """
+    u, d = _as_rates(up, down)
+    p = u.size
+    if p < 2:
+        return 0.0
+    def phase(load: float) -> float:  # every peer moves `load` bytes up and as many down
+        return max(float(np.max(load / u)), float(np.max(load / d)))
+
+    rs = (p - 1) / p * float(payload_bytes)
+    ag = (p - 1) / p * 4.0 * float(num_elements)
+    return phase(rs) + phase(ag) + 2 * (p - 1) * _off_diagonal_max(_alpha_matrix(rtt, p))
+
+
 def sparse_payload_bytes(num_elements: int, bytes_per_element: float) -> float:
     """Bytes of one sparse contribution of `num_elements` elements at `bytes_per_element`
     (peer.sparse's limit for large n) plus its 20-byte header."""
@@ -639,9 +675,9 @@ def plan_collective(
     ValueError for an empty participant list, invalid rates, negative sizes or an unknown
     collective; RuntimeError when the LP solver fails; never returns a partial plan.
     """
-    if collective not in COLLECTIVES or collective == "allgather":
-        raise ValueError(f"unknown collective {collective!r}; expected butterfly or ring (the sparse all-gather: "
-                         "plan_sparse)")
+    if collective not in COLLECTIVES or collective in SPARSE_COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; expected butterfly or ring (the sparse collectives: "
+                         "plan_round)")
     if num_elements < 0 or itemsize <= 0:
         raise ValueError("num_elements must be ≥ 0 and itemsize > 0")
     u, d = _as_rates([l.up_bytes_per_s for l in links], [l.down_bytes_per_s for l in links])
@@ -719,7 +755,7 @@ class PlanPolicy:
     """The coordinator's planning settings (`shoal.coordinator.rounds.EngineConfig.plan_policy`
     fills every field of the same name; the [rounds] ones default to `RoundSettings`').
 
-    collective: "auto" (the model's choice, see `plan_layout`), "ring" or "butterfly".
+    collective: "auto" (the model's choice, see `plan_layout`), "ring", "butterfly", or "sparse_rs" (below).
     aggregator, compression: what the plan's shard owners compute and how chunks are encoded; an
         aggregator other than the plain mean runs at the shard owners, which forces the butterfly.
     audit_owners: a second owner recomputes every shard's aggregate (butterfly only; forces it).
@@ -736,7 +772,12 @@ class PlanPolicy:
         home link: deadlines must hold on it; `chunk_deadline`). Never used to lay out a plan.
     collective_timeout: the least deadline of one attempt, seconds (`attempt_deadline`).
     sparse_bytes_per_element: with a sparse compression ("topk", "dct"), the bytes per element of
-        one peer's payload (peer.sparse `SparseCodec.bytes_per_element()`): the all-gather's model.
+        one peer's payload (peer.sparse `SparseCodec.bytes_per_element()`): the sparse collectives' model.
+    sparse_chunk: the sparse codec's chunk C (elements): the sparse reduce-scatter's shards are
+        whole chunks (`shoal.common.plan.sparse_shard_bounds`); 0 = unknown, no "sparse_rs" plan.
+    With a sparse compression, collective "sparse_rs" forces the sparse reduce-scatter whenever
+    it can be planned (every participant trusted and dialable); any other value lets the model
+    choose among the sparse all-gather, the sparse reduce-scatter and the dense all-reduce.
     """
 
     collective: str = ROUND_DEFAULTS.collective
@@ -754,6 +795,7 @@ class PlanPolicy:
     assumed_link: float = ASSUMED_LINK_BYTES_PER_S
     collective_timeout: float = ROUND_DEFAULTS.collective_timeout
     sparse_bytes_per_element: float = 0.0
+    sparse_chunk: int = 0
 
     @property
     def sparse(self) -> bool:
@@ -1077,42 +1119,74 @@ def _one_host(links: Sequence[LinkSpec]) -> bool:
 
 
 def _plan_sparse(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy: PlanPolicy,
-                 outbound: Collection[str], deadline_scale: float) -> Plan | None:
-    """The sparse all-gather's plan for these participants, or None when the dense all-reduce of
-    the same round (float32, the layout `plan_layout` gives) is predicted `plan_min_gain` faster
-    on the measured links, or when a participant is outbound-only (the all-gather dials every
-    participant; the dense butterfly brings results back on streams such a peer opens)."""
+                 outbound: Collection[str], untrusted: Collection[str], deadline_scale: float) -> Plan | None:
+    """The sparse collective's plan for these participants, or None when the dense all-reduce of
+    the same round (float32, the layout `plan_layout` gives) is the model's choice, or when a
+    participant is outbound-only (the sparse collectives dial every participant; the dense
+    butterfly brings results back on streams such a peer opens).
+
+    The choice: the sparse all-gather ("allgather", `predict_allgather`), unless the sparse
+    reduce-scatter ("sparse_rs", `predict_sparse_rs`) or the dense all-reduce is predicted
+    `plan_min_gain` faster than it; then the faster of those two. "sparse_rs" needs the codec's
+    chunk (`policy.sparse_chunk`) and every participant trusted (each owns a range); with
+    `policy.collective` "sparse_rs" it is taken whenever it can be planned.
+    """
     ids = tuple(l.peer_id for l in links)
     if outbound and len(links) > 1:
         return None
+    p = len(links)
     payload = sparse_payload_bytes(num_elements, policy.sparse_bytes_per_element)
-    model = _denoised(links, policy.link_cap_bytes_per_s, policy.noise) if len(links) >= 2 else None
-    predicted = 0.0
+    rs_ok = p >= 2 and policy.sparse_chunk > 0 and not set(untrusted) & set(ids)
+    forced = rs_ok and policy.collective == "sparse_rs"
+    model = _denoised(links, policy.link_cap_bytes_per_s, policy.noise) if p >= 2 else None
+    collective, predicted, bound = "allgather", 0.0, 0.0
     if model is not None:
         up, down, rtt = ([l.up_bytes_per_s for l in model], [l.down_bytes_per_s for l in model],
                          [l.rtt_seconds for l in model])
-        predicted = predict_allgather(up, down, payload, rtt)
-        dense = plan_layout(links, num_elements, ITEMSIZE.get(dtype, 4),
-                            dataclasses.replace(policy, compression="none"))
-        if dense.predicted_seconds > 0 and dense.predicted_seconds < (1 - policy.plan_min_gain) * predicted:
-            return None
+        gather = predict_allgather(up, down, payload, rtt)
+        scatter = predict_sparse_rs(up, down, payload, num_elements, rtt) if rs_ok else math.inf
+        dense = 0.0 if forced else plan_layout(
+            links, num_elements, ITEMSIZE.get(dtype, 4),
+            dataclasses.replace(policy, compression="none",
+                                collective="auto" if policy.collective == "sparse_rs" else policy.collective),
+        ).predicted_seconds
+        rivals = {"sparse_rs": scatter, "dense": dense if dense > 0 else math.inf}
+        faster = {c: t for c, t in rivals.items() if t < (1 - policy.plan_min_gain) * gather}
+        collective, predicted = "allgather", gather
+        if forced:
+            collective, predicted = "sparse_rs", scatter
+        elif faster:
+            collective = min(faster, key=faster.__getitem__)
+            if collective == "dense":
+                return None
+            predicted = faster[collective]
+        slowest = max(min(min(l.up_bytes_per_s, l.down_bytes_per_s) for l in model), 1.0)
+        bound = ((p - 1) * payload if collective == "allgather"
+                 else (p - 1) / p * (payload + 4.0 * num_elements)) / slowest
+    elif forced:
+        collective = "sparse_rs"
     chunk = policy.shm_chunk_bytes if _one_host(links) else (
         policy.bulk_chunk_bytes if _all_bulk(links) else policy.chunk_bytes)
     dl = deadline_links(links, policy)
-    conservative = predict_allgather([l.up_bytes_per_s for l in dl], [l.down_bytes_per_s for l in dl], payload,
-                                     [l.rtt_seconds for l in dl]) if len(links) >= 2 else 0.0
+    predict = predict_allgather if collective == "allgather" else (
+        lambda u, d, s, r: predict_sparse_rs(u, d, s, num_elements, r))
+    conservative = predict([l.up_bytes_per_s for l in dl], [l.down_bytes_per_s for l in dl], payload,
+                           [l.rtt_seconds for l in dl]) if p >= 2 else 0.0
     # A first piece leaves only once its sender encoded its whole contribution: the codec's CPU
     # time is part of every wait, on one host too.
     codec = SPARSE_CODEC_SECONDS_PER_ELEMENT * num_elements
     expected = (0.0 if _one_host(links) else max(predicted, conservative)) + codec
-    largest = int(min(chunk, payload))
-    per_chunk = chunk_deadline(links, policy, largest, expected_seconds=expected, scale=deadline_scale)
-    return Plan(ids, "allgather", (0, num_elements), (0,), num_elements=num_elements, dtype=dtype,
+    if collective == "allgather":
+        bounds, owners, largest = (0, num_elements), (0,), int(min(chunk, payload))
+    else:
+        bounds, owners = sparse_shard_bounds(num_elements, policy.sparse_chunk, p), tuple(range(p))
+        largest = int(min(chunk, 4 * max(hi - lo for lo, hi in zip(bounds, bounds[1:]))))
+    per_chunk = chunk_deadline(links, policy, max(1, largest), expected_seconds=expected, scale=deadline_scale)
+    return Plan(ids, collective, bounds, owners, num_elements=num_elements, dtype=dtype,
                 chunk_bytes=chunk, chunk_timeout_seconds=per_chunk,
                 deadline_seconds=attempt_deadline(policy, expected, per_chunk, deadline_scale),
                 aggregator=policy.aggregator, compression=policy.compression, predicted_seconds=predicted,
-                bound_seconds=(len(links) - 1) * payload / max(min(min(l.up_bytes_per_s, l.down_bytes_per_s)
-                                                                   for l in model), 1.0) if model else 0.0)
+                bound_seconds=bound)
 
 
 def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy: PlanPolicy, *,
@@ -1120,11 +1194,14 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
                outbound_only: Collection[str] = frozenset()) -> Plan | NoPlan:
     """The plan of one round's collective over these participants (in the engine's order). Pure.
 
-    With a sparse compression (`policy.sparse`: "topk", "dct") the plan is the sparse all-gather
-    (`_plan_sparse`: one shard, `predict_allgather`'s time), unless the dense float32 all-reduce is
-    predicted `plan_min_gain` faster on the measured links (many peers: the all-gather's bytes
-    per peer grow as (p-1)·S) or an outbound-only participant is among them; then the dense plan
-    below, with compression "none", and every peer sends its whole error-fed accumulator.
+    With a sparse compression (`policy.sparse`: "topk", "dct") the plan is a sparse collective
+    (`_plan_sparse`): the sparse all-gather (one shard, `predict_allgather`'s time), or the sparse
+    reduce-scatter (one range of whole codec chunks per participant, `predict_sparse_rs`'s time)
+    when it is predicted `plan_min_gain` faster (many peers: the all-gather's bytes per peer grow
+    as (p-1)·S, the reduce-scatter's stay near (S + 4n)); or the dense plan below, with compression
+    "none", when the dense float32 all-reduce is predicted `plan_min_gain` faster than the
+    all-gather and faster than the reduce-scatter, or an outbound-only participant is among them;
+    then every peer sends its whole error-fed accumulator.
 
     `links` as reported by the peers; `num_elements` and `dtype` (a `shoal.v1.DType` code) of the
     tensor. The layout is `plan_layout`'s. On a butterfly, `untrusted` peers (failed owner audits)
@@ -1147,12 +1224,14 @@ def plan_round(links: Sequence[LinkSpec], num_elements: int, dtype: int, policy:
     """
     outbound = set(outbound_only) & {l.peer_id for l in links}
     if policy.sparse:
-        sparse = _plan_sparse(links, num_elements, dtype, policy, outbound, deadline_scale)
+        sparse = _plan_sparse(links, num_elements, dtype, policy, outbound, untrusted, deadline_scale)
         if sparse is not None:
             return sparse
         # The dense all-reduce is predicted faster (or an outbound-only peer needs the
         # butterfly): each peer sends its whole error-fed accumulator in float32 (peer.rounds).
         policy = dataclasses.replace(policy, compression="none")
+    if policy.collective == "sparse_rs":  # forced, but not plannable here: the model's dense choice
+        policy = dataclasses.replace(policy, collective="auto")
     if outbound and len(links) > 1:
         policy = dataclasses.replace(policy, collective="butterfly")
     if _all_bulk(links):

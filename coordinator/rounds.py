@@ -94,7 +94,8 @@ class EngineConfig(RoundSettings):
     rounds: here 0 by default (run forever): an engine stops only when told how many rounds to
         commit, whatever the [rounds] table's default.
     aggregator, compression, audit_owners: the [run] settings the plans carry;
-    sparse_bytes_per_element: the sparse codec's payload size (the [run] sparse_* settings).
+    sparse_bytes_per_element, sparse_chunk: the sparse codec's payload size and chunk (the [run]
+        sparse_* settings).
     fragments: the [run] fragments F; round r's plan says it carries fragment r mod F.
     cohort_seed: seeds the cohort draws (with the round and draw): the [run] seed.
     privacy: the [run] differential-privacy settings: the engine accounts ε after every commit
@@ -116,6 +117,7 @@ class EngineConfig(RoundSettings):
     link_cap_bytes_per_s: float = _POLICY.link_cap_bytes_per_s
     plan_min_gain: float = _POLICY.plan_min_gain
     sparse_bytes_per_element: float = _POLICY.sparse_bytes_per_element
+    sparse_chunk: int = _POLICY.sparse_chunk
     secure_aggregation: bool = False  # the [run] setting: a round needs SECURE_MIN_PEERS participants
 
     @property

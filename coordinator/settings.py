@@ -40,7 +40,9 @@ class RoundSettings:
                                              "the bulk TCP lane or shared memory, bytes (in place of chunk_bytes)")
     collective: str = setting("auto", "collective algorithm of the all-reduce (auto: chosen by the planner from the "
                                       "peers' measured links; butterfly with equal tensor shards until links are "
-                                      "known)", choices=("ring", "butterfly", "auto"))
+                                      "known; sparse_rs: with run.compression topk or dct, the sparse reduce-scatter "
+                                      "whenever it can be planned, else as auto)",
+                              choices=("ring", "butterfly", "auto", "sparse_rs"))
     cohort_size: int = setting(0, "participants per round: a cohort drawn uniformly at random (seeded by run.seed) "
                                   "from the ready peers, also the fewest ready peers a round opens with; only "
                                   "drawn peers fetch the committed state, the others keep theirs until drawn "

@@ -1,4 +1,4 @@
-"""Collectives between peers: butterfly (direct) all-reduce and ring all-reduce.
+"""Collectives between peers: butterfly (direct) all-reduce, ring all-reduce, and the sparse collectives.
 
 Both are reduce-scatter followed by all-gather, pipelined per chunk: a chunk is forwarded as
 soon as it is reduced, never store-and-forward of a whole shard. Each tensor shard has exactly
@@ -15,6 +15,11 @@ to whom), `peer.reduction` (`OwnerAccumulator`: a shard owner's rows and their r
 `final_encoding`) and `peer.audit.OwnerAudit` (an auditor's recomputation and verdict). One
 butterfly attempt is a `_Butterfly` (tasks: scatter, reduce the owned shards, audit, gather),
 one ring attempt a `_Ring`.
+
+Sparse contributions (peer.sparse payloads of each peer's error-feedback accumulator) do not sum
+in place: the sparse all-gather (`_SparseGather`, "allgather") sends each whole contribution to
+every peer; the sparse reduce-scatter (`_SparseReduceScatter`, "sparse_rs") sends each index
+range's part only to its shard owner, and the owner sends the merged range back as float32.
 
 Failure semantics (all collectives): the caller's input array is never modified. On any failure
 (a stream to a peer breaks, a chunk does not arrive within `chunk_timeout_seconds`, the whole
@@ -51,7 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shoal.common.errors import InvalidArgument
-from shoal.common.plan import Plan
+from shoal.common.plan import Plan, is_sparse_collective
 from shoal.relay.protocol import RELAY_ALTERED
 from shoal.common.tensors import dtype_code, result_digest
 from shoal.peer.testing import faults
@@ -732,6 +737,197 @@ class _SparseGather:
         return payload.data
 
 
+class _SparseReduceScatter:
+    """One sparse reduce-scatter attempt ("sparse_rs" plans) from one participant: a sparse
+    reduce-scatter by index range, then a dense float32 all-gather of the merged ranges.
+
+    Reduce-scatter: this peer's contribution is encoded by its error-feedback accumulator
+    (`SparseRound`) shard by shard (the plan's `shard_bounds`, whole codec chunks:
+    `shoal.common.plan.sparse_shard_bounds`), each shard in segments of whole chunks from the
+    shard's start (`peer.sparse.segment_bounds` of the shard, on the codec threads), and the
+    proposal is recorded once as `_SparseGather` records it. Shard k's segment payloads go only
+    to its shard owner ``participants[shard_owner[k]]``, as one byte stream in pieces of at most
+    `plan.chunk_bytes` (phase REDUCE_SCATTER, step 0, shard k, offset = byte offset in that
+    shard's stream; `peer.dataplane.Session._sparse_piece` checks each). An owner reads every
+    other participant's stream of each shard it owns (`SegmentReader` of the shard's length,
+    `decode_segment` with element indices relative to the shard's start; a malformed one blames
+    its sender) and sums the p contributions of the shard in participant order
+    (`peer.sparse.sum_segments`, weighted by `SparseRound.weights`) into its slice of the result.
+
+    All-gather: the owner sends its merged range to every other participant as plain float32
+    chunks (phase ALL_GATHER, step 0, `peer.partition.ShardPartition` chunk spans, as the
+    butterfly's), and every participant copies the other owners' ranges into its result; a
+    non-finite value in a merged range blames its owner. Float32, not sparse: a merged range
+    holds up to p·k of every C elements, so at the p where this collective beats the all-gather
+    (the dense range costs 4 bytes an element against (p-1)·S for the all-gather) it is dense,
+    and float32 is lossless: every participant holds the owner's sum, bit for bit. That sum is
+    the same float32 additions in the same order, element by element, as `_SparseGather`'s (the
+    ranges start on chunk boundaries, so the segments hold the same chunks), so for the same
+    inputs and accumulators both collectives give the same bytes (for "dct" the per-chunk
+    transforms run in other batches; equal on the builds tested, and every participant holds
+    the owner's bytes either way). The vote digest is fed as ranges become final (`ResultDigest`).
+
+    Failure semantics as for every collective: a piece or chunk that does not come within the
+    chunk deadline, a broken stream or a payload that does not parse raises CollectiveError
+    naming its sender; so a contributor whose stream to an owner is missing is blamed by that
+    owner, and the peers waiting on that owner's merged range blame the owner after the chunk
+    deadline, as in the butterfly's all-gather. The coordinator's blame (coordinator.blame)
+    follows the waits to their end: a silent contributor is excluded; a contributor that withholds
+    its stream from one owner only, and itself waits on that owner's range, makes a cycle that
+    the accusation counts resolve against the owner, as in the butterfly. `x` is never modified
+    and the accumulator only holds a proposal (the caller commits it on commit).
+    """
+
+    def __init__(self, x: np.ndarray, plan: Plan, me: str, lanes: Lanes, sparse: SparseRound):
+        self.x, self.plan, self.me, self.sparse = x, plan, me, sparse
+        self.part = ShardPartition(plan, me, 4)  # the all-gather's float32 chunk spans
+        self.position = plan.position(me)
+        self.wire = _Wire(plan, me, lanes.receiver)
+        self.streams: dict[int, Lane] = {j: lanes.open(j) for j in range(plan.size) if j != self.position}
+        self.result = lanes.result(x)
+        self.buf = self.result.values
+        self.hashed = ResultDigest(self.buf)  # the vote digest, fed as ranges become final
+        self.digest = b""
+        self.piece = max(4, plan.chunk_bytes // 4 * 4)  # what Session admits: chunk_bytes // 4 elements' worth
+        chunk = sparse.accumulator.codec.chunk
+        # Per shard, its segments [lo, hi) in the whole vector (whole chunks from the shard's start);
+        # an empty shard (fewer chunks than owners) has none: nothing is sent, merged or gathered.
+        self.segments = {k: [(lo + a, lo + b) for a, b in segment_bounds(hi - lo, chunk)] if hi > lo else []
+                         for k, (lo, hi) in enumerate(zip(plan.shard_bounds, plan.shard_bounds[1:]))}
+        self.mine: dict[int, asyncio.Future] = {}  # owned shard -> this peer's decoded segments of it
+        self.received = 0  # payload bytes received (sparse streams and merged ranges)
+        self.sent = asyncio.Event()  # every shard's stream is queued to its owner
+        self.complete = False  # every range is in, every chunk this peer sends is queued (`_run_streams`)
+
+    async def run(self) -> _Outcome:
+        await _run_streams(self.plan, self.streams, self._work, lambda: self.complete)
+        return _Outcome(self.buf, self.digest, sum(s.bytes_sent for s in self.streams.values()), self.received)
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.mine = {k: loop.create_future() for k in self.part.owned}
+        # Encoded on the codec threads in the order this peer scatters them: the next owners'
+        # shards first (me+1, me+2, ...: not every peer at one owner at once), its own last (it
+        # is summed only once the others' streams are in).
+        p = self.plan.size
+        order = sorted(range(len(self.plan.shard_owner)),
+                       key=lambda k: ((self.plan.shard_owner[k] - self.position - 1) % p, k))
+        jobs = {k: [loop.run_in_executor(_CODEC, self.sparse.accumulator.propose_segment, self.x, lo, hi)
+                    for lo, hi in self.segments[k]] for k in order}
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._propose(jobs))
+                scatter = [tg.create_task(self._scatter(k, jobs[k])) for k in order
+                           if self.plan.shard_owner[k] != self.position]
+                tg.create_task(self._sent_all(scatter))
+                for k in self.part.owned:
+                    tg.create_task(self._reduce(k))
+                for k in self.part.gathered:
+                    tg.create_task(self._gather(k))
+        finally:
+            for job in (j for js in jobs.values() for j in js):
+                job.cancel()  # those not started yet, when one failed or the attempt was cancelled
+                if job.done() and not job.cancelled():
+                    job.exception()  # retrieved: a later segment's failure is not logged as lost
+        self.complete = True
+        for st in self.streams.values():
+            await st.close()
+        self.digest = await self.hashed.finish()  # while the streams drain
+
+    async def _propose(self, jobs: dict[int, list[asyncio.Future]]) -> None:
+        """Await every segment's encoding, record the whole proposal with the accumulator (in
+        element order), hand this peer's decoded segments of its owned shards to `_reduce`."""
+        acc, bounds = self.sparse.accumulator, self.plan.shard_bounds
+        try:
+            encoded = {k: [await job for job in js] for k, js in jobs.items()}
+        except InvalidArgument as exc:
+            raise CollectiveError(f"this peer's contribution cannot be encoded: {exc}", []) from None
+        segments = [(lo, enc) for k in sorted(encoded) for (lo, _), enc in zip(self.segments[k], encoded[k])]
+        acc.proposed(self.x, segments, attempt=(self.plan.round, self.plan.attempt))
+        for k, fut in self.mine.items():
+            fut.set_result([await _on_codec(decode_segment, lo - bounds[k], enc)
+                            for (lo, _), enc in zip(self.segments[k], encoded[k])])
+
+    async def _scatter(self, k: int, jobs: list[asyncio.Future]) -> None:
+        """Shard k's segments to its owner as each is encoded, piece by piece."""
+        st, off = self.streams[self.plan.shard_owner[k]], 0
+        for job in jobs:
+            try:
+                data = (await job).to_bytes()
+            except InvalidArgument:
+                return  # `_propose` reports it
+            for at in range(0, len(data), self.piece):
+                piece = data[at:at + self.piece]
+                chunk = pb.Chunk(round=self.plan.round, attempt=self.plan.attempt, sender=self.me,
+                                 phase=RS, step=0, shard=k, offset=off, dtype=pb.FLOAT32,
+                                 shape=[len(piece)], codec=self.sparse.accumulator.codec.codec_id)
+                await st.send(chunk, piece)
+                off += len(piece)
+
+    async def _sent_all(self, tasks: Sequence[asyncio.Task]) -> None:
+        await asyncio.gather(*tasks)
+        self.sent.set()
+
+    async def _reduce(self, k: int) -> None:
+        """Shard k (owned): every participant's contribution of it, the fixed-order sum into this
+        peer's result, then the merged range to every other participant."""
+        lo, hi = self.plan.shard_bounds[k], self.plan.shard_bounds[k + 1]
+        if hi == lo:
+            return
+        others: dict[int, asyncio.Task] = {}
+        async with asyncio.TaskGroup() as tg:
+            for j in self.streams:
+                others[j] = tg.create_task(self._contribution(k, j, hi - lo))
+        parts = [await self.mine[k] if j == self.position else others[j].result() for j in range(self.plan.size)]
+        await _on_codec(sum_segments, parts, hi - lo, self.sparse.accumulator.codec, self.sparse.weights,
+                        self.buf[lo:hi])
+        self.hashed.filled(lo, hi)
+        for span in self.part.chunks(k):
+            for st in self.streams.values():
+                await st.send(*self.wire.message(AG, 0, k, span.offset, self.buf[span.lo:span.hi]))
+
+    async def _contribution(self, k: int, j: int, count: int) -> list[DecodedSegment]:
+        """Participant j's stream of shard k, checked and decoded segment by segment."""
+        sender = self.plan.participants[j]
+        reader = SegmentReader(self.sparse.accumulator.codec, count)
+        parts: list[DecodedSegment] = []
+        try:
+            while not reader.done:
+                for first, enc in reader.feed(await self._piece(k, sender, reader.nbytes)):
+                    parts.append(await _on_codec(decode_segment, first, enc))
+        except InvalidArgument as exc:
+            # As in the all-gather: first let this peer's own streams reach the other owners (at
+            # most a chunk deadline), so they judge their ranges themselves.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.plan.chunk_timeout_seconds):
+                    await self.sent.wait()
+            raise CollectiveError(f"sparse payload of shard {k} from {sender[:8]} is malformed: {exc}",
+                                  [sender]) from None
+        faults.hit("rs", self.plan.round)
+        self.received += reader.nbytes
+        return parts
+
+    async def _piece(self, k: int, sender: str, off: int) -> bytes:
+        payload = await self.wire.payload(RS, 0, k, off, sender)
+        if not isinstance(payload, Encoded) or payload.codec != self.sparse.accumulator.codec.codec_id:
+            raise CollectiveError(f"chunk from {sender[:8]} at byte {off} of shard {k} is not a piece of this "
+                                  "round's sparse payload", [sender])
+        return payload.data
+
+    async def _gather(self, k: int) -> None:
+        """Shard k's merged range from its owner, chunk by chunk, into this peer's result."""
+        owner = self.plan.participants[self.plan.shard_owner[k]]
+        for span in self.part.chunks(k):
+            final = self.buf[span.lo:span.hi]
+            values = await self.wire.values(AG, 0, span, owner)
+            _into(final, values)
+            release(values)
+            if not np.isfinite(final).all():  # checked in this peer's memory
+                raise CollectiveError(f"chunk from {owner[:8]} holds non-finite values", [owner])
+            self.hashed.filled(span.lo, span.hi)
+            self.received += final.nbytes
+
+
 CODEC_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 """Threads of a process's sparse codec work (encode and decode segments, the sum): numpy releases
 the GIL in it, so a peer with cores to spare encodes several segments at once."""
@@ -759,8 +955,9 @@ async def all_reduce(x: np.ndarray, plan: Plan, *, me: str, transport: Transport
     attack of peer.testing.byzantine) replaces what this peer publishes as a butterfly shard owner; an
     audited plan (`plan.audit_owners`) catches it. Returns the result and its digest.
 
-    An "allgather" plan (sparse compression) runs the sparse all-gather (`_SparseGather`) and
-    needs `sparse` (this peer's accumulator and the contributions' weights); the result is the
+    An "allgather" plan (sparse compression) runs the sparse all-gather (`_SparseGather`), a
+    "sparse_rs" plan the sparse reduce-scatter by index range (`_SparseReduceScatter`); both
+    need `sparse` (this peer's accumulator and the contributions' weights); the result is the
     (weighted) sum of every participant's decoded contribution and `sparse_attempt` the key of
     the accumulator's proposal to commit once the round commits.
 
@@ -770,7 +967,7 @@ async def all_reduce(x: np.ndarray, plan: Plan, *, me: str, transport: Transport
     """
     t0 = time.monotonic()
     _check(x, plan, me)
-    if plan.collective == "allgather":
+    if is_sparse_collective(plan):
         return await _sparse_all_gather(x, plan, me, transport, inbox, lanes, links, sparse, t0)
     if len(plan.participants) == 1:
         return _alone(x, plan, reducer, t0)
@@ -793,7 +990,11 @@ async def _sparse_all_gather(x: np.ndarray, plan: Plan, me: str, transport, inbo
         raise CollectiveError("plan: the sparse all-gather needs float32 input and this peer's error-feedback "
                               "accumulator (the run's compression must be topk or dct)", [])
     if plan.outbound_only:
-        raise CollectiveError("plan: the sparse all-gather needs every participant dialable", [])
+        raise CollectiveError("plan: the sparse collectives need every participant dialable", [])
+    chunk = sparse.accumulator.codec.chunk
+    if plan.collective == "sparse_rs" and any(b % chunk and b != x.size for b in plan.shard_bounds):
+        raise CollectiveError(f"plan: sparse_rs shard bounds {plan.shard_bounds[:4]}... are not on chunks of "
+                              f"{chunk} elements", [])
     attempt = (plan.round, plan.attempt)
     if plan.size == 1:
         try:
@@ -804,7 +1005,8 @@ async def _sparse_all_gather(x: np.ndarray, plan: Plan, me: str, transport, inbo
         return CollectiveResult(values, result_digest(values), 0, time.monotonic() - t0, sparse_attempt=attempt)
     if lanes is None:
         lanes = DataLanes(transport, inbox, plan, me, links)
-    out = await _within_deadline(plan, lanes, lambda: _SparseGather(x, plan, me, lanes, sparse).run())
+    kind = _SparseGather if plan.collective == "allgather" else _SparseReduceScatter
+    out = await _within_deadline(plan, lanes, lambda: kind(x, plan, me, lanes, sparse).run())
     # Not fed to the link meter as a whole-collective observation: its time is mostly the codec's
     # CPU (encode, decode, sum), and so few bytes over it would read as a slow link.
     return CollectiveResult(out.values, out.digest, out.sent, time.monotonic() - t0, sparse_attempt=attempt)

@@ -12,7 +12,7 @@ the butterfly; None = the plain sum). Two policies:
   differential privacy at the contributor (dp_mode distributed or local, shoal.common.privacy)
   the pseudo-gradient is clipped, noised and weighted 1/p instead (DP-FedAvg's uniform mean); the
   noise of a round is drawn once, so a retried attempt sends the same values. Sparse
-  all-gather: the unweighted pseudo-gradient (it feeds the peer's error-feedback accumulator)
+  collectives ("allgather", "sparse_rs"): the unweighted pseudo-gradient (it feeds the peer's error-feedback accumulator)
   and the weights n_i / sum n, which every peer applies to the decoded contributions; only the
   mean combines with sparse payloads (any other aggregator, max_norm or dp_sigma is refused,
   naming both settings). A secure attempt (the plan carries a secure-aggregation graph seed,
@@ -38,7 +38,7 @@ from typing import Protocol
 import numpy as np
 
 from shoal.common.errors import InvalidArgument
-from shoal.common.plan import Plan
+from shoal.common.plan import Plan, is_sparse_collective
 from shoal.common.privacy import DpSettings, clip_and_noise
 from shoal.peer.testing.byzantine import ATTACKS, forge
 from shoal.peer.collectives import CollectiveError
@@ -49,7 +49,7 @@ from shoal.peer.reduction import OwnerReduction, ReductionSpec
 class Prepared:
     """values: `(n,)` array to all-reduce (float32 for training; the job keeps its dtype).
     reducer: the shard-owner reduction (butterfly only), or None for the plain sum.
-    weights: the sparse all-gather only ("allgather" plans): per participant (plan order), the
+    weights: the sparse collectives only ("allgather", "sparse_rs" plans): per participant (plan order), the
     factor of its decoded contribution in the sum (FedAvg: n_i / sum n); None = the plain sum."""
 
     values: np.ndarray
@@ -107,7 +107,7 @@ class FedAvgContribution:
     def prepare(self, update: np.ndarray, plan: Plan, me: str) -> Prepared:
         grad = self.forgery(update.astype(np.float32))
         dp = self.dp() if self.dp is not None else None
-        if plan.collective == "allgather":
+        if is_sparse_collective(plan):
             # Sparse payloads: the raw pseudo-gradient feeds this peer's error-feedback
             # accumulator; every peer weights the decoded contributions by their sample counts.
             spec = self.spec()
@@ -166,7 +166,7 @@ class SumContribution:
 
     def prepare(self, update: np.ndarray, plan: Plan, me: str) -> Prepared:
         values = self.forgery(update)
-        if plan.collective == "allgather":
+        if is_sparse_collective(plan):
             if self.aggregators:
                 raise _sparse_refusal(self.aggregator(plan.round), plan)
             return Prepared(values, None)

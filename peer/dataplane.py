@@ -135,6 +135,7 @@ class Session:
     deadline_seconds: float = 0.0
     outbound_only: frozenset[str] = frozenset()  # participants that open Exchange instead of being dialled
     relayed: frozenset[str] = frozenset()  # participants reached through a relay: every chunk to them is signed
+    collective: str = ""  # the plan's collective: where sparse pieces travel ("sparse_rs": the reduce-scatter)
 
     @classmethod
     def from_plan(cls, plan: pb.Plan, coordinator_public_key: bytes) -> Session:
@@ -152,7 +153,7 @@ class Session:
         return cls(plan.round, plan.attempt, frozenset(p.peer_id for p in plan.participants), plan.dtype,
                    ticket_check, tuple(plan.shard_bounds), max(1, (plan.chunk_bytes or (1 << 20)) // itemsize),
                    plan.deadline_seconds, frozenset(p.peer_id for p in plan.participants if p.outbound_only),
-                   frozenset(p.peer_id for p in plan.participants if p.relay))
+                   frozenset(p.peer_id for p in plan.participants if p.relay), plan.collective)
 
     def check_chunk(self, c: pb.Chunk, shm: SegmentReader | None = None, body=None) -> "Payload":
         """Check `c` against the plan; returns its payload (an array, or an `Encoded` chunk).
@@ -192,6 +193,8 @@ class Session:
         if c.codec in SPARSE_CODEC_IDS:
             return self._sparse_piece(c, count, data)
         require(c.phase in (pb.REDUCE_SCATTER, pb.ALL_GATHER), "phase", f"unknown phase {c.phase}")
+        require(self.collective != "sparse_rs" or c.phase == pb.ALL_GATHER, "phase",
+                "a sparse_rs plan's dense chunks are the merged ranges of the all-gather")
         require(c.step < max(1, len(self.participants) - 1), "step", f"{c.step} past the plan's steps")
         if self.chunk_elems:
             require(0 < count <= self.chunk_elems, "shape", f"[{count}] outside 1..{self.chunk_elems} elements")
@@ -212,19 +215,31 @@ class Session:
 
     def _sparse_piece(self, c: pb.Chunk, count: int, data: Callable[[int], bytes]) -> Encoded:
         """A piece of a sparse contribution (its segment payloads one after another, peer.sparse
-        wire form; the sparse all-gather of peer.collectives): `count` bytes at byte `offset` of
-        the sender's stream, in the all-gather phase, step 0, shard 0. Its contents are checked
+        wire form; the sparse collectives of peer.collectives): `count` bytes at byte `offset` of
+        the sender's stream. In the sparse all-gather ("allgather" plans) the stream is the whole
+        contribution, in the all-gather phase, step 0, shard 0; in the sparse reduce-scatter
+        ("sparse_rs" plans) one stream per tensor shard, the sender's contribution to that
+        shard, in the reduce-scatter phase, step 0, shard < the plan's shards (the merged ranges
+        come back as plain float32 chunks, checked as any dense chunk). At most 5 bytes per
+        element of the stream's elements plus 64 bytes per segment. Its contents are checked
         segment by segment once each is whole (`peer.sparse.SegmentReader`)."""
         require(c.dtype == pb.FLOAT32, "dtype", "sparse payloads carry float32 tensors")
-        require(c.phase == pb.ALL_GATHER and c.step == 0 and c.shard == 0, "phase",
-                "a sparse payload travels in the all-gather, step 0, shard 0")
+        if self.collective == "sparse_rs":
+            require(c.phase == pb.REDUCE_SCATTER and c.step == 0, "phase",
+                    "a sparse_rs payload travels in the reduce-scatter, step 0")
+            shards = len(self.shard_bounds) - 1
+            require(not self.shard_bounds or c.shard < shards, "shard", f"{c.shard} past the plan's {shards} shards")
+        else:
+            require(c.phase == pb.ALL_GATHER and c.step == 0 and c.shard == 0, "phase",
+                    "a sparse payload travels in the all-gather, step 0, shard 0")
         require(not c.scale, "scale", "must be empty for sparse payloads (their scales are inside)")
         if self.chunk_elems:
             require(0 < count <= 4 * self.chunk_elems, "shape",
                     f"[{count}] bytes outside 1..{4 * self.chunk_elems} per piece")
         if self.shard_bounds:  # no sparse stream holds more than 5 bytes per element, plus per
             # segment its header, a chunk's scale and padding (peer.sparse): 64 bytes is ample
-            n = self.shard_bounds[-1]
+            n = (self.shard_bounds[c.shard + 1] - self.shard_bounds[c.shard] if self.collective == "sparse_rs"
+                 else self.shard_bounds[-1])
             most = 5 * n + 64 * (n // SPARSE_SEGMENT_ELEMENTS + 1)
             require(c.offset + count <= most, "shape",
                     f"[{count}] bytes at offset {c.offset} exceed the {most} bytes a sparse payload can have")

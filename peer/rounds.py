@@ -51,7 +51,7 @@ import numpy as np
 from shoal.common.attempts import shown_attempt
 from shoal.common.errors import InvalidArgument
 from shoal.common.pauses import RunClock
-from shoal.common.plan import Plan
+from shoal.common.plan import Plan, is_sparse_collective
 from shoal.common.tensors import dtype_code
 from shoal.common.throttle import Throttle, more
 from shoal.peer.testing import faults
@@ -347,7 +347,7 @@ class Tentative:
 
     state: State
     feedback: tuple
-    sparse_attempt: object = None  # the accumulator proposal to commit (sparse all-gather), or None
+    sparse_attempt: object = None  # the accumulator proposal to commit (sparse collectives), or None
     fragment: int = 0  # the fragment the attempt carried (0 without fragments): whose residuals
 
 
@@ -711,7 +711,7 @@ class RoundClient:
             return await all_reduce(prepared.values, plan, me=self.me, transport=self.transport, inbox=self.inbox,
                                     reducer=reducer, feedback=self._feedback(plan), links=self.links, tamper=self.tamper,
                                     sparse=self._sparse_round(plan, prepared))
-        if reducer is not None or prepared.weights is not None or plan.collective == "allgather":
+        if reducer is not None or prepared.weights is not None or is_sparse_collective(plan):
             raise CollectiveError("secure aggregation: shard owners only sum masked rows (no aggregator, audit, "
                                   "norm bound or sparse payload)", [])
         values = np.ascontiguousarray(prepared.values, dtype=np.float32)
@@ -734,13 +734,13 @@ class RoundClient:
 
     def _error_fed(self, update: np.ndarray, plan: Plan) -> tuple[np.ndarray, object]:
         """What goes into this attempt, and the accumulator proposal its commit commits (None
-        without sparse compression). A sparse all-gather encodes C(β·e + Δ) itself
+        without sparse compression). A sparse collective ("allgather", "sparse_rs") encodes C(β·e + Δ) itself
         (`_sparse_round`); a dense plan in a sparse run (the planner found the dense all-reduce
         faster) sends the whole β·e + Δ, and its commit sets e to 0."""
         if self.sparse is None:
             return update, None
         key = (plan.round, plan.attempt)
-        if plan.collective == "allgather":
+        if is_sparse_collective(plan):
             return update, key
         try:
             acc = self._accumulator_for(update.size)
@@ -749,10 +749,10 @@ class RoundClient:
             raise CollectiveError(f"this peer's contribution: {exc}", []) from None
 
     def _sparse_round(self, plan: Plan, prepared) -> SparseRound | None:
-        """This peer's part of a sparse all-gather: its accumulator and the contributions'
+        """This peer's part of a sparse collective ("allgather", "sparse_rs"): its accumulator and the contributions'
         weights; None for dense collectives. Raises CollectiveError when the run has no sparse
         codec (the plan and the run disagree)."""
-        if plan.collective != "allgather":
+        if not is_sparse_collective(plan):
             return None
         if self.sparse is None:
             raise CollectiveError(f"plan: compression {plan.compression} needs the run's sparse codec, "

@@ -249,7 +249,8 @@ class RoundsSection(RoundSettings):  # the settings: shoal.coordinator.settings,
                                           compression=run.compression, audit_owners=run.audit_owners,
                                           cohort_seed=run.seed, privacy=run.dp_settings(),
                                           fragments=run.fragments, secure_aggregation=run.secure_aggregation,
-                                          sparse_bytes_per_element=run.sparse_bytes_per_element())
+                                          sparse_bytes_per_element=run.sparse_bytes_per_element(),
+                                          sparse_chunk=run.sparse_chunk if run.compression in ("topk", "dct") else 0)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class MemoryNet:
         dtype = plan.dtype or pb.FLOAT32
         session = Session(plan.round, plan.attempt, frozenset(plan.participants), dtype, None,
                           tuple(plan.shard_bounds), max(1, plan.chunk_bytes // to_numpy_dtype(dtype).itemsize),
-                          plan.deadline_seconds)
+                          plan.deadline_seconds, collective=plan.collective)
         for peer in plan.participants:
             self.inbox(peer).start(session)
 

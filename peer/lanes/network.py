@@ -144,14 +144,14 @@ class DataLanes:
 
     async def choose(self) -> None:
         """Probe the shared-memory lane to every participant this peer's collective dials directly
-        (the butterfly and the sparse all-gather: all; the ring: its successor), now (cached: after the first attempt a
+        (the butterfly and the sparse collectives: all; the ring: its successor), now (cached: after the first attempt a
         lookup), so that the result buffer and the slab bounds know the lanes from the first
         attempt on, not only once a first stream chose them. A failed probe leaves the choice to
         the stream."""
         plan, pos, transport = self.plan, self.pos, self.transport
         if not transport.shared_memory or not plan.dialable(pos):
             return
-        targets = range(plan.size) if plan.collective in ("butterfly", "allgather") else [(pos + 1) % plan.size]
+        targets = range(plan.size) if plan.collective in ("butterfly", "allgather", "sparse_rs") else [(pos + 1) % plan.size]
         peers = [(plan.participants[i], plan.addresses[i]) for i in targets
                  if i != pos and plan.dialable(i) and not plan.relay_of(i)]
         await asyncio.gather(*(transport.shm_lane(a, pid) for pid, a in peers), return_exceptions=True)

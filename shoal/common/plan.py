@@ -7,10 +7,16 @@ engine stamps it with the round, attempt, epoch and deadlines, the server render
 and every peer reads it back with `from_proto`. Nothing else describes a plan.
 
 Vocabulary: the *collective* (collective algorithm) is "butterfly" (direct reduce-scatter to
-shard owners + all-gather, hivemind's butterfly all-reduce), "ring" (Patarasuk & Yuan 2009) or
+shard owners + all-gather, hivemind's butterfly all-reduce), "ring" (Patarasuk & Yuan 2009),
 "allgather" (the sparse all-gather: every participant sends its whole sparse contribution to
-every other, each decodes and sums them in participant order; one shard, `(0, num_elements)`);
-never to be confused with the *training* algorithm (DiLoCo, FedAvg). A *tensor shard* is the
+every other, each decodes and sums them in participant order; one shard, `(0, num_elements)`) or
+"sparse_rs" (the sparse reduce-scatter by index range: each participant owns one range of whole
+codec chunks, `sparse_shard_bounds`; every participant sends the sparse payload of each range
+only to its shard owner, the owner decodes and sums the contributions of its range in
+participant order and sends the merged range back to everyone as plain float32: per peer
+(p-1)/p·(S + 4n) bytes each way for payloads of S bytes and n elements, against the
+all-gather's (p-1)·S). "allgather" and "sparse_rs" are the sparse collectives
+(`is_sparse_collective`). Never to be confused with the *training* algorithm (DiLoCo, FedAvg). A *tensor shard* is the
 element range ``[shard_bounds[k], shard_bounds[k+1])`` reduced by its *shard owner*
 ``participants[shard_owner[k]]``; a *data shard* is the part of the training data a peer holds
 (not described here).
@@ -25,7 +31,32 @@ from dataclasses import dataclass
 
 from shoal.v1 import shoal_pb2 as pb
 
-COLLECTIVES = ("butterfly", "ring", "allgather")  # what the data plane runs (shoal.peer.collectives)
+COLLECTIVES = ("butterfly", "ring", "allgather", "sparse_rs")  # what the data plane runs (shoal.peer.collectives)
+SPARSE_COLLECTIVES = ("allgather", "sparse_rs")  # the collectives of sparse payloads (peer.sparse)
+
+
+def is_sparse_collective(plan: Plan | str) -> bool:
+    """Whether `plan` (or a collective's name) moves sparse contributions (peer.sparse payloads,
+    encoded by each peer's error-feedback accumulator): "allgather" or "sparse_rs"."""
+    return (plan if isinstance(plan, str) else plan.collective) in SPARSE_COLLECTIVES
+
+
+def sparse_shard_bounds(num_elements: int, chunk: int, shards: int) -> tuple[int, ...]:
+    """The tensor shards of a "sparse_rs" plan: ``shards + 1`` element offsets from 0 to
+    `num_elements`, every inner one a multiple of the sparse codec's `chunk` C (a shard is whole
+    codec chunks; the last may end at `num_elements`), as even as possible: the
+    ``ceil(num_elements / C)`` chunks split so that shard sizes differ by at most one chunk
+    (earlier shards take the extra ones). Shards are empty when there are fewer chunks than
+    shards. Raises ValueError for a chunk < 1, shards < 1 or num_elements < 0."""
+    if chunk < 1 or shards < 1 or num_elements < 0:
+        raise ValueError(f"sparse_shard_bounds: chunk {chunk}, shards {shards}, num_elements {num_elements}")
+    chunks = -(-num_elements // chunk)
+    per, extra = divmod(chunks, shards)
+    bounds, at = [0], 0
+    for k in range(shards):
+        at += per + (1 if k < extra else 0)
+        bounds.append(min(num_elements, at * chunk))
+    return tuple(bounds)
 
 
 def auditor_positions(shard_owner: Sequence[int]) -> tuple[int, ...]:
@@ -47,7 +78,7 @@ class Plan:
 
     participants: peer ids in collective order (ring order for "ring"). addresses, num_samples,
     public_keys: per participant, same order (empty until the engine fills them in).
-    collective: "butterfly" | "ring" | "allgather". shard_bounds: element offsets ``(0, ..., num_elements)``,
+    collective: "butterfly" | "ring" | "allgather" | "sparse_rs". shard_bounds: element offsets ``(0, ..., num_elements)``,
     one tensor shard per owner. shard_owner: per shard, the owner's position in `participants`.
     demoted: participants that own no shard. chunk_bytes: largest chunk on the wire, bytes.
     deadline_seconds: the whole attempt; chunk_timeout_seconds: one chunk (derived from the

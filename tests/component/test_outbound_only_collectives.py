@@ -75,8 +75,8 @@ async def test_a_dialable_peer_cannot_open_an_exchange():
         # The plan peer 2 runs says it is outbound-only, the owners' sessions say nobody is.
         base = sw.session
 
-        def no_outbound(attempt, outbound_only=()):
-            return base(attempt, ())
+        def no_outbound(attempt, outbound_only=(), collective=""):
+            return base(attempt, (), collective)
 
         sw.session = no_outbound
         out = await sw.run(xs, attempt=0, shard_owner=(0, 1), outbound_only=(2,), chunk_timeout=2.0,

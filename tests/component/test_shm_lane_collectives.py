@@ -44,6 +44,30 @@ async def test_all_reduce_over_the_lane_is_exact_bit_identical_and_leaves_no_seg
     assert not any(_mine(i) for i in ids), "a segment outlived its transport"
 
 
+async def test_the_sparse_reduce_scatter_over_the_lane_gives_the_sparse_all_gather_bits():
+    """"sparse_rs" and "allgather" on the shared-memory lane, the same inputs and accumulators:
+    every peer holds the same bytes, and no segment outlives the transports."""
+    from shoal.common.plan import sparse_shard_bounds
+    from shoal.peer.collectives import SparseRound
+    from shoal.peer.sparse import ErrorAccumulator, SparseCodec
+
+    p, n, codec = 4, 300_001, SparseCodec("topk", 1024, 16, 2)
+    xs = [np.random.default_rng(40 + i).standard_normal(n).astype(np.float32) for i in range(p)]
+
+    def rounds():
+        return [SparseRound(ErrorAccumulator(n, codec, 0.9)) for _ in range(p)]
+
+    async with Swarmlet(p, [True] * p) as peers:
+        rs = await peers.run(xs, attempt=0, algorithm="sparse_rs", chunk_bytes=64 << 10, sparse=rounds(),
+                             shard_bounds=sparse_shard_bounds(n, 1024, p))
+        assert all(set(t.lanes().values()) == {"shm"} for t in peers.transports)
+        ag = await peers.run(xs, attempt=1, algorithm="allgather", chunk_bytes=64 << 10, sparse=rounds(),
+                             shard_bounds=(0, n), shard_owner=(0,))
+        ids = peers.ids
+    assert len({r.values.tobytes() for r in rs + ag}) == 1 and len({r.digest for r in rs + ag}) == 1
+    assert not any(_mine(i) for i in ids), "a segment outlived its transport"
+
+
 async def test_a_peer_without_the_lane_gets_sockets_and_the_result_is_the_same():
     p, n = 3, 200_003
     rng = np.random.default_rng(3)

@@ -152,6 +152,35 @@ async def test_all_reduce_over_the_bulk_lane_is_bit_identical_to_push_chunks(alg
     assert all(r.digest == result_digest(r.values) for r in bulk)
 
 
+async def test_the_sparse_reduce_scatter_over_sockets_gives_the_sparse_all_gather_bits():
+    """"sparse_rs" over the bulk lane and over gRPC streams, "allgather" over the bulk lane, the
+    same inputs and accumulators: every peer of every run holds the same bytes (the owners' sparse
+    streams by shard, then the merged ranges as float32, through the data plane's real checks)."""
+    from shoal.common.plan import sparse_shard_bounds
+    from shoal.peer.collectives import SparseRound
+    from shoal.peer.sparse import ErrorAccumulator, SparseCodec
+
+    p, n, codec = 4, 300_001, SparseCodec("topk", 1024, 16, 2)
+    xs = [np.random.default_rng(30 + i).standard_normal(n).astype(np.float32) for i in range(p)]
+
+    def rounds():
+        return [SparseRound(ErrorAccumulator(n, codec, 0.9)) for _ in range(p)]
+
+    rs_bounds = sparse_shard_bounds(n, 1024, p)
+    async with Swarmlet(p, [False] * p, tcp=[True] * p) as peers:
+        rs_bulk = await peers.run(xs, attempt=0, algorithm="sparse_rs", chunk_bytes=16 << 10, sparse=rounds(),
+                                  shard_bounds=rs_bounds)
+        assert all(set(t.lanes().values()) == {"tcp"} for t in peers.transports)
+        ag_bulk = await peers.run(xs, attempt=1, algorithm="allgather", chunk_bytes=16 << 10, sparse=rounds(),
+                                  shard_bounds=(0, n), shard_owner=(0,))
+    async with Swarmlet(p, [False] * p) as peers:
+        rs_grpc = await peers.run(xs, attempt=0, algorithm="sparse_rs", chunk_bytes=16 << 10, sparse=rounds(),
+                                  shard_bounds=rs_bounds)
+        assert all(set(t.lanes().values()) == {"socket"} for t in peers.transports)
+    assert len({r.values.tobytes() for r in rs_bulk + ag_bulk + rs_grpc}) == 1
+    assert len({r.digest for r in rs_bulk + ag_bulk + rs_grpc}) == 1
+
+
 async def test_a_pool_of_connections_per_peer_gives_the_same_bits(algorithm="butterfly"):
     """Every stream striped over 4 connections per peer pair (peer.lanes.pool): chunks arrive in
     any order across them, the inboxes place them by key, the result is bit-identical to one

@@ -32,14 +32,14 @@ class Swarmlet:
         self.keys = [Ed25519PrivateKey.generate() for _ in range(p)]
         self.ids = [peer_id_of(public_bytes(k)) for k in self.keys]
 
-    def session(self, attempt: int, outbound_only=()) -> Session:
+    def session(self, attempt: int, outbound_only=(), collective: str = "") -> Session:
         pub = public_bytes(self.coordinator_key)
 
         def check(ticket: bytes, sender: str) -> None:
             verify_ticket(pub, ticket, round=0, attempt=attempt, sender=sender)
 
         return Session(0, attempt, frozenset(self.ids), pb.FLOAT32, check,
-                       outbound_only=frozenset(self.ids[i] for i in outbound_only))
+                       outbound_only=frozenset(self.ids[i] for i in outbound_only), collective=collective)
 
     async def __aenter__(self):
         self.servers, self.services, self.inboxes, self.addresses, self.transports = [], [], [], [], []
@@ -72,28 +72,31 @@ class Swarmlet:
     async def run(self, xs, *, attempt: int, algorithm: str = "butterfly", compression: str = "none",
                   reducers=None, feedback=None, chunk_bytes: int = 64, return_exceptions: bool = False,
                   chunk_timeout: float = 5.0, audit: bool = False, tampers=None, shard_owner=None, silent=(),
-                  outbound_only=()):
+                  outbound_only=(), sparse=None, shard_bounds=None):
         """One all-reduce attempt of every peer (results in peer order). Peers in `silent` take no
         part (their data planes still accept chunks) and get None. `outbound_only`: positions the
-        plan marks so (give them no shard in `shard_owner`)."""
+        plan marks so (give them no shard in `shard_owner`). `sparse`: per peer, its
+        `SparseRound` (sparse collectives); `shard_bounds`: in place of equal shards."""
         n = xs[0].size
         shard_owner = tuple(range(self.p)) if shard_owner is None else tuple(shard_owner)
         shards = len(shard_owner)
         plan = Plan(round=0, attempt=attempt, participants=tuple(self.ids), addresses=tuple(self.addresses),
-                    shard_bounds=tuple(n * i // shards for i in range(shards + 1)),
+                    shard_bounds=tuple(n * i // shards for i in range(shards + 1)) if shard_bounds is None
+                    else tuple(shard_bounds),
                     shard_owner=shard_owner, collective=algorithm, chunk_bytes=chunk_bytes,
                     chunk_timeout_seconds=chunk_timeout, deadline_seconds=30.0, compression=compression,
                     audit_owners=audit, outbound_only=tuple(outbound_only),
                     ticket=issue_ticket(self.coordinator_key, 0, attempt, self.ids, bytes(32), 60.0))
         for inbox in self.inboxes:
-            inbox.start(self.session(attempt, outbound_only))
+            inbox.start(self.session(attempt, outbound_only, algorithm))
         reducers = reducers or [None] * self.p
         feedback = feedback or [None] * self.p
         live = [i for i in range(self.p) if i not in silent]
         try:
             out = await asyncio.gather(*[
                 all_reduce(xs[i], plan, me=self.ids[i], transport=self.transports[i], inbox=self.inboxes[i],
-                           reducer=reducers[i], feedback=feedback[i], tamper=(tampers or {}).get(i))
+                           reducer=reducers[i], feedback=feedback[i], tamper=(tampers or {}).get(i),
+                           sparse=sparse[i] if sparse else None)
                 for i in live],
                 return_exceptions=return_exceptions)
             results = dict(zip(live, out))

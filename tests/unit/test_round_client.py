@@ -595,16 +595,18 @@ async def test_a_downloaded_blob_that_is_no_state_fails_the_sync_not_the_peer(mo
 
 
 
-def sparse_plan(attempt: int) -> PlanReceived:
-    msg = pb.Plan(round=0, attempt=attempt, collective="allgather", shard_bounds=[0, N], shard_owner=[0],
+def sparse_plan(attempt: int, collective: str = "allgather") -> PlanReceived:
+    msg = pb.Plan(round=0, attempt=attempt, collective=collective, shard_bounds=[0, N], shard_owner=[0],
                   num_elements=N, dtype=pb.FLOAT32, compression="topk",
                   participants=[pb.Participant(peer_id=ME, address="127.0.0.1:9", num_samples=1)])
     return PlanReceived(msg, Plan.from_proto(msg))
 
 
-async def test_the_error_feedback_accumulator_commits_with_the_round_and_only_then():
+@pytest.mark.parametrize("collective", ["allgather", "sparse_rs"])
+async def test_the_error_feedback_accumulator_commits_with_the_round_and_only_then(collective):
     """Attempt 0 of a sparse round runs (its proposal pending) and aborts: e stays 0. Attempt 1
-    runs and commits: the committed state is decode(C(Δ)) and e = Δ - decode(C(Δ)), once."""
+    runs and commits: the committed state is decode(C(Δ)) and e = Δ - decode(C(Δ)), once; the
+    same under either sparse collective."""
     from shoal.peer.sparse import SparseCodec, SparseSettings, decode, encode
 
     codec = SparseCodec("topk", 64, 4, 2)
@@ -615,12 +617,12 @@ async def test_the_error_feedback_accumulator_commits_with_the_round_and_only_th
     x = np.sin(np.arange(N, dtype=np.float32))
     sent = decode(encode(x, codec))
     expected = ArrayState(sent, 1).digest()
-    events.put_nowait(sparse_plan(0))
+    events.put_nowait(sparse_plan(0, collective))
     task = asyncio.create_task(client.play(x, 0.0))
     await until(lambda: control.votes)
     assert control.votes[0].ok and client.accumulator.pending and not client.accumulator.accumulator.any()
     events.put_nowait(Aborted(0, 0, "another peer failed", (), True))
-    events.put_nowait(sparse_plan(1))
+    events.put_nowait(sparse_plan(1, collective))
     await until(lambda: len(control.votes) == 2)
     assert not client.accumulator.accumulator.any()  # the abort changed nothing
     events.put_nowait(Committed(0, 1, expected, (ME,), ()))
