@@ -71,7 +71,7 @@ from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
 from shoal.peer.result_digest import ResultDigest, off_loop
 from shoal.peer.sparse import (DecodedSegment, ErrorAccumulator, SegmentReader, SparseEncoded, decode_segment,
-                               segment_bounds, sum_contributions, sum_range, weights_of)
+                               segment_bounds, sum_contributions, sum_range, sum_segments, weights_of)
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
