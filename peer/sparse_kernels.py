@@ -6,7 +6,10 @@ this module (or in numba's user cache), so a process pays the compilation once p
 Why compiled: over a 400 MB pseudo-gradient the numpy forms of these steps make temporaries of
 the block's size at every step (β·e + Δ, the magnitude bits, the partition, the selection mask)
 and walk memory five times; the kernels walk e and Δ once, a chunk at a time in cache, and touch
-only the kept entries after that (`scripts/sparse_codec_speed.py` prints both).
+only the kept entries after that. Per 10^8 elements at C 1,024, k 10, 2 bits, one core of the
+2-core development machine: the error-fed encode 0.21 s (the numpy form, kept as the reference
+in tests/unit/test_sparse_kernels.py: 0.34 s), the checked decode of one contribution 0.021 s
+(numpy: 0.040 s); `scripts/sparse_codec_speed.py` times the codec.
 
 Exactness: every kernel computes the same IEEE float32 (and float64, for the scales) operations
 as the definitions in peer.sparse's module docstring, one rounding each and no contraction
