@@ -90,7 +90,8 @@ _ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # the repository root
 @dataclass(frozen=True)
 class BenchOptions:
     """What to run. ``up_mbit``/``down_mbit``: one entry per peer (Mbit/s, 10^6 bit/s), or empty
-    for loopback. ``algorithm``: "auto" (the planner), "ring" or "butterfly"."""
+    for loopback. ``algorithm``: "auto" (the planner), "ring", "butterfly" or "sparse_rs" (a sparse
+    compression's reduce-scatter; "auto" for the dense ones)."""
 
     peers: int = 4
     size_mb: float = 64.0
@@ -569,8 +570,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--warmup", type=int, default=2,
                    help="untimed rounds first, Shoal and gloo alike (default 2: connections and link probes, then "
                         "the first round on reused result buffers); at least 1")
-    b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly"],
-                   help="collective; auto = the planner's choice from measured links (default)")
+    b.add_argument("--algorithm", default="auto", choices=["auto", "ring", "butterfly", "sparse_rs"],
+                   help="collective; auto = the planner's choice from measured links (default); sparse_rs = the "
+                        "sparse reduce-scatter for a sparse --compression (the dense ones then take auto)")
     b.add_argument("--chunk-bytes", type=int, default=1 << 20,
                    help="largest chunk through gRPC streams, bytes (default 1 MiB, the coordinator's default)")
     b.add_argument("--bulk-chunk-bytes", type=int, default=4 << 20,
