@@ -58,6 +58,7 @@ from shoal.peer.testing.byzantine import OWNER_ATTACKS, VOTE_ATTACKS, forge_ball
 from shoal.peer.checkpoints import Checkpointer, resume
 from shoal.peer.contribution import Contribution, FedAvgContribution, Forgery
 from shoal.peer.control import CoordinatorClient
+from shoal.peer.sparse import warm_kernels
 from shoal.common.certs import PeerTLS
 from shoal.peer.certificates import keep_renewed, legacy_mode, take_join_certificate
 from shoal.peer.dataplane import Inbox, PeerService, StateSource, Transport, channel_options, serve_data_plane
@@ -498,8 +499,15 @@ class PeerAgent(StateSource):
                                             "this peer requires it (--require-secure-aggregation): it left")
         # Building a workload (a dataset, a model) can outlast a lease on a busy machine: the
         # lease is renewed meanwhile, or the coordinator would drop a member that did nothing wrong.
+        # A sparse run's codec kernels are compiled (or loaded from numba's cache) first: their fixed
+        # memory comes before the model's, and round 0 does not wait for the compiler.
         renewing = asyncio.create_task(self._renew_lease_while_starting())
         try:
+            sparse = cfg.sparse_settings()
+            if sparse is not None:
+                log.info("preparing the %s codec's kernels (compiled on a machine's first sparse run, 5-20 s; "
+                         "cached after that)", sparse.codec.kind)
+                await asyncio.to_thread(warm_kernels, sparse.codec)
             self.workload = await asyncio.to_thread(self.workload_factory, cfg)
         finally:
             renewing.cancel()

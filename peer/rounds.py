@@ -63,7 +63,7 @@ from shoal.peer.dataplane import Inbox, Session, Transport
 from shoal.peer.links import LinkMeter
 from shoal.peer.result_digest import off_loop
 from shoal.peer.secure_round import SecureAggregation, SecureCost
-from shoal.peer.sparse import ErrorAccumulator, SparseSettings, warm_kernels
+from shoal.peer.sparse import ErrorAccumulator, SparseSettings
 from shoal.peer.state_sync import Download, SyncError, SyncResult, download_state
 from shoal.peer.workloads.base import State, Workload
 from shoal.v1 import shoal_pb2 as pb
@@ -460,8 +460,6 @@ class RoundClient:
         # fragment's residual is re-sent with that fragment's next round, never another's.
         self.feedbacks: dict[int, ErrorFeedback] = {}
         self.sparse = sparse  # the run's sparse codec and decay (compression topk / dct), or None
-        if sparse is not None:
-            warm_kernels(sparse.codec)  # before the model's buffers, not in round 0
         self.secure = secure  # secure aggregation (peer.secure_round), or None
         self.accumulator: ErrorAccumulator | None = None  # SparseLoCo's e, made at the first sparse round
         self.last_plan: Plan | None = None  # the last plan received (link probes, shm peers)

@@ -800,8 +800,13 @@ class ShoalConfig:
     def validate(self, command: str | None = None) -> None:
         """Check the sections `command` reads (every section when None); raise ConfigError
         (with `.setting`) naming the first out-of-range value."""
-        for section in COMMAND_SECTIONS.get(command or "", tuple(SECTIONS)):
+        sections = COMMAND_SECTIONS.get(command or "", tuple(SECTIONS))
+        for section in sections:
             getattr(self, section).validate()
+        if "rounds" in sections and "run" in sections and self.rounds.collective == "sparse_rs" \
+                and self.run.compression not in ("topk", "dct"):
+            raise ConfigError(f"'sparse_rs' needs a sparse run.compression (topk or dct), got "
+                              f"{self.run.compression!r}", setting="rounds.collective")
 
 
 SECTIONS: dict[str, type] = {f.name: f.type if isinstance(f.type, type) else globals()[f.type]

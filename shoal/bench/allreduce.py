@@ -220,7 +220,8 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         "--rounds", str(opts.warmup + opts.repeat), "--min-peers", str(p), "--initial-peers", str(p),
         "--ready-timeout", str(per_round), "--collective-timeout", str(per_round),
         "--chunk-timeout", str(per_round), "--lease-seconds", str(max(30.0, per_round)), "--max-attempts", "1",
-        "--collective", opts.algorithm, "--chunk-bytes", str(opts.chunk_bytes),
+        "--collective", "auto" if opts.algorithm == "sparse_rs" and compression not in SPARSE else opts.algorithm,
+        "--chunk-bytes", str(opts.chunk_bytes),
         "--bulk-chunk-bytes", str(opts.bulk_chunk_bytes), "--log-level", "warning", *codec,
         *_security_args(opts, wd, coord_host, "coordinator")])  # plaintext, like gloo, unless --tls
     addr = _wait_file(ready, deadline, procs, "coordinator", coord)

@@ -200,3 +200,13 @@ def test_removed_names_are_unknown_settings(tmp_path, section, old):
         parse([command, "--config", str(toml), "--insecure"])
     with pytest.raises(ConfigError, match="unknown setting"):
         parse([command, "--insecure"], {config.env_name(section, old): "1"})
+
+
+def test_the_sparse_reduce_scatter_needs_a_sparse_compression(tmp_path):
+    p = tmp_path / "shoal.toml"
+    p.write_text('[rounds]\ncollective = "sparse_rs"\n')
+    with pytest.raises(ConfigError, match="'sparse_rs' needs a sparse run.compression") as err:
+        config.load(str(p), {}).validate("swarm")
+    assert err.value.setting == "rounds.collective"
+    p.write_text('[rounds]\ncollective = "sparse_rs"\n[run]\ncompression = "topk"\n')
+    config.load(str(p), {}).validate("swarm")
