@@ -586,6 +586,18 @@ def _bytes_sent(swarm: Swarm) -> int:
     return total
 
 
+def _collectives(commits: list[dict], events: list[dict]) -> dict[str, int]:
+    """Committed rounds per collective (the plans' `collective` of each committed attempt, e.g.
+    {"allgather": 20}; with the sparse codecs the planner chooses between the sparse all-gather,
+    the sparse reduce-scatter and a dense all-reduce round by round)."""
+    committed = {(e["round"], e.get("attempt", 0)) for e in commits}
+    seen: dict[tuple[int, int], str] = {}
+    for e in events:
+        if e["event"] == "plan" and (e["round"], e.get("attempt", 0)) in committed and "collective" in e:
+            seen[(e["round"], e.get("attempt", 0))] = e["collective"]
+    return dict(collections.Counter(seen.values()))
+
+
 def summarize(swarm: Swarm, wall: float, baseline: float | None, chaos: "ChaosLog | None" = None, *,
               stopped_early: bool = False) -> dict:
     """The run summary (see docs/quickstart.md and docs/fault-tolerance.md for the fields).
@@ -652,6 +664,7 @@ def summarize(swarm: Swarm, wall: float, baseline: float | None, chaos: "ChaosLo
         "seed": swarm.opts.seed,
         "aggregator": swarm.opts.aggregator,
         "compression": swarm.opts.compression,
+        "collectives": _collectives(commits, events),
         "byzantine": swarm.opts.byzantine,
         "attack": swarm.opts.attack_args[1] if swarm.opts.attack_args else "",
         "rounds_with_flagged": len({e["round"] for e in commits if e.get("flagged")}),
