@@ -206,38 +206,53 @@ def _unpack_into(data, count, width, out):
 @_jit
 def decode_fields(indices, values, scales, count, chunk, k, bits, width):
     """Check and decode the bit-packed fields of a payload of `count` elements (peer.sparse wire
-    form; lengths already checked): `(status, a, b, index, value)` with index (K,) int64 global
-    indices and value (K,) float32 `±(m + 1) * scale`. status 0: fine; 1: nonzero padding bits
-    after the last index; 2: after the last value; 3: column a out of range in chunk b; 4: indices
-    not strictly increasing within chunk a."""
+    form; lengths already checked), both bitstreams read in one pass, chunk by chunk:
+    `(status, a, b, index, value)` with index (K,) int64 global indices and value (K,) float32
+    `±(m + 1) * scale`. status 0: fine; 1: nonzero padding bits after the last index; 2: after
+    the last value; 3: column a out of range in chunk b; 4: indices not strictly increasing
+    within chunk a."""
     full, rest = count // chunk, count % chunk
     chunks = full + (1 if rest else 0)
     kept = full * min(k, chunk) + min(k, rest)
     index = np.empty(kept, np.int64)
-    code = np.empty(kept, np.int64)
     value = np.empty(kept, np.float32)
-    if not _unpack_into(indices, kept, width, index):
-        return 1, 0, 0, index, value
-    if not _unpack_into(values, kept, bits, code):
-        return 2, 0, 0, index, value
-    low = (1 << (bits - 1)) - 1
+    imask, vmask = np.uint64((1 << width) - 1), np.uint64((1 << bits) - 1)
+    low, sign = np.uint64((1 << (bits - 1)) - 1), np.uint64(bits - 1)
+    ia, ih, ip = np.uint64(0), 0, 0  # index stream: pending bits, their count, next byte
+    va, vh, vp = np.uint64(0), 0, 0  # value stream
     o = 0
     for c in range(chunks):
         length = chunk if c < full else rest
-        kk = min(k, length)
         scale = scales[c]
         prev = -1
-        for j in range(o, o + kk):
-            col = index[j]
+        for _ in range(min(k, length)):
+            while ih < width:
+                ia |= np.uint64(indices[ip]) << np.uint64(ih)
+                ip += 1
+                ih += 8
+            col = np.int64(ia & imask)
+            ia >>= np.uint64(width)
+            ih -= width
+            while vh < bits:
+                va |= np.uint64(values[vp]) << np.uint64(vh)
+                vp += 1
+                vh += 8
+            code = va & vmask
+            va >>= np.uint64(bits)
+            vh -= bits
             if col >= length:
                 return 3, col, c, index, value
             if col <= prev:
                 return 4, c, 0, index, value
             prev = col
-            index[j] = c * chunk + col
-            v = (np.float32(code[j] & low) + np.float32(1.0)) * scale
-            value[j] = -v if code[j] >> (bits - 1) else v
-        o += kk
+            index[o] = c * chunk + col
+            v = (np.float32(code & low) + np.float32(1.0)) * scale
+            value[o] = -v if code >> sign else v
+            o += 1
+    if ia != 0 or ip != indices.shape[0]:  # what is left of the last byte is padding: all 0
+        return 1, 0, 0, index, value
+    if va != 0 or vp != values.shape[0]:
+        return 2, 0, 0, index, value
     return 0, 0, 0, index, value
 
 
