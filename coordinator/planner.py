@@ -1163,8 +1163,6 @@ def _plan_sparse(links: Sequence[LinkSpec], num_elements: int, dtype: int, polic
         slowest = max(min(min(l.up_bytes_per_s, l.down_bytes_per_s) for l in model), 1.0)
         bound = ((p - 1) * payload if collective == "allgather"
                  else (p - 1) / p * (payload + 4.0 * num_elements)) / slowest
-    elif forced:
-        collective = "sparse_rs"
     chunk = policy.shm_chunk_bytes if _one_host(links) else (
         policy.bulk_chunk_bytes if _all_bulk(links) else policy.chunk_bytes)
     dl = deadline_links(links, policy)

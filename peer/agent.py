@@ -505,8 +505,8 @@ class PeerAgent(StateSource):
         try:
             sparse = cfg.sparse_settings()
             if sparse is not None:
-                log.info("preparing the %s codec's kernels (compiled on a machine's first sparse run, 5-20 s; "
-                         "cached after that)", sparse.codec.kind)
+                log.info("preparing the %s codec's kernels (compiled on a machine's first sparse run: ~10 s, "
+                         "longer with several peers on few cores; under 1 s from the cache after that)", sparse.codec.kind)
                 await asyncio.to_thread(warm_kernels, sparse.codec)
             self.workload = await asyncio.to_thread(self.workload_factory, cfg)
         finally:

@@ -71,7 +71,7 @@ from shoal.peer.partition import ChunkSpan, ShardPartition
 from shoal.peer.reduction import OwnerAccumulator, OwnerReducer, distance_matrix, final_encoding
 from shoal.peer.result_digest import ResultDigest, off_loop
 from shoal.peer.sparse import (DecodedSegment, ErrorAccumulator, SegmentReader, SparseEncoded, decode_segment,
-                               segment_bounds, sum_contributions, sum_range, sum_segments, weights_of)
+                               range_end, segment_bounds, sum_contributions, sum_range, sum_segments, weights_of)
 from shoal.v1 import shoal_pb2 as pb
 
 log = logging.getLogger("shoal.peer.collectives")
@@ -657,7 +657,7 @@ class _SparseGather:
         """Participant j's next decoded segment; sums the elements every participant now covers."""
         self.decoded[j].append(segment)
         self.covered[j] = segment.first + segment.parsed.count
-        hi = min(self.covered)
+        hi = range_end(min(self.covered), self.x.size, self.sparse.accumulator.codec)
         if hi > self.summed:
             assert self.tg is not None
             self.tg.create_task(self._sum(self.summed, hi))

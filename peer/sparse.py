@@ -108,6 +108,7 @@ __all__ = [
     "is_sparse",
     "payload_length",
     "segment_bounds",
+    "range_end",
     "sum_contributions",
     "sum_range",
     "sum_segments",
@@ -298,7 +299,8 @@ class SparseSettings:
 def warm_kernels(codec: SparseCodec) -> None:
     """Compile the codec's kernels (peer.sparse_kernels), or load them from numba's cache, now:
     a peer of a sparse run calls it at start, so its first round does not wait for the compiler
-    (1-3 s per process the first time on a machine, ~0.1 s from the cache after that) and the
+    (8-9 s in one process the first time on a machine, ~25 s for four processes at once on 2
+    cores; 0.6-0.8 s from numba's cache after that) and the
     compiler's and the compiled code's memory (~150 MB, fixed: it does not grow with the model)
     is taken before the model's buffers. Runs every path a round runs, on a vector of a few
     chunks."""
@@ -630,6 +632,17 @@ def sum_segments(contributions: Sequence[Sequence[DecodedSegment]], count: int, 
                 raise InvalidArgument(f"contributions: [{i}] holds a {d.parsed.codec.kind} segment of chunk "
                                       f"{d.parsed.codec.chunk}, expected {codec.kind} of chunk {codec.chunk}")
     return _sum_parsed([[(d.first, d.parsed) for d in parts] for parts in contributions], count, codec, w, out)
+
+
+def range_end(hi: int, count: int, codec: SparseCodec) -> int:
+    """Where a range sum (`sum_range`) covering elements up to `hi` of a `count`-element vector
+    may end: `hi` itself for "topk"; for "dct" the largest multiple of 256 chunks (the inverse
+    transform's blocks, counted from element 0) not past it, or `count`, so that every peer
+    inverts the same blocks whatever ranges its arrivals cut (a transform's rounding may depend
+    on how many rows it runs at once on some builds)."""
+    if codec.kind != "dct" or hi >= count:
+        return hi
+    return hi // (_ROWS * codec.chunk) * (_ROWS * codec.chunk)
 
 
 def sum_range(contributions: Sequence[Sequence[DecodedSegment]], lo: int, hi: int, codec: SparseCodec,

@@ -17,11 +17,15 @@ as the definitions in peer.sparse's module docstring, one rounding each and no c
 byte-for-byte the payload of the numpy reference (tests/unit/test_sparse_kernels.py checks
 that, ties, zeros and non-finite values included).
 
-Selection of a chunk's k largest magnitudes (ties to the lower index), in two passes over the
-chunk: the maxima of its groups of GROUP elements give a threshold t, the k-th largest group
-maximum, which no element of the top k is below (k groups hold an element >= t); only the
-elements >= t (of the groups whose maximum is >= t: about k of them on dense data) are sorted.
-Magnitudes are compared as the int32 bits of |x|, as in peer.sparse `_select`.
+Selection of a chunk's k largest magnitudes (ties to the lower index), O(chunk) for any chunk
+and k: the maxima of its groups of GROUP elements give a threshold t0, the k-th largest group
+maximum, which no element of the top k is below (k groups hold an element >= t0); the elements
+>= t0 (of the groups whose maximum is >= t0: about k of them on dense data) are the candidates,
+in index order; with fewer groups than k every element is one. The k-th largest candidate t
+(`_kth_largest`) then keeps, in one pass in index order, every candidate above t and the first
+of those equal to it. Magnitudes are compared as the int32 bits of |x| (sign bit cleared): IEEE
+754 orders the bit patterns of non-negative floats as their values, and NaN and inf have the
+largest, so a chunk holding one has it among its candidates.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-GROUP = 8
+GROUP = 32
 """Elements per group of the selection's first pass (module docstring)."""
 
 _MAGNITUDE = 0x7FFFFFFF
@@ -37,7 +41,17 @@ _INF_BITS = 0x7F800000
 _TINY = np.float32(np.finfo(np.float32).smallest_subnormal)
 _F32_MAX = float(np.finfo(np.float32).max)
 
-_jit = nb.njit(cache=True, nogil=True)
+
+
+def _jit(fn):
+    """numba.njit(nogil=True), its machine code cached on disk (beside this module, else in
+    numba's user cache, ~/.cache/numba; NUMBA_CACHE_DIR moves it); compiled in every process
+    instead where no cache directory is writable (a read-only container without a home), which
+    numba refuses at decoration time."""
+    try:
+        return nb.njit(cache=True, nogil=True)(fn)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return nb.njit(nogil=True)(fn)
 
 
 @_jit
@@ -51,61 +65,70 @@ def _float32_step(x, up):
 
 
 @_jit
-def _keep(buf, bits_of, length, kk, bits, gm, cm, ci, cols, codes, o):
+def _kth_largest(a, count, kk, scratch):
+    """The kk-th largest of `a[:count]` (int32, 1 <= kk <= count); `a` is not changed. Small kk:
+    a descending list of the kk largest in `scratch` (one comparison per element once it is
+    full); else a partition of a copy, O(count) either way."""
+    if kk <= 16:
+        for j in range(kk):
+            scratch[j] = -1
+        for i in range(count):
+            v = a[i]
+            if v > scratch[kk - 1]:
+                t = kk - 2
+                while t >= 0 and scratch[t] < v:
+                    scratch[t + 1] = scratch[t]
+                    t -= 1
+                scratch[t + 1] = v
+        return scratch[kk - 1]
+    return np.partition(a[:count].copy(), count - kk)[count - kk]
+
+
+@_jit
+def _keep(buf, bits_of, length, kk, bits, gm, cm, ci, scratch, cols, codes, o):
     """Select and quantize one chunk held in `buf[:length]` (`bits_of`: its int32 view): writes
     the `kk` kept columns (ascending) and codes at `cols[o:]`, `codes[o:]`. Returns the chunk's
     scale, or -1.0 when the chunk holds NaN or inf (nothing written that counts)."""
+    groups = -(-length // GROUP)
     cnt = 0
-    if length % GROUP != 0 or length < GROUP * kk:
-        for i in range(length):
-            cm[i] = bits_of[i] & _MAGNITUDE
-            ci[i] = i
-        cnt = length
-    else:
-        groups = length // GROUP
+    if groups >= kk:  # candidates: the elements >= the kk-th largest group maximum
         for g in range(groups):
             mx = 0
-            for v in bits_of[g * GROUP:(g + 1) * GROUP]:
+            for v in bits_of[g * GROUP:min(length, (g + 1) * GROUP)]:
                 w = v & _MAGNITUDE
                 mx = w if w > mx else mx
             gm[g] = mx
-        # t: the kk-th largest group maximum (an insertion list of the kk largest, descending)
-        top = cm  # scratch: overwritten by the candidates below
-        for j in range(kk):
-            top[j] = -1
-        for g in range(groups):
-            v = gm[g]
-            if v > top[kk - 1]:
-                t = kk - 2
-                while t >= 0 and top[t] < v:
-                    top[t + 1] = top[t]
-                    t -= 1
-                top[t + 1] = v
-        t0 = top[kk - 1]
+        t0 = _kth_largest(gm, groups, kk, scratch)
         for g in range(groups):
             if gm[g] >= t0:
-                for i in range(g * GROUP, g * GROUP + GROUP):
+                for i in range(g * GROUP, min(length, g * GROUP + GROUP)):
                     m = bits_of[i] & _MAGNITUDE
                     cm[cnt] = m
                     ci[cnt] = i
                     cnt += 1 if m >= t0 else 0  # branch-free: the slot is reused when not kept
-    # the candidates by magnitude, descending; a stable sort keeps ties in index order
-    for j in range(1, cnt):
-        vm, vi, t = cm[j], ci[j], j - 1
-        while t >= 0 and cm[t] < vm:
-            cm[t + 1] = cm[t]
-            ci[t + 1] = ci[t]
-            t -= 1
-        cm[t + 1] = vm
-        ci[t + 1] = vi
-    if cm[0] >= _INF_BITS:  # NaN and inf have the largest magnitude bits
+    else:  # fewer groups than kept elements: every element is a candidate
+        for i in range(length):
+            cm[i] = bits_of[i] & _MAGNITUDE
+            ci[i] = i
+        cnt = length
+    # the candidates are in index order; keep those above the kk-th largest t and the first of
+    # those equal to it (ties to the lower index), in index order
+    t = _kth_largest(cm, cnt, kk, scratch)
+    above = 0
+    top = 0
+    for j in range(cnt):
+        above += 1 if cm[j] > t else 0
+        top = cm[j] if cm[j] > top else top
+    if top >= _INF_BITS:  # NaN and inf have the largest magnitude bits
         return np.float32(-1.0)
-    for j in range(1, kk):  # the kk winners by index
-        vi, t = ci[j], j - 1
-        while t >= 0 and ci[t] > vi:
-            ci[t + 1] = ci[t]
-            t -= 1
-        ci[t + 1] = vi
+    ties = kk - above
+    w = 0
+    for j in range(cnt):
+        m = cm[j]
+        if m > t or (m == t and ties > 0):
+            ties -= 1 if m == t else 0
+            ci[w] = ci[j]
+            w += 1
     levels = 1 << (bits - 1)
     absmax = 0.0
     for j in range(kk):
@@ -138,7 +161,7 @@ def _outputs(count, chunk, k):
     kept = full * min(k, chunk) + min(k, rest)
     return (chunks, np.empty(kept, np.int64), np.empty(kept, np.uint8), np.empty(chunks, np.float32),
             np.empty(chunk, np.float32), np.empty(chunk // GROUP + 1, np.int32), np.empty(chunk, np.int32),
-            np.empty(chunk, np.int64))
+            np.empty(chunk, np.int64), np.empty(chunk, np.int32))
 
 
 @_jit
@@ -147,7 +170,7 @@ def encode_error_fed(e, delta, beta, lo, hi, chunk, k, bits):
     `+ delta[i]`, one rounding each), chunks from lo: `(cols, codes, scales, bad)`: (K,) int64
     columns within their chunk, (K,) uint8 codes, (chunks,) float32 scales; bad = the first
     element of the first chunk holding NaN or inf, else -1 (the other arrays then incomplete)."""
-    chunks, cols, codes, scales, buf, gm, cm, ci = _outputs(hi - lo, chunk, k)
+    chunks, cols, codes, scales, buf, gm, cm, ci, scratch = _outputs(hi - lo, chunk, k)
     bits_of = buf.view(np.int32)
     o = 0
     for c in range(chunks):
@@ -157,7 +180,7 @@ def encode_error_fed(e, delta, beta, lo, hi, chunk, k, bits):
         eb, db = e[a:a + length], delta[a:a + length]
         for i in range(length):
             buf[i] = eb[i] * beta + db[i]
-        scale = _keep(buf, bits_of, length, kk, bits, gm, cm, ci, cols, codes, o)
+        scale = _keep(buf, bits_of, length, kk, bits, gm, cm, ci, scratch, cols, codes, o)
         if scale < 0:
             return cols, codes, scales, a
         scales[c] = scale
@@ -168,15 +191,17 @@ def encode_error_fed(e, delta, beta, lo, hi, chunk, k, bits):
 @_jit
 def encode_values(x, chunk, k, bits):
     """`encode_error_fed` of the values `x` themselves ((n,) float32; chunks from element 0)."""
-    chunks, cols, codes, scales, buf, gm, cm, ci = _outputs(x.shape[0], chunk, k)
+    chunks, cols, codes, scales, buf, gm, cm, ci, scratch = _outputs(x.shape[0], chunk, k)
     bits_of = buf.view(np.int32)
     o = 0
     for c in range(chunks):
         a = c * chunk
         length = min(chunk, x.shape[0] - a)
         kk = min(k, length)
-        buf[:length] = x[a:a + length]
-        scale = _keep(buf, bits_of, length, kk, bits, gm, cm, ci, cols, codes, o)
+        xb = x[a:a + length]
+        for i in range(length):
+            buf[i] = xb[i]
+        scale = _keep(buf, bits_of, length, kk, bits, gm, cm, ci, scratch, cols, codes, o)
         if scale < 0:
             return cols, codes, scales, a
         scales[c] = scale

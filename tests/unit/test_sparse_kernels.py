@@ -119,8 +119,8 @@ def _cases(seed: int, count: int):
     rng = np.random.default_rng(seed)
     for trial in range(count):
         n = int(rng.integers(1, 6000))
-        chunk = int(rng.choice([1, 2, 31, 32, 64, 100, 256, 1024]))
-        k = int(rng.integers(1, min(chunk, 70) + 1))
+        chunk = int(rng.choice([1, 2, 31, 32, 64, 100, 256, 1024, 4100]))
+        k = int(rng.integers(1, min(chunk, 70) + 1)) if trial % 3 else int(rng.integers(1, chunk + 1))
         bits = int(rng.integers(2, 9))
         x = (rng.standard_normal(n) * 10.0 ** float(rng.integers(-44, 37))).astype(np.float32)
         kind = trial % 5

@@ -188,3 +188,14 @@ def test_sum_segments_refuses_gaps_and_other_codecs():
         sum_segments([parts], n, SparseCodec("dct", 100, 5, 2))
     with pytest.raises(InvalidArgument, match="out: expected a \\(1000,\\) float32"):
         sum_segments([parts], n, codec, out=np.zeros(n, np.float64))
+
+
+def test_a_dct_range_sum_ends_on_the_inverse_transforms_blocks():
+    """Ranges of a "dct" sum end on multiples of 256 chunks (or the vector's end), so every peer
+    inverts the same blocks whatever its arrivals cut; "topk" ranges end anywhere."""
+    dct, topk = SparseCodec("dct", 64, 4, 3), SparseCodec("topk", 64, 4, 3)
+    block = 256 * 64
+    assert sparse.range_end(block + 640, 10 * block, topk) == block + 640
+    assert sparse.range_end(block + 640, 10 * block, dct) == block
+    assert sparse.range_end(640, 10 * block, dct) == 0
+    assert sparse.range_end(10 * block, 10 * block, dct) == 10 * block
