@@ -14,12 +14,10 @@ raise RuntimeError (the process exited first, its log's tail in the message) or 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,39 +37,15 @@ def tail(path: pathlib.Path, lines: int = 20) -> str:
         return ""
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _child_setup(nice: int) -> Callable[[], None]:
-    """What a spawned child runs before exec: its niceness, and on Linux PR_SET_PDEATHSIG
-    (prctl(2)) so that the kernel sends it SIGKILL when the thread that started it dies: a run
-    killed -9 (a test's timeout, an operator's kill) takes its coordinator and peers with it
-    instead of leaving them running in their own sessions. Children are started from the main
-    thread (the swarm, the benchmarks), which lives as long as the run."""
-    libc = None
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            libc = ctypes.CDLL(None, use_errno=True)
-
-    def setup() -> None:
-        if libc is not None:
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if nice:
-            os.nice(nice)
-
-    return setup
-
-
 def spawn(argv: list[str], log_path: pathlib.Path, *, env: dict[str, str] | None = None, cwd: str | None = None,
           nice: int = 0, popen: Callable[..., subprocess.Popen] = subprocess.Popen, mode: str = "ab") -> subprocess.Popen:
     """Start `argv` in a new session (its own process group), stdin closed, stdout and stderr
-    appended to `log_path` (`mode` "wb": truncated first), killed by the kernel if this process
-    dies first (`_child_setup`). `env`: the whole environment (None: this process's). `popen`:
-    how to start it (a network bed's `popen` runs it in a namespace)."""
+    appended to `log_path` (`mode` "wb": truncated first). `env`: the whole environment (None:
+    this process's). `popen`: how to start it (a network bed's `popen` runs it in a namespace)."""
     out = open(log_path, mode)
     try:
         return popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd, env=env,
-                     start_new_session=True, preexec_fn=_child_setup(nice))
+                     start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
     finally:
         out.close()
 
