@@ -394,7 +394,7 @@ def encode(x: np.ndarray, codec: SparseCodec) -> SparseEncoded:
         raise InvalidArgument(f"codec: expected a SparseCodec, got {type(codec).__name__}")
     n = int(x.shape[0])
     if codec.kind == "topk":
-        return _payload(codec, n, *_kernels().encode_values(x, codec.chunk, codec.k, codec.bits), end=n)
+        return _payload(codec, n, *_kernels().encode_values(np.ascontiguousarray(x), codec.chunk, codec.k, codec.bits), end=n)
     return _encode_dct(n, lambda lo, hi: x[lo:hi], codec)
 
 
