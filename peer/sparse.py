@@ -394,7 +394,9 @@ def encode(x: np.ndarray, codec: SparseCodec) -> SparseEncoded:
         raise InvalidArgument(f"codec: expected a SparseCodec, got {type(codec).__name__}")
     n = int(x.shape[0])
     if codec.kind == "topk":
-        return _payload(codec, n, *_kernels().encode_values(np.ascontiguousarray(x), codec.chunk, codec.k, codec.bits), end=n)
+        # The kernel views x as int32, which needs x contiguous.
+        fields = _kernels().encode_values(np.ascontiguousarray(x), codec.chunk, codec.k, codec.bits)
+        return _payload(codec, n, *fields, end=n)
     return _encode_dct(n, lambda lo, hi: x[lo:hi], codec)
 
 

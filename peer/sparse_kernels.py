@@ -7,9 +7,9 @@ Why compiled: over a 400 MB pseudo-gradient the numpy forms of these steps make 
 the block's size at every step (β·e + Δ, the magnitude bits, the partition, the selection mask)
 and walk memory five times; the kernels walk e and Δ once, a chunk at a time in cache, and touch
 only the kept entries after that. Per 10^8 elements at C 1,024, k 10, 2 bits, one core of the
-2-core development machine: the error-fed encode 0.11 s and the encode of the values alone
-0.16 s (the numpy form, kept as the reference in tests/unit/test_sparse_kernels.py: 0.34 s),
-the checked decode of one contribution 0.021 s (numpy: 0.040 s); `scripts/sparse_codec_speed.py
+2-core development machine: the error-fed encode 0.11 s (the numpy form, kept as the reference
+in tests/unit/test_sparse_kernels.py: 0.34 s), the encode of the values alone 0.16 s, the
+checked decode of one contribution 0.021 s (numpy: 0.040 s); `scripts/sparse_codec_speed.py
 --sizes 1e8 --chunk 1024 --k 10 --bits 2 --kinds topk --repeat 3` times the codec.
 
 Exactness: every kernel computes the same IEEE float32 (and float64, for the scales) operations
