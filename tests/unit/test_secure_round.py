@@ -10,9 +10,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-from scipy import stats
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from kits.uniformity import assert_bytes_uniform
 from shoal.common.errors import InvalidArgument
 from shoal.common.plan import Plan
 from shoal.common.tensors import result_digest
@@ -278,7 +278,7 @@ def test_what_one_peer_and_the_coordinator_receive_in_a_secure_attempt_reveals_n
     plain = quantize(sw.xs[1], PARAMS)
     for off, row in rows.values():  # a constant input, a uniform row: nothing of the value shows
         assert row.dtype == np.uint32 and not np.array_equal(row, plain[off:off + row.size])
-        assert stats.chisquare(np.bincount(row.view(np.uint8), minlength=256)).pvalue > 1e-4
+        assert_bytes_uniform(row)
     gathered = [v for s, phase, off, v in seen_by_0 if phase == pb.ALL_GATHER]
     assert gathered  # the other shards' masked sums, which unmask only with every seed
 
@@ -294,7 +294,7 @@ def test_what_one_peer_and_the_coordinator_receive_in_a_secure_attempt_reveals_n
     total = np.zeros(n // p, dtype=np.uint32)
     for j, (off, row) in rows.items():
         unseeded = row - prg(seeds[j], n)[off:off + row.size]
-        assert stats.chisquare(np.bincount(unseeded.view(np.uint8), minlength=256)).pvalue > 1e-4
+        assert_bytes_uniform(unseeded)
         total[off:off + row.size] += unseeded
     assert sw.secure[0].cost.revealed == p
     plain_sum = np.sum([quantize(x, PARAMS)[:n // p] for x in sw.xs], axis=0, dtype=np.uint32)
