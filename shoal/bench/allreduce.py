@@ -22,6 +22,11 @@ namespaces stand for separate hosts. Between hosts (and on loopback without shar
 take the bulk TCP lane (`peer.lanes.bulk`, ``lane`` "tcp"; over mutual TLS with ``--tls``: "tcp-tls"),
 or gRPC streams with ``--no-tcp-lane`` (``lane`` "socket").
 
+Every measured round must commit at its first attempt (the coordinator runs with one attempt and
+deadlines of 30x the bound): the jobs run with ``--stop-on-abort``, so an aborted attempt (a
+peer whose collective raises, a chunk that never comes) fails the bench at once with the round
+and the coordinator's reason, rather than at ``--timeout``.
+
 Accounting: ``cpu_seconds_median`` is the CPU time (all threads) of all participants in one timed
 round, summed, median over rounds; for gloo (``baseline.cpu_seconds_median``) the ranks' CPU time
 inside ``all_reduce``. ``peak_rss_bytes_max`` is the largest peak resident size (VmHWM) of a
@@ -231,7 +236,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
         argv = [sys.executable, "-m", "shoal.bench.collective_job", "--coordinator", addr, "--rank", str(r),
                 "--size", str(n), "--key", str(wd / f"job-{r}.key"), "--out", str(out),
                 "--listen", f"{hosts[r]}:0", "--timeout", str(max(60.0, deadline - time.monotonic())),
-                "--no-save", *_security_args(opts, wd, coord_host, "peer")]
+                "--no-save", "--stop-on-abort", *_security_args(opts, wd, coord_host, "peer")]
         if opts.shaped or not shared_memory:  # shaped namespaces stand for separate hosts
             argv.append("--no-shared-memory")
         if not opts.tcp_lane:

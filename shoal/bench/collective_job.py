@@ -23,6 +23,9 @@ peak within the window when `peak_reset`, else the lifetime peak so far)). The r
 With `--aggregators krum,median,...` shard owners run those aggregators (round r uses entry
 r mod len; the coordinator must plan the butterfly); `--attack NAME` makes this process send
 forged tensors (peer.testing.byzantine). Every round's result is saved in PATH.npz (key "r<round>").
+With `--stop-on-abort` (what `shoal bench` passes: a measured round must commit at its first
+attempt) the job exits 3 at the first aborted attempt, naming the round and the coordinator's
+reason, instead of playing the round again until `--timeout`.
 """
 
 from __future__ import annotations
@@ -30,18 +33,21 @@ from __future__ import annotations
 import argparse
 import logging
 import asyncio
+import contextlib
 import functools
 import gc
 import json
+import sys
 import time
 
 import numpy as np
 
+from shoal.common.attempts import shown_attempt
 from shoal.common.plan import Plan
 from shoal.common.security import Security
 from shoal.peer.agent import PeerAgent, PeerConfig
 from shoal.peer.contribution import Forgery, SumContribution
-from shoal.peer.rounds import CollectiveRecord, Outcome, RoundListener, RoundOutcome
+from shoal.peer.rounds import Aborted, CollectiveRecord, Outcome, RoundListener, RoundOutcome
 from shoal.peer.training import RunConfig
 from shoal.peer.workloads.base import ArrayWorkload
 
@@ -52,6 +58,12 @@ FINISH_LINGER_SECONDS = 0.5
 # set by one result per round over the first rounds, and each of those rounds pays for fresh
 # pages (page faults, ~100 ms of CPU per 64 MB on a busy host) while the timed collectives run.
 HELD_STATES = 1
+EXIT_ABORTED = 3  # --stop-on-abort: an attempt was aborted
+
+
+class JobAborted(RuntimeError):
+    """An attempt was aborted while the job ran with `stop_on_abort` (the message names the
+    round, the attempt and the coordinator's reason)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -136,6 +148,7 @@ class JobReport(RoundListener):
         self.windows: list[dict] = []  # per plan, until the next one (`memory_window`)
         self._window: dict | None = None
         self.peak_before_plans = 0  # peak resident bytes before the first plan
+        self.first_abort: asyncio.Future[Aborted] | None = None  # set by run_job with stop_on_abort
 
     def on_plan(self, plan: Plan) -> None:
         rss, peak = memory_bytes()
@@ -168,6 +181,12 @@ class JobReport(RoundListener):
                 secure_bytes_sent=rec.secure.bytes_sent, secure_bytes_received=rec.secure.bytes_received,
                 secure_seconds=rec.secure.seconds, secure_revealed=rec.secure.revealed)
 
+    def on_abort(self, ev: Aborted) -> None:
+        self.report.setdefault("aborts", []).append({"round": ev.round, "attempt": ev.attempt, "reason": ev.reason,
+                                                     "excluded": list(ev.excluded), "will_retry": ev.will_retry})
+        if self.first_abort is not None and not self.first_abort.done():
+            self.first_abort.set_result(ev)
+
     def on_outcome(self, outcome: RoundOutcome) -> None:
         if outcome.kind is Outcome.COMMITTED and self.keep_results and self.workload is not None:
             self.report["results"][f"r{outcome.round}"] = self.workload.state.params
@@ -177,14 +196,15 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                   listen: str = "127.0.0.1:0", timeout: float = 120.0, security: Security | None = None,
                   join_token: str = "", aggregators: tuple[str, ...] = (), attack: str = "",
                   keep_results: bool = True, shared_memory: bool = True, tcp_lane: bool = True,
-                  relay: str | None = None, bulk_connections: int = 16) -> dict:
+                  relay: str | None = None, bulk_connections: int = 16, stop_on_abort: bool = False) -> dict:
     """Play rounds until the coordinator finishes the run; returns the report dict (module
     docstring) plus `last_result` (the last committed sum) and `results` (every committed
     round's sum when `keep_results`).
 
     Failure semantics are the peer agent's: aborted rounds are retried, a job left out of a
-    round syncs the committed sum from the others. Raises TimeoutError after `timeout` seconds,
-    or what the agent raises (e.g. a refused join).
+    round syncs the committed sum from the others; with `stop_on_abort` the first aborted attempt
+    raises JobAborted instead. Raises TimeoutError after `timeout` seconds, or what the agent
+    raises (e.g. a refused join).
     """
     rss_baseline = memory_bytes()[0]  # before any tensor: what the collective and its inputs add is on top
     contribution = SumContribution(aggregators, Forgery(attack, None, np.random.default_rng(rank)))
@@ -202,7 +222,19 @@ async def run_job(coordinator: str, rank: int, size: int, dtype: str, key_path: 
                         freeze_heap=True)
     agent = PeerAgent(config, workload, contribution=contribution, listeners=[listener])
     async with asyncio.timeout(timeout):
-        await agent.run()
+        if not stop_on_abort:
+            await agent.run()
+        else:
+            listener.first_abort = asyncio.get_running_loop().create_future()
+            run = asyncio.ensure_future(agent.run())
+            await asyncio.wait({run, listener.first_abort}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                ev = listener.first_abort.result()
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await run
+                raise JobAborted(f"round {ev.round}.{shown_attempt(ev.attempt)} aborted: {ev.reason}")
+            run.result()
     report, st = listener.report, listener.workload.state
     listener.close_window()
     report["peer_id"] = agent.peer_id
@@ -245,6 +277,8 @@ def main() -> None:
                     help="send chunks to peers on other hosts on gRPC, not on the bulk lane (peer.lanes.bulk)")
     ap.add_argument("--bulk-connections", type=int, default=16,
                     help="most TCP connections of the bulk lane to one peer (peer.lanes.pool)")
+    ap.add_argument("--stop-on-abort", action="store_true",
+                    help=f"exit {EXIT_ABORTED} at the first aborted attempt instead of playing the round again")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                     help="log level of this job's stderr (the bench passes its own)")
     a = ap.parse_args()
@@ -258,10 +292,14 @@ def main() -> None:
         run = uvloop.run
     except ImportError:  # pragma: no cover
         run = asyncio.run
-    report = run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout, security,
-                         a.join_token, aggs, a.attack, keep_results=not a.no_save,
-                         shared_memory=not a.no_shared_memory, tcp_lane=not a.no_tcp_lane, relay=a.relay,
-                         bulk_connections=a.bulk_connections))
+    try:
+        report = run(run_job(a.coordinator, a.rank, a.size, a.dtype, a.key, a.seed, a.listen, a.timeout, security,
+                             a.join_token, aggs, a.attack, keep_results=not a.no_save,
+                             shared_memory=not a.no_shared_memory, tcp_lane=not a.no_tcp_lane, relay=a.relay,
+                             bulk_connections=a.bulk_connections, stop_on_abort=a.stop_on_abort))
+    except JobAborted as exc:
+        print(f"collective_job: {exc}", file=sys.stderr)
+        sys.exit(EXIT_ABORTED)
     result = report.pop("last_result", None)
     results = report.pop("results")
     if result is not None and not a.no_save:

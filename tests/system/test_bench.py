@@ -139,3 +139,24 @@ def test_collective_figure_runs_from_the_last_plan_to_the_last_result():
     assert fig["plan_skew_seconds_median"] == pytest.approx(0.1)
     # A job without wall-clock times (an older collective_job): no figure rather than a wrong one.
     assert _collective_figure({1: [{"started_at": 1.0, "ended_at": 2.0}, {}]}, [1], 1.0) == {}
+
+
+def test_a_job_that_stops_on_abort_exits_naming_the_round_and_the_reason(procs):
+    """`shoal bench` starts its jobs with --stop-on-abort: a measured round must commit at its
+    first attempt. With one job stopped (SIGSTOP) in its reduce-scatter, the others' attempt is
+    aborted at the chunk timeout; they exit 3 at once, naming the round and the reason, instead
+    of playing the round again until their --timeout (120 s here)."""
+    _, addr = procs.coordinator("--rounds", "3", "--min-peers", "3", "--initial-peers", "3", "--max-attempts", "1",
+                                "--collective", "ring", "--chunk-timeout", "2", "--collective-timeout", "10")
+    jobs = [procs.start(f"job-{r}", [sys.executable, "-m", "shoal.bench.collective_job", "--coordinator", addr,
+                                     "--rank", str(r), "--size", "200000", "--key", str(procs.workdir / f"k{r}"),
+                                     "--out", str(procs.workdir / f"job-{r}.json"), "--timeout", "120",
+                                     "--no-save", "--stop-on-abort"],
+                        env={"SHOAL_FAULT": "rs:stop@1"} if r == 2 else None)
+            for r in range(3)]
+    for j in jobs[:2]:
+        assert procs.wait_exit(j, 90) == 3, procs.log(j.name)
+        log = procs.log(j.name)
+        assert "collective_job: round 1.0 aborted: " in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+    assert jobs[2].poll() is None  # still stopped; the procs fixture kills it
