@@ -7,14 +7,16 @@ import pathlib
 import subprocess
 import sys
 
+from kits.procs import run_to_end
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def shoal(*argv: str, cwd: pathlib.Path = ROOT, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    """Run `shoal ARGV...` to the end (raises subprocess.TimeoutExpired after `timeout` s);
-    keywords such as env go to subprocess.run."""
-    return subprocess.run([sys.executable, "-m", "shoal.cli", *argv], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, **kw)
+    """Run `shoal ARGV...` to the end (raises subprocess.TimeoutExpired after `timeout` s, the
+    command stopped with SIGTERM first: kits.procs.run_to_end); keywords such as env go to
+    subprocess.Popen."""
+    return run_to_end([sys.executable, "-m", "shoal.cli", *argv], cwd=cwd, timeout=timeout, **kw)
 
 
 def one_line(text: str) -> str:

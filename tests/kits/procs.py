@@ -68,6 +68,32 @@ class Procs(ProcessGroup):
         return p, self.wait_file(ready, 30, p)
 
 
+TERM_GRACE_S = 30.0  # SIGTERM -> SIGKILL for a command past its timeout (`run_to_end`)
+
+
+def run_to_end(argv: list[str], *, timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw) for a command
+    that starts processes of its own (`shoal swarm`, `shoal bench`, an example): past `timeout`
+    it gets SIGTERM first, as a supervisor sends it, so that it stops what it started (each in
+    its own process group, out of reach of a kill of the command alone), then SIGKILL after
+    TERM_GRACE_S seconds; subprocess.TimeoutExpired is raised either way. Keywords go to
+    subprocess.Popen (cwd, env)."""
+    kw.pop("capture_output", None)
+    kw.pop("text", None)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                out, err = proc.communicate(timeout=TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def read_json(path: pathlib.Path) -> dict:
     return json.loads(path.read_text())
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+from kits.procs import run_to_end
 
 # Starts `shoal bench` as a process (and network namespaces): the integration tier (pyproject markers).
 pytestmark = pytest.mark.integration
@@ -22,7 +23,7 @@ FIELDS = ("algorithm", "seconds_median", "algbw_GBps", "busbw_GBps", "bound_seco
 
 
 def bench(*flags: str, timeout: float = 120) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", *flags, "--json"], cwd=ROOT,
+    proc = run_to_end([sys.executable, "-m", "shoal.cli", "bench", "allreduce", *flags, "--json"], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [l for l in proc.stdout.splitlines() if l.strip()]
@@ -88,7 +89,7 @@ def test_tls_run_and_runs_without_shared_memory_report_their_lane(tmp_path):
 
 
 def test_bad_link_lists_are_usage_errors():
-    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--peers", "3", "--up-mbit",
+    proc = run_to_end([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--peers", "3", "--up-mbit",
                            "10,20", "--down-mbit", "10,20,30", "--json"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "entries" in proc.stderr
@@ -97,7 +98,7 @@ def test_bad_link_lists_are_usage_errors():
                        (["--link-mbit", "10", "--tcp-congestion", "nosuch"], "--tcp-congestion: this kernel has no"),
                        (["--warmup", "0"], "--warmup must be >= 1"),
                        (["--bulk-chunk-bytes", str(8 << 20)], "--bulk-chunk-bytes must be in 1024..")):
-        proc = subprocess.run([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--peers", "2", *flags,
+        proc = run_to_end([sys.executable, "-m", "shoal.cli", "bench", "allreduce", "--peers", "2", *flags,
                                "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr
 

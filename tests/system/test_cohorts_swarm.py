@@ -3,20 +3,20 @@ members, learn of the commit and sync. Pure engine, explicit times, no sockets."
 
 from __future__ import annotations
 
-
 import pytest
+
+from kits.procs import run_to_end
 
 
 @pytest.mark.integration
 def test_swarm_with_cohorts_commits_every_round_with_k_participants(tmp_path):
     import json
-    import subprocess
     import sys
 
     from shoal.coordinator.store import SQLiteStore
 
     summary = tmp_path / "s.json"
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "5", "--cohort-size", "3", "--rounds", "8",
          "--algorithm", "fedavg", "--summary", str(summary), "--no-progress", "--workdir", str(tmp_path / "wd")],
         capture_output=True, text=True, timeout=300)

@@ -6,10 +6,11 @@ the committed rounds, own no shard, and every digest agrees; also with mutual TL
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
+
+from kits.procs import run_to_end
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 def test_outbound_only_peers_take_part_in_committed_rounds(tmp_path, security):
     path, summary, wd = tmp_path / "scenario.toml", tmp_path / "s.json", tmp_path / "wd"
     path.write_text("[[peer]]\n[[peer]]\noutbound_only = true\n[[peer]]\n[[peer]]\noutbound_only = true\n")
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--scenario", str(path), "--summary", str(summary),
          "--no-progress", "--workdir", str(wd), "--timeout", "400", "--peers", "4", "--rounds", "12",
          *(["--tls"] if security == "tls" else [])],

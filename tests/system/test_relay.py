@@ -24,7 +24,7 @@ from shoal.bench.collective_job import make_input
 from shoal.common.identity import public_bytes
 from shoal.relay.protocol import register_line
 from shoal.peer.lanes.relay import RelayLink
-from kits.procs import read_json
+from kits.procs import read_json, run_to_end
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -104,7 +104,7 @@ def test_relay_splices_a_registered_peer_and_refuses_a_forged_registration(procs
 def test_a_relay_that_alters_a_chunk_is_blamed_and_no_peer_is_excluded(tmp_path, fault):
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
     env = {**os.environ, "SHOAL_FAULT_RELAY": fault}  # only the relay reads it
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--relay", "--peers", "3", "--rounds", "6", "--summary",
          str(summary), "--no-progress", "--workdir", str(wd), "--timeout", "400"],
         capture_output=True, text=True, timeout=540, env=env)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from kits.cli import one_line_error, shoal
-from kits.procs import read_json
+from kits.procs import read_json, run_to_end
 from shoal import cli
 from shoal.bench.collective_job import make_input
 from shoal.peer.secagg import SecAggParams, dequantize, quantize
@@ -128,7 +127,7 @@ def test_a_secure_fedavg_swarm_goes_on_through_a_drop_after_and_one_before_sendi
     round 6 after one retry with four; the swarm carries on without them (a peer killed as its
     scenario says is no failure of the run) and commits all 10 rounds, 0 digest mismatches."""
     summary = tmp_path / "s.json"
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--algorithm", "fedavg", "--peers", "6", "--rounds", "10",
          "--secure-aggregation", "--scenario", str(SCENARIOS / "secure-dropouts.toml"), "--summary", str(summary),
          "--workdir", str(tmp_path / "wd"), "--no-progress", "--timeout", "240"],

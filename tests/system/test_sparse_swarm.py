@@ -4,11 +4,11 @@ on the sparse all-gather; every peer ends with the same state, at a small fracti
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from kits.procs import run_to_end
 from shoal.peer.sparse import SparseCodec
 from kits.events import aborts_not_from_host_stalls
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 def test_swarm_with_topk_payloads_commits_every_round_at_the_payload_bytes(tmp_path):
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
     peers, rounds = 3, 2
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--peers", str(peers), "--rounds", str(rounds),
          "--compression", "topk", "--sparse-k", "64", "--sparse-bits", "2", "--summary", str(summary),
          "--no-progress", "--workdir", str(wd)],
@@ -46,7 +46,7 @@ def test_swarm_on_the_sparse_reduce_scatter_commits_every_round_at_its_bytes(tmp
 
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
     peers, rounds = 3, 2
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--peers", str(peers), "--rounds", str(rounds),
          "--compression", "topk", "--sparse-k", "64", "--sparse-bits", "2", "--sparse-chunk", "1024",
          "--collective", "sparse_rs", "--summary", str(summary), "--no-progress", "--workdir", str(wd)],

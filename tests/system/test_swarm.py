@@ -8,13 +8,15 @@ import sys
 
 import pytest
 
+from kits.procs import run_to_end
+
 # Starts `shoal swarm` as a process: the integration tier (pyproject markers).
 pytestmark = pytest.mark.integration
 
 
 def test_swarm_end_to_end(tmp_path):
     summary = tmp_path / "s.json"
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "3", "--rounds", "5", "--summary", str(summary),
          "--no-progress", "--workdir", str(tmp_path / "wd")],
         capture_output=True, text=True, timeout=180)
@@ -67,7 +69,7 @@ def test_scenario_a_peer_back_from_local_work_syncs_once_and_commits_again(tmp_p
     # that on a quiet machine the others are still committing when it comes back
     scenario.write_text('[[event]]\nat = 20.0\naction = "local-work"\npeer = 2\nseconds = 8.0\n')
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "3", "--rounds", "1200", "--ready-timeout", "1", "--scenario", str(scenario),
          "--summary", str(summary), "--no-progress", "--workdir", str(wd), "--log-level", "warning"],
         capture_output=True, text=True, timeout=900)

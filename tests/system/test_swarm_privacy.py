@@ -7,7 +7,6 @@ would exceed it."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ pytest.importorskip("dp_accounting", reason="the privacy extra (dp-accounting) i
 from dp_accounting import dp_event  # noqa: E402
 from dp_accounting.rdp import RdpAccountant  # noqa: E402
 
+from kits.procs import run_to_end
 from shoal.common.privacy import RDP_ORDERS  # noqa: E402
 
 
@@ -27,7 +27,7 @@ def library_epsilon(sigma: float, rounds: int, delta: float) -> float:
 
 def swarm(tmp_path, *args: str) -> dict:
     summary = tmp_path / "s.json"
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "3", "--algorithm", "fedavg", "--inner-steps", "10",
          "--max-norm", "2", "--dp-mode", "distributed", "--summary", str(summary), "--no-progress",
          "--workdir", str(tmp_path / "wd"), *args],

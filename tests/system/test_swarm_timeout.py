@@ -4,12 +4,12 @@ the rounds done, `timed_out`, and a baseline for the steps actually done (or non
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 
 import pytest
 
+from kits.procs import run_to_end
 from shoal.coordinator.store import SQLiteStore
 
 # Starts `shoal swarm` as a process: the integration tier (pyproject markers).
@@ -21,7 +21,7 @@ INNER_STEPS = 10
 def test_a_timed_out_swarm_summarizes_what_it_did(tmp_path):
     summary, wd = tmp_path / "s.json", tmp_path / "wd"
     t0 = time.monotonic()
-    proc = subprocess.run(
+    proc = run_to_end(
         [sys.executable, "-m", "shoal.cli", "swarm", "--peers", "2", "--rounds", "100000", "--timeout", "20",
          "--inner-steps", str(INNER_STEPS), "--summary", str(summary), "--no-progress", "--workdir", str(wd)],
         capture_output=True, text=True, timeout=120)

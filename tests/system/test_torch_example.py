@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
 import sys
 
 import pytest
+
+from kits.procs import run_to_end
 
 pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'shoal[torch]')")
 
@@ -23,7 +24,7 @@ STATED_ACCURACY = 0.93  # README, "PyTorch integration"
 @pytest.mark.timeout(300)
 def test_torch_digits_example_reaches_stated_accuracy(tmp_path):
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_digits.py"), "--peers", "3", "--rounds", "12",
+    proc = run_to_end([sys.executable, str(ROOT / "examples" / "torch_digits.py"), "--peers", "3", "--rounds", "12",
                            "--inner-steps", "25", "--timeout", "240", "--json", str(out), "--different-seeds"],
                           cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
