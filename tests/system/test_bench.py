@@ -150,7 +150,7 @@ def test_a_job_that_stops_on_abort_exits_naming_the_round_and_the_reason(procs):
     _, addr = procs.coordinator("--rounds", "3", "--min-peers", "3", "--initial-peers", "3", "--max-attempts", "1",
                                 "--collective", "ring", "--chunk-timeout", "2", "--collective-timeout", "10")
     jobs = [procs.start(f"job-{r}", [sys.executable, "-m", "shoal.bench.collective_job", "--coordinator", addr,
-                                     "--rank", str(r), "--size", "200000", "--key", str(procs.workdir / f"k{r}"),
+                                     "--rank", str(r), "--size", "200000", "--key", str(procs.workdir / f"k{r}.key"),
                                      "--out", str(procs.workdir / f"job-{r}.json"), "--timeout", "120",
                                      "--no-save", "--stop-on-abort"],
                         env={"SHOAL_FAULT": "rs:stop@1"} if r == 2 else None)

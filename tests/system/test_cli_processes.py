@@ -86,7 +86,7 @@ def test_coordinator_sigterm_persists_and_exits_0(procs):
     a coordinator restarted on the same state file reports the same commits."""
     coord, addr = procs.coordinator("--rounds", "3", "--min-peers", "2", "--initial-peers", "2")
     jobs = [procs.start(f"job-{r}", [sys.executable, "-m", "shoal.bench.collective_job", "--coordinator", addr,
-                                     "--rank", str(r), "--size", "1000", "--key", str(procs.workdir / f"k{r}"),
+                                     "--rank", str(r), "--size", "1000", "--key", str(procs.workdir / f"k{r}.key"),
                                      "--out", str(procs.workdir / f"job-{r}.json"), "--timeout", "120"])
             for r in range(2)]
     for j in jobs:

@@ -25,7 +25,7 @@ async def status(addr: str) -> pb.StatusResponse:
 async def test_commits_survive_kill_9_and_restart(procs):
     coord, addr = procs.coordinator("--rounds", "3", "--min-peers", "2", "--initial-peers", "2")
     jobs = [procs.start(f"job-{r}", [sys.executable, "-m", "shoal.bench.collective_job", "--coordinator", addr,
-                                     "--rank", str(r), "--size", "1000", "--key", str(procs.workdir / f"k{r}"),
+                                     "--rank", str(r), "--size", "1000", "--key", str(procs.workdir / f"k{r}.key"),
                                      "--out", str(procs.workdir / f"job-{r}.json"), "--timeout", "60"])
             for r in range(2)]
     for j in jobs:

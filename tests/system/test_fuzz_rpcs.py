@@ -172,7 +172,7 @@ def test_fuzz_every_rpc_then_an_honest_round_commits(procs):
     def job(rank: int):
         out = wd / f"job-{rank}.json"
         p = procs.start(f"job-{rank}", [sys.executable, "-m", "shoal.bench.collective_job", "--coordinator", addr,
-                                        "--rank", str(rank), "--size", str(SIZE), "--key", str(wd / f"k{rank}"),
+                                        "--rank", str(rank), "--size", str(SIZE), "--key", str(wd / f"k{rank}.key"),
                                         "--out", str(out), "--timeout", "90", "--insecure", "--join-token", token])
         jobs.append((p, out))
 
