@@ -123,6 +123,7 @@ class BenchOptions:
     sparse_chunk: int = 4096  # topk / dct: the [run] sparse_* settings
     sparse_k: int = 64
     sparse_bits: int = 2
+    sparse_beta: float = 0.95  # the error-feedback accumulator's decay (it does not change the bytes or the time)
     log_level: str = "warning"  # the peer jobs' stderr (their logs in --workdir)
 
     @property
@@ -215,7 +216,7 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     codec = ["--compression", compression]
     if compression in SPARSE:
         codec += ["--sparse-chunk", str(opts.sparse_chunk), "--sparse-k", str(opts.sparse_k),
-                  "--sparse-bits", str(opts.sparse_bits)]
+                  "--sparse-bits", str(opts.sparse_bits), "--sparse-beta", repr(opts.sparse_beta)]
     # Generous deadlines: the bench measures, it must not abort a slow (shaped) round.
     per_round = max(60.0, 30 * bound)
     ready = wd / "coordinator.addr"
@@ -257,6 +258,9 @@ def _run_shoal(opts: BenchOptions, procs: _Procs, wd: pathlib.Path, deadline: fl
     times = [max(rd["seconds"] for rd in rounds[r]) for r in timed]
     last = rounds[timed[-1]]
     result = {"algorithm": last[0]["algorithm"], "compression": compression, **_summary(times, n * 4, p, bound)}
+    if compression in SPARSE:
+        result["sparse"] = {"chunk": opts.sparse_chunk, "k": opts.sparse_k, "bits": opts.sparse_bits,
+                            "beta": opts.sparse_beta}
     # Bytes one peer sent in a timed round (its chunks' payload and scales), the largest peer, median over rounds.
     result["bytes_sent_per_peer_median"] = statistics.median(max(rd.get("bytes_sent", 0) for rd in rounds[r])
                                                              for r in timed)
@@ -442,7 +446,7 @@ def run_bench(opts: BenchOptions) -> dict:
 # What the report keeps of each compression's run when several are compared (`--compression a,b`).
 _COMPARED = ("compression", "algorithm", "seconds_median", "seconds_all", "bound_seconds", "efficiency",
              "predicted_seconds", "bytes_sent_per_peer_median", "cpu_seconds_median", "lane", "peak_rss_ratio",
-             "peak_rss_bytes_max")
+             "peak_rss_bytes_max", "sparse")
 
 
 def _compare(runs: dict[str, dict]) -> None:
@@ -543,15 +547,21 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
         Latency(a.rtt_ms, a.jitter_ms, a.loss)
     except ValueError as exc:
         raise ValueError(f"--rtt-ms/--jitter-ms/--loss: {exc}") from None
-    compression = tuple(c.strip() for c in a.compression.split(",") if c.strip())
+    compression = tuple(c.strip() for c in a.compression.split(","))
     known = ("none", "fp16", "bf16", "int8", "fp4", *SPARSE)
-    if not compression or any(c not in known for c in compression) or len(set(compression)) != len(compression):
+    if not all(compression) or any(c not in known for c in compression) or len(set(compression)) != len(compression):
         raise ValueError(f"--compression must be distinct entries of {', '.join(known)}, got {a.compression!r}")
-    if not (2 <= a.sparse_chunk <= 65536 and 1 <= a.sparse_k <= a.sparse_chunk and 2 <= a.sparse_bits <= 8):
-        raise ValueError("--sparse-chunk must be in 2..65536, --sparse-k in 1..chunk, --sparse-bits in 2..8")
+    # The [run] section's own checks, so the bench's messages are `shoal swarm`'s ("--sparse-k: must be ...").
+    from shoal.config import ConfigError, RunSection
+
+    try:
+        RunSection(sparse_chunk=a.sparse_chunk, sparse_k=a.sparse_k, sparse_bits=a.sparse_bits,
+                   sparse_beta=a.sparse_beta).validate()
+    except ConfigError as exc:
+        raise ValueError(f"--{exc.setting.rpartition('.')[2].replace('_', '-')}: {exc}") from None
     return BenchOptions(peers=a.peers, size_mb=a.size_mb, up_mbit=up, down_mbit=down, baseline=a.baseline,
                         compression=compression, sparse_chunk=a.sparse_chunk, sparse_k=a.sparse_k,
-                        sparse_bits=a.sparse_bits,
+                        sparse_bits=a.sparse_bits, sparse_beta=a.sparse_beta,
                         repeat=a.repeat, warmup=a.warmup, algorithm=a.algorithm, chunk_bytes=a.chunk_bytes,
                         bulk_chunk_bytes=a.bulk_chunk_bytes, timeout=a.timeout,
                         workdir=a.workdir, shared_memory=not a.no_shared_memory, also_socket=a.also_socket,
@@ -605,12 +615,14 @@ def add_bench_parser(sub) -> None:
                    help="most TCP connections of Shoal's bulk lane to one peer (peer.lanes.pool; 1 = one connection, "
                         "as gloo; default 16)")
     b.add_argument("--compression", default="none", metavar="LIST",
-                   help="wire codecs, comma list of none, fp16, bf16, int8, topk, dct: Shoal runs once per entry in "
+                   help="wire codecs, comma list of none, fp16, bf16, int8, fp4, topk, dct: Shoal runs once per entry in "
                         "the same invocation, each with its bound (sparse: (p-1) payloads into the slowest "
                         "download); key compressions (default none)")
     b.add_argument("--sparse-chunk", type=int, default=4096, help="topk / dct: elements per chunk (default 4096)")
     b.add_argument("--sparse-k", type=int, default=64, help="topk / dct: kept per chunk (default 64)")
     b.add_argument("--sparse-bits", type=int, default=2, help="topk / dct: bits per kept value (default 2)")
+    b.add_argument("--sparse-beta", type=float, default=0.95,
+                   help="topk / dct: decay of each job's error-feedback accumulator, in [0, 1] (default 0.95)")
     b.add_argument("--also-socket", action="store_true",
                    help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")

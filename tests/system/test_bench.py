@@ -142,6 +142,32 @@ def test_collective_figure_runs_from_the_last_plan_to_the_last_result():
     assert _collective_figure({1: [{"started_at": 1.0, "ended_at": 2.0}, {}]}, [1], 1.0) == {}
 
 
+def test_sparse_beside_float32_in_one_invocation_reports_exact_bytes_and_both_ratios():
+    """`--compression none,topk`: one run per codec in the same invocation; the topk run's bytes
+    per peer are exactly its payload to each of the p-1 others (the sparse all-gather), its
+    settings are in the report, and the speed-up and byte ratio are against the float32 run."""
+    from shoal.peer.sparse import SparseCodec
+
+    p, mb = 3, 2.0
+    rep = bench("--peers", str(p), "--size-mb", str(mb), "--compression", "none,topk", "--sparse-chunk", "1024",
+                "--sparse-k", "10", "--sparse-bits", "2", "--sparse-beta", "0.5", "--repeat", "1", "--warmup", "1",
+                timeout=240)
+    runs = rep["compressions"]
+    assert list(runs) == ["none", "topk"] and rep["compression"] == "none"
+    dense, sparse = runs["none"], runs["topk"]
+    assert sparse["algorithm"] in ("allgather", "sparse_rs") and sparse["sparse"] == {
+        "chunk": 1024, "k": 10, "bits": 2, "beta": 0.5}
+    n = int(mb * 1e6) // 4
+    payload = SparseCodec("topk", 1024, 10, 2).payload_bytes(n)
+    if sparse["algorithm"] == "allgather":
+        assert sparse["bytes_sent_per_peer_median"] == (p - 1) * payload
+    assert sparse["float32_bytes_over_these"] == pytest.approx(
+        dense["bytes_sent_per_peer_median"] / sparse["bytes_sent_per_peer_median"])
+    assert sparse["float32_bytes_over_these"] > 50  # 10 of 1024 at 2 bits: ~1/100 of float32's bytes
+    assert sparse["speedup_vs_float32"] == pytest.approx(dense["seconds_median"] / sparse["seconds_median"])
+    assert dense["speedup_vs_float32"] == pytest.approx(1.0)
+
+
 def test_a_job_that_stops_on_abort_exits_naming_the_round_and_the_reason(procs):
     """`shoal bench` starts its jobs with --stop-on-abort: a measured round must commit at its
     first attempt. With one job stopped (SIGSTOP) in its reduce-scatter, the others' attempt is

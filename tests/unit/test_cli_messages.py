@@ -116,6 +116,12 @@ def test_bench_help_shows_the_defaults():
     (["--chunk-bytes", "10"], "--chunk-bytes must be >= 1024, got 10"),
     (["--timeout", "0"], "--timeout must be > 0 seconds, got 0"),
     (["--link-mbit", "0"], "link rates must be > 0 Mbit/s"),
+    (["--compression", "topk", "--sparse-k", "5000"], "--sparse-k: must be in 1..sparse_chunk (4096), got 5000"),
+    (["--compression", "topk", "--sparse-bits", "9"], "--sparse-bits: must be in 2..8, got 9"),
+    (["--compression", "topk", "--sparse-chunk", "0"], "--sparse-chunk: must be in 2..65536, got 0"),
+    (["--compression", "dct", "--sparse-beta", "1.5"], "--sparse-beta: must be in [0, 1], got 1.5"),
+    (["--compression", "topk,,int8"], "--compression must be distinct entries of none, fp16, bf16, int8, fp4, topk, "
+                                      "dct, got 'topk,,int8'"),
 ])
 def test_bench_refuses_sizes_that_mean_nothing(argv, says, monkeypatch, capsys):
     monkeypatch.setattr(bench, "run_bench", lambda opts: pytest.fail("the bench ran"))
