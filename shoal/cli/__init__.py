@@ -902,13 +902,16 @@ class _Parser(argparse.ArgumentParser):
         """argparse's, except that a value given to a switch (`--overlap yes`: a flag that takes
         none) is an error naming the switch. argparse leaves the value over as an unrecognized
         argument, which the top parser reports as `shoal: error: unrecognized arguments: yes`,
-        naming neither the flag nor the subcommand."""
+        naming neither the flag nor the subcommand. Likewise an unknown flag is reported by the
+        subcommand that was given it (`shoal swarm: error: unrecognized arguments: --foo`)."""
         args = list(sys.argv[1:] if args is None else args)
         namespace, extras = super().parse_known_args(args, namespace)
         for before, token in zip(args, args[1:]):
             action = self._option_string_actions.get(before)
             if token in extras and action is not None and action.nargs == 0:
                 self.error(f"argument {before}: takes no value (got {token!r}); give the flag alone")
+        if extras and self.prog != "shoal":  # a subcommand's parser: its own leftovers are its error
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
 
 

@@ -159,6 +159,10 @@ def test_round_gauge_moves_on_commit():
     (["swarm", "--peers", "3", "--overlap", "yes", "--rounds", "2"], ["--overlap", "'yes'"]),
     (["swarm", "--peers", "four"], ["--peers", "'four'"]),
     (["certs", "nothing"], ["invalid choice: 'nothing'"]),
+    (["swarm", "--foo"], ["shoal swarm: ", "unrecognized arguments: --foo", "see shoal swarm --help"]),
+    (["bench", "allreduce", "--sparse-bata", "0.5"],
+     ["shoal bench allreduce: ", "unrecognized arguments: --sparse-bata 0.5", "see shoal bench allreduce --help"]),
+    (["certs", "init", "--out", "x", "--bar"], ["shoal certs init: ", "unrecognized arguments: --bar"]),
 ])
 def test_a_flag_parsing_error_is_one_line_naming_the_flag(argv, names, capsys):
     """argparse's own errors (a bad choice, a value that is not a number): one line, exit 2, not
