@@ -298,12 +298,12 @@ class RunSection:
     compression: str = setting("none", "wire codec: per hop (fp16, bf16, int8: blockwise absmax; fp4: 4-bit float "
                                        "E2M1 with a float32 scale per 256 elements; int8 and fp4 with error "
                                        "feedback) or sparse (topk: chunked top-k, dct: top-k of each chunk's DCT, "
-                                       "both of a SparseLoCo error-feedback accumulator, sent to every peer by the sparse "
-                                       "all-gather; mean aggregation only; docs/training.md)",
+                                       "both of a SparseLoCo error-feedback accumulator, summed by the sparse all-gather "
+                                       "or reduce-scatter the planner picks; mean aggregation only; docs/training.md)",
                                choices=("none", "fp16", "bf16", "int8", "fp4", "topk", "dct"))
-    error_feedback: bool = setting(True, "int8 / fp4: the quantization residual of a contribution is added to the "
-                                         "next committed round's contribution of the same parameters (per fragment "
-                                         "with fragments); --no-error-feedback sends each round's values alone",
+    error_feedback: bool = setting(True, "add each contribution's int8 / fp4 quantization residual to the next "
+                                         "committed round's contribution of the same parameters (per fragment with "
+                                         "fragments); --no-error-feedback sends each round's values alone",
                                    flag="--no-error-feedback", negate=True)
     sparse_chunk: int = setting(4096, "topk / dct: elements per chunk C (indices take bit_length(C - 1) bits)")
     sparse_k: int = setting(64, "topk / dct: elements (DCT coefficients) kept per chunk; density k / C")
