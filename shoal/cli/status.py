@@ -42,6 +42,8 @@ async def fetch_status_async(address: str, *, recent: int = 10, timeout: float =
         "epsilon": resp.epsilon,
         "dp_delta": resp.dp_delta,
         "run_config": run_config,
+        # the wire codec and what one peer's contribution costs per model element (compression_cost)
+        "compression": compression_cost(run_config),
         # the newest committed round a peer's checkpoint holds (0 = none; docs/checkpoints.md)
         "durable": {"round": resp.durable_round, "state_digest": resp.durable_digest.hex(),
                     "peers": list(resp.durable_peers)},
@@ -97,23 +99,37 @@ def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.0f}s"
 
 
-def compression_line(rc: dict) -> str:
-    """The run's wire codec for `shoal status`: its name, parameters and the bytes one peer's
-    contribution takes per model element (float32 = 4), from the run configuration `rc`."""
+def compression_cost(rc: dict) -> dict:
+    """The run's wire codec from the run configuration `rc`, for `shoal status --json`: `name`,
+    `bytes_per_element` (what one peer's contribution takes per model element, bytes; float32 = 4;
+    None for a codec this build does not know) and `float32_over_these` (4 / bytes_per_element)."""
     name = rc.get("compression", "none") or "none"
     if name in ("topk", "dct"):
         from shoal.peer.sparse import SparseCodec
 
-        chunk, k, bits = rc.get("sparse_chunk", 4096), rc.get("sparse_k", 64), rc.get("sparse_bits", 2)
-        per = SparseCodec(name, chunk, k, bits).bytes_per_element()
-        return (f"compression {name} (k {k} of {chunk} = {100 * k / chunk:.2f} %, {bits}-bit values, "
-                f"beta {rc.get('sparse_beta', 0.95):g}): {per:.4f} bytes per element ({4 / per:.0f}x less than float32)")
-    from shoal.peer.compression import CODECS, payload_bytes
+        per = SparseCodec(name, rc.get("sparse_chunk", 4096), rc.get("sparse_k", 64),
+                          rc.get("sparse_bits", 2)).bytes_per_element()
+    else:
+        from shoal.peer.compression import CODECS, payload_bytes
 
-    if name not in CODECS:
+        n = 1 << 20  # large enough that the per-block scales count at their limit
+        per = payload_bytes(n, name) / n if name in CODECS else None
+    return {"name": name, "bytes_per_element": per, "float32_over_these": 4 / per if per else None}
+
+
+def compression_line(rc: dict) -> str:
+    """The run's wire codec for `shoal status`: its name, parameters and the bytes one peer's
+    contribution takes per model element (float32 = 4), from the run configuration `rc`."""
+    cost = compression_cost(rc)
+    name, per = cost["name"], cost["bytes_per_element"]
+    if per is None:
         return f"compression {name}"
-    n = 1 << 20  # large enough that the per-block scales count at their limit
-    return f"compression {name}: {payload_bytes(n, name) / n:.4f} bytes per element"
+    if name in ("topk", "dct"):
+        chunk, k, bits = rc.get("sparse_chunk", 4096), rc.get("sparse_k", 64), rc.get("sparse_bits", 2)
+        return (f"compression {name} (k {k} of {chunk} = {100 * k / chunk:.2f} %, {bits}-bit values, "
+                f"beta {rc.get('sparse_beta', 0.95):g}): {per:.4f} bytes per element "
+                f"({cost['float32_over_these']:.0f}x less than float32)")
+    return f"compression {name}: {per:.4f} bytes per element"
 
 
 def render_table(s: dict) -> str:

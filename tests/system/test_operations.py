@@ -114,6 +114,7 @@ def test_status_json_lists_the_members(swarm):
     assert all(":" in m["address"] and "up_bytes_per_s" in m["links"] for m in st["members"])
     assert st["rounds_committed"] >= 1 and any(r["status"] == "committed" for r in st["rounds"])
     assert st["run_config"]["algorithm"] == "diloco"
+    assert st["compression"] == {"name": "none", "bytes_per_element": 4.0, "float32_over_these": 1.0}
     assert not any(m["untrusted"] for m in st["members"])
     # The swarm's peers share this host: each reports the others as shared-memory peers (after a round).
     assert all(m["shm_peers"] == PEERS - 1 for m in st["members"]), st["members"]

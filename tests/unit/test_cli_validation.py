@@ -175,7 +175,7 @@ def test_a_flag_parsing_error_is_one_line_naming_the_flag(argv, names, capsys):
 
 
 def test_status_names_the_compression_and_its_bytes_per_element():
-    from shoal.cli.status import render_table
+    from shoal.cli.status import compression_cost, render_table
 
     s = {"coordinator": "x:1", "epoch": 1, "round": 1, "rounds_committed": 1, "rounds_aborted": 0,
          "members": [], "rounds": [],
@@ -185,3 +185,10 @@ def test_status_names_the_compression_and_its_bytes_per_element():
             "(141x less than float32)") in render_table(s)
     assert "compression int8: 1.0156 bytes per element" in render_table({**s, "run_config": {"compression": "int8"}})
     assert "compression none: 4.0000 bytes per element" in render_table({**s, "run_config": {"algorithm": "diloco"}})
+    # `shoal status --json` carries the same figures (fetch_status's "compression")
+    cost = compression_cost(s["run_config"])
+    assert cost["name"] == "topk" and round(cost["bytes_per_element"], 4) == 0.0283
+    assert round(cost["float32_over_these"]) == 141
+    assert compression_cost({"compression": "int8"})["float32_over_these"] == pytest.approx(4 / 1.015625)
+    assert compression_cost({"compression": "zstd"}) == {"name": "zstd", "bytes_per_element": None,
+                                                         "float32_over_these": None}
