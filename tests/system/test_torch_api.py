@@ -11,8 +11,10 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
 import time
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install 'shoal[torch]')")
@@ -88,6 +90,63 @@ def test_round_timeout_raises_a_named_error_when_the_swarm_cannot_open_a_round(p
             opt.step()  # the 2nd step ends the phase: nobody else is there to open the round
         assert 1.5 < time.monotonic() - t < 10
         assert not opt.finished and opt.committed_rounds == 0
+
+
+@pytest.mark.timeout(150)
+def test_two_trainers_take_the_coordinators_topk_codec_and_send_one_sparse_payload_a_round(procs, tmp_path):
+    """The run's settings reach a torch trainer at join: against a coordinator running
+    `--compression topk`, two DiLoCoOptimizer trainers (threads of this process, different data)
+    send per round exactly one sparse payload to the other (the sparse all-gather: (p-1) x
+    payload bytes: 160, 1/117 of the 4n a float32 ring sends here) and end on bit-identical parameters that
+    moved off the start."""
+    from shoal.peer.sparse import SparseCodec
+
+    chunk, k, bits, rounds = 1024, 16, 2, 3
+    _, addr = procs.coordinator("--rounds", str(rounds), "--min-peers", "2", "--initial-peers", "2",
+                                "--inner-steps", "3", "--algorithm", "diloco", "--compression", "topk",
+                                "--sparse-chunk", str(chunk), "--sparse-k", str(k), "--sparse-bits", str(bits))
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+    start = st.flatten(model()).copy()
+    finals: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def train(i: int) -> None:
+        try:
+            m = model()
+            g = torch.Generator().manual_seed(10 + i)
+            x, y = torch.randn(64, 64, generator=g), torch.randn(64, 8, generator=g)
+            with st.DiLoCoOptimizer(m, torch.optim.AdamW(m.parameters(), lr=1e-2), coordinator=addr, insecure=True,
+                                    key_path=tmp_path / f"t{i}.key", round_timeout=60, join_timeout=30,
+                                    events_path=str(tmp_path / f"events-{i}.jsonl")) as opt:
+                while not opt.finished:
+                    loss = torch.nn.functional.mse_loss(m(x), y)
+                    loss.backward()
+                    opt.step(loss=loss.item())
+                    opt.zero_grad()
+                finals[i] = st.flatten(m).copy()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert sorted(finals) == [0, 1] and np.array_equal(finals[0], finals[1])
+    assert not np.array_equal(finals[0], start)
+    n = start.size
+    payload = SparseCodec("topk", chunk, k, bits).payload_bytes(n)
+    for i in range(2):
+        sent = [json.loads(line)["bytes_sent"] for line in (tmp_path / f"events-{i}.jsonl").read_text().splitlines()
+                if json.loads(line)["event"] == "collective"]
+        assert len(sent) == rounds and all(b == payload for b in sent), (sent, payload)
+        assert payload * 100 < 4 * n
+    assert fetch_status(addr)["compression"]["name"] == "topk"
 
 
 # ------------------------------------------------------------------------------ README's snippet, TLS + token
