@@ -22,6 +22,7 @@ import logging
 import pathlib
 import socket
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -65,6 +66,10 @@ class CoordinatorConfig:
     state_path: str = "shoal-coordinator.db"
     engine: EngineConfig = EngineConfig()
     run_config: dict = dataclasses.field(default_factory=dict)
+    # The engine's settings for a run configuration the state already holds (a restart, a standby's
+    # term, --resume-from): the flags' [rounds] with the stored run's codec, aggregator, fragments
+    # and seed. None: `engine` as it is (callers that build the engine for one run only).
+    engine_for_run: Callable[[dict], EngineConfig] | None = None
     ready_file: str | None = None
     key_path: str | None = None
     security: Security = Security(insecure=True)
@@ -208,7 +213,9 @@ def open_state(config: CoordinatorConfig, now: float, store: Store | None = None
     and rebuild the engine from it.
 
     The run configuration stored on first start wins over the one passed on a restart, so a
-    restarted coordinator (or a standby taking over) resumes the same run.
+    restarted coordinator (or a standby taking over) resumes the same run: the peers are handed
+    the stored one at join and the engine plans by it (`config.engine_for_run`), so the plans'
+    codec, aggregator and collective are the run's, whatever the flags of the restart say.
     """
     store = store if store is not None else SQLiteStore(config.state_path)
     if config.resume is not None and not seed_from_checkpoint(store, config.resume):
@@ -218,14 +225,22 @@ def open_state(config: CoordinatorConfig, now: float, store: Store | None = None
     if stored is None:
         stored = json.dumps(config.run_config, sort_keys=True)
         store.set_meta("run_config", stored)
-    elif json.loads(stored) != config.run_config and config.run_config:
-        log.warning("state file holds a run configuration that differs from the flags; keeping the stored one")
+    run = json.loads(stored)
+    engine_config = config.engine
+    if run != config.run_config:
+        if config.run_config:
+            differ = [f"{k} {run.get(k)!r} (flags {config.run_config.get(k)!r})"
+                      for k in sorted(set(run) | set(config.run_config)) if run.get(k) != config.run_config.get(k)]
+            log.warning("state file %s holds a run configuration that differs from the flags; keeping the stored "
+                        "one: %s", config.state_path, ", ".join(differ))
+        if config.engine_for_run is not None:
+            engine_config = config.engine_for_run(run)
     commits = store.recent_commits(config.engine.history_window)
     # Each start is a new incarnation; its attempt ids start at ATTEMPT_STRIDE x incarnation, so a plan of
     # this incarnation never shares an id with one a crashed predecessor had sent.
     incarnation = int(store.get_meta("incarnation") or -1) + 1
     store.set_meta("incarnation", str(incarnation))
-    engine = RoundEngine(config.engine, committed=commits, members=store.load_members(),
+    engine = RoundEngine(engine_config, committed=commits, members=store.load_members(),
                          epoch=store.load_epoch(), aborted=store.count_aborts(), now=now,
                          attempt_base=(incarnation % 4000) * ATTEMPT_STRIDE,
                          untrusted=tuple(json.loads(store.get_meta("untrusted") or "[]")),
@@ -429,7 +444,7 @@ async def _serve(config: CoordinatorConfig, engine: RoundEngine, store: Store, r
     sec = config.security
     log.info("coordinator listening on %s (%s; state %s)", address,
              ("mutual TLS" if sec.mtls else "TLS") if sec.tls_dir else "PLAINTEXT", config.state_path)
-    rc = config.run_config
+    rc = json.loads(run_config_json) if run_config_json else {}
     if rc.get("secure_aggregation"):
         log.info("secure aggregation (SecAgg+) on: neighbour graph degree %s, threshold %s, clip %s, %s fraction "
                  "bits; a round needs 3 participants", rc.get("secagg_degree"), rc.get("secagg_threshold"),

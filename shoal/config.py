@@ -480,6 +480,14 @@ class RunSection:
             out["lr"] = self.outer_lr
         return out
 
+    def with_stored(self, run_config: dict) -> "RunSection":
+        """This section with every setting a stored run configuration (`to_run_config`'s fields,
+        as the coordinator's state holds them) carries; the coordinator-only settings the peers
+        never see (audit_owners, the DP budget, ...) stay as they are. What a restarted
+        coordinator plans by: the run's codec, aggregator, fragments and seed are the stored ones."""
+        names = {f.name for f in dataclasses.fields(self)} - {"outer_params"}  # stored as a dict, not the text
+        return dataclasses.replace(self, **{k: v for k, v in run_config.items() if k in names})
+
     def needs_butterfly(self) -> bool:
         """Robust aggregators, norm bounds and DP noise need an owner that sees every contribution."""
         owner_dp = self.dp_mode == "owner" or self.dp_sigma == 0  # else the participants clip and add noise

@@ -488,6 +488,8 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, st
         listen=c.listen, state_path=c.state,
         engine=dataclasses.replace(cfg.rounds.to_engine_config(cfg.run), history_window=c.history_window),
         run_config=dataclasses.asdict(cfg.run.to_run_config(c.num_data_shards)), ready_file=c.ready_file,
+        engine_for_run=lambda run: dataclasses.replace(cfg.rounds.to_engine_config(cfg.run.with_stored(run)),
+                                                       history_window=c.history_window),
         key_path=c.key, metrics_port=c.metrics_port, metrics_host=c.metrics_host,
         security=security, join_token_secret=c.join_token_secret, allow_list=c.allow_list,
         join_rate=c.join_rate, join_burst=c.join_burst, request_rate=c.rate_limit,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import sys
 
 import grpc
@@ -44,6 +46,50 @@ async def test_commits_survive_kill_9_and_restart(procs):
     assert [r for r in after.rounds if r.status == "committed"][-1].state_digest.hex() == last
     assert {m.peer_id for m in after.members} <= {read_json(procs.workdir / f"job-{r}.json")["peer_id"] for r in range(2)}
 
+
+
+@pytest.mark.parametrize("flags", [("--compression", "int8"), (), ("--aggregator", "median")],
+                         ids=["other-codec", "no-run-flags", "robust-aggregator"])
+async def test_a_restart_with_other_run_flags_plans_the_stored_sparse_run(procs, flags):
+    """A topk run's coordinator killed -9 and restarted on its state with other [run] flags (another
+    codec, none at all, an aggregator topk cannot take): the stored run wins on the wire too,
+    not only in status. Every round either side of the restart is a sparse all-gather sending
+    exactly one topk payload to the other peer; the warning names what differs."""
+    from shoal.peer.sparse import SparseCodec
+
+    sparse = ("--compression", "topk", "--sparse-chunk", "256", "--sparse-k", "8", "--sparse-bits", "4")
+    common = ("--rounds", "400", "--min-peers", "2", "--initial-peers", "2", "--lease-seconds", "5")
+    coord, addr = procs.coordinator(*common, *sparse)
+    jobs = [procs.start(f"job-{r}", [sys.executable, "-m", "shoal.bench.collective_job", "--coordinator", addr,
+                                     "--rank", str(r), "--size", "4000", "--key", str(procs.workdir / f"k{r}.key"),
+                                     "--out", str(procs.workdir / f"job-{r}.json"), "--timeout", "120", "--no-save"])
+            for r in range(2)]
+
+    async def committed(a: str) -> int:
+        try:
+            return (await status(a)).rounds_committed
+        except grpc.aio.AioRpcError:
+            return 0
+    for _ in range(600):  # a few rounds committed before the kill
+        if await committed(addr) >= 5:
+            break
+        await asyncio.sleep(0.05)
+    assert await committed(addr) >= 5, procs.log("coordinator")
+    procs.kill(coord)
+    coord.wait(timeout=10)
+    procs.coordinator(*common, *flags, name="coordinator-2", listen=addr)
+    for j in jobs:
+        assert await procs.wait_exit_async(j, 120) == 0, procs.log(j.name)
+    log = procs.log("coordinator-2")
+    assert "keeping the stored one: " in log and "compression 'topk'" in log, log[-3000:]
+    payload = SparseCodec("topk", 256, 8, 4).payload_bytes(4000)
+    for r in range(2):
+        rounds = read_json(procs.workdir / f"job-{r}.json")["rounds"]
+        assert len({rd["round"] for rd in rounds}) >= 300
+        assert {rd["algorithm"] for rd in rounds} == {"allgather"}, {rd["algorithm"] for rd in rounds}
+        assert {rd["bytes_sent"] for rd in rounds} == {payload}
+    st = await status(addr)
+    assert json.loads(st.run_config_json)["compression"] == "topk"
 
 async def test_garbage_requests_get_clear_errors_and_lose_nothing(procs):
     coord, addr = procs.coordinator("--rounds", "1")
