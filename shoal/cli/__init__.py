@@ -850,7 +850,18 @@ def cmd_status(cfg: ShoalConfig, given: frozenset[str] = frozenset()) -> int:
             why = diagnose(_rpc_error(exc), st.coordinator).line()
             print(f"shoal status: coordinator {st.coordinator} unreachable: {why}", file=sys.stderr)
             return EXIT_UNAVAILABLE
-        raise
+        rpc = _rpc_error(exc)
+        if rpc is None:
+            raise
+        import grpc
+
+        answer = f"{rpc.code().name}: {rpc.details()}"
+        if rpc.code() is grpc.StatusCode.UNIMPLEMENTED:  # a gRPC server, not a coordinator (a peer's data port)
+            print(f"shoal status: {st.coordinator} is not a Shoal coordinator (it answers GetStatus with {answer})",
+                  file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        print(f"shoal status: coordinator {st.coordinator} refused GetStatus: {answer}", file=sys.stderr)
+        return EXIT_FAILED
     print(json.dumps(status, indent=2) if st.json else render_table(status))
     return EXIT_OK
 

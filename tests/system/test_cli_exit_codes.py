@@ -123,6 +123,26 @@ def test_status_over_mutual_tls(procs, tmp_path):
     assert out.returncode == cli.EXIT_UNAVAILABLE and "connection refused" in line and "fix: " in line, line
 
 
+@pytest.mark.integration
+def test_status_pointed_at_a_peers_data_port_says_it_is_not_a_coordinator(procs, tmp_path):
+    """A peer's data plane is a gRPC server too: `shoal status` against it answers in one line,
+    exit 3 (no coordinator there), not with a traceback of the UNIMPLEMENTED call."""
+    import sys
+
+    from shoal.cli.status import fetch_status
+
+    _, addr = procs.coordinator("--min-peers", "2", "--initial-peers", "2")  # one job: it joins and waits
+    procs.start("job-0", [sys.executable, "-m", "shoal.bench.collective_job", "--coordinator", addr, "--rank", "0",
+                          "--size", "100", "--key", str(tmp_path / "j.key"), "--out", str(tmp_path / "j.json"),
+                          "--timeout", "120", "--no-save"])
+    data = procs.wait_for("the job's membership", lambda: [m["address"] for m in fetch_status(addr)["members"]], 60)[0]
+    for extra in ((), ("--json",)):
+        out = shoal("status", "--insecure", "--coordinator", data, "--timeout", "5", *extra)
+        line = one_line_error(out)
+        assert out.returncode == cli.EXIT_UNAVAILABLE, out.stderr
+        assert line.startswith(f"shoal status: {data} is not a Shoal coordinator") and "UNIMPLEMENTED" in line, line
+
+
 # ------------------------------------------------------------------------------ help (F)
 
 
