@@ -235,7 +235,7 @@ def open_state(config: CoordinatorConfig, now: float, store: Store | None = None
                         "one: %s", config.state_path, ", ".join(differ))
         if config.engine_for_run is not None:
             engine_config = config.engine_for_run(run)
-    commits = store.recent_commits(config.engine.history_window)
+    commits = store.recent_commits(engine_config.history_window)
     # Each start is a new incarnation; its attempt ids start at ATTEMPT_STRIDE x incarnation, so a plan of
     # this incarnation never shares an id with one a crashed predecessor had sent.
     incarnation = int(store.get_meta("incarnation") or -1) + 1

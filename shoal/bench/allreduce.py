@@ -548,7 +548,7 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
     except ValueError as exc:
         raise ValueError(f"--rtt-ms/--jitter-ms/--loss: {exc}") from None
     compression = tuple(c.strip() for c in a.compression.split(","))
-    known = ("none", "fp16", "bf16", "int8", "fp4", *SPARSE)
+    known = _run_codecs()
     if not all(compression) or any(c not in known for c in compression) or len(set(compression)) != len(compression):
         raise ValueError(f"--compression must be distinct entries of {', '.join(known)}, got {a.compression!r}")
     # The [run] section's own checks, so the bench's messages are `shoal swarm`'s ("--sparse-k: must be ...").
@@ -570,8 +570,20 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
                         log_level=getattr(a, "log_level", "warning"))
 
 
+def _run_codecs() -> tuple[str, ...]:
+    """The wire codecs `[run] compression` takes (its setting's choices): the ones the bench runs."""
+    import dataclasses
+
+    from shoal.config import RunSection
+
+    return next(f.metadata["choices"] for f in dataclasses.fields(RunSection) if f.name == "compression")
+
+
 def add_bench_parser(sub) -> None:
     """Register `shoal bench allreduce` and `shoal bench coordinator` on the CLI's subparsers."""
+    from shoal.config import RunSection
+
+    run = RunSection()  # the sparse flags' defaults are the [run] settings'
     p = sub.add_parser("bench", help="benchmarks")
     bsub = p.add_subparsers(dest="bench", required=True)
     bench_coordinator.add_parser(bsub)
@@ -615,14 +627,16 @@ def add_bench_parser(sub) -> None:
                    help="most TCP connections of Shoal's bulk lane to one peer (peer.lanes.pool; 1 = one connection, "
                         "as gloo; default 16)")
     b.add_argument("--compression", default="none", metavar="LIST",
-                   help="wire codecs, comma list of none, fp16, bf16, int8, fp4, topk, dct: Shoal runs once per entry in "
+                   help=f"wire codecs, comma list of {', '.join(_run_codecs())}: Shoal runs once per entry in "
                         "the same invocation, each with its bound (sparse: (p-1) payloads into the slowest "
                         "download); key compressions (default none)")
-    b.add_argument("--sparse-chunk", type=int, default=4096, help="topk / dct: elements per chunk (default 4096)")
-    b.add_argument("--sparse-k", type=int, default=64, help="topk / dct: kept per chunk (default 64)")
-    b.add_argument("--sparse-bits", type=int, default=2, help="topk / dct: bits per kept value (default 2)")
-    b.add_argument("--sparse-beta", type=float, default=0.95,
-                   help="topk / dct: decay of each job's error-feedback accumulator, in [0, 1] (default 0.95)")
+    b.add_argument("--sparse-chunk", type=int, default=run.sparse_chunk,
+                   help=f"topk / dct: elements per chunk (default {run.sparse_chunk})")
+    b.add_argument("--sparse-k", type=int, default=run.sparse_k, help=f"topk / dct: kept per chunk (default {run.sparse_k})")
+    b.add_argument("--sparse-bits", type=int, default=run.sparse_bits,
+                   help=f"topk / dct: bits per kept value (default {run.sparse_bits})")
+    b.add_argument("--sparse-beta", type=float, default=run.sparse_beta,
+                   help=f"topk / dct: decay of each job's error-feedback accumulator, in [0, 1] (default {run.sparse_beta})")
     b.add_argument("--also-socket", action="store_true",
                    help="loopback: also time the socket-only data plane in the same run (key socket_lane)")
     b.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")

@@ -34,7 +34,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from shoal import config as config_mod  # noqa: E402
 from shoal.common.errors import InvalidArgument
-from shoal.config import ConfigError, ShoalConfig
+from shoal.config import ConfigError, RunSection, ShoalConfig
 from shoal.coordinator.rounds import SECURE_MIN_PEERS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -467,6 +467,7 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, st
 
     from shoal.coordinator.daemon import CoordinatorConfig, serve
     from shoal.coordinator.etcd_store import EtcdAccess
+    from shoal.coordinator.rounds import EngineConfig
     from shoal.coordinator.leadership import StoreUnreachable
     from shoal.coordinator.store import StateFileError
 
@@ -484,12 +485,14 @@ def cmd_coordinator(cfg: ShoalConfig, given: frozenset[str] = frozenset(), *, st
         _bindable("--metrics-port", f"{c.metrics_host}:{c.metrics_port}")
     security = _security(c.tls_dir, c.mtls, c.insecure, "coordinator",
                          ("coordinator.pem", "coordinator.key") + (("ca.pem",) if c.mtls else ()))
+
+    def engine_for(run: RunSection) -> EngineConfig:
+        return dataclasses.replace(cfg.rounds.to_engine_config(run), history_window=c.history_window)
+
     server_cfg = CoordinatorConfig(
-        listen=c.listen, state_path=c.state,
-        engine=dataclasses.replace(cfg.rounds.to_engine_config(cfg.run), history_window=c.history_window),
+        listen=c.listen, state_path=c.state, engine=engine_for(cfg.run),
         run_config=dataclasses.asdict(cfg.run.to_run_config(c.num_data_shards)), ready_file=c.ready_file,
-        engine_for_run=lambda run: dataclasses.replace(cfg.rounds.to_engine_config(cfg.run.with_stored(run)),
-                                                       history_window=c.history_window),
+        engine_for_run=lambda stored: engine_for(cfg.run.with_stored(stored)),
         key_path=c.key, metrics_port=c.metrics_port, metrics_host=c.metrics_host,
         security=security, join_token_secret=c.join_token_secret, allow_list=c.allow_list,
         join_rate=c.join_rate, join_burst=c.join_burst, request_rate=c.rate_limit,
