@@ -142,8 +142,8 @@ def test_two_trainers_take_the_coordinators_topk_codec_and_send_one_sparse_paylo
     n = start.size
     payload = SparseCodec("topk", chunk, k, bits).payload_bytes(n)
     for i in range(2):
-        sent = [json.loads(line)["bytes_sent"] for line in (tmp_path / f"events-{i}.jsonl").read_text().splitlines()
-                if json.loads(line)["event"] == "collective"]
+        events = [json.loads(line) for line in (tmp_path / f"events-{i}.jsonl").read_text().splitlines()]
+        sent = [e["bytes_sent"] for e in events if e["event"] == "collective"]
         assert len(sent) == rounds and all(b == payload for b in sent), (sent, payload)
         assert payload * 100 < 4 * n
     assert fetch_status(addr)["compression"]["name"] == "topk"
